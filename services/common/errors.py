@@ -1,0 +1,29 @@
+"""User-facing errors: one line, naming what is wrong, non-zero exit; no tracebacks for mistakes."""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+
+class UserError(Exception):
+    """A mistake in what the user asked for (a missing folder, an unknown voice, bad bytes)."""
+
+
+class InvalidArgument(UserError):
+    """A request field is invalid; `field` names it (maps to gRPC INVALID_ARGUMENT)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def run_cli(fn: Callable[[], None]) -> int:
+    try:
+        fn()
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0

@@ -1,0 +1,311 @@
+"""`omni-tiny-checkpoint`: write a complete, tiny, random-weight Qwen3-Omni checkpoint folder.
+
+The folder has the Hugging Face layout of Qwen/Qwen3-Omni-30B-A3B-Instruct (config.json,
+model.safetensors with `thinker.*`, `talker.*`, `code2wav.*` keys, tokenizer and processor
+files) at about a million parameters, so tests and `make run` need no network.
+
+NOTE: weights. transformers' default initialisation gives a near-silent vocoder (peak about
+7e-7: normal(0, 0.02) weights shrink the signal through a dozen convolutions, and the ConvNeXt
+gammas start at 1e-6). Every code2wav weight matrix is re-drawn here with a fan-in scaled std
+(kaiming-like, gain 1) and the ConvNeXt / layer-scale gammas set to 1, which yields audible
+audio with peaks of order 0.1-1. The LMs keep a larger std too, so greedy decoding does not
+collapse onto one token. Same seed, same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from services.common.errors import UserError, run_cli
+
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|audio_start|>",
+    "<|audio_end|>",
+    "<|audio_pad|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<tts_pad>",
+    "<tts_text_bos>",
+    "<tts_text_eod>",
+    "<tts_text_bos_single>",
+]
+
+# Speakers of the real checkpoint, in its order.
+SPEAKERS = ["chelsie", "ethan", "aiden"]
+
+CODEBOOK_SIZE = 64
+TEXT_HIDDEN = 32
+TALKER_HIDDEN = 32
+
+# Qwen-style chat template: system/user/assistant turns, audio and image parts as placeholders
+# that the prompt builder expands to one pad token per encoder output position.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{{ part['text'] }}"
+    "{%- elif part['type'] == 'audio' -%}{{ '<|audio_start|><|audio_pad|><|audio_end|>' }}"
+    "{%- elif part['type'] == 'image' -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+# A small fixed corpus: the BPE merges are learned from it, deterministically.
+CORPUS = """
+system user assistant system user assistant
+You are a helpful voice assistant. Answer briefly and speak clearly.
+Hello! How are you today? I am fine, thank you. What is the weather like?
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with one step.
+Please describe the picture. Please listen to the sound and tell me what you hear.
+Streaming speech synthesis turns text into audio one small chunk at a time.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Punctuation: , . ; : ! ? ' " ( ) [ ] { } - _ / \\ @ # $ % & *
+Once upon a time there was a small model that learned to talk, sing and tell stories.
+The thinker writes the words, the talker turns them into sound codes, the vocoder makes the waves.
+"""
+
+
+def build_tokenizer(out: Path) -> dict[str, int]:
+    """Train a byte-level BPE on the fixed corpus; save tokenizer files; return special ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=700,
+        min_frequency=1,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+    )
+    # The role names repeat so that each becomes one token, as in Qwen's vocabulary.
+    lines = [line for line in CORPUS.strip().splitlines() if line.strip()] * 8 + ["system", "user", "assistant"] * 64
+    tok.train_from_iterator(lines, trainer=trainer)
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    for word in ("system", "user", "assistant"):
+        enc = tok.encode(word).ids
+        if len(enc) != 1:
+            raise RuntimeError(f"tokenizer: {word!r} must be one token, got {enc}")
+        ids[word] = enc[0]
+    nl = tok.encode("\n").ids
+    assert len(nl) == 1, nl
+    tok.save(str(out / "tokenizer.json"))
+    ids["vocab_size"] = tok.get_vocab_size()
+
+    added = {
+        str(ids[t]): {
+            "content": t, "lstrip": False, "normalized": False, "rstrip": False,
+            "single_word": False, "special": True,
+        }
+        for t in SPECIAL_TOKENS
+    }
+    tokenizer_config = {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "model_max_length": 4096,
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": False,
+        "added_tokens_decoder": added,
+        "chat_template": CHAT_TEMPLATE,
+        # The attribute names Qwen3-Omni's own tokenizer_config uses.
+        "extra_special_tokens": {
+            "audio_bos_token": "<|audio_start|>",
+            "audio_eos_token": "<|audio_end|>",
+            "audio_token": "<|audio_pad|>",
+            "image_token": "<|image_pad|>",
+            "video_token": "<|video_pad|>",
+            "vision_bos_token": "<|vision_start|>",
+            "vision_eos_token": "<|vision_end|>",
+        },
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n")
+    return ids
+
+
+def write_processor_files(out: Path) -> None:
+    """Feature extractor (Whisper, 128 mel bins) and image processor (Qwen2-VL), small sizes."""
+    preprocessor = {
+        "feature_extractor_type": "WhisperFeatureExtractor",
+        "feature_size": 128,
+        "sampling_rate": 16000,
+        "hop_length": 160,
+        "chunk_length": 30,
+        "n_fft": 400,
+        "n_samples": 480000,
+        "nb_max_frames": 3000,
+        "padding_side": "right",
+        "padding_value": 0.0,
+        "return_attention_mask": True,
+        "dither": 0.0,
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "do_resize": True,
+        "do_rescale": True,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "rescale_factor": 1 / 255,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        # Images are resized to between 32x32 and 64x64 pixels: at most 16 patches, 4 tokens.
+        "min_pixels": 32 * 32,
+        "max_pixels": 64 * 64,
+        "size": {"shortest_edge": 32 * 32, "longest_edge": 64 * 64},
+    }
+    (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2, sort_keys=True) + "\n")
+
+
+def build_config(ids: dict[str, int]):
+    from transformers import Qwen3OmniMoeConfig
+
+    vocab = ids["vocab_size"]  # every id the thinker can emit decodes
+    head_dim = 16
+    mrope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "interleaved": True}
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
+    thinker_text = dict(
+        vocab_size=vocab, hidden_size=TEXT_HIDDEN, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim, max_position_embeddings=4096,
+        rope_parameters=mrope, **moe,
+    )
+    audio = dict(
+        num_mel_bins=128, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, d_model=32,
+        output_dim=TEXT_HIDDEN, downsample_hidden_size=8, n_window=50, n_window_infer=800,
+        max_source_positions=1500, conv_chunksize=500,
+    )
+    vision = dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=16,
+        spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=TEXT_HIDDEN,
+        num_position_embeddings=256, deepstack_visual_indexes=[0],
+    )
+    special = CODEBOOK_SIZE  # codec specials and speakers live in [CODEBOOK_SIZE, CODEBOOK_SIZE + 1024)
+    talker_text = dict(
+        vocab_size=CODEBOOK_SIZE + 1024, hidden_size=TALKER_HIDDEN, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim,
+        max_position_embeddings=4096, rope_parameters=mrope, shared_expert_intermediate_size=32, **moe,
+    )
+    code_predictor = dict(
+        vocab_size=CODEBOOK_SIZE, hidden_size=TALKER_HIDDEN, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim, num_code_groups=16,
+        max_position_embeddings=64,
+    )
+    talker = dict(
+        text_config=talker_text, code_predictor_config=code_predictor, num_code_groups=16,
+        thinker_hidden_size=TEXT_HIDDEN, accept_hidden_layer=1, spatial_merge_size=2,
+        codec_eos_token_id=special + 102, codec_pad_id=special + 100, codec_bos_id=special + 101,
+        codec_nothink_id=special + 107, codec_think_bos_id=special + 108, codec_think_eos_id=special + 109,
+        speaker_id={name: special + 253 + i for i, name in enumerate(SPEAKERS)},
+        audio_token_id=ids["<|audio_pad|>"], image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        audio_start_token_id=ids["<|audio_start|>"], position_id_per_seconds=25,
+    )
+    code2wav = dict(
+        codebook_size=CODEBOOK_SIZE, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
+        num_hidden_layers=2, sliding_window=8, intermediate_size=64, num_quantizers=16,
+        upsample_rates=[8, 5, 4, 3], upsampling_ratios=[2, 2], decoder_dim=32, max_position_embeddings=8000,
+    )
+    thinker = dict(
+        text_config=thinker_text, audio_config=audio, vision_config=vision,
+        audio_token_id=ids["<|audio_pad|>"], image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], audio_start_token_id=ids["<|audio_start|>"],
+        vision_start_token_id=ids["<|vision_start|>"], user_token_id=ids["user"], position_id_per_seconds=25,
+    )
+    return Qwen3OmniMoeConfig(
+        thinker_config=thinker, talker_config=talker, code2wav_config=code2wav, enable_audio_output=True,
+        im_start_token_id=ids["<|im_start|>"], im_end_token_id=ids["<|im_end|>"],
+        tts_pad_token_id=ids["<tts_pad>"], tts_bos_token_id=ids["<tts_text_bos>"],
+        tts_eos_token_id=ids["<tts_text_eod>"], system_token_id=ids["system"], user_token_id=ids["user"],
+        assistant_token_id=ids["assistant"],
+    )
+
+
+def init_weights(model, seed: int) -> None:
+    """Seeded init that makes every stage do something visible (see module docstring)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.startswith("code2wav."):
+                if name.endswith(("gamma", ".scale")):  # ConvNeXt gamma, layer scale
+                    p.fill_(1.0)
+                elif name.endswith(("alpha", "beta")):  # SnakeBeta, log-scale parameters
+                    p.zero_()
+                elif "norm" in name and p.ndim == 1:
+                    p.fill_(1.0)
+                elif p.ndim == 1:
+                    p.zero_()
+                else:
+                    fan_in = p[0].numel() if p.ndim > 1 else p.numel()
+                    p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(max(fan_in, 1)))
+            elif p.ndim == 1:
+                continue  # norms keep 1, biases keep 0
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+        # Random weights would end the speech after a few frames or never; make the codec EOS
+        # logit 0 so greedy decoding runs to talker max tokens like the notes describe, which
+        # gives tests long, deterministic audio.
+        eos = model.config.talker_config.codec_eos_token_id
+        model.talker.codec_head.weight[eos].zero_()
+        # Scale the vocoder's last (linear) convolution so that audio has an rms of about 0.2
+        # rather than clipping at +-1.
+        codes = torch.randint(0, CODEBOOK_SIZE, (1, 16, 32), generator=gen)
+        captured = []  # the output of the last convolution, before the clamp to [-1, 1]
+        hook = model.code2wav.decoder[-1].register_forward_hook(lambda mod, inp, out: captured.append(out))
+        model.code2wav(codes)
+        hook.remove()
+        rms = captured[0].pow(2).mean().sqrt().item()
+        model.code2wav.decoder[-1].conv.weight.mul_(0.2 / max(rms, 1e-6))
+
+
+def build(out: Path, seed: int) -> Path:
+    import torch
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    out.mkdir(parents=True, exist_ok=True)
+    ids = build_tokenizer(out)
+    write_processor_files(out)
+    config = build_config(ids)
+    torch.manual_seed(seed)
+    model = Qwen3OmniMoeForConditionalGeneration(config).eval()
+    init_weights(model, seed)
+    model.save_pretrained(out, safe_serialization=True)
+    gen_config = out / "generation_config.json"
+    if gen_config.exists():
+        gen_config.unlink()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="omni-tiny-checkpoint", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path, help="folder to write (created)")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    args = parser.parse_args(argv)
+
+    def run() -> None:
+        if args.out.exists() and not args.out.is_dir():
+            raise UserError(f"--out {args.out}: exists and is not a folder")
+        build(args.out, args.seed)
+        size = sum(f.stat().st_size for f in args.out.iterdir()) / 1e6
+        print(f"wrote tiny Qwen3-Omni checkpoint to {args.out} ({size:.1f} MB, seed {args.seed})")
+
+    return run_cli(run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
