@@ -1,0 +1,117 @@
+"""Per-stage checkpoint loading: only the thinker, only the talker, or only code2wav.
+
+A Qwen3-Omni checkpoint folder holds one state dict with keys `thinker.*`, `talker.*` and
+`code2wav.*` (one or several safetensors files). Each stage class is loaded with transformers'
+own `from_pretrained` and the stage's key prefix as `base_model_prefix`: safetensors are read
+lazily, so the other stages' tensors are skipped, never materialised. The same code serves the
+tiny checkpoint and Qwen/Qwen3-Omni-30B-A3B-Instruct (sharded, with an index file).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.common.errors import UserError
+
+
+class Stage(enum.Enum):
+    THINKER = "thinker"
+    TALKER = "talker"
+    CODE2WAV = "code2wav"
+
+
+def check_folder(folder: str | Path) -> Path:
+    path = Path(folder)
+    if not path.is_dir():
+        raise UserError(f"checkpoint folder not found: {path}")
+    if not (path / "config.json").is_file():
+        raise UserError(f"not a Qwen3-Omni checkpoint (no config.json): {path}")
+    try:
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path / 'config.json'}: not valid JSON ({exc})") from None
+    if model_type != "qwen3_omni_moe":
+        raise UserError(f"{path}: model_type is {model_type!r}, expected 'qwen3_omni_moe'")
+    if not any(path.glob("*.safetensors")):
+        raise UserError(f"{path}: no .safetensors weights")
+    return path
+
+
+def load_config(folder: str | Path):
+    from transformers import Qwen3OmniMoeConfig
+
+    return Qwen3OmniMoeConfig.from_pretrained(check_folder(folder))
+
+
+def checkpoint_keys(folder: str | Path) -> list[str]:
+    """Every tensor name in the checkpoint, read from the safetensors headers only."""
+    from safetensors import safe_open
+
+    keys: list[str] = []
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            keys.extend(f.keys())
+    return keys
+
+
+def _stage_classes():
+    from transformers.conversion_mapping import (
+        get_checkpoint_conversion_mapping,
+        register_checkpoint_conversion_mapping,
+    )
+    from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as qm
+
+    # NOTE: MoE experts are stored one per expert on disk and fused in memory. transformers
+    # registers that conversion for the whole model and the thinker, not for the talker on its
+    # own (its config has no model_type), so register the same mapping for the talker class.
+    register_checkpoint_conversion_mapping(
+        "Qwen3OmniMoeTalkerForConditionalGeneration",
+        get_checkpoint_conversion_mapping("qwen3_omni_moe"),
+        overwrite=True,
+    )
+
+    class Code2WavFromCheckpoint(qm.Qwen3OmniMoeCode2Wav):
+        # The vocoder class has no prefix of its own; its keys live under `code2wav.`.
+        base_model_prefix = "code2wav"
+
+    return {
+        Stage.THINKER: (qm.Qwen3OmniMoeThinkerForConditionalGeneration, "thinker_config"),
+        Stage.TALKER: (qm.Qwen3OmniMoeTalkerForConditionalGeneration, "talker_config"),
+        Stage.CODE2WAV: (Code2WavFromCheckpoint, "code2wav_config"),
+    }
+
+
+@dataclass(frozen=True)
+class LoadedStage:
+    stage: Stage
+    model: object  # the torch module, in eval mode
+    config: object  # the full Qwen3OmniMoeConfig
+
+
+def load_stage(folder: str | Path, stage: Stage, device: str = "cpu", dtype: str = "float32") -> LoadedStage:
+    """Load one stage's module on `device` in `dtype` without reading the other stages."""
+    import torch
+    import transformers
+
+    config = load_config(folder)
+    cls, sub_name = _stage_classes()[stage]
+    sub_config = getattr(config, sub_name)
+    if stage is Stage.TALKER and not hasattr(sub_config, "audio_config"):
+        # transformers bug (NOTES): the talker's multimodal rope reads its config's audio config.
+        sub_config.audio_config = config.thinker_config.audio_config
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # the load report lists every other stage's key
+    try:
+        model, info = cls.from_pretrained(
+            str(folder), config=sub_config, dtype=getattr(torch, dtype), output_loading_info=True,
+        )
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    if info["missing_keys"]:
+        missing = sorted(info["missing_keys"])[:5]
+        raise UserError(f"{folder}: {stage.value} weights missing from the checkpoint: {missing}")
+    model.to(device).eval()
+    return LoadedStage(stage=stage, model=model, config=config)

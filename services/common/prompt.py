@@ -1,0 +1,221 @@
+"""Turn chat messages (text, audio bytes, image bytes) into the thinker's model inputs.
+
+`Qwen3OmniMoeProcessor` insists on a video processor, which needs torchvision (not importable
+beside the CPU torch wheel), so this drives the checkpoint's tokenizer, Whisper feature
+extractor and Qwen2-VL image processor directly, exactly as the processor does for audio and
+images: render the chat template, then expand each audio/image placeholder to one token per
+encoder output position. The reference runner and the thinker service share this code, so both
+see identical inputs.
+"""
+
+from __future__ import annotations
+
+import enum
+import io
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from services.common.errors import InvalidArgument
+
+AUDIO_SAMPLE_RATE = 16000  # what the Whisper feature extractor expects
+
+
+class Role(enum.Enum):
+    SYSTEM = "system"
+    USER = "user"
+    ASSISTANT = "assistant"
+
+
+@dataclass(frozen=True)
+class Part:
+    text: str | None = None
+    audio: bytes | None = None  # wav/flac file bytes
+    image: bytes | None = None  # png/jpeg file bytes
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: Role
+    parts: tuple[Part, ...]
+
+
+@dataclass
+class PromptInputs:
+    input_ids: "torch.Tensor"  # [1, P] int64
+    attention_mask: "torch.Tensor"  # [1, P] int64
+    # Only present with audio: [n_audio, 128, T] mel features and [n_audio, T] mask.
+    input_features: "torch.Tensor | None" = None
+    feature_attention_mask: "torch.Tensor | None" = None
+    # Only present with images: [patches, C*t*p*p] and [n_images, 3] (t, h, w in patches).
+    pixel_values: "torch.Tensor | None" = None
+    image_grid_thw: "torch.Tensor | None" = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    def model_kwargs(self) -> dict:
+        """The keyword arguments the thinker's forward / generate take."""
+        kw = {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
+        if self.input_features is not None:
+            kw["input_features"] = self.input_features
+            kw["feature_attention_mask"] = self.feature_attention_mask
+        if self.pixel_values is not None:
+            kw["pixel_values"] = self.pixel_values
+            kw["image_grid_thw"] = self.image_grid_thw
+        return kw
+
+    @property
+    def audio_feature_lengths(self) -> "torch.Tensor | None":
+        if self.feature_attention_mask is None:
+            return None
+        return self.feature_attention_mask.sum(-1)
+
+
+def audio_output_lengths(mel_lengths: np.ndarray, n_window: int) -> np.ndarray:
+    """Audio encoder output positions for mel frame counts (as the processor computes it)."""
+    chunk = n_window * 2
+    leave = mel_lengths % chunk
+    feat = (leave - 1) // 2 + 1
+    return ((feat - 1) // 2 + 1 - 1) // 2 + 1 + (mel_lengths // chunk) * 13
+
+
+def resample(samples: np.ndarray, rate: int, target: int) -> np.ndarray:
+    """Band-limited resampling by zero-padding / truncating the spectrum (deterministic)."""
+    if rate == target or samples.size == 0:
+        return samples.astype(np.float32)
+    n_out = max(1, int(round(samples.size * target / rate)))
+    spectrum = np.fft.rfft(samples.astype(np.float64))
+    out = np.fft.irfft(spectrum, n=n_out) * (n_out / samples.size)
+    return out.astype(np.float32)
+
+
+def decode_audio(data: bytes, field_name: str, max_seconds: float | None = None) -> np.ndarray:
+    """wav/flac bytes -> mono float32 at 16 kHz; InvalidArgument naming the field otherwise."""
+    import soundfile as sf
+
+    try:
+        samples, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    except Exception as exc:  # soundfile raises several types for garbage input
+        raise InvalidArgument(field_name, f"not a readable wav/flac file ({type(exc).__name__})") from None
+    if samples.shape[0] == 0:
+        raise InvalidArgument(field_name, "audio has no samples")
+    if max_seconds is not None and samples.shape[0] / rate > max_seconds:
+        raise InvalidArgument(field_name, f"audio is {samples.shape[0] / rate:.1f} s, longer than {max_seconds} s")
+    return resample(samples.mean(axis=1), rate, AUDIO_SAMPLE_RATE)
+
+
+def decode_image(data: bytes, field_name: str, max_pixels: int | None = None):
+    """png/jpeg bytes -> RGB PIL image; InvalidArgument naming the field otherwise."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(data))
+        if image.format not in ("PNG", "JPEG"):
+            raise InvalidArgument(field_name, f"image format {image.format} is not png or jpeg")
+        image.load()
+    except (UnidentifiedImageError, OSError, ValueError):
+        raise InvalidArgument(field_name, "not a readable png/jpeg image") from None
+    if max_pixels is not None and image.width * image.height > max_pixels:
+        raise InvalidArgument(field_name, f"image has {image.width * image.height} pixels, more than {max_pixels}")
+    return image.convert("RGB")
+
+
+class PromptBuilder:
+    """Loads the checkpoint's tokenizer and processors once; builds inputs per request."""
+
+    def __init__(self, folder: str | Path, config):
+        from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        self.feature_extractor = AutoFeatureExtractor.from_pretrained(str(folder))
+        self.image_processor = AutoImageProcessor.from_pretrained(str(folder))
+        self.config = config
+        self.audio_token = getattr(self.tokenizer, "audio_token", None) or "<|audio_pad|>"
+        self.image_token = getattr(self.tokenizer, "image_token", None) or "<|image_pad|>"
+        self.n_window = config.thinker_config.audio_config.n_window
+        self.max_prompt_tokens = config.thinker_config.text_config.max_position_embeddings
+
+    def build(self, messages: list[ChatMessage], field_prefix: str = "messages") -> PromptInputs:
+        import torch
+
+        if not messages:
+            raise InvalidArgument(field_prefix, "at least one message is required")
+        chat, audios, images = [], [], []
+        for i, message in enumerate(messages):
+            if not message.parts:
+                raise InvalidArgument(f"{field_prefix}[{i}].content", "a message needs at least one part")
+            content = []
+            for j, part in enumerate(message.parts):
+                where = f"{field_prefix}[{i}].content[{j}]"
+                if part.text is not None:
+                    content.append({"type": "text", "text": part.text})
+                elif part.audio is not None:
+                    audios.append(decode_audio(part.audio, f"{where}.audio"))
+                    content.append({"type": "audio"})
+                elif part.image is not None:
+                    images.append(decode_image(part.image, f"{where}.image"))
+                    content.append({"type": "image"})
+                else:
+                    raise InvalidArgument(where, "empty content part")
+            chat.append({"role": message.role.value, "content": content})
+        if not any(m.role is Role.USER for m in messages):
+            raise InvalidArgument(field_prefix, "at least one user message is required")
+        text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+
+        inputs = {}
+        if audios:
+            feats = self.feature_extractor(
+                audios, sampling_rate=AUDIO_SAMPLE_RATE, padding=True, truncation=False,
+                return_attention_mask=True, return_tensors="pt",
+            )
+            inputs["input_features"] = feats["input_features"]
+            inputs["feature_attention_mask"] = feats["attention_mask"]
+            lengths = audio_output_lengths(feats["attention_mask"].sum(-1).numpy(), self.n_window)
+            text = self._expand(text, self.audio_token, [int(n) for n in lengths])
+        if images:
+            pix = self.image_processor(images=images, return_tensors="pt")
+            inputs["pixel_values"] = pix["pixel_values"]
+            inputs["image_grid_thw"] = pix["image_grid_thw"]
+            merge = self.image_processor.merge_size ** 2
+            text = self._expand(text, self.image_token, [int(g.prod()) // merge for g in pix["image_grid_thw"]])
+        ids = self.tokenizer(text, return_tensors="pt")["input_ids"].to(torch.long)
+        if ids.shape[1] > self.max_prompt_tokens:
+            raise InvalidArgument(
+                field_prefix, f"prompt is {ids.shape[1]} tokens, longer than the model's {self.max_prompt_tokens}"
+            )
+        return PromptInputs(input_ids=ids, attention_mask=torch.ones_like(ids), **inputs)
+
+    @staticmethod
+    def _expand(text: str, token: str, counts: list[int]) -> str:
+        # Replace the k-th placeholder with counts[k] copies, left to right.
+        pieces = text.split(token)
+        assert len(pieces) == len(counts) + 1, (len(pieces), counts)
+        out = pieces[0]
+        for count, piece in zip(counts, pieces[1:]):
+            out += token * count + piece
+        return out
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def speaker_names(config) -> list[str]:
+    return list(config.talker_config.speaker_id.keys())
+
+
+def default_voice(config) -> str:
+    names = speaker_names(config)
+    return "ethan" if "ethan" in names else names[0]
+
+
+def resolve_voice(config, voice: str | None, field_name: str = "voice") -> tuple[str, int]:
+    """A voice name (case-insensitive; None = default) -> (name, codec speaker id)."""
+    name = (voice or default_voice(config)).lower()
+    ids = config.talker_config.speaker_id
+    if name not in ids:
+        raise InvalidArgument(field_name, f"unknown voice {voice!r}; known: {', '.join(sorted(ids))}")
+    return name, int(ids[name])
