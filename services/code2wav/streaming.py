@@ -14,10 +14,11 @@ at global positions [a*U, b*U - L), exactly, provided frame a has enough frames 
                             stride times the upsampling after it, 8*60 + 5*12 + 4*3 + 3)
 
 Each push decodes the new chunk [s, e) together with the last `left_context` frames before it,
-window [s - c, e), and emits global samples [e_prev*U - L, e*U - L): the L samples held back at
-the previous chunk's end (they depend on frame s, so only this window can produce them) plus the
-new chunk's own samples, less its own last L. The window's first c*U - L samples belong to the
-context and are dropped; they were emitted before. Hence c >= ceil(L/U) = 1 frame is required.
+window [s - c, e), and emits global samples [s*U - L, e*U - L) ([0, e*U - L) for the first
+chunk): the L samples held back at the previous chunk's end (they depend on frame s, so only this
+window can produce them) plus the new chunk's own samples, less its own last L. The window's first
+c*U - L samples belong to the context and are dropped; they were emitted before. Hence
+c >= ceil(L/U) = 1 frame is required. Only the last `left_context` frames are kept.
 
 The window start is a cut, so its first samples differ from the true answer (zero padding in
 the convolutions, attention without the earlier frames); 25 frames of context make the emitted

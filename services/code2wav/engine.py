@@ -1,0 +1,104 @@
+"""The code2wav engine: decodes the codec chunks that are ready, request by request.
+
+Each request owns a `StreamingDecoder` (left context + held-back tail, see streaming.py); the
+engine keeps a FIFO of received chunks per request and, each step, decodes every pending chunk.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from services.code2wav.streaming import StreamingDecoder, VocoderGeometry, measure_geometry
+
+
+@dataclass(frozen=True)
+class CodecChunk:
+    frames: torch.Tensor  # [n, num_code_groups] int64
+
+
+@dataclass(frozen=True)
+class CodecEnd:
+    pass
+
+
+@dataclass(frozen=True)
+class Audio:
+    samples: np.ndarray  # float32 [n]
+    first_sample: int
+    final: bool = False
+
+
+@dataclass(frozen=True)
+class Decoded:
+    samples: int
+    frames: int
+    final: bool = True
+
+
+@dataclass
+class _State:
+    decoder: StreamingDecoder
+    pending: deque = field(default_factory=deque)  # CodecChunk | CodecEnd, in arrival order
+
+
+class Code2WavEngine:
+    def __init__(self, model, config, left_context: int = 25):
+        self.model = model
+        self.config = config
+        self.left_context = left_context
+        self.geometry: VocoderGeometry = measure_geometry(model)
+        self.codebook_size = int(config.code2wav_config.codebook_size)
+        self.num_quantizers = int(config.code2wav_config.num_quantizers)
+        self._states: dict[str, _State] = {}  # request_id -> decoder state
+
+    def add(self, request_id: str, _payload=None) -> None:
+        self._states[request_id] = _State(StreamingDecoder(self.model, self.geometry, self.left_context))
+
+    def add_input(self, request_id: str, payload) -> None:
+        state = self._states.get(request_id)
+        if state is None:
+            return
+        if isinstance(payload, CodecChunk):
+            frames = payload.frames
+            if frames.ndim != 2 or frames.shape[1] != self.num_quantizers:
+                raise ValueError(f"codec frames must be [n, {self.num_quantizers}], got {list(frames.shape)}")
+            if frames.numel() and (frames.min() < 0 or frames.max() >= self.codebook_size):
+                raise ValueError(f"codec ids must be in [0, {self.codebook_size})")
+        state.pending.append(payload)
+
+    def abort(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+    def has_work(self) -> bool:
+        return any(s.pending for s in self._states.values())
+
+    @property
+    def queue_depth(self) -> int:
+        return sum(len(s.pending) for s in self._states.values())
+
+    @property
+    def running(self) -> int:
+        return len(self._states)
+
+    def step(self) -> list[tuple[str, object]]:
+        events: list[tuple[str, object]] = []
+        for request_id, state in list(self._states.items()):
+            while state.pending:
+                item = state.pending.popleft()
+                if isinstance(item, CodecEnd):
+                    first = state.decoder.samples_emitted
+                    tail = state.decoder.finish()
+                    if tail.size:
+                        events.append((request_id, Audio(tail, first)))
+                    events.append((request_id, Decoded(state.decoder.samples_emitted, state.decoder.frames_seen)))
+                    del self._states[request_id]
+                    break
+                first = state.decoder.samples_emitted
+                samples = state.decoder.push(item.frames)
+                if samples.size:
+                    events.append((request_id, Audio(samples, first)))
+        return events

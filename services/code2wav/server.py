@@ -1,0 +1,132 @@
+"""Code2Wav gRPC service: codec frames in, PCM chunks out, on one bidirectional stream."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from dataclasses import dataclass
+
+import grpc
+
+from omni.v1 import common_pb2, stages_pb2, stages_pb2_grpc
+from services.code2wav.engine import Audio, CodecChunk, CodecEnd, Code2WavEngine, Decoded
+from services.common.config import StageConfig, add_stage_flags, env_default, stage_config_from_args
+from services.common.engine_loop import EngineFailed, EngineLoop, EventSink
+from services.common.errors import InvalidArgument, run_cli
+from services.common.grpc_server import ServerHandle, abort_for, build_server, serve_until_signal, setup_logging
+from services.common.service_main import load_and_prepare, write_port_file
+from services.common.wire import WireError, audio_to_proto, frames_from_proto
+
+log = logging.getLogger("code2wav")
+SERVICE = stages_pb2.DESCRIPTOR.services_by_name["Code2Wav"].full_name
+
+
+@dataclass(frozen=True)
+class Code2WavConfig:
+    stage: StageConfig
+    left_context: int = 25  # frames of context decoded before each chunk
+
+
+class Code2WavServicer(stages_pb2_grpc.Code2WavServicer):
+    def __init__(self, loop: EngineLoop, engine: Code2WavEngine):
+        self.loop = loop
+        self.engine = engine
+        self.sample_rate = engine.geometry.sample_rate
+
+    async def Decode(self, request_iterator, context: grpc.aio.ServicerContext):
+        first = await anext(aiter(request_iterator), None)
+        if first is None or not first.HasField("start"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "start: the first message must be start")
+        request_id = first.start.request_id or "anonymous"
+        sink = EventSink(asyncio.get_running_loop())
+        self.loop.add(request_id, None, sink)
+        reader = asyncio.create_task(self._read_inputs(request_id, request_iterator, sink))
+        index = 0
+        finished = False
+        try:
+            while True:
+                event = await sink.get()
+                if isinstance(event, Audio):
+                    yield stages_pb2.Code2WavOutput(audio=audio_to_proto(
+                        event.samples, self.sample_rate, index, event.first_sample // self.engine.geometry.samples_per_frame))
+                    index += 1
+                elif isinstance(event, Decoded):
+                    finished = True
+                    yield stages_pb2.Code2WavOutput(final=stages_pb2.Code2WavFinal(audio_samples=event.samples))
+                    return
+                elif isinstance(event, EngineFailed):
+                    await context.abort(grpc.StatusCode.INTERNAL, f"code2wav: {event.message}")
+                elif isinstance(event, BaseException):
+                    await abort_for(context, event)
+        finally:
+            reader.cancel()
+            if not finished:
+                self.loop.abort(request_id)
+
+    async def _read_inputs(self, request_id: str, request_iterator, sink: EventSink) -> None:
+        try:
+            async for message in request_iterator:
+                if message.HasField("frames"):
+                    frames = frames_from_proto(message.frames)
+                    if frames.shape[1] != self.engine.num_quantizers:
+                        raise InvalidArgument("frames.num_code_groups",
+                                              f"must be {self.engine.num_quantizers}, got {frames.shape[1]}")
+                    self.loop.add_input(request_id, CodecChunk(frames))
+                elif message.HasField("end"):
+                    self.loop.add_input(request_id, CodecEnd())
+                    return
+                else:
+                    raise InvalidArgument("event", "expected frames or end after start")
+            # The caller half-closed without an end mark: it gave up on this request.
+            raise InvalidArgument("end", "stream closed before the end mark")
+        except (InvalidArgument, WireError) as exc:
+            sink.queue.put_nowait(exc)
+        except asyncio.CancelledError:
+            raise
+        except grpc.aio.AioRpcError:
+            pass  # the caller went away; the handler's finally aborts the request
+
+    async def GetLoad(self, request, context):
+        return common_pb2.LoadReport(
+            stage="code2wav", queue_depth=self.engine.queue_depth, running=self.engine.running,
+            step_ms=self.loop.stats.step_ms_ewma,
+        )
+
+
+async def create_server(config: Code2WavConfig) -> tuple[ServerHandle, EngineLoop]:
+    from services.common.checkpoint import Stage
+
+    loaded = load_and_prepare(config.stage, Stage.CODE2WAV)
+    engine = Code2WavEngine(loaded.model, loaded.config, left_context=config.left_context)
+    loop = EngineLoop(engine, "code2wav")
+    loop.start()
+    handle = build_server(config.stage.host, config.stage.port, (SERVICE,), config.stage.max_message_bytes)
+    stages_pb2_grpc.add_Code2WavServicer_to_server(Code2WavServicer(loop, engine), handle.server)
+    return handle, loop
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="omni-code2wav", description=__doc__)
+    add_stage_flags(parser, default_port=50063)
+    parser.add_argument("--left-context", type=int, default=env_default("left_context", 25),
+                        help="frames of left context decoded before each chunk (default 25)")
+    args = parser.parse_args(argv)
+
+    def run() -> None:
+        config = Code2WavConfig(stage=stage_config_from_args(args), left_context=args.left_context)
+        setup_logging("code2wav")
+
+        async def serve() -> None:
+            handle, loop = await create_server(config)
+            await serve_until_signal(handle, config.stage.grace_s,
+                                     on_started=lambda: write_port_file(args.port_file, handle.port), on_stop=loop.stop)
+
+        asyncio.run(serve())
+
+    return run_cli(run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+"""Client channels to other stages, one per target address, reused across requests."""
+
+from __future__ import annotations
+
+import grpc
+
+from services.common.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+
+
+class ChannelPool:
+    def __init__(self, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        self.max_message_bytes = max_message_bytes
+        self._channels: dict[str, grpc.aio.Channel] = {}  # "host:port" -> channel
+
+    def get(self, target: str) -> grpc.aio.Channel:
+        channel = self._channels.get(target)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(target, options=channel_options(self.max_message_bytes))
+            self._channels[target] = channel
+        return channel
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()

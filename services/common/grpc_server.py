@@ -1,0 +1,132 @@
+"""What every gRPC service shares: channel options, health, reflection, status mapping, SIGTERM.
+
+Each service builds its server with `build_server`, registers its servicer, then calls
+`serve_until_signal`, which marks it SERVING, and on SIGTERM / SIGINT turns NOT_SERVING,
+lets in-flight streams finish within the grace period, and stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.errors import InvalidArgument
+from services.common.wire import WireError
+
+log = logging.getLogger(__name__)
+
+# Hidden states of a long multimodal prompt at the real model's width (2048 x fp32) run to tens
+# of MB; set the limit explicitly on both ends of every channel instead of relying on 4 MB.
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return channel_options(max_message_bytes) + [
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+@dataclass
+class ServerHandle:
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer if hasattr(health, "aio") else object
+    service_names: tuple[str, ...]
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("",) + self.service_names:
+            await self.health.set(name, status)
+
+
+def build_server(host: str, port: int, service_names: tuple[str, ...],
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> ServerHandle:
+    """A grpc.aio server with health (NOT_SERVING until the model is loaded) and reflection."""
+    server = grpc.aio.server(options=server_options(max_message_bytes))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        service_names + (health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    return ServerHandle(server=server, port=bound, health=health_servicer, service_names=service_names)
+
+
+async def serve_until_signal(handle: ServerHandle, grace_s: float, on_started=None, on_stop=None) -> None:
+    await handle.server.start()
+    await handle.set_serving(True)
+    if on_started is not None:
+        on_started()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("serving on port %d", handle.port)
+    await stop.wait()
+    log.info("draining: NOT_SERVING, finishing in-flight streams (grace %.0f s)", grace_s)
+    await handle.set_serving(False)
+    await handle.server.stop(grace_s)
+    if on_stop is not None:
+        on_stop()
+
+
+async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    """The one place errors become gRPC statuses."""
+    if isinstance(exc, InvalidArgument):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, WireError):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed tensor: {exc}")
+    if isinstance(exc, StageUnavailable):
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+    if isinstance(exc, grpc.aio.AioRpcError):
+        await context.abort(exc.code(), exc.details() or exc.code().name)
+    await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+class StageUnavailable(Exception):
+    """A downstream stage could not be reached or died mid-stream; the message names it."""
+
+    PREFIX = "stage "
+
+    def __init__(self, stage: str, target: str, detail: str):
+        super().__init__(f"{self.PREFIX}{stage} ({target}) unavailable: {detail}")
+
+    @classmethod
+    def from_rpc(cls, stage: str, target: str, err: grpc.aio.AioRpcError) -> Exception:
+        """Connection-level failures name `stage`; statuses a stage chose itself pass through,
+        and so does an UNAVAILABLE that already names a stage further down."""
+        details = err.details() or err.code().name
+        if err.code() is grpc.StatusCode.UNAVAILABLE and not details.startswith(cls.PREFIX):
+            return cls(stage, target, details)
+        return err
+
+
+def time_remaining(context: grpc.aio.ServicerContext) -> float | None:
+    """Seconds left of the caller's deadline, to hand on to the next stage (None = no deadline)."""
+    remaining = context.time_remaining()
+    return None if remaining is None or remaining > 1e8 else max(remaining, 0.001)
+
+
+def setup_logging(name: str) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")

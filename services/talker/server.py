@@ -1,0 +1,243 @@
+"""Talker gRPC service: hidden-state chunks in from the thinker, codec frames out to code2wav,
+audio passed back up the same stream."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from omni.v1 import common_pb2, stages_pb2, stages_pb2_grpc
+from services.common.channels import ChannelPool
+from services.common.config import StageConfig, add_stage_flags, env_default, stage_config_from_args
+from services.common.engine_loop import EngineFailed, EngineLoop, EventSink
+from services.common.errors import InvalidArgument, run_cli
+from services.common.grpc_server import (
+    ServerHandle,
+    StageUnavailable,
+    abort_for,
+    build_server,
+    serve_until_signal,
+    setup_logging,
+    time_remaining,
+)
+from services.common.prompt import resolve_voice
+from services.common.sampling import sampling_from_proto
+from services.common.service_main import load_and_prepare, write_port_file
+from services.common.wire import WireError, frames_to_proto, tensor_from_proto
+from services.talker.engine import Frame, TalkerDone, TalkerEngine, TalkerJob, TextEnd, TextRow
+
+log = logging.getLogger("talker")
+SERVICE = stages_pb2.DESCRIPTOR.services_by_name["Talker"].full_name
+
+
+@dataclass(frozen=True)
+class TalkerConfig:
+    stage: StageConfig
+    first_chunk_frames: int = 4  # frames in the first chunk sent to code2wav (time to first audio)
+    chunk_frames: int = 25  # frames in every later chunk
+    default_max_new_tokens: int = 2048
+    max_new_tokens_limit: int = 8192
+
+
+class FrameChunker:
+    """Groups frames into chunks: a small first one (early audio), then larger ones."""
+
+    def __init__(self, first: int, rest: int):
+        self.first, self.rest = first, rest
+        self.frames: list[torch.Tensor] = []  # pending [num_code_groups] rows
+        self.sent = 0  # frames already handed out
+
+    def add(self, codes: torch.Tensor) -> torch.Tensor | None:
+        self.frames.append(codes)
+        size = self.first if self.sent == 0 else self.rest
+        return self.flush() if len(self.frames) >= size else None
+
+    def flush(self) -> torch.Tensor | None:
+        if not self.frames:
+            return None
+        chunk = torch.stack(self.frames)  # [n, num_code_groups]
+        self.sent += len(self.frames)
+        self.frames = []
+        return chunk
+
+
+def talker_job_from_proto(start: stages_pb2.TalkerStart, model_config, config: TalkerConfig) -> TalkerJob:
+    """Validate and convert the start message (fields named as in the proto)."""
+    hidden = model_config.thinker_config.text_config.hidden_size
+    _, speaker_id = resolve_voice(model_config, start.voice or None)
+    embeds = tensor_from_proto(start.prompt_embeds)
+    if embeds.ndim != 2 or embeds.shape[1] != hidden or embeds.shape[0] != len(start.prompt_token_ids):
+        raise InvalidArgument("start.prompt_embeds", f"must be [{len(start.prompt_token_ids)}, {hidden}], "
+                                                     f"got {list(embeds.shape)}")
+    positions = list(start.multimodal_positions)
+    mm_hidden = (tensor_from_proto(start.multimodal_hidden) if start.HasField("multimodal_hidden")
+                 else torch.zeros((0, hidden)))
+    if mm_hidden.shape != (len(positions), hidden) or any(not 0 <= p < embeds.shape[0] for p in positions):
+        raise InvalidArgument("start.multimodal_hidden", "must have one row per multimodal position inside the prompt")
+    tts = tensor_from_proto(start.tts_embeds)
+    if tts.shape != (3, hidden):
+        raise InvalidArgument("start.tts_embeds", f"must be [3, {hidden}], got {list(tts.shape)}")
+    return TalkerJob(
+        prompt_token_ids=list(start.prompt_token_ids), prompt_embeds=embeds, multimodal_positions=positions,
+        multimodal_hidden=mm_hidden, tts_embeds=tts, speaker_id=speaker_id,
+        sampling=sampling_from_proto(start.sampling, "talker_sampling", config.default_max_new_tokens,
+                                     config.max_new_tokens_limit, default_repetition_penalty=1.05),
+        image_grid_thw=tensor_from_proto(start.image_grid_thw) if start.HasField("image_grid_thw") else None,
+        audio_feature_lengths=(tensor_from_proto(start.audio_feature_lengths)
+                               if start.HasField("audio_feature_lengths") else None),
+    )
+
+
+class TalkerServicer(stages_pb2_grpc.TalkerServicer):
+    def __init__(self, loop: EngineLoop, engine: TalkerEngine, config: TalkerConfig, model_config):
+        self.loop = loop
+        self.engine = engine
+        self.config = config
+        self.model_config = model_config
+        self.channels = ChannelPool(config.stage.max_message_bytes)
+
+    async def Speak(self, request_iterator, context: grpc.aio.ServicerContext):
+        first = await anext(aiter(request_iterator), None)
+        if first is None or not first.HasField("start"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "start: the first message must be start")
+        start = first.start
+        try:
+            job = talker_job_from_proto(start, self.model_config, self.config)
+        except (InvalidArgument, WireError) as exc:
+            await abort_for(context, exc)
+        if not start.route.code2wav:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "route.code2wav: no code2wav replica given")
+        request_id = start.request_id or "anonymous"
+        sink = EventSink(asyncio.get_running_loop())
+        self.loop.add(request_id, job, sink)
+        tasks = [asyncio.create_task(self._read_text(request_id, request_iterator, sink))]
+        stub = stages_pb2_grpc.Code2WavStub(self.channels.get(start.route.code2wav))
+        decode = stub.Decode(timeout=time_remaining(context))
+        tasks.append(asyncio.create_task(self._read_audio(decode, start.route.code2wav, sink)))
+        chunker = FrameChunker(self.config.first_chunk_frames, self.config.chunk_frames)
+        done: TalkerDone | None = None
+        try:
+            await decode.write(stages_pb2.Code2WavInput(start=stages_pb2.Code2WavStart(request_id=request_id)))
+            while True:
+                event = await sink.get()
+                if isinstance(event, Frame):
+                    chunk = chunker.add(event.codes)
+                    if chunk is not None:
+                        async for out in self._send_chunk(decode, chunk, chunker, start.return_codec_frames):
+                            yield out
+                elif isinstance(event, TalkerDone):
+                    done = event
+                    chunk = chunker.flush()
+                    if chunk is not None:
+                        async for out in self._send_chunk(decode, chunk, chunker, start.return_codec_frames):
+                            yield out
+                    await decode.write(stages_pb2.Code2WavInput(end=stages_pb2.CodecEnd()))
+                    await decode.done_writing()
+                elif isinstance(event, stages_pb2.Code2WavOutput):
+                    if event.HasField("audio"):
+                        yield stages_pb2.TalkerOutput(audio=event.audio)
+                    else:
+                        yield stages_pb2.TalkerOutput(final=stages_pb2.TalkerFinal(
+                            finish_reason=done.reason.to_proto(), codec_frames=done.frames,
+                            audio_samples=event.final.audio_samples))
+                        return
+                elif isinstance(event, EngineFailed):
+                    await context.abort(grpc.StatusCode.INTERNAL, f"talker: {event.message}")
+                elif isinstance(event, BaseException):
+                    await abort_for(context, event)
+        except grpc.aio.AioRpcError as exc:  # a write to code2wav failed
+            await abort_for(context, StageUnavailable.from_rpc("code2wav", start.route.code2wav, exc))
+        finally:
+            for task in tasks:
+                task.cancel()
+            decode.cancel()
+            self.loop.abort(request_id)
+
+    @staticmethod
+    async def _send_chunk(decode, chunk: torch.Tensor, chunker: FrameChunker, return_frames: bool):
+        message = frames_to_proto(chunk, first_frame=chunker.sent - chunk.shape[0])
+        await decode.write(stages_pb2.Code2WavInput(frames=message))
+        if return_frames:
+            yield stages_pb2.TalkerOutput(codec_frames=message)
+
+    async def _read_text(self, request_id: str, request_iterator, sink: EventSink) -> None:
+        try:
+            async for message in request_iterator:
+                if message.HasField("token"):
+                    self.loop.add_input(request_id, TextRow(tensor_from_proto(message.token.embedding)))
+                elif message.HasField("finished"):
+                    self.loop.add_input(request_id, TextEnd())
+                    return
+                else:
+                    raise InvalidArgument("event", "expected token or finished after start")
+            raise InvalidArgument("finished", "stream closed before the text-finished mark")
+        except (InvalidArgument, WireError) as exc:
+            sink.queue.put_nowait(exc)
+        except grpc.aio.AioRpcError:
+            pass
+
+    @staticmethod
+    async def _read_audio(decode, target: str, sink: EventSink) -> None:
+        try:
+            async for out in decode:
+                sink.queue.put_nowait(out)
+            status = await decode.code()
+            if status is not grpc.StatusCode.OK:
+                raise grpc.aio.AioRpcError(status, None, None, await decode.details())
+        except grpc.aio.AioRpcError as exc:
+            sink.queue.put_nowait(StageUnavailable.from_rpc("code2wav", target, exc))
+
+    async def GetLoad(self, request, context):
+        return common_pb2.LoadReport(
+            stage="talker", queue_depth=self.engine.queue_depth, running=self.engine.running,
+            step_ms=self.loop.stats.step_ms_ewma,
+        )
+
+
+async def create_server(config: TalkerConfig) -> tuple[ServerHandle, EngineLoop]:
+    from services.common.checkpoint import Stage
+
+    loaded = load_and_prepare(config.stage, Stage.TALKER)
+    engine = TalkerEngine(loaded.model, loaded.config, device=config.stage.device)
+    loop = EngineLoop(engine, "talker")
+    loop.start()
+    handle = build_server(config.stage.host, config.stage.port, (SERVICE,), config.stage.max_message_bytes)
+    stages_pb2_grpc.add_TalkerServicer_to_server(TalkerServicer(loop, engine, config, loaded.config), handle.server)
+    return handle, loop
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="omni-talker", description=__doc__)
+    add_stage_flags(parser, default_port=50062)
+    parser.add_argument("--first-chunk-frames", type=int, default=env_default("first_chunk_frames", 4))
+    parser.add_argument("--chunk-frames", type=int, default=env_default("chunk_frames", 25))
+    parser.add_argument("--default-max-new-tokens", type=int, default=env_default("talker_default_max_new_tokens", 2048))
+    parser.add_argument("--max-new-tokens-limit", type=int, default=env_default("talker_max_new_tokens_limit", 8192))
+    args = parser.parse_args(argv)
+
+    def run() -> None:
+        config = TalkerConfig(
+            stage=stage_config_from_args(args), first_chunk_frames=args.first_chunk_frames,
+            chunk_frames=args.chunk_frames, default_max_new_tokens=args.default_max_new_tokens,
+            max_new_tokens_limit=args.max_new_tokens_limit,
+        )
+        setup_logging("talker")
+
+        async def serve() -> None:
+            handle, loop = await create_server(config)
+            await serve_until_signal(handle, config.stage.grace_s,
+                                     on_started=lambda: write_port_file(args.port_file, handle.port), on_stop=loop.stop)
+
+        asyncio.run(serve())
+
+    return run_cli(run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

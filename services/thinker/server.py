@@ -1,0 +1,247 @@
+"""Thinker gRPC service: streams text deltas to its caller and, when audio is wanted, streams
+hidden states to the talker named in the route, passing the audio that comes back up."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from omni.v1 import common_pb2, omni_pb2, stages_pb2, stages_pb2_grpc
+from services.common.channels import ChannelPool
+from services.common.config import StageConfig, add_stage_flags, env_default, stage_config_from_args
+from services.common.detokenizer import IncrementalDetokenizer
+from services.common.engine_loop import EngineFailed, EngineLoop, EventSink
+from services.common.errors import InvalidArgument, run_cli
+from services.common.grpc_server import (
+    ServerHandle,
+    StageUnavailable,
+    abort_for,
+    build_server,
+    serve_until_signal,
+    setup_logging,
+    time_remaining,
+)
+from services.common.prompt import ChatMessage, Part, PromptBuilder, Role, resolve_voice
+from services.common.sampling import sampling_from_proto
+from services.common.service_main import load_and_prepare, write_port_file
+from services.common.wire import tensor_to_proto
+from services.thinker.engine import Finished, Prefilled, ThinkerEngine, ThinkerJob, Token
+
+log = logging.getLogger("thinker")
+SERVICE = stages_pb2.DESCRIPTOR.services_by_name["Thinker"].full_name
+
+_ROLES = {omni_pb2.ROLE_SYSTEM: Role.SYSTEM, omni_pb2.ROLE_USER: Role.USER, omni_pb2.ROLE_ASSISTANT: Role.ASSISTANT}
+
+
+@dataclass(frozen=True)
+class ThinkerConfig:
+    stage: StageConfig
+    default_max_new_tokens: int = 512
+    max_new_tokens_limit: int = 4096
+
+
+def messages_from_proto(request: omni_pb2.GenerateRequest) -> list[ChatMessage]:
+    messages = []
+    for i, message in enumerate(request.messages):
+        if message.role not in _ROLES:
+            raise InvalidArgument(f"messages[{i}].role", "must be ROLE_SYSTEM, ROLE_USER or ROLE_ASSISTANT")
+        parts = []
+        for j, content in enumerate(message.content):
+            kind = content.WhichOneof("part")
+            if kind is None:
+                raise InvalidArgument(f"messages[{i}].content[{j}]", "empty content part")
+            parts.append(Part(**{kind: getattr(content, kind)}))
+        messages.append(ChatMessage(_ROLES[message.role], tuple(parts)))
+    return messages
+
+
+def wants_audio(request: omni_pb2.GenerateRequest) -> bool:
+    modalities = set(request.output_modalities)
+    if not modalities:
+        return True
+    if modalities - {omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO}:
+        raise InvalidArgument("output_modalities", "only MODALITY_TEXT and MODALITY_AUDIO exist")
+    if omni_pb2.MODALITY_TEXT not in modalities:
+        raise InvalidArgument("output_modalities", "text is always produced: use [TEXT] or [TEXT, AUDIO]")
+    return omni_pb2.MODALITY_AUDIO in modalities
+
+
+@dataclass(frozen=True)
+class Prepared:
+    job: ThinkerJob
+    audio: bool
+
+
+class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
+    def __init__(self, loop: EngineLoop, engine: ThinkerEngine, prompts: PromptBuilder, config: ThinkerConfig):
+        self.loop = loop
+        self.engine = engine
+        self.prompts = prompts
+        self.config = config
+        self.channels = ChannelPool(config.stage.max_message_bytes)
+
+    def prepare(self, request: omni_pb2.GenerateRequest) -> Prepared:
+        """Validate and convert a request; runs in a worker thread (decodes audio and images)."""
+        audio = wants_audio(request)
+        if audio:
+            resolve_voice(self.engine.config, request.voice if request.HasField("voice") else None)
+            # Validated here too, so a bad talker setting fails before any output.
+            sampling_from_proto(request.talker_sampling, "talker_sampling", 1, 1 << 30)
+        sampling = sampling_from_proto(request.thinker_sampling, "thinker_sampling",
+                                       self.config.default_max_new_tokens, self.config.max_new_tokens_limit)
+        prompt = self.prompts.build(messages_from_proto(request))
+        return Prepared(ThinkerJob(prompt, sampling, want_talker_inputs=audio), audio)
+
+    async def Generate(self, request: stages_pb2.ThinkerRequest, context: grpc.aio.ServicerContext):
+        received = time.perf_counter()
+        req = request.request
+        try:
+            prepared = await asyncio.to_thread(self.prepare, req)
+            if prepared.audio and not request.route.talker:
+                raise InvalidArgument("route.talker", "audio output needs a talker replica in the route")
+        except InvalidArgument as exc:
+            await abort_for(context, exc)
+        request_id = req.request_id or "anonymous"
+        sink = EventSink(asyncio.get_running_loop())
+        self.loop.add(request_id, prepared.job, sink)
+        detok = IncrementalDetokenizer(self.prompts.tokenizer)
+        speak = None  # the talker stream, opened after prefill
+        tasks: list[asyncio.Task] = []
+        text_done: Finished | None = None
+        ttft = ttfp = None
+        try:
+            while True:
+                event = await sink.get()
+                if isinstance(event, Prefilled):
+                    speak = stages_pb2_grpc.TalkerStub(self.channels.get(request.route.talker)).Speak(
+                        timeout=time_remaining(context))
+                    tasks.append(asyncio.create_task(self._read_talker(speak, request.route.talker, sink)))
+                    await speak.write(stages_pb2.TalkerInput(start=self._talker_start(req, request.route, event, prepared)))
+                elif isinstance(event, Token):
+                    ttft = ttft if ttft is not None else (time.perf_counter() - received) * 1000
+                    yield omni_pb2.GenerateResponse(request_id=request_id, text=omni_pb2.TextDelta(
+                        text=detok.add(event.token_id, last=event.last), token_ids=[event.token_id]))
+                    if speak is not None:
+                        if not event.last:
+                            await speak.write(stages_pb2.TalkerInput(token=stages_pb2.TextToken(
+                                token_id=event.token_id, embedding=tensor_to_proto(event.embedding))))
+                        else:
+                            await speak.write(stages_pb2.TalkerInput(finished=stages_pb2.TextFinished()))
+                            await speak.done_writing()
+                elif isinstance(event, Finished):
+                    text_done = event
+                    if not prepared.audio:
+                        yield self._final(request_id, text_done, None, received, ttft, ttfp)
+                        return
+                elif isinstance(event, stages_pb2.TalkerOutput):
+                    if event.HasField("audio"):
+                        ttfp = ttfp if ttfp is not None else (time.perf_counter() - received) * 1000
+                        yield omni_pb2.GenerateResponse(request_id=request_id, audio=event.audio)
+                    elif event.HasField("codec_frames"):
+                        yield omni_pb2.GenerateResponse(request_id=request_id, codec_frames=event.codec_frames)
+                    else:
+                        yield self._final(request_id, text_done, event.final, received, ttft, ttfp)
+                        return
+                elif isinstance(event, EngineFailed):
+                    await context.abort(grpc.StatusCode.INTERNAL, f"thinker: {event.message}")
+                elif isinstance(event, BaseException):
+                    await abort_for(context, event)
+        except grpc.aio.AioRpcError as exc:  # a write to the talker failed
+            await abort_for(context, StageUnavailable.from_rpc("talker", request.route.talker, exc))
+        finally:
+            for task in tasks:
+                task.cancel()
+            if speak is not None:
+                speak.cancel()
+            self.loop.abort(request_id)
+
+    def _talker_start(self, req, route, event: Prefilled, prepared: Prepared) -> stages_pb2.TalkerStart:
+        prompt = prepared.job.prompt
+        start = stages_pb2.TalkerStart(
+            request_id=req.request_id, route=route, voice=req.voice if req.HasField("voice") else "",
+            sampling=req.talker_sampling, return_codec_frames=req.return_codec_frames,
+            prompt_token_ids=event.prompt_token_ids, prompt_embeds=tensor_to_proto(event.prompt_embeds),
+            multimodal_positions=event.multimodal_positions, tts_embeds=tensor_to_proto(event.tts_embeds),
+        )
+        if event.multimodal_positions:
+            start.multimodal_hidden.CopyFrom(tensor_to_proto(event.multimodal_hidden))
+        if prompt.image_grid_thw is not None:
+            start.image_grid_thw.CopyFrom(tensor_to_proto(prompt.image_grid_thw))
+        if prompt.audio_feature_lengths is not None:
+            start.audio_feature_lengths.CopyFrom(tensor_to_proto(prompt.audio_feature_lengths))
+        return start
+
+    @staticmethod
+    async def _read_talker(speak, target: str, sink: EventSink) -> None:
+        try:
+            async for out in speak:
+                sink.queue.put_nowait(out)
+            status = await speak.code()
+            if status is not grpc.StatusCode.OK:
+                raise grpc.aio.AioRpcError(status, None, None, await speak.details())
+        except grpc.aio.AioRpcError as exc:
+            sink.queue.put_nowait(StageUnavailable.from_rpc("talker", target, exc))
+
+    @staticmethod
+    def _final(request_id, text: Finished, talker: stages_pb2.TalkerFinal | None, received, ttft, ttfp):
+        usage = omni_pb2.Usage(prompt_tokens=text.prompt_tokens, text_tokens=text.generated)
+        final = omni_pb2.Final(text_finish_reason=text.reason.to_proto(), usage=usage)
+        if talker is not None:
+            final.audio_finish_reason = talker.finish_reason
+            usage.codec_frames = talker.codec_frames
+            usage.audio_seconds = talker.audio_samples / 24000.0
+        final.timings.ttft_ms = ttft or 0.0
+        final.timings.ttfp_ms = ttfp or 0.0
+        final.timings.total_ms = (time.perf_counter() - received) * 1000
+        return omni_pb2.GenerateResponse(request_id=request_id, final=final)
+
+    async def GetLoad(self, request, context):
+        return common_pb2.LoadReport(
+            stage="thinker", queue_depth=self.engine.queue_depth, running=self.engine.running,
+            step_ms=self.loop.stats.step_ms_ewma,
+        )
+
+
+async def create_server(config: ThinkerConfig) -> tuple[ServerHandle, EngineLoop]:
+    from services.common.checkpoint import Stage
+
+    loaded = load_and_prepare(config.stage, Stage.THINKER)
+    prompts = PromptBuilder(config.stage.checkpoint, loaded.config)
+    engine = ThinkerEngine(loaded.model, loaded.config, device=config.stage.device)
+    loop = EngineLoop(engine, "thinker")
+    loop.start()
+    handle = build_server(config.stage.host, config.stage.port, (SERVICE,), config.stage.max_message_bytes)
+    stages_pb2_grpc.add_ThinkerServicer_to_server(ThinkerServicer(loop, engine, prompts, config), handle.server)
+    return handle, loop
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="omni-thinker", description=__doc__)
+    add_stage_flags(parser, default_port=50061)
+    parser.add_argument("--default-max-new-tokens", type=int, default=env_default("thinker_default_max_new_tokens", 512))
+    parser.add_argument("--max-new-tokens-limit", type=int, default=env_default("thinker_max_new_tokens_limit", 4096))
+    args = parser.parse_args(argv)
+
+    def run() -> None:
+        config = ThinkerConfig(stage=stage_config_from_args(args), default_max_new_tokens=args.default_max_new_tokens,
+                               max_new_tokens_limit=args.max_new_tokens_limit)
+        setup_logging("thinker")
+
+        async def serve() -> None:
+            handle, loop = await create_server(config)
+            await serve_until_signal(handle, config.stage.grace_s,
+                                     on_started=lambda: write_port_file(args.port_file, handle.port), on_stop=loop.stop)
+
+        asyncio.run(serve())
+
+    return run_cli(run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
