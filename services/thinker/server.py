@@ -114,6 +114,7 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         speak = None  # the talker stream, opened after prefill
         tasks: list[asyncio.Task] = []
         text_done: Finished | None = None
+        talker_done: stages_pb2.TalkerFinal | None = None
         ttft = ttfp = None
         try:
             while True:
@@ -127,18 +128,10 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
                     ttft = ttft if ttft is not None else (time.perf_counter() - received) * 1000
                     yield omni_pb2.GenerateResponse(request_id=request_id, text=omni_pb2.TextDelta(
                         text=detok.add(event.token_id, last=event.last), token_ids=[event.token_id]))
-                    if speak is not None:
-                        if not event.last:
-                            await speak.write(stages_pb2.TalkerInput(token=stages_pb2.TextToken(
-                                token_id=event.token_id, embedding=tensor_to_proto(event.embedding))))
-                        else:
-                            await speak.write(stages_pb2.TalkerInput(finished=stages_pb2.TextFinished()))
-                            await speak.done_writing()
+                    if speak is not None and talker_done is None:
+                        await self._feed_talker(speak, event)
                 elif isinstance(event, Finished):
                     text_done = event
-                    if not prepared.audio:
-                        yield self._final(request_id, text_done, None, received, ttft, ttfp)
-                        return
                 elif isinstance(event, stages_pb2.TalkerOutput):
                     if event.HasField("audio"):
                         ttfp = ttfp if ttfp is not None else (time.perf_counter() - received) * 1000
@@ -146,12 +139,14 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
                     elif event.HasField("codec_frames"):
                         yield omni_pb2.GenerateResponse(request_id=request_id, codec_frames=event.codec_frames)
                     else:
-                        yield self._final(request_id, text_done, event.final, received, ttft, ttfp)
-                        return
+                        talker_done = event.final  # the talker may finish before the text does
                 elif isinstance(event, EngineFailed):
                     await context.abort(grpc.StatusCode.INTERNAL, f"thinker: {event.message}")
                 elif isinstance(event, BaseException):
                     await abort_for(context, event)
+                if text_done is not None and (talker_done is not None or not prepared.audio):
+                    yield self._final(request_id, text_done, talker_done, received, ttft, ttfp)
+                    return
         except grpc.aio.AioRpcError as exc:  # a write to the talker failed
             await abort_for(context, StageUnavailable.from_rpc("talker", request.route.talker, exc))
         finally:
@@ -160,6 +155,21 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
             if speak is not None:
                 speak.cancel()
             self.loop.abort(request_id)
+
+    @staticmethod
+    async def _feed_talker(speak, event: Token) -> None:
+        """One text row per generated token except the last; then the text-finished mark."""
+        if speak.done():
+            return  # the talker already ended (its own max tokens or EOS); its final is on the way
+        try:
+            if not event.last:
+                await speak.write(stages_pb2.TalkerInput(token=stages_pb2.TextToken(
+                    token_id=event.token_id, embedding=tensor_to_proto(event.embedding))))
+            else:
+                await speak.write(stages_pb2.TalkerInput(finished=stages_pb2.TextFinished()))
+                await speak.done_writing()
+        except asyncio.InvalidStateError:
+            pass  # finished between the check and the write: the reader reports how it ended
 
     def _talker_start(self, req, route, event: Prefilled, prepared: Prepared) -> stages_pb2.TalkerStart:
         prompt = prepared.job.prompt
@@ -190,12 +200,13 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
 
     @staticmethod
     def _final(request_id, text: Finished, talker: stages_pb2.TalkerFinal | None, received, ttft, ttfp):
-        usage = omni_pb2.Usage(prompt_tokens=text.prompt_tokens, text_tokens=text.generated)
-        final = omni_pb2.Final(text_finish_reason=text.reason.to_proto(), usage=usage)
+        final = omni_pb2.Final(text_finish_reason=text.reason.to_proto())
+        final.usage.prompt_tokens = text.prompt_tokens
+        final.usage.text_tokens = text.generated
         if talker is not None:
             final.audio_finish_reason = talker.finish_reason
-            usage.codec_frames = talker.codec_frames
-            usage.audio_seconds = talker.audio_samples / 24000.0
+            final.usage.codec_frames = talker.codec_frames
+            final.usage.audio_seconds = talker.audio_samples / 24000.0
         final.timings.ttft_ms = ttft or 0.0
         final.timings.ttfp_ms = ttfp or 0.0
         final.timings.total_ms = (time.perf_counter() - received) * 1000

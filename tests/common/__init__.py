@@ -1,0 +1,1 @@
+"""Tests of services/common: checkpoint, reference runner, wire format, protos."""

@@ -1,0 +1,69 @@
+"""Shared fixtures: the tiny checkpoint, built once per session, and small input files.
+
+Fixtures that start processes (stage servers, the router) belong here too, so every test area
+shares one copy of them (STYLE.md point 11).
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+# 1 s of a 440 Hz sine at 16 kHz, the rate the Whisper feature extractor wants (no resampling).
+WAV_SAMPLE_RATE = 16000
+WAV_SECONDS = 1.0
+WAV_HZ = 440.0
+# [height, width] of the test image: inside the tiny checkpoint's 32x32..64x64 pixel bounds.
+PNG_SHAPE = (48, 64)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """A complete tiny Qwen3-Omni checkpoint folder (seed 0), built once per test session.
+
+    Treat it as read-only: every test of the session shares it.
+    """
+    from services.common.tiny_checkpoint import build
+
+    return build(tmp_path_factory.mktemp("ckpt") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def wav_bytes() -> bytes:
+    """A mono float wav file's bytes: 1 s of a 440 Hz sine at 16 kHz, amplitude 0.5."""
+    import soundfile as sf
+
+    t = np.arange(int(WAV_SAMPLE_RATE * WAV_SECONDS)) / WAV_SAMPLE_RATE
+    samples = (0.5 * np.sin(2 * np.pi * WAV_HZ * t)).astype(np.float32)
+    buf = io.BytesIO()
+    sf.write(buf, samples, WAV_SAMPLE_RATE, format="WAV", subtype="FLOAT")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="session")
+def png_bytes() -> bytes:
+    """A 48x64 RGB png file's bytes with random pixels from a fixed seed."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, size=(*PNG_SHAPE, 3), dtype=np.uint8)  # [H, W, 3]
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="session")
+def wav_file(tmp_path_factory, wav_bytes) -> Path:
+    path = tmp_path_factory.mktemp("inputs") / "sine440.wav"
+    path.write_bytes(wav_bytes)
+    return path
+
+
+@pytest.fixture(scope="session")
+def png_file(tmp_path_factory, png_bytes) -> Path:
+    path = tmp_path_factory.mktemp("inputs") / "noise48x64.png"
+    path.write_bytes(png_bytes)
+    return path

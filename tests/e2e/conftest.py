@@ -1,0 +1,35 @@
+"""Fixtures that start real processes: the whole stack on the tiny checkpoint, once per session."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.client import connect
+from router.launcher import Stack, StackOptions
+
+
+@pytest.fixture(scope="session")
+def stack(tiny_checkpoint):
+    """code2wav, talker, thinker and router as four processes on loopback ports."""
+    options = StackOptions(checkpoint=str(tiny_checkpoint), port=0, threads=1, log_prefix=False)
+    with Stack(options) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def omni(stack):
+    """A stub of the router's public API."""
+    channel, stub = connect(stack.target)
+    yield stub
+    channel.close()
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_checkpoint):
+    """transformers' generate on the same checkpoint, in this process: the oracle."""
+    import transformers
+
+    from services.common.reference import ReferenceRunner
+
+    transformers.logging.set_verbosity_error()
+    return ReferenceRunner(tiny_checkpoint)
