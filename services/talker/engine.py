@@ -17,13 +17,14 @@ decoding (NOTES-qwen3-omni.md, "What the talker needs"):
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 import torch
 
+from services.common.batching import SlotKVCache, batch_invariant, use_rowwise_attention
 from services.common.finish import FinishReason
 from services.common.sampling import SamplingConfig, select_token
+from services.common.scheduler import LMScheduler
 
 
 @dataclass(frozen=True)
@@ -63,18 +64,20 @@ class TalkerDone:
     final: bool = True
 
 
-class Phase(enum.Enum):
-    WAIT_FIRST_TEXT = "wait_first_text"
-    DECODE = "decode"
+@dataclass(frozen=True)
+class TalkerEngineConfig:
+    max_batch_size: int = 32  # requests decoded together in one step
+    num_slots: int = 32  # KV cache slots
+    max_model_len: int = 4096  # cache positions per slot: prompt part + 9 + max_new_tokens must fit
+    exact_batching: bool = True  # batch-invariant kernels (see services/common/batching.py)
 
 
 @dataclass
 class _State:
     job: TalkerJob
-    phase: Phase = Phase.WAIT_FIRST_TEXT
     rows: list[torch.Tensor] = field(default_factory=list)  # projected text rows, [1, 1, H]
     text_done: bool = False
-    cache: object = None
+    started: bool = False  # prefilled
     last_position: torch.Tensor | None = None  # [4, 1, 1]
     codes: list[int] = field(default_factory=list)  # generated layer-0 codes
     frames: int = 0
@@ -82,23 +85,54 @@ class _State:
     tts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # projected bos, eos, pad, [1, 1, H]
     generator: torch.Generator | None = None
 
+    @property
+    def ready(self) -> bool:
+        """Has the input its next step needs: row 0 to prefill, row f + 1 (or the end) to decode."""
+        if not self.started:
+            return bool(self.rows) or self.text_done
+        return len(self.rows) > self.frames or self.text_done
+
+
+def talker_prompt_len(prompt_token_ids: list[int], config) -> int:
+    """Cache positions of the talker prefill: every user-turn position plus 9 assistant ones.
+    A position's role is the token after the last <|im_start|> at or before it (as generate)."""
+    last_start, user = 0, 0
+    for i, token in enumerate(prompt_token_ids):
+        if token == config.im_start_token_id:
+            last_start = i
+        user += prompt_token_ids[min(last_start + 1, len(prompt_token_ids) - 1)] == config.user_token_id
+    return user + 9
+
 
 class TalkerEngine:
-    def __init__(self, model, config, device: str = "cpu"):
+    def __init__(self, model, config, device: str = "cpu", engine_config: TalkerEngineConfig = TalkerEngineConfig()):
         self.model = model
         self.config = config  # the full Qwen3OmniMoeConfig
         self.tc = config.talker_config
         self.device = device
+        self.engine_config = engine_config
         vocab = self.tc.text_config.vocab_size
         self.eos = int(self.tc.codec_eos_token_id)
         self.suppress = torch.zeros(vocab, dtype=torch.bool)
         self.suppress[vocab - 1024:] = True
         self.suppress[self.eos] = False
         self.num_groups = int(self.tc.num_code_groups)
+        predictor = model.code_predictor
+        use_rowwise_attention(model.config.text_config, predictor.config)
+        dtype = next(model.parameters()).dtype
+        self.cache = SlotKVCache.for_config(model.config.text_config, engine_config.num_slots,
+                                            engine_config.max_model_len, dtype, device)
+        # The code predictor's cache lives for one frame: rows of the batch, 1 + num_code_groups positions.
+        self.predictor_cache = SlotKVCache.for_config(predictor.config, engine_config.max_batch_size,
+                                                      self.num_groups + 1, dtype, device)
+        self.scheduler = LMScheduler(engine_config.max_batch_size, engine_config.num_slots,
+                                     engine_config.max_model_len)
         self._states: dict[str, _State] = {}  # request_id -> state
 
     # The loop's interface.
     def add(self, request_id: str, job: TalkerJob) -> None:
+        prompt_len = talker_prompt_len(job.prompt_token_ids, self.config)
+        self.scheduler.add(request_id, prompt_len, job.sampling.max_new_tokens, ready=False)
         self._states[request_id] = _State(job=job, generator=job.sampling.generator())
 
     def add_input(self, request_id: str, payload) -> None:
@@ -114,44 +148,47 @@ class TalkerEngine:
             state.text_done = True
         else:
             raise TypeError(f"unexpected talker input {type(payload).__name__}")
+        self.scheduler.set_ready(request_id, state.ready)
 
     def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
         self._states.pop(request_id, None)
 
     def has_work(self) -> bool:
-        return any(self._ready(s) for s in self._states.values())
+        return self.scheduler.has_work
 
     @property
     def queue_depth(self) -> int:
-        return sum(1 for s in self._states.values() if s.phase is Phase.WAIT_FIRST_TEXT)
+        return self.scheduler.queue_depth
 
     @property
     def running(self) -> int:
-        return sum(1 for s in self._states.values() if s.phase is Phase.DECODE)
-
-    def _ready(self, state: _State) -> bool:
-        if state.phase is Phase.WAIT_FIRST_TEXT:
-            return bool(state.rows) or state.text_done
-        return len(state.rows) > state.frames or state.text_done
+        return self.scheduler.running
 
     def step(self) -> list[tuple[str, object]]:
+        plan = self.scheduler.schedule()
         events: list[tuple[str, object]] = []
-        for request_id, state in list(self._states.items()):
-            if not self._ready(state):
-                continue  # waits for its next text row without holding others back
-            if state.phase is Phase.WAIT_FIRST_TEXT:
-                events += self.prefill(request_id, state)
-            else:
-                events += self.decode_step(request_id, state)
+        for request_id in plan.prefill:
+            events += self.prefill(request_id, plan.slots[request_id])
+        if plan.decode:
+            events += self.decode(list(plan.decode), [plan.slots[r] for r in plan.decode])
+        finished = {rid for rid, event in events if isinstance(event, TalkerDone)}
+        self.scheduler.update(plan, finished)
+        for request_id in finished:
+            self._states.pop(request_id, None)
+        for request_id in plan.prefill + plan.decode:
+            if request_id in self._states:  # its next step may have to wait for text
+                self.scheduler.set_ready(request_id, self._states[request_id].ready)
         return events
 
     # Model work.
     @torch.inference_mode()
-    def prefill(self, request_id: str, state: _State) -> list[tuple[str, object]]:
+    def prefill(self, request_id: str, slot: int) -> list[tuple[str, object]]:
         from transformers import DynamicCache
 
+        state = self._states[request_id]
         if not state.rows:  # the text ended before any token: nothing to say
-            return self._finish(request_id, FinishReason.STOP)
+            return [(request_id, TalkerDone(FinishReason.STOP, 0))]
         job, cfg, talker = state.job, self.config, self.model
         ids = torch.tensor([job.prompt_token_ids], device=self.device)  # [1, P]
         embeds = job.prompt_embeds.to(self.device).unsqueeze(0)  # [1, P, Ht]
@@ -198,75 +235,99 @@ class TalkerEngine:
         if job.audio_feature_lengths is not None:
             model_kwargs["audio_feature_lengths"] = job.audio_feature_lengths.to(self.device)
         position_ids = talker._prepare_position_ids_for_generation(inputs_embeds, dict(model_kwargs))
-        state.cache = DynamicCache(config=self.tc.text_config)
+        cache = DynamicCache(config=self.tc.text_config)
         out = talker(
             inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=state.cache, use_cache=True, output_hidden_states=True,
+            past_key_values=cache, use_cache=True, output_hidden_states=True,
         )
+        self.cache.load(slot, cache)
         state.last_position = position_ids[..., -1:].clone()
-        state.phase = Phase.DECODE
-        return self._after_forward(request_id, state, out)
+        state.started = True
+        return self._after_forward([request_id], [state], out.logits[:, -1], out.hidden_states[0][-1][:, -1:])
 
     @torch.inference_mode()
-    def decode_step(self, request_id: str, state: _State) -> list[tuple[str, object]]:
+    def decode(self, request_ids: list[str], slots: list[int]) -> list[tuple[str, object]]:
+        """One talker step for every ready request: frame f's codec embeddings + text row f + 1."""
+        states = [self._states[r] for r in request_ids]
+        inputs = []
+        for state in states:
+            state.last_position = state.last_position + 1
+            inputs.append(state.next_codec_embed + self._text_for_next_step(state))
+        view = self.cache.batch(slots)
+        with batch_invariant(self.engine_config.exact_batching):
+            out = self.model(
+                inputs_embeds=torch.cat(inputs, dim=0), position_ids=torch.cat([s.last_position for s in states], dim=1),
+                past_key_values=view, use_cache=True, output_hidden_states=True,
+                generation_step=0,  # bookkeeping of generate only: the forward returns it + 1
+            )
+        view.commit()
+        return self._after_forward(request_ids, states, out.logits[:, -1], out.hidden_states[0][-1][:, -1:])
+
+    @staticmethod
+    def _text_for_next_step(state: _State) -> torch.Tensor:
         # Text for step f is row f + 1; past the end: tts_eos once, then tts_pad.
         f = state.frames - 1
         if f + 1 < len(state.rows):
-            text = state.rows[f + 1]
-        elif f + 1 == len(state.rows):
-            text = state.tts[1]
-        else:
-            text = state.tts[2]
-        state.last_position = state.last_position + 1
-        out = self.model(
-            inputs_embeds=state.next_codec_embed + text, position_ids=state.last_position,
-            past_key_values=state.cache, use_cache=True, output_hidden_states=True,
-            generation_step=f,  # bookkeeping only: the forward returns it + 1
-        )
-        return self._after_forward(request_id, state, out)
+            return state.rows[f + 1]
+        return state.tts[1] if f + 1 == len(state.rows) else state.tts[2]
 
-    def _after_forward(self, request_id: str, state: _State, out) -> list[tuple[str, object]]:
-        cfg = state.job.sampling
-        code = select_token(out.logits[0, -1], cfg, state.codes, state.generator, self.suppress)
-        state.codes.append(code)
-        if code == self.eos:
-            return self._finish(request_id, FinishReason.STOP)
-        if len(state.codes) >= cfg.max_new_tokens:
-            return self._finish(request_id, FinishReason.LENGTH)
-        past_hidden = out.hidden_states[0][-1][:, -1:]  # [1, 1, H] last layer, last position
-        codes, state.next_codec_embed = self.predict_residuals(code, past_hidden, state)
-        frame = Frame(index=state.frames, codes=codes)
-        state.frames += 1
-        return [(request_id, frame)]
+    def _after_forward(self, request_ids, states, logits: torch.Tensor, hidden: torch.Tensor):
+        # logits: [B, vocab]; hidden: [B, 1, H] last layer at the last position.
+        events: list[tuple[str, object]] = []
+        keep: list[int] = []  # rows that go on to make a frame
+        for row, (request_id, state) in enumerate(zip(request_ids, states)):
+            code = select_token(logits[row], state.job.sampling, state.codes, state.generator, self.suppress)
+            state.codes.append(code)
+            if code == self.eos:
+                events.append((request_id, TalkerDone(FinishReason.STOP, state.frames)))
+            elif len(state.codes) >= state.job.sampling.max_new_tokens:
+                events.append((request_id, TalkerDone(FinishReason.LENGTH, state.frames)))
+            else:
+                keep.append(row)
+        if keep:
+            codes, embeds = self.predict_residuals([states[r] for r in keep], hidden[keep])
+            for i, row in enumerate(keep):
+                state = states[row]
+                state.next_codec_embed = embeds[i:i + 1]
+                events.append((request_ids[row], Frame(index=state.frames, codes=codes[i])))
+                state.frames += 1
+        return events
 
-    def predict_residuals(self, code0: int, past_hidden: torch.Tensor, state: _State):
-        """Code predictor: 15 residual codes for one frame; returns (codes [16], embed sum [1,1,H])."""
-        from transformers import DynamicCache
-
+    def predict_residuals(self, states: list[_State], past_hidden: torch.Tensor):
+        """Code predictor for a batch of frames: fresh cache, prefill [talker hidden, layer-0 code
+        embedding], then num_code_groups - 2 single steps. Returns (codes [B, 16], embed sums [B, 1, H])."""
         predictor = self.model.code_predictor
         embeddings = predictor.get_input_embeddings()  # ModuleList of num_code_groups - 1
-        first = self.model.get_input_embeddings()(torch.tensor([[code0]], device=self.device))  # [1, 1, H]
-        cache = DynamicCache(config=predictor.config)
-        out = predictor(inputs_embeds=torch.cat((past_hidden, first), dim=1), past_key_values=cache, use_cache=True)
-        codes, hiddens = [code0], [first]
-        greedy = state.job.sampling.greedy
+        batch = len(states)
+        rows = list(range(batch))
+        for row in rows:
+            self.predictor_cache.reset(row)
+        codes0 = torch.tensor([[s.codes[-1]] for s in states], device=self.device)  # [B, 1]
+        first = self.model.get_input_embeddings()(codes0)  # [B, 1, H]
+        columns, hiddens = [codes0[:, 0]], [first]
+        exact = self.engine_config.exact_batching
+        view = self.predictor_cache.batch(rows)
+        with batch_invariant(exact):
+            out = predictor(inputs_embeds=torch.cat((past_hidden, first), dim=1), past_key_values=view, use_cache=True)
+        view.commit()
         for step in range(1, self.num_groups):
-            logits = out.logits[0, -1]
-            code = int(torch.argmax(logits)) if greedy else self._sample_residual(logits, state)
-            codes.append(code)
-            ids = torch.tensor([[code]], device=self.device)
+            logits = out.logits[:, -1]  # [B, vocab]
+            picked = torch.tensor([self._pick_residual(logits[i], s) for i, s in enumerate(states)], device=self.device)
+            columns.append(picked)
+            ids = picked.view(batch, 1)
             hiddens.append(embeddings[step - 1](ids))
             if step < self.num_groups - 1:
-                out = predictor(input_ids=ids, past_key_values=cache, use_cache=True, generation_steps=step)
-        codec_embed = torch.cat(hiddens, dim=1).sum(1, keepdim=True)
-        return torch.tensor(codes, dtype=torch.int64), codec_embed
+                view = self.predictor_cache.batch(rows)
+                with batch_invariant(exact):
+                    out = predictor(input_ids=ids, past_key_values=view, use_cache=True, generation_steps=step)
+                view.commit()
+        codec_embed = torch.cat(hiddens, dim=1).sum(1, keepdim=True)  # [B, 1, H]
+        return torch.stack(columns, dim=1).to(torch.int64).cpu(), codec_embed
 
     @staticmethod
-    def _sample_residual(logits: torch.Tensor, state: _State) -> int:
+    def _pick_residual(logits: torch.Tensor, state: _State) -> int:
+        if state.job.sampling.greedy:
+            return int(torch.argmax(logits))
         # As generate samples the code predictor: top_k 50, top_p 0.8, the talker's temperature.
         cfg = SamplingConfig(temperature=state.job.sampling.temperature, top_k=50, top_p=0.8)
         return select_token(logits, cfg, [], state.generator)
-
-    def _finish(self, request_id: str, reason: FinishReason) -> list[tuple[str, object]]:
-        state = self._states.pop(request_id)
-        return [(request_id, TalkerDone(reason=reason, frames=state.frames))]

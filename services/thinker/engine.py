@@ -1,5 +1,8 @@
 """The thinker engine: prefill, then one decode step per generated text token.
 
+Continuous batching: each step prefills waiting requests (one at a time, through the module's own
+path) beside one batched decode step of every running request (services/common/batching.py).
+
 Mirrors `Qwen3OmniMoeThinkerForConditionalGeneration.generate` exactly under greedy decoding:
 the 4-row position ids (text row + 3 multimodal-rope rows) are computed once at prefill by the
 model's own `_prepare_position_ids_for_generation` and advanced by one per step, as `generate`
@@ -15,9 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.common.batching import SlotKVCache, batch_invariant, use_rowwise_attention
 from services.common.finish import FinishReason
 from services.common.prompt import PromptInputs
 from services.common.sampling import SamplingConfig, select_token
+from services.common.scheduler import LMScheduler
 
 
 @dataclass(frozen=True)
@@ -55,67 +60,86 @@ class Finished:
 
 
 @dataclass
-class _Running:
+class _Request:
     job: ThinkerJob
-    cache: object  # transformers DynamicCache
-    last_position: torch.Tensor  # [4, 1, 1] position ids of the last fed token
+    last_position: torch.Tensor | None = None  # [4, 1, 1] position ids of the last fed token
     generated: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
 
 
+@dataclass(frozen=True)
+class ThinkerEngineConfig:
+    max_batch_size: int = 32  # requests decoded together in one step
+    num_slots: int = 32  # KV cache slots (requests holding cache at once)
+    max_model_len: int = 4096  # cache positions per slot: prompt + max_new_tokens must fit
+    exact_batching: bool = True  # batch-invariant kernels (see services/common/batching.py)
+
+
 class ThinkerEngine:
-    def __init__(self, model, config, device: str = "cpu"):
+    def __init__(self, model, config, device: str = "cpu", engine_config: ThinkerEngineConfig = ThinkerEngineConfig()):
         self.model = model
         self.config = config
         self.device = device
+        self.engine_config = engine_config
         self.eos_ids = {int(config.im_end_token_id)}
         self.accept_layer = int(config.talker_config.accept_hidden_layer)
         mm = config.thinker_config
         self.multimodal_ids = torch.tensor([mm.audio_token_id, mm.image_token_id, mm.video_token_id])
         self.tts_ids = torch.tensor([[config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id]])
         self.embed = model.get_input_embeddings()
-        self._waiting: dict[str, ThinkerJob] = {}  # request_id -> job not yet prefilled
-        self._running: dict[str, _Running] = {}
+        text_config = model.config.text_config
+        use_rowwise_attention(text_config)
+        dtype = next(model.parameters()).dtype
+        self.cache = SlotKVCache.for_config(text_config, engine_config.num_slots, engine_config.max_model_len,
+                                            dtype, device)
+        self.scheduler = LMScheduler(engine_config.max_batch_size, engine_config.num_slots,
+                                     engine_config.max_model_len)
+        self._requests: dict[str, _Request] = {}  # request_id -> decoding state
 
     # The loop's interface.
     def add(self, request_id: str, job: ThinkerJob) -> None:
-        self._waiting[request_id] = job
+        self.scheduler.add(request_id, job.prompt.num_tokens, job.sampling.max_new_tokens)
+        self._requests[request_id] = _Request(job=job, generator=job.sampling.generator())
 
     def add_input(self, request_id: str, payload) -> None:
         raise ValueError("the thinker takes no streamed input")
 
     def abort(self, request_id: str) -> None:
-        self._waiting.pop(request_id, None)
-        self._running.pop(request_id, None)
+        self.scheduler.abort(request_id)
+        self._requests.pop(request_id, None)
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running)
+        return self.scheduler.has_work
 
     @property
     def queue_depth(self) -> int:
-        return len(self._waiting)
+        return self.scheduler.queue_depth
 
     @property
     def running(self) -> int:
-        return len(self._running)
+        return self.scheduler.running
 
     def step(self) -> list[tuple[str, object]]:
-        # Prefill one waiting request per step beside one decode step of every running one, so
-        # a long prompt delays running requests by at most one prefill.
+        plan = self.scheduler.schedule()
         events: list[tuple[str, object]] = []
-        decoding = list(self._running)
-        if self._waiting:
-            request_id = next(iter(self._waiting))
-            events += self.prefill(request_id, self._waiting.pop(request_id))
-        for request_id in decoding:
-            events += self.decode_step(request_id)
+        for request_id in plan.prefill:
+            events += self.prefill(request_id, plan.slots[request_id])
+        if plan.decode:
+            events += self.decode(list(plan.decode), [plan.slots[r] for r in plan.decode])
+        finished = {rid for rid, event in events if isinstance(event, Finished)}
+        self.scheduler.update(plan, finished)
+        for request_id in finished:
+            self._requests.pop(request_id, None)
         return events
 
     # Model work.
     @torch.inference_mode()
-    def prefill(self, request_id: str, job: ThinkerJob) -> list[tuple[str, object]]:
+    def prefill(self, request_id: str, slot: int) -> list[tuple[str, object]]:
+        """One request through the module's own path (as generate runs it), then into its slot."""
         from transformers import DynamicCache
 
+        request = self._requests[request_id]
+        job = request.job
         kwargs = {k: v.to(self.device) for k, v in job.prompt.model_kwargs().items()}
         position_ids = self.model._prepare_position_ids_for_generation(kwargs["input_ids"], dict(kwargs))
         cache = DynamicCache(config=self.model.config.text_config)
@@ -123,21 +147,29 @@ class ThinkerEngine:
             **kwargs, position_ids=position_ids, past_key_values=cache, use_cache=True,
             output_hidden_states=job.want_talker_inputs,
         )
-        state = _Running(job=job, cache=cache, last_position=position_ids[..., -1:].clone(),
-                         generator=job.sampling.generator())
-        self._running[request_id] = state
+        self.cache.load(slot, cache)
+        request.last_position = position_ids[..., -1:].clone()
         events: list[tuple[str, object]] = []
         if job.want_talker_inputs:
             events.append((request_id, self._prefilled(kwargs["input_ids"][0], out.hidden_states)))
-        return events + self._sample(request_id, state, out.logits[0, -1])
+        return events + self._sample(request_id, request, out.logits[0, -1])
 
     @torch.inference_mode()
-    def decode_step(self, request_id: str) -> list[tuple[str, object]]:
-        state = self._running[request_id]
-        state.last_position = state.last_position + 1
-        ids = torch.tensor([[state.generated[-1]]], device=self.device)
-        out = self.model(input_ids=ids, position_ids=state.last_position, past_key_values=state.cache, use_cache=True)
-        return self._sample(request_id, state, out.logits[0, -1])
+    def decode(self, request_ids: list[str], slots: list[int]) -> list[tuple[str, object]]:
+        """One decode step for every request in the batch, each over its own slot."""
+        requests = [self._requests[r] for r in request_ids]
+        for request in requests:
+            request.last_position = request.last_position + 1
+        ids = torch.tensor([[r.generated[-1]] for r in requests], device=self.device)  # [B, 1]
+        positions = torch.cat([r.last_position for r in requests], dim=1)  # [4, B, 1]
+        view = self.cache.batch(slots)
+        with batch_invariant(self.engine_config.exact_batching):
+            out = self.model(input_ids=ids, position_ids=positions, past_key_values=view, use_cache=True)
+        view.commit()
+        events: list[tuple[str, object]] = []
+        for row, (request_id, request) in enumerate(zip(request_ids, requests)):
+            events += self._sample(request_id, request, out.logits[row, -1])
+        return events
 
     def _prefilled(self, prompt_ids: torch.Tensor, hidden_states) -> Prefilled:
         # hidden_states[0]: [1, P, H] inputs of layer 0 (audio/image features merged in);
@@ -153,19 +185,18 @@ class ThinkerEngine:
             tts_embeds=tts.cpu(),
         )
 
-    def _sample(self, request_id: str, state: _Running, logits: torch.Tensor) -> list[tuple[str, object]]:
-        cfg = state.job.sampling
-        history = state.job.prompt.input_ids[0].tolist() + state.generated if cfg.repetition_penalty != 1.0 else []
-        token = select_token(logits, cfg, history, state.generator)
-        state.generated.append(token)
-        index = len(state.generated) - 1
-        last = token in self.eos_ids or len(state.generated) >= cfg.max_new_tokens
+    def _sample(self, request_id: str, request: _Request, logits: torch.Tensor) -> list[tuple[str, object]]:
+        cfg = request.job.sampling
+        history = request.job.prompt.input_ids[0].tolist() + request.generated if cfg.repetition_penalty != 1.0 else []
+        token = select_token(logits, cfg, history, request.generator)
+        request.generated.append(token)
+        index = len(request.generated) - 1
+        last = token in self.eos_ids or len(request.generated) >= cfg.max_new_tokens
         embedding = None
-        if state.job.want_talker_inputs:
+        if request.job.want_talker_inputs:
             embedding = self.embed(torch.tensor([token], device=self.device))[0].cpu()
         events: list[tuple[str, object]] = [(request_id, Token(token, index, embedding, last))]
         if last:
             reason = FinishReason.STOP if token in self.eos_ids else FinishReason.LENGTH
-            events.append((request_id, Finished(reason, state.job.prompt.num_tokens, len(state.generated))))
-            del self._running[request_id]
+            events.append((request_id, Finished(reason, request.job.prompt.num_tokens, len(request.generated))))
         return events

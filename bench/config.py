@@ -1,0 +1,130 @@
+"""The benchmark's configuration: built once from the command line, validated, frozen."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.systems import System
+from services.common.errors import UserError
+
+# Defaults sized so that `make bench` (tiny checkpoint, 2 CPU cores, all three systems at
+# concurrency 1, 4 and 16) ends in about 3-4 minutes, well inside its 10-minute budget even
+# on a busy machine. Random weights never emit EOS: every request runs to its max tokens.
+DEFAULT_CONCURRENCY = (1, 4, 16)
+DEFAULT_REQUESTS = 4  # per system, concurrency level and round; raised to the concurrency
+DEFAULT_ROUNDS = 2
+DEFAULT_MAX_NEW_TOKENS = 32
+DEFAULT_TALKER_MAX_NEW_TOKENS = 64  # 63 frames = 5.0 s of audio
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    checkpoint: str
+    out: Path
+    prompts_file: Path | None  # None = the built-in set
+    concurrency: tuple[int, ...]
+    requests: int  # per system, level and round; at least the level
+    rounds: int  # the systems alternate within each level, this many times
+    max_new_tokens: int
+    talker_max_new_tokens: int
+    voice: str | None
+    target: str | None  # a running router; None = start the stack here
+    device: str
+    dtype: str
+    threads: int  # torch threads per stage process and in this process (reference, floor)
+    systems: tuple[System, ...]
+    floor_repeats: int  # floor samples per prompt, half before and half after the runs
+    first_chunk_frames: int  # the talker's first chunk (its --first-chunk-frames)
+    prebuffer_ms: float  # the simulated player's start-up buffer
+    timeout_s: float
+
+    def requests_at(self, concurrency: int) -> int:
+        return max(self.requests, concurrency)
+
+    def stage_args(self) -> tuple[str, ...]:
+        """What every stage server gets, so the pipeline runs where the reference does."""
+        return ("--device", self.device, "--dtype", self.dtype)
+
+
+def resolved_threads(threads: int) -> int:
+    """0 = the launcher's default: a third of the cores per stage, at least 1."""
+    return threads if threads > 0 else max(1, (os.cpu_count() or 1) // 3)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="omni-bench",
+        description="Benchmark the streaming pipeline against the transformers reference (TTFT, TTFP, RTF, "
+                    "throughput, first-chunk floor, playback continuity).")
+    p.add_argument("--checkpoint", required=True, help="Qwen3-Omni checkpoint folder")
+    p.add_argument("--out", type=Path, default=Path("out"), help="writes bench.json and bench.png here (default out)")
+    p.add_argument("--prompts", type=Path, help="JSONL prompt set: {prompt, system?, audio?, image?} per line "
+                                                "(default: 8 built-in text prompts)")
+    p.add_argument("--concurrency", default=",".join(map(str, DEFAULT_CONCURRENCY)),
+                   help="comma-separated concurrency levels (default %(default)s)")
+    p.add_argument("--requests", type=int, default=DEFAULT_REQUESTS,
+                   help="requests per system, level and round; at least the level (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
+                   help="times the systems alternate within each level (default %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="thinker (default %(default)s)")
+    p.add_argument("--talker-max-new-tokens", type=int, default=DEFAULT_TALKER_MAX_NEW_TOKENS,
+                   help="talker; N tokens give at most N - 1 frames (default %(default)s)")
+    p.add_argument("--voice", help="speaker (default: the checkpoint's default)")
+    p.add_argument("--target", help="router host:port of a running stack (default: start one here)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ... for the reference, the floor and every "
+                                                   "stage started here (default cpu)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads per stage process and for the in-process reference "
+                        "(default 0: a third of the cores, at least 1)")
+    p.add_argument("--skip", default="", help="comma-separated systems not to run: reference, reference-batched, "
+                                              "pipeline")
+    p.add_argument("--floor-repeats", type=int, default=2, help="floor samples per prompt (default %(default)s)")
+    p.add_argument("--first-chunk-frames", type=int, default=4,
+                   help="frames in the talker's first chunk, as the talker is configured (default %(default)s)")
+    p.add_argument("--prebuffer-ms", type=float, default=0.0,
+                   help="simulated player's buffer before it starts playing (default %(default)s)")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request deadline in seconds")
+    return p
+
+
+def _levels(text: str) -> tuple[int, ...]:
+    try:
+        levels = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise UserError(f"--concurrency {text!r}: expected comma-separated integers like 1,4,16") from None
+    if not levels or any(n < 1 for n in levels):
+        raise UserError(f"--concurrency {text!r}: levels must be >= 1")
+    return tuple(sorted(set(levels)))
+
+
+def _systems(skip: str) -> tuple[System, ...]:
+    names = {s.value: s for s in System}
+    skipped = {x.strip() for x in skip.split(",") if x.strip()}
+    unknown = skipped - set(names)
+    if unknown:
+        raise UserError(f"--skip: unknown systems {sorted(unknown)}; known: {', '.join(names)}")
+    systems = tuple(s for s in System if s.value not in skipped)
+    if not systems:
+        raise UserError("--skip: nothing left to run")
+    return systems
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    for name in ("requests", "rounds", "max_new_tokens", "talker_max_new_tokens", "floor_repeats",
+                 "first_chunk_frames"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.prebuffer_ms < 0 or args.timeout <= 0 or args.threads < 0:
+        raise UserError("--prebuffer-ms and --threads must be >= 0, --timeout > 0")
+    return BenchConfig(
+        checkpoint=str(args.checkpoint), out=args.out, prompts_file=args.prompts, concurrency=_levels(args.concurrency),
+        requests=args.requests, rounds=args.rounds, max_new_tokens=args.max_new_tokens,
+        talker_max_new_tokens=args.talker_max_new_tokens, voice=args.voice, target=args.target,
+        device=args.device, dtype=args.dtype, threads=resolved_threads(args.threads), systems=_systems(args.skip),
+        floor_repeats=args.floor_repeats, first_chunk_frames=args.first_chunk_frames,
+        prebuffer_ms=args.prebuffer_ms, timeout_s=args.timeout,
+    )

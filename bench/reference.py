@@ -1,0 +1,116 @@
+"""The transformers reference for the benchmark: `Qwen3OmniMoeForConditionalGeneration.generate`,
+greedy, one request per call or a batch of them.
+
+The model is the one `services.common.reference.ReferenceRunner` loads (same prompt builder, same
+greedy settings: thinker and talker `do_sample=False`, generate's talker repetition penalty 1.05,
+which the talker service uses too). The benchmark calls `generate` itself rather than
+`ReferenceRunner.generate` because it needs a batch (left-padded, which `generate` supports for
+text, audio and image prompts in transformers 5.19) and inputs moved to the model's device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from bench.prompts import BenchPrompt
+from services.common.prompt import PromptInputs, resolve_voice
+from services.common.reference import ReferenceRunner
+
+
+@dataclass(frozen=True)
+class Generated:
+    text_tokens: int  # generated thinker tokens, the end token included when emitted
+    audio_seconds: float
+
+
+def load_reference(checkpoint: str, device: str = "cpu", dtype: str = "float32") -> ReferenceRunner:
+    """ReferenceRunner, in `dtype` on `device` (the runner itself loads float32 only)."""
+    if dtype == "float32":
+        return ReferenceRunner(checkpoint, device=device)
+    # NOTE: a 30B checkpoint does not fit in host memory as float32, so load in `dtype` directly;
+    # the rest mirrors ReferenceRunner.__init__.
+    import transformers
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    from services.common.checkpoint import check_folder
+    from services.common.prompt import PromptBuilder
+
+    folder = check_folder(checkpoint)
+    runner = ReferenceRunner.__new__(ReferenceRunner)
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        runner.model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(str(folder), dtype=getattr(torch, dtype))
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    runner.model.to(device).eval()
+    runner.config = runner.model.config
+    if not hasattr(runner.config.talker_config, "audio_config"):
+        runner.config.talker_config.audio_config = runner.config.thinker_config.audio_config
+    runner.prompts = PromptBuilder(folder, runner.config)
+    runner.eos_id = runner.config.im_end_token_id
+    runner.sample_rate = 24000
+    return runner
+
+
+def collate(inputs: list[PromptInputs], pad_id: int) -> dict[str, torch.Tensor]:
+    """Per-request model inputs -> one batch, left-padded.
+
+    Left: generate appends on the right, and the talker part finds the assistant turn from the
+    end of row 0. Audio features [n_audio, 128, T] are right-padded to the longest T (its mask
+    marks the padding); image patches and grids concatenate, as the processor batches them.
+    """
+    width = max(i.num_tokens for i in inputs)
+    ids = torch.full((len(inputs), width), pad_id, dtype=torch.long)  # [B, P]
+    mask = torch.zeros((len(inputs), width), dtype=torch.long)
+    for row, item in enumerate(inputs):
+        ids[row, width - item.num_tokens:] = item.input_ids[0]
+        mask[row, width - item.num_tokens:] = item.attention_mask[0]
+    batch = {"input_ids": ids, "attention_mask": mask}
+    audio = [i for i in inputs if i.input_features is not None]
+    if audio:
+        frames = max(i.input_features.shape[-1] for i in audio)
+        pad = lambda t: torch.nn.functional.pad(t, (0, frames - t.shape[-1]))  # noqa: E731
+        batch["input_features"] = torch.cat([pad(i.input_features) for i in audio])
+        batch["feature_attention_mask"] = torch.cat([pad(i.feature_attention_mask) for i in audio])
+    images = [i for i in inputs if i.pixel_values is not None]
+    if images:
+        batch["pixel_values"] = torch.cat([i.pixel_values for i in images])
+        batch["image_grid_thw"] = torch.cat([i.image_grid_thw for i in images])
+    return batch
+
+
+class Reference:
+    """Greedy text + audio generation with the whole transformers model, nothing streamed."""
+
+    def __init__(self, runner: ReferenceRunner, device: str, voice: str | None, max_new_tokens: int,
+                 talker_max_new_tokens: int):
+        self.runner = runner
+        self.device = device
+        self.speaker, _ = resolve_voice(runner.config, voice)
+        self.max_new_tokens = max_new_tokens
+        self.talker_max_new_tokens = talker_max_new_tokens
+        tokenizer = runner.prompts.tokenizer
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(runner.eos_id)
+
+    def generate(self, prompts: list[BenchPrompt]) -> list[Generated]:
+        """One generate call over all `prompts` (a batch when more than one), prompt building included."""
+        inputs = [self.runner.prompts.build(p.messages()) for p in prompts]
+        batch = {k: v.to(self.device) for k, v in collate(inputs, self.pad_id).items()}
+        with torch.inference_mode():
+            sequences, wav = self.runner.model.generate(
+                **batch, speaker=self.speaker, return_audio=True,
+                thinker_max_new_tokens=self.max_new_tokens, thinker_eos_token_id=self.runner.eos_id,
+                thinker_do_sample=False, talker_max_new_tokens=self.talker_max_new_tokens, talker_do_sample=False,
+            )
+        # One request: wav [1, 1, samples]; a batch: a list of [samples_i], each cut at its own end.
+        wavs = [wav.reshape(-1)] if len(prompts) == 1 else list(wav)
+        generated = sequences[:, batch["input_ids"].shape[1]:].cpu()  # [B, new]
+        out = []
+        for row, samples in zip(generated.tolist(), wavs):
+            end = row.index(self.runner.eos_id) + 1 if self.runner.eos_id in row else len(row)
+            out.append(Generated(text_tokens=end, audio_seconds=int(samples.shape[-1]) / self.runner.sample_rate))
+        return out
+

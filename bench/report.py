@@ -1,0 +1,212 @@
+"""The benchmark's result: one typed object, rendered as a terminal table and a JSON file."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.config import BenchConfig
+from bench.floor import FloorSummary
+from bench.machine import Machine
+from bench.metrics import BlockSummary, Percentiles, ratio, simulate_playback
+from bench.systems import RequestRecord, System
+
+SCHEMA = "omni-bench/1"
+
+NOTES = (
+    "TTFT: request sent -> first text delta; TTFP: request sent -> first audio chunk; RTF: (last audio chunk - "
+    "request sent) / seconds of audio; all at the client (DESIGN.md, Measures).",
+    "reference and reference-batched: transformers' generate streams nothing, so TTFT = TTFP = the time to the "
+    "whole response, and their continuity is perfect by construction (one chunk).",
+    "reference at concurrency N: N clients in front of one generate at a time (latency includes the wait); "
+    "reference-batched: one generate per batch of N requests sent together.",
+    "Throughput: completed requests (and seconds of audio) per wall second, first send to last completion of "
+    "each block, summed over rounds. Systems alternate within each level (rounds), so drift hits all of them.",
+    "floor: thinker prefill + first tokens, talker prefill + first chunk of frames, one code2wav push, timed "
+    "in-process on the same modules, one after the other; TTFP/floor = p50 TTFP / median floor.",
+    "underruns: simulated playback from chunk arrival times, starting at the first chunk (+ prebuffer); a chunk "
+    "arriving after the audio before it ran out is one underrun, as long as the gap.",
+)
+
+
+@dataclass(frozen=True)
+class ResultRow:
+    system: System
+    concurrency: int
+    summary: BlockSummary
+    ttfp_over_floor: float | None  # p50 TTFP / median floor
+
+
+@dataclass(frozen=True)
+class RatioRow:
+    """pipeline / baseline at one concurrency: < 1 is better for latencies and RTF, > 1 for throughput."""
+
+    concurrency: int
+    baseline: System
+    ttft_p50: float | None
+    ttfp_p50: float | None
+    rtf_p50: float | None
+    req_per_s: float | None
+    audio_s_per_s: float | None
+
+
+@dataclass(frozen=True)
+class Skipped:
+    system: System
+    concurrency: int | None  # None: every level
+    reason: str
+
+
+@dataclass(frozen=True)
+class BenchReport:
+    created: str  # ISO 8601, UTC
+    machine: Machine
+    config: BenchConfig
+    checkpoint_name: str
+    prompts: list[str]  # label and modalities of each prompt
+    notes: tuple[str, ...]
+    floor: FloorSummary | None
+    results: list[ResultRow]
+    ratios: list[RatioRow]
+    skipped: list[Skipped]
+    requests: list[RequestRecord]
+    setup_s: dict[str, float]  # step -> seconds: reference load, stack start, warm-up, floor
+    wall_s: float
+
+    def row(self, system: System, concurrency: int) -> ResultRow | None:
+        return next((r for r in self.results if r.system is system and r.concurrency == concurrency), None)
+
+
+def ratios_for(results: list[ResultRow]) -> list[RatioRow]:
+    out = []
+    for pipe in (r for r in results if r.system is System.PIPELINE):
+        for base in (r for r in results if r.system is not System.PIPELINE and r.concurrency == pipe.concurrency):
+            p, b = pipe.summary, base.summary
+            out.append(RatioRow(
+                concurrency=pipe.concurrency, baseline=base.system,
+                ttft_p50=ratio(p.ttft_ms.p50, b.ttft_ms.p50), ttfp_p50=ratio(p.ttfp_ms.p50, b.ttfp_ms.p50),
+                rtf_p50=ratio(p.rtf.p50, b.rtf.p50), req_per_s=ratio(p.req_per_s, b.req_per_s),
+                audio_s_per_s=ratio(p.audio_s_per_s, b.audio_s_per_s),
+            ))
+    return out
+
+
+# JSON.
+
+def _jsonable(value):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float):
+        return None if math.isnan(value) or math.isinf(value) else round(value, 6)
+    return value
+
+
+def _request_json(record: RequestRecord, prebuffer_s: float) -> dict:
+    timing, outcome = record.outcome.timing, record.outcome
+    out = {"system": record.system.value, "concurrency": record.concurrency, "round": record.round,
+           "prompt_index": record.prompt_index, "text_tokens": outcome.text_tokens, "error": outcome.error}
+    if timing is not None:
+        play = simulate_playback(timing.audio_times, timing.audio_durations, prebuffer_s)
+        out.update({
+            "ttft_ms": None if timing.ttft_s is None else timing.ttft_s * 1000,
+            "ttfp_ms": None if timing.ttfp_s is None else timing.ttfp_s * 1000,
+            "rtf": timing.rtf, "audio_seconds": timing.audio_seconds,
+            "underruns": play.underruns, "underrun_s": play.underrun_s,
+            "timeline_s": {"text": timing.text_times, "audio": timing.audio_times,
+                           "audio_durations": timing.audio_durations, "done": timing.done},
+        })
+    return _jsonable(out)
+
+
+def to_json(report: BenchReport) -> dict:
+    out = {"schema": SCHEMA}
+    for f in dataclasses.fields(report):
+        if f.name == "requests":
+            continue
+        out[f.name] = _jsonable(getattr(report, f.name))
+    out["machine"]["label"] = report.machine.label
+    if report.floor is not None:
+        for sample, raw in zip(report.floor.samples, out["floor"]["samples"]):
+            raw["total_ms"] = round(sample.total_ms, 6)
+    prebuffer_s = report.config.prebuffer_ms / 1000
+    out["requests"] = [_request_json(r, prebuffer_s) for r in report.requests]
+    return out
+
+
+def write_json(report: BenchReport, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(to_json(report), indent=1) + "\n")
+
+
+# Terminal table.
+
+def _num(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _trio(p: Percentiles, digits: int = 0) -> str:
+    return "/".join(_num(v, digits) for v in (p.p50, p.p90, p.p99))
+
+
+COLUMNS = ("system", "conc", "n", "err", "TTFT ms p50/p90/p99", "TTFP ms p50/p90/p99", "RTF p50/p90/p99",
+           "req/s", "audio s/s", "underruns/req", "gap s/req", "TTFP/floor")
+
+
+def _result_cells(row: ResultRow) -> tuple[str, ...]:
+    s = row.summary
+    c = s.continuity
+    return (row.system.value, str(row.concurrency), str(s.requests), str(s.errors), _trio(s.ttft_ms),
+            _trio(s.ttfp_ms), _trio(s.rtf, 2), _num(s.req_per_s, 2), _num(s.audio_s_per_s, 2),
+            _num(c.underruns_per_request.mean, 2), _num(c.underrun_s_per_request.mean, 3),
+            _num(row.ttfp_over_floor, 1))
+
+
+def _grid(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    fmt = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    return [fmt(header), fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in rows]
+
+
+def render_table(report: BenchReport) -> str:
+    cfg = report.config
+    lines = [
+        f"omni-bench  {report.checkpoint_name} on {report.machine.label} (torch {report.machine.torch}, "
+        f"{cfg.threads} thread(s) per process, device {cfg.device} {cfg.dtype})",
+        f"  {len(report.prompts)} prompts, thinker {cfg.max_new_tokens} / talker {cfg.talker_max_new_tokens} max "
+        f"new tokens, greedy; {cfg.rounds} rounds per level; load average at start "
+        f"{'/'.join(str(x) for x in report.machine.load_average)}",
+    ]
+    f = report.floor
+    if f is not None:
+        lines.append(
+            f"  first-chunk floor ({f.first_chunk_frames} frames, in-process, median of {len(f.samples)}): "
+            f"{f.floor_ms:.0f} ms = thinker prefill {f.thinker_prefill_ms:.0f} + decode {f.thinker_decode_ms:.0f}"
+            f" + talker prefill {f.talker_prefill_ms:.0f} + decode {f.talker_decode_ms:.0f} + code2wav "
+            f"{f.code2wav_ms:.0f} (prompt building {f.prompt_ms:.0f} ms, not counted)")
+    lines.append("")
+    rows = sorted(report.results, key=lambda r: (r.concurrency, list(System).index(r.system)))
+    lines += _grid(COLUMNS, [_result_cells(r) for r in rows])
+    if report.ratios:
+        lines.append("")
+        header = ("pipeline / baseline", "conc", "TTFT p50", "TTFP p50", "RTF p50", "req/s", "audio s/s")
+        lines += _grid(header, [(r.baseline.value, str(r.concurrency), _num(r.ttft_p50, 2), _num(r.ttfp_p50, 2),
+                                 _num(r.rtf_p50, 2), _num(r.req_per_s, 2), _num(r.audio_s_per_s, 2))
+                                for r in report.ratios])
+    for skip in report.skipped:
+        where = "all levels" if skip.concurrency is None else f"concurrency {skip.concurrency}"
+        lines.append(f"  skipped {skip.system.value} at {where}: {skip.reason}")
+    lines.append("  reference rows: TTFT = TTFP = whole-response time (generate streams nothing).")
+    lines.append(f"  total {report.wall_s:.0f} s")
+    return "\n".join(lines)

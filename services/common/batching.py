@@ -1,0 +1,157 @@
+"""Batched decode on transformers modules: fixed-capacity KV slots and batch-invariant kernels.
+
+Prefill runs one request at a time through the module's own code path (a DynamicCache), exactly
+as `generate` does; its keys and values are then copied into the request's slot of a KV cache
+allocated once at start-up. Decode steps of many requests run as one batch: the projections,
+MLPs and MoE experts see [batch, ...] inputs, while attention runs per row over that row's own
+slot (a custom attention function registered with transformers), so requests of different
+lengths share a step without padding.
+
+NOTE: exactness. A GEMM over B rows does not give bit-identical rows to B separate GEMVs
+(different CPU kernels and blocking; measured up to 1e-4 absolute on 2048-wide layers). Greedy
+decoding must not depend on who else is in the batch, so in exact mode every linear layer
+computes each request's rows with one `bmm` batch item per request: bmm's per-item kernel equals
+the single-request `F.linear` bit for bit (checked for 1 and 2 rows per item, 1 and 2 threads,
+with and without bias: tests/common/test_batching.py). That keeps the per-step Python and
+dispatch work shared by the batch (what limits small models) but gives up GEMM efficiency, so
+on GPUs, where FLOPs matter, exact mode is off by default (`--exact-batching` toggles it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+ROWWISE_ATTENTION = "omni_rowwise"
+_original_linear = F.linear
+_local = threading.local()
+
+
+def _batch_invariant_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    # [B, T, K]: B requests of T tokens each; [R, K]: R single-token requests; else unchanged.
+    if not getattr(_local, "active", False) or input.ndim not in (2, 3) or input.shape[0] <= 1:
+        return _original_linear(input, weight, bias)
+    rows = input if input.ndim == 3 else input.unsqueeze(1)  # [B, T, K]
+    out = torch.bmm(rows, weight.t().unsqueeze(0).expand(rows.shape[0], -1, -1))  # [B, T, N]
+    if bias is not None:
+        out = out + bias
+    return out if input.ndim == 3 else out.squeeze(1)
+
+
+F.linear = _batch_invariant_linear  # inactive (plain F.linear) unless a thread enables it
+
+
+@contextlib.contextmanager
+def batch_invariant(enabled: bool = True):
+    """Within this block, on this thread, linear layers compute each request separately."""
+    previous = getattr(_local, "active", False)
+    _local.active = enabled
+    try:
+        yield
+    finally:
+        _local.active = previous
+
+
+class RowKV(list):
+    """Per-row key (or value) tensors of a batch, each [1, kv_heads, length_i, head_dim]."""
+
+
+def _rowwise_attention(module, query, key, value, attention_mask, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if not isinstance(key, RowKV):  # a single request (prefill): plain SDPA, as transformers runs it
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    # query: [B, heads, T, head_dim]; each row attends only to its own slot.
+    outputs = [
+        sdpa_attention_forward(module, query[i:i + 1], key[i], value[i], None, **kwargs)[0]
+        for i in range(query.shape[0])
+    ]
+    return torch.cat(outputs, dim=0), None  # [B, T, heads, head_dim]
+
+
+def use_rowwise_attention(*configs) -> None:
+    """Switch these (text) configs to the row-wise attention; with one request it is SDPA."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ROWWISE_ATTENTION, _rowwise_attention)
+    for config in configs:
+        config._attn_implementation = ROWWISE_ATTENTION
+
+
+class SlotKVCache:
+    """Keys and values of up to `slots` requests, [slots, kv_heads, max_len, head_dim] per layer,
+    allocated once. A request holds one slot from prefill to its end."""
+
+    def __init__(self, num_layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        shape = (slots, kv_heads, max_len, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.lengths = [0] * slots  # tokens stored per slot
+        self.max_len = max_len
+
+    @classmethod
+    def for_config(cls, text_config, slots: int, max_len: int, dtype, device) -> "SlotKVCache":
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+        return cls(text_config.num_hidden_layers, slots, text_config.num_key_value_heads, max_len, head_dim,
+                   dtype, device)
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def load(self, slot: int, cache) -> None:
+        """Copy a prefilled DynamicCache (batch 1) into `slot`."""
+        length = cache.get_seq_length()
+        if length > self.max_len:
+            raise ValueError(f"prompt of {length} tokens exceeds the cache's {self.max_len}")
+        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
+            k[slot, :, :length] = cache.layers[layer].keys[0]
+            v[slot, :, :length] = cache.layers[layer].values[0]
+        self.lengths[slot] = length
+
+    def reset(self, slot: int) -> None:
+        self.lengths[slot] = 0
+
+    def batch(self, slots: list[int]) -> "BatchView":
+        return BatchView(self, slots)
+
+
+@dataclass
+class BatchView:
+    """Passed as `past_key_values` for one batched step over `slots` (row i -> slots[i])."""
+
+    cache: SlotKVCache
+    slots: list[int]
+
+    def __post_init__(self):
+        self.starts = [self.cache.lengths[s] for s in self.slots]  # lengths when the step began
+        self.new_tokens = 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs=None):
+        # key_states: [B, kv_heads, T, head_dim] for this step's T new tokens per row.
+        tokens = key_states.shape[2]
+        self.new_tokens = tokens
+        keys, values = RowKV(), RowKV()
+        k_all, v_all = self.cache.keys[layer_idx], self.cache.values[layer_idx]
+        for row, (slot, start) in enumerate(zip(self.slots, self.starts)):
+            end = start + tokens
+            if end > self.cache.max_len:
+                raise ValueError(f"slot {slot} is full ({self.cache.max_len} tokens)")
+            k_all[slot, :, start:end] = key_states[row]
+            v_all[slot, :, start:end] = value_states[row]
+            keys.append(k_all[slot:slot + 1, :, :end])
+            values.append(v_all[slot:slot + 1, :, :end])
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(self.starts, default=0)
+
+    def commit(self) -> None:
+        """After the forward: the step's tokens are now part of each slot."""
+        for slot, start in zip(self.slots, self.starts):
+            self.cache.lengths[slot] = start + self.new_tokens
