@@ -175,7 +175,8 @@ def warm_up(config: BenchConfig, systems: dict, prompts: list[BenchPrompt], skip
         if outcome.timing is None:
             raise UserError(f"pipeline warm-up request failed: {outcome.error}")
     reference: ReferenceSystem = systems[System.REFERENCE]
-    reference.reference.generate([first])
+    if System.REFERENCE in config.systems:
+        reference.reference.generate([first])
     batched_levels = [n for n in config.concurrency if n > 1]
     if System.REFERENCE_BATCHED in config.systems and batched_levels:
         batch = [prompts[i % len(prompts)] for i in range(min(batched_levels[0], 2))]

@@ -1,7 +1,9 @@
-"""The code2wav engine: decodes the codec chunks that are ready, request by request.
+"""The code2wav engine: decodes the codec chunks that are ready, in one batch.
 
 Each request owns a `StreamingDecoder` (left context + held-back tail, see streaming.py); the
-engine keeps a FIFO of received chunks per request and, each step, decodes every pending chunk.
+engine keeps a FIFO of received chunks per request; each step takes the oldest chunk of every
+request and decodes the windows of equal length together (after the first chunk nearly all
+windows are context + 25 frames, so they batch).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from services.code2wav.streaming import StreamingDecoder, VocoderGeometry, measure_geometry
+from services.code2wav.streaming import StreamingDecoder, VocoderGeometry, forward_batch, measure_geometry
 
 
 @dataclass(frozen=True)
@@ -85,20 +87,30 @@ class Code2WavEngine:
         return len(self._states)
 
     def step(self) -> list[tuple[str, object]]:
+        # Take every request's next pending item; decode all chunk windows of equal length in
+        # one forward (a batch), each request's chunks in order.
         events: list[tuple[str, object]] = []
+        windows: dict[int, list[tuple[str, torch.Tensor]]] = {}  # window length -> [(request_id, window)]
         for request_id, state in list(self._states.items()):
-            while state.pending:
-                item = state.pending.popleft()
-                if isinstance(item, CodecEnd):
-                    first = state.decoder.samples_emitted
-                    tail = state.decoder.finish()
-                    if tail.size:
-                        events.append((request_id, Audio(tail, first)))
-                    events.append((request_id, Decoded(state.decoder.samples_emitted, state.decoder.frames_seen)))
-                    del self._states[request_id]
-                    break
+            if not state.pending:
+                continue
+            item = state.pending.popleft()
+            if isinstance(item, CodecEnd):
                 first = state.decoder.samples_emitted
-                samples = state.decoder.push(item.frames)
+                tail = state.decoder.finish()
+                if tail.size:
+                    events.append((request_id, Audio(tail, first)))
+                events.append((request_id, Decoded(state.decoder.samples_emitted, state.decoder.frames_seen)))
+                del self._states[request_id]
+            elif item.frames.shape[0]:
+                window = state.decoder.window(item.frames)
+                windows.setdefault(window.shape[0], []).append((request_id, window))
+        for group in windows.values():
+            wavs = forward_batch(self.model, torch.stack([w for _, w in group]))  # [G, samples]
+            for (request_id, window), wav in zip(group, wavs):
+                decoder = self._states[request_id].decoder
+                first = decoder.samples_emitted
+                samples = decoder.accept(window, wav)
                 if samples.size:
                     events.append((request_id, Audio(samples, first)))
         return events

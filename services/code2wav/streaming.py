@@ -60,10 +60,15 @@ def _model_device(model) -> torch.device:
 def _forward(model, frames: torch.Tensor) -> torch.Tensor:
     # frames [n, Q] int64, time-major -> codes [1, Q, n] -> wav [1, 1, n*U - L]
     # -> [n*U - L] float32, still on the model's device.
-    codes = frames.to(device=_model_device(model), dtype=torch.long).t().unsqueeze(0)
+    return forward_batch(model, frames.unsqueeze(0))[0]
+
+
+def forward_batch(model, windows: torch.Tensor) -> torch.Tensor:
+    """windows [B, n, Q] (equal lengths) -> wav [B, n*U - L] float32: one vocoder forward."""
+    codes = windows.to(device=_model_device(model), dtype=torch.long).transpose(1, 2)  # [B, Q, n]
     with torch.inference_mode():
         wav = model(codes)
-    return wav[0, 0].float()
+    return wav[:, 0].float()
 
 
 def measure_geometry(model) -> VocoderGeometry:
@@ -122,20 +127,22 @@ class StreamingDecoder:
     def samples_emitted(self) -> int:
         return self._samples_emitted
 
-    def push(self, frames: torch.Tensor) -> np.ndarray:
-        """Decode a chunk of frames [n, Q]; return the float32 samples that are now final."""
+    def window(self, frames: torch.Tensor) -> torch.Tensor:
+        """The frames to decode for this chunk: [c + n, Q], the left context then the chunk."""
         if self._finished:
             raise RuntimeError("push() after finish()")
         if frames.dim() != 2 or frames.shape[1] != self.num_quantizers:
             raise ValueError(f"expected frames [n, {self.num_quantizers}], got {list(frames.shape)}")
-        n = frames.shape[0]
-        if n == 0:
-            return EMPTY.copy()
-        U, L = self.geometry.samples_per_frame, self.geometry.lookahead_samples
         frames = frames.to(device=self._context.device, dtype=torch.long)
-        window = torch.cat([self._context, frames])  # [c + n, Q]
+        return torch.cat([self._context, frames])
+
+    def accept(self, window: torch.Tensor, wav: torch.Tensor) -> np.ndarray:
+        """Take the vocoder's output for `window` (from `window()`, possibly decoded in a batch
+        with other requests' windows); advance; return the float32 samples now final."""
+        U, L = self.geometry.samples_per_frame, self.geometry.lookahead_samples
+        n = window.shape[0] - self._context.shape[0]
         window_start = self._frames_seen - self._context.shape[0]  # global frame index of window[0]
-        wav = _forward(self.model, window)  # global samples [window_start*U, (frames_seen+n)*U - L)
+        # wav holds global samples [window_start*U, (frames_seen+n)*U - L)
         new = wav[self._samples_emitted - window_start * U :]  # [n*U] after the first chunk, n*U - L on it
         # Clone: a view would keep the whole [c + n, Q] window alive.
         self._context = window[max(0, window.shape[0] - self.left_context) :].clone()
@@ -143,6 +150,13 @@ class StreamingDecoder:
         self._samples_emitted += new.shape[-1]
         assert self._samples_emitted == self._frames_seen * U - L, "vocoder output length drifted"
         return new.cpu().numpy()
+
+    def push(self, frames: torch.Tensor) -> np.ndarray:
+        """Decode a chunk of frames [n, Q]; return the float32 samples that are now final."""
+        if frames.shape[0] == 0 and not self._finished:
+            return EMPTY.copy()
+        window = self.window(frames)
+        return self.accept(window, _forward(self.model, window))
 
     def finish(self) -> np.ndarray:
         """End of stream: the held-back tail. The forward already trims the L samples that

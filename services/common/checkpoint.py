@@ -30,9 +30,10 @@ def check_folder(folder: str | Path) -> Path:
     if not (path / "config.json").is_file():
         raise UserError(f"not a Qwen3-Omni checkpoint (no config.json): {path}")
     try:
-        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        data = json.loads((path / "config.json").read_text())
     except json.JSONDecodeError as exc:
         raise UserError(f"{path / 'config.json'}: not valid JSON ({exc})") from None
+    model_type = data.get("model_type") if isinstance(data, dict) else None
     if model_type != "qwen3_omni_moe":
         raise UserError(f"{path}: model_type is {model_type!r}, expected 'qwen3_omni_moe'")
     if not any(path.glob("*.safetensors")):

@@ -53,8 +53,10 @@ class ReferenceRunner:
         folder = check_folder(checkpoint)
         verbosity = transformers.logging.get_verbosity()
         transformers.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
         try:
             self.model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(str(folder), dtype=torch.float32)
+            self.prompts = PromptBuilder(folder, self.model.config)
         finally:
             transformers.logging.set_verbosity(verbosity)
         self.model.to(device).eval()
@@ -62,7 +64,6 @@ class ReferenceRunner:
         # transformers bug (NOTES): audio + image in one prompt fails in the talker without this.
         if not hasattr(self.config.talker_config, "audio_config"):
             self.config.talker_config.audio_config = self.config.thinker_config.audio_config
-        self.prompts = PromptBuilder(folder, self.config)
         self.eos_id = self.config.im_end_token_id
         self.sample_rate = 24000
 
@@ -127,6 +128,14 @@ def messages_from_args(prompt: str, system: str | None, audio: Path | None, imag
     return messages + [ChatMessage(Role.USER, tuple(parts))]
 
 
+def cli_flag(field: str) -> str:
+    """A request field named by InvalidArgument -> the CLI flag that set it."""
+    for part, flag in (("audio", "--audio"), ("image", "--image"), ("voice", "--voice")):
+        if field.endswith(part):
+            return flag
+    return "--prompt" if field.startswith("messages") else field
+
+
 def write_wav(path: Path, audio: np.ndarray, sample_rate: int) -> None:
     import soundfile as sf
 
@@ -151,12 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> None:
         from services.common.errors import InvalidArgument
 
+        messages = messages_from_args(args.prompt, args.system, args.audio, args.image)  # files first
         runner = ReferenceRunner(args.checkpoint)
         try:
-            messages = messages_from_args(args.prompt, args.system, args.audio, args.image)
             result = runner.generate(messages, args.voice, args.max_new_tokens, args.talker_max_new_tokens)
         except InvalidArgument as exc:
-            raise UserError(str(exc).replace("messages[0].content", "input").replace("voice:", "--voice:"))
+            raise UserError(f"{cli_flag(exc.field)}: {str(exc).split(': ', 1)[1]}") from None
         if args.out:
             write_wav(args.out, result.audio, result.sample_rate)
         if args.json:

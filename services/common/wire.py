@@ -6,6 +6,7 @@ bfloat16 has no numpy dtype, so it crosses as its 16-bit pattern.
 
 from __future__ import annotations
 
+import math
 import sys
 
 import numpy as np
@@ -47,7 +48,7 @@ def tensor_from_proto(p: common_pb2.Tensor) -> torch.Tensor:
     dtype = _WIRE_TO_TORCH[p.dtype]
     carrier = _CARRIER.get(dtype, dtype)
     itemsize = torch.empty((), dtype=carrier).element_size()
-    count = int(np.prod(p.shape)) if len(p.shape) else 1
+    count = math.prod(p.shape)  # exact Python ints: no int64 wrap-around on absurd shapes
     if any(d < 0 for d in p.shape) or count * itemsize != len(p.data):
         raise WireError(f"tensor bytes ({len(p.data)}) do not match shape {list(p.shape)} of {dtype}")
     if count == 0:

@@ -228,8 +228,6 @@ def test_invalid_config_json_is_a_user_error(tmp_path):
     assert str(tmp_path) in str(err.value)
 
 
-@pytest.mark.xfail(reason="checkpoint.py check_folder calls .get on whatever config.json holds; a JSON "
-                          "list raises AttributeError", strict=False)
 def test_config_json_that_is_not_an_object_is_a_user_error(tmp_path):
     (tmp_path / "config.json").write_text("[]")
     with pytest.raises(UserError):

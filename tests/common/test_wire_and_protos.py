@@ -206,8 +206,6 @@ def test_tensor_bytes_not_matching_shape_is_a_wire_error():
         tensor_from_proto(scalar_without_bytes)
 
 
-@pytest.mark.xfail(reason="wire.py: np.prod(shape) wraps around in int64, so [2**62, 4] passes the size "
-                          "check with no bytes and torch.empty raises RuntimeError; use math.prod", strict=False)
 def test_shape_overflowing_int64_is_a_wire_error():
     with pytest.raises(WireError):
         tensor_from_proto(common_pb2.Tensor(dtype=common_pb2.Tensor.DTYPE_FLOAT32, shape=[2**62, 4], data=b""))
