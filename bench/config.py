@@ -14,7 +14,7 @@ from services.common.errors import UserError
 # concurrency 1, 4 and 16) ends in about 3-4 minutes, well inside its 10-minute budget even
 # on a busy machine. Random weights never emit EOS: every request runs to its max tokens.
 DEFAULT_CONCURRENCY = (1, 4, 16)
-DEFAULT_REQUESTS = 4  # per system, concurrency level and round; raised to the concurrency
+DEFAULT_REQUESTS = 8  # per system, concurrency level and round; raised to the concurrency
 DEFAULT_ROUNDS = 2
 DEFAULT_MAX_NEW_TOKENS = 32
 DEFAULT_TALKER_MAX_NEW_TOKENS = 64  # 63 frames = 5.0 s of audio

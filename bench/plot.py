@@ -20,7 +20,7 @@ def write_plot(report: BenchReport, path: Path) -> None:
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    fig, (ax_ttfp, ax_rps) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax_ttfp, ax_rps) = plt.subplots(1, 2, figsize=(11, 5))
     for system in System:
         rows = sorted((r for r in report.results if r.system is system and r.summary.requests),
                       key=lambda r: r.concurrency)
@@ -45,13 +45,14 @@ def write_plot(report: BenchReport, path: Path) -> None:
         ax.set_ylabel(ylabel)
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
     ax_ttfp.set_yscale("log")
     ax_rps.set_ylim(bottom=0)
     cfg = report.config
     fig.suptitle(f"omni-bench: {report.checkpoint_name}, thinker {cfg.max_new_tokens} / talker "
                  f"{cfg.talker_max_new_tokens} tokens, {cfg.device} {cfg.dtype}\n{report.machine.label}", fontsize=9)
-    fig.tight_layout()
+    handles, labels = ax_ttfp.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -16,6 +16,7 @@ from services.common.config import StageConfig, add_stage_flags, env_default, st
 from services.common.engine_loop import EngineFailed, EngineLoop, EventSink
 from services.common.errors import InvalidArgument, run_cli
 from services.common.grpc_server import ServerHandle, abort_for, build_server, serve_until_signal, setup_logging
+from services.common.metrics import StageMetrics
 from services.common.service_main import load_and_prepare, write_port_file
 from services.common.wire import WireError, audio_to_proto, frames_from_proto
 
@@ -100,7 +101,9 @@ async def create_server(config: Code2WavConfig) -> tuple[ServerHandle, EngineLoo
 
     loaded = load_and_prepare(config.stage, Stage.CODE2WAV)
     engine = Code2WavEngine(loaded.model, loaded.config, left_context=config.left_context)
-    loop = EngineLoop(engine, "code2wav")
+    metrics = StageMetrics("code2wav")
+    metrics.serve(config.stage.metrics_port)
+    loop = EngineLoop(engine, "code2wav", metrics)
     loop.start()
     handle = build_server(config.stage.host, config.stage.port, (SERVICE,), config.stage.max_message_bytes)
     stages_pb2_grpc.add_Code2WavServicer_to_server(Code2WavServicer(loop, engine), handle.server)

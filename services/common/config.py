@@ -30,6 +30,7 @@ class StageConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     grace_s: float = 30.0  # SIGTERM: time to finish in-flight streams
     threads: int = 0  # torch intra-op threads; 0 = torch's default
+    metrics_port: int = 0  # Prometheus /metrics over HTTP; 0 = off
 
 
 def add_stage_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
@@ -43,6 +44,8 @@ def add_stage_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--grace-s", type=float, default=env_default("grace_s", 30.0),
                         help="on SIGTERM, seconds to let in-flight streams finish")
     parser.add_argument("--threads", type=int, default=env_default("threads", 0), help="torch threads (0 = default)")
+    parser.add_argument("--metrics-port", type=int, default=env_default("metrics_port", 0),
+                        help="serve Prometheus metrics on this HTTP port (0 = off)")
     parser.add_argument("--port-file", help="write the bound port here once serving (for port 0)")
 
 
@@ -52,7 +55,25 @@ def stage_config_from_args(args: argparse.Namespace) -> StageConfig:
     return StageConfig(
         checkpoint=args.checkpoint, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
         max_message_bytes=args.max_message_mb << 20, grace_s=args.grace_s, threads=args.threads,
+        metrics_port=args.metrics_port,
     )
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """Batching and KV cache capacity of an LM stage (thinker, talker)."""
+    parser.add_argument("--max-batch-size", type=int, default=env_default("max_batch_size", 32),
+                        help="requests decoded together in one step (default 32)")
+    parser.add_argument("--num-slots", type=int, default=env_default("num_slots", 32),
+                        help="KV cache slots allocated at start-up: requests holding cache at once (default 32)")
+    parser.add_argument("--max-model-len", type=int, default=env_default("max_model_len", 4096),
+                        help="cache positions per slot; prompt + max_new_tokens must fit (default 4096)")
+    parser.add_argument("--exact-batching", choices=["auto", "on", "off"], default=env_default("exact_batching", "auto"),
+                        help="batch-invariant kernels: greedy output independent of the batch "
+                             "(auto: on for cpu, off for cuda)")
+
+
+def exact_batching(args: argparse.Namespace) -> bool:
+    return args.exact_batching == "on" or (args.exact_batching == "auto" and not args.device.startswith("cuda"))
 
 
 def parser_error(message: str) -> None:

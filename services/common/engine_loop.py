@@ -60,9 +60,10 @@ class LoopStats:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, name: str):
+    def __init__(self, engine: Engine, name: str, metrics=None):
         self.engine = engine
         self.name = name
+        self.metrics = metrics  # StageMetrics or None
         self.stats = LoopStats()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, EventSink] = {}  # request_id -> where its events go
@@ -90,6 +91,18 @@ class EngineLoop:
     @property
     def in_flight(self) -> int:
         return len(self._sinks)
+
+    def _observe(self, elapsed_ms: float, batch: int) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        m.step_seconds.observe(elapsed_ms / 1000)
+        if batch:
+            m.batch_size.observe(batch)
+        m.queue_depth.set(self.engine.queue_depth)
+        m.running.set(self.engine.running)
+        m.cache_used.set(self.engine.running)
+        m.in_flight.set(len(self._sinks))
 
     # The loop thread.
     def _apply(self, command: tuple) -> None:
@@ -144,6 +157,7 @@ class EngineLoop:
             elapsed_ms = (time.perf_counter() - start) * 1000
             self.stats.steps += 1
             self.stats.step_ms_ewma = elapsed_ms if self.stats.steps == 1 else 0.9 * self.stats.step_ms_ewma + 0.1 * elapsed_ms
+            self._observe(elapsed_ms, len({request_id for request_id, _ in events}))
             for request_id, event in events:
                 sink = self._sinks.get(request_id)
                 if sink is None:

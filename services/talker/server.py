@@ -14,7 +14,14 @@ import torch
 
 from omni.v1 import common_pb2, stages_pb2, stages_pb2_grpc
 from services.common.channels import ChannelPool
-from services.common.config import StageConfig, add_stage_flags, env_default, stage_config_from_args
+from services.common.config import (
+    StageConfig,
+    add_engine_flags,
+    add_stage_flags,
+    env_default,
+    exact_batching,
+    stage_config_from_args,
+)
 from services.common.engine_loop import EngineFailed, EngineLoop, EventSink
 from services.common.errors import InvalidArgument, run_cli
 from services.common.grpc_server import (
@@ -30,7 +37,17 @@ from services.common.prompt import resolve_voice
 from services.common.sampling import sampling_from_proto
 from services.common.service_main import load_and_prepare, write_port_file
 from services.common.wire import WireError, frames_to_proto, tensor_from_proto
-from services.talker.engine import Frame, TalkerDone, TalkerEngine, TalkerJob, TextEnd, TextRow
+from services.common.metrics import StageMetrics
+from services.talker.engine import (
+    Frame,
+    TalkerDone,
+    TalkerEngine,
+    TalkerEngineConfig,
+    TalkerJob,
+    TextEnd,
+    TextRow,
+    talker_prompt_len,
+)
 
 log = logging.getLogger("talker")
 SERVICE = stages_pb2.DESCRIPTOR.services_by_name["Talker"].full_name
@@ -39,6 +56,7 @@ SERVICE = stages_pb2.DESCRIPTOR.services_by_name["Talker"].full_name
 @dataclass(frozen=True)
 class TalkerConfig:
     stage: StageConfig
+    engine: TalkerEngineConfig = TalkerEngineConfig()
     first_chunk_frames: int = 4  # frames in the first chunk sent to code2wav (time to first audio)
     chunk_frames: int = 25  # frames in every later chunk
     default_max_new_tokens: int = 2048
@@ -83,11 +101,17 @@ def talker_job_from_proto(start: stages_pb2.TalkerStart, model_config, config: T
     tts = tensor_from_proto(start.tts_embeds)
     if tts.shape != (3, hidden):
         raise InvalidArgument("start.tts_embeds", f"must be [3, {hidden}], got {list(tts.shape)}")
+    sampling = sampling_from_proto(start.sampling, "talker_sampling", config.default_max_new_tokens,
+                                   config.max_new_tokens_limit, default_repetition_penalty=1.05)
+    needed = talker_prompt_len(list(start.prompt_token_ids), model_config) + sampling.max_new_tokens
+    if needed > config.engine.max_model_len:
+        raise InvalidArgument("talker_sampling.max_new_tokens",
+                              f"talker prompt + max_new_tokens ({needed}) exceeds the talker's per-request cache "
+                              f"({config.engine.max_model_len})")
     return TalkerJob(
         prompt_token_ids=list(start.prompt_token_ids), prompt_embeds=embeds, multimodal_positions=positions,
         multimodal_hidden=mm_hidden, tts_embeds=tts, speaker_id=speaker_id,
-        sampling=sampling_from_proto(start.sampling, "talker_sampling", config.default_max_new_tokens,
-                                     config.max_new_tokens_limit, default_repetition_penalty=1.05),
+        sampling=sampling,
         image_grid_thw=tensor_from_proto(start.image_grid_thw) if start.HasField("image_grid_thw") else None,
         audio_feature_lengths=(tensor_from_proto(start.audio_feature_lengths)
                                if start.HasField("audio_feature_lengths") else None),
@@ -196,7 +220,8 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
     async def GetLoad(self, request, context):
         return common_pb2.LoadReport(
             stage="talker", queue_depth=self.engine.queue_depth, running=self.engine.running,
-            step_ms=self.loop.stats.step_ms_ewma,
+            step_ms=self.loop.stats.step_ms_ewma, cache_used=self.engine.running,
+            cache_capacity=self.config.engine.num_slots,
         )
 
 
@@ -204,8 +229,11 @@ async def create_server(config: TalkerConfig) -> tuple[ServerHandle, EngineLoop]
     from services.common.checkpoint import Stage
 
     loaded = load_and_prepare(config.stage, Stage.TALKER)
-    engine = TalkerEngine(loaded.model, loaded.config, device=config.stage.device)
-    loop = EngineLoop(engine, "talker")
+    engine = TalkerEngine(loaded.model, loaded.config, device=config.stage.device, engine_config=config.engine)
+    metrics = StageMetrics("talker")
+    metrics.cache_capacity.set(config.engine.num_slots)
+    metrics.serve(config.stage.metrics_port)
+    loop = EngineLoop(engine, "talker", metrics)
     loop.start()
     handle = build_server(config.stage.host, config.stage.port, (SERVICE,), config.stage.max_message_bytes)
     stages_pb2_grpc.add_TalkerServicer_to_server(TalkerServicer(loop, engine, config, loaded.config), handle.server)
@@ -215,6 +243,7 @@ async def create_server(config: TalkerConfig) -> tuple[ServerHandle, EngineLoop]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="omni-talker", description=__doc__)
     add_stage_flags(parser, default_port=50062)
+    add_engine_flags(parser)
     parser.add_argument("--first-chunk-frames", type=int, default=env_default("first_chunk_frames", 4))
     parser.add_argument("--chunk-frames", type=int, default=env_default("chunk_frames", 25))
     parser.add_argument("--default-max-new-tokens", type=int, default=env_default("talker_default_max_new_tokens", 2048))
@@ -222,8 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def run() -> None:
+        engine = TalkerEngineConfig(max_batch_size=args.max_batch_size, num_slots=args.num_slots,
+                                    max_model_len=args.max_model_len, exact_batching=exact_batching(args))
         config = TalkerConfig(
-            stage=stage_config_from_args(args), first_chunk_frames=args.first_chunk_frames,
+            stage=stage_config_from_args(args), engine=engine, first_chunk_frames=args.first_chunk_frames,
             chunk_frames=args.chunk_frames, default_max_new_tokens=args.default_max_new_tokens,
             max_new_tokens_limit=args.max_new_tokens_limit,
         )

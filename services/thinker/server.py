@@ -14,7 +14,14 @@ import grpc
 
 from omni.v1 import common_pb2, omni_pb2, stages_pb2, stages_pb2_grpc
 from services.common.channels import ChannelPool
-from services.common.config import StageConfig, add_stage_flags, env_default, stage_config_from_args
+from services.common.config import (
+    StageConfig,
+    add_engine_flags,
+    add_stage_flags,
+    env_default,
+    exact_batching,
+    stage_config_from_args,
+)
 from services.common.detokenizer import IncrementalDetokenizer
 from services.common.engine_loop import EngineFailed, EngineLoop, EventSink
 from services.common.errors import InvalidArgument, run_cli
@@ -31,7 +38,8 @@ from services.common.prompt import ChatMessage, Part, PromptBuilder, Role, resol
 from services.common.sampling import sampling_from_proto
 from services.common.service_main import load_and_prepare, write_port_file
 from services.common.wire import tensor_to_proto
-from services.thinker.engine import Finished, Prefilled, ThinkerEngine, ThinkerJob, Token
+from services.common.metrics import StageMetrics
+from services.thinker.engine import Finished, Prefilled, ThinkerEngine, ThinkerEngineConfig, ThinkerJob, Token
 
 log = logging.getLogger("thinker")
 SERVICE = stages_pb2.DESCRIPTOR.services_by_name["Thinker"].full_name
@@ -42,6 +50,7 @@ _ROLES = {omni_pb2.ROLE_SYSTEM: Role.SYSTEM, omni_pb2.ROLE_USER: Role.USER, omni
 @dataclass(frozen=True)
 class ThinkerConfig:
     stage: StageConfig
+    engine: ThinkerEngineConfig = ThinkerEngineConfig()
     default_max_new_tokens: int = 512
     max_new_tokens_limit: int = 4096
 
@@ -96,6 +105,11 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         sampling = sampling_from_proto(request.thinker_sampling, "thinker_sampling",
                                        self.config.default_max_new_tokens, self.config.max_new_tokens_limit)
         prompt = self.prompts.build(messages_from_proto(request))
+        capacity = self.config.engine.max_model_len
+        if prompt.num_tokens + sampling.max_new_tokens > capacity:
+            raise InvalidArgument("thinker_sampling.max_new_tokens",
+                                  f"prompt ({prompt.num_tokens} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
+                                  f"exceeds the thinker's per-request cache ({capacity})")
         return Prepared(ThinkerJob(prompt, sampling, want_talker_inputs=audio), audio)
 
     async def Generate(self, request: stages_pb2.ThinkerRequest, context: grpc.aio.ServicerContext):
@@ -215,7 +229,8 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
     async def GetLoad(self, request, context):
         return common_pb2.LoadReport(
             stage="thinker", queue_depth=self.engine.queue_depth, running=self.engine.running,
-            step_ms=self.loop.stats.step_ms_ewma,
+            step_ms=self.loop.stats.step_ms_ewma, cache_used=self.engine.running,
+            cache_capacity=self.config.engine.num_slots,
         )
 
 
@@ -224,8 +239,11 @@ async def create_server(config: ThinkerConfig) -> tuple[ServerHandle, EngineLoop
 
     loaded = load_and_prepare(config.stage, Stage.THINKER)
     prompts = PromptBuilder(config.stage.checkpoint, loaded.config)
-    engine = ThinkerEngine(loaded.model, loaded.config, device=config.stage.device)
-    loop = EngineLoop(engine, "thinker")
+    engine = ThinkerEngine(loaded.model, loaded.config, device=config.stage.device, engine_config=config.engine)
+    metrics = StageMetrics("thinker")
+    metrics.cache_capacity.set(config.engine.num_slots)
+    metrics.serve(config.stage.metrics_port)
+    loop = EngineLoop(engine, "thinker", metrics)
     loop.start()
     handle = build_server(config.stage.host, config.stage.port, (SERVICE,), config.stage.max_message_bytes)
     stages_pb2_grpc.add_ThinkerServicer_to_server(ThinkerServicer(loop, engine, prompts, config), handle.server)
@@ -235,12 +253,16 @@ async def create_server(config: ThinkerConfig) -> tuple[ServerHandle, EngineLoop
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="omni-thinker", description=__doc__)
     add_stage_flags(parser, default_port=50061)
+    add_engine_flags(parser)
     parser.add_argument("--default-max-new-tokens", type=int, default=env_default("thinker_default_max_new_tokens", 512))
     parser.add_argument("--max-new-tokens-limit", type=int, default=env_default("thinker_max_new_tokens_limit", 4096))
     args = parser.parse_args(argv)
 
     def run() -> None:
-        config = ThinkerConfig(stage=stage_config_from_args(args), default_max_new_tokens=args.default_max_new_tokens,
+        engine = ThinkerEngineConfig(max_batch_size=args.max_batch_size, num_slots=args.num_slots,
+                                     max_model_len=args.max_model_len, exact_batching=exact_batching(args))
+        config = ThinkerConfig(stage=stage_config_from_args(args), engine=engine,
+                               default_max_new_tokens=args.default_max_new_tokens,
                                max_new_tokens_limit=args.max_new_tokens_limit)
         setup_logging("thinker")
 

@@ -74,7 +74,7 @@ def test_first_audio_arrives_before_the_last_text_delta_on_a_long_answer(omni):
     # one code2wav chunk (about 0.1 s here), so the margin survives a loaded machine.
     request = build_request("Tell me a long story.", max_new_tokens=1000, talker_max_new_tokens=30)
     got = collect(omni, request, timeout=120)
-    assert len(got.thinker_token_ids) == 1000
+    assert len(got.thinker_token_ids) > 300  # long (random weights may say <|im_end|> after a few hundred)
     assert got.audio_times, "no audio came back"
     assert got.audio_times[0] < got.text_times[-1]
 

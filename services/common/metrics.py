@@ -1,0 +1,42 @@
+"""Prometheus metrics of a stage: queue depth, running batch, step time, KV cache use, requests.
+
+Each service serves them over HTTP on `--metrics-port` (0 = off) at /metrics.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+
+
+class StageMetrics:
+    def __init__(self, stage: str, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        labels = {"stage": stage}
+        r = self.registry
+        self.queue_depth = Gauge("omni_stage_queue_depth", "Requests admitted, waiting for a slot or input",
+                                 ["stage"], registry=r).labels(**labels)
+        self.running = Gauge("omni_stage_running_batch", "Requests holding a KV slot / decoder", ["stage"],
+                             registry=r).labels(**labels)
+        self.batch_size = Histogram("omni_stage_batch_size", "Requests per engine step", ["stage"], registry=r,
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128)).labels(**labels)
+        self.step_seconds = Histogram("omni_stage_step_seconds", "Engine step time", ["stage"], registry=r,
+                                      buckets=STEP_BUCKETS).labels(**labels)
+        self.cache_used = Gauge("omni_stage_cache_slots_used", "KV cache slots in use", ["stage"],
+                                registry=r).labels(**labels)
+        self.cache_capacity = Gauge("omni_stage_cache_slots", "KV cache slots", ["stage"],
+                                    registry=r).labels(**labels)
+        self.in_flight = Gauge("omni_stage_in_flight", "Streams open on this stage", ["stage"],
+                               registry=r).labels(**labels)
+        self._requests = Counter("omni_stage_requests", "Requests by outcome", ["stage", "outcome"], registry=r)
+        self.stage = stage
+
+    def request_done(self, outcome: str) -> None:
+        self._requests.labels(stage=self.stage, outcome=outcome).inc()
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int | None:
+        if not port:
+            return None
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return server.server_port

@@ -1,0 +1,56 @@
+"""The command line and the run plan: systems interleaved, same prompts within a round."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.config import build_parser, config_from_args
+from bench.harness import plan_blocks
+from bench.systems import System
+from services.common.errors import UserError
+
+
+def config(*extra: str):
+    return config_from_args(build_parser().parse_args(["--checkpoint", "ckpt", *extra]))
+
+
+def test_defaults_cover_concurrency_1_4_16_with_every_system():
+    cfg = config()
+    assert cfg.concurrency == (1, 4, 16)
+    assert cfg.systems == (System.REFERENCE, System.REFERENCE_BATCHED, System.PIPELINE)
+    assert cfg.threads >= 1
+
+
+def test_device_flags_pass_through_to_every_stage():
+    cfg = config("--device", "cuda", "--dtype", "bfloat16")
+    assert cfg.stage_args() == ("--device", "cuda", "--dtype", "bfloat16")
+
+
+def test_within_a_round_every_system_serves_the_same_prompts_and_the_order_flips_between_rounds():
+    cfg = config("--concurrency", "4,1", "--requests", "3", "--rounds", "2")
+    blocks = plan_blocks(cfg, n_prompts=5)
+    level1 = [b for b in blocks if b.concurrency == 1]
+    assert [b.system for b in level1] == [System.REFERENCE, System.PIPELINE, System.PIPELINE, System.REFERENCE]
+    assert level1[0].prompt_indices == level1[1].prompt_indices == (0, 1, 2)
+    assert level1[2].prompt_indices == level1[3].prompt_indices == (3, 4, 0)  # moves on, wraps
+    level4 = [b for b in blocks if b.concurrency == 4]
+    assert all(len(b.prompt_indices) == 4 for b in level4)  # at least one request per client
+    assert [b.system for b in level4[:3]] == [System.REFERENCE, System.REFERENCE_BATCHED, System.PIPELINE]
+    assert blocks[0].concurrency == 1  # levels run in increasing order
+
+
+def test_no_batched_block_at_concurrency_one():
+    blocks = plan_blocks(config("--concurrency", "1"), n_prompts=8)
+    assert System.REFERENCE_BATCHED not in {b.system for b in blocks}
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--concurrency", "1,x"), "comma-separated integers"),
+    (("--concurrency", "0"), ">= 1"),
+    (("--skip", "turbo"), "unknown systems"),
+    (("--skip", "reference,reference-batched,pipeline"), "nothing left"),
+    (("--rounds", "0"), "--rounds must be >= 1"),
+])
+def test_bad_flags_are_user_errors(flags, message):
+    with pytest.raises(UserError, match=message):
+        config(*flags)

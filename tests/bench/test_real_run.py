@@ -1,0 +1,93 @@
+"""One short real run on the tiny checkpoint: the stack, the reference and the floor, every field."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import time
+
+import pytest
+
+from bench.harness import main
+
+MAX_TEXT, MAX_TALKER = 8, 12  # 11 frames: a first chunk of 4, then the rest
+# Fields that are legitimately empty: optional flags left unset, errors of requests that succeeded.
+MAY_BE_NULL = {"error", "voice", "target", "prompts_file"}
+
+
+def nulls(value, path="") -> list[str]:
+    if isinstance(value, dict):
+        return [p for k, v in value.items() if k not in MAY_BE_NULL for p in nulls(v, f"{path}.{k}")]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in nulls(v, f"{path}[{i}]")]
+    return [path] if value is None else []
+
+
+@pytest.fixture(scope="module")
+def bench_run(tiny_checkpoint, tmp_path_factory, wav_file, png_file):
+    out = tmp_path_factory.mktemp("bench")
+    # Level 1 gets prompts 0 and 1, level 2 prompts 2 and 0: a batch mixing text and audio.
+    prompts = out / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(p) for p in (
+        {"prompt": "What do you hear?", "audio": str(wav_file)},
+        {"prompt": "Describe the picture.", "system": "Answer briefly.", "image": str(png_file)},
+        {"prompt": "Hello! How are you today?"},
+    )))
+    started = time.perf_counter()
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(["--checkpoint", str(tiny_checkpoint), "--out", str(out), "--concurrency", "1,2", "--prompts", str(prompts),
+                     "--requests", "2", "--rounds", "1", "--max-new-tokens", str(MAX_TEXT),
+                     "--talker-max-new-tokens", str(MAX_TALKER), "--floor-repeats", "1"])
+    return code, out, time.perf_counter() - started, printed.getvalue()
+
+
+def test_short_real_run_writes_json_and_png_with_every_figure(bench_run):
+    code, out, _, _ = bench_run
+    assert code == 0
+    assert (out / "bench.png").stat().st_size > 10_000
+    report = json.loads((out / "bench.json").read_text())
+    assert nulls(report) == []  # every figure present, none undefined
+
+    rows = {(r["system"], r["concurrency"]) for r in report["results"]}
+    assert rows == {("reference", 1), ("pipeline", 1), ("reference", 2), ("reference-batched", 2), ("pipeline", 2)}
+    for row in report["results"]:
+        s = row["summary"]
+        assert s["requests"] == 2 and s["errors"] == 0
+        for figure in ("ttft_ms", "ttfp_ms", "rtf"):
+            assert s[figure]["p50"] <= s[figure]["p90"] <= s[figure]["p99"]
+        assert s["req_per_s"] > 0 and s["audio_s_per_s"] > 0 and row["ttfp_over_floor"] > 0
+        assert set(s["continuity"]) >= {"underruns_per_request", "underrun_s_per_request", "requests_with_underrun"}
+    assert {(r["baseline"], r["concurrency"]) for r in report["ratios"]} == {
+        ("reference", 1), ("reference", 2), ("reference-batched", 2)}
+    assert report["skipped"] == [{"system": "reference-batched", "concurrency": 1,
+                                  "reason": "a batch of one is the reference row"}]
+
+    floor = report["floor"]
+    assert floor["floor_ms"] > 0 and floor["first_chunk_frames"] == 4
+    assert all(s["frames"] == 4 and s["thinker_tokens"] == 4 for s in floor["samples"])
+
+    machine = report["machine"]
+    assert machine["cpu_model"] and machine["logical_cores"] >= 1 and machine["torch"]
+    assert report["prompts"][:2] == [f"{out / 'prompts.jsonl'}:1 (text+audio)", f"{out / 'prompts.jsonl'}:2 (text+image)"]
+
+    # Same prompts, greedy, random weights that never stop: every system did the same work.
+    requests = report["requests"]
+    assert len(requests) == 10
+    assert {r["text_tokens"] for r in requests} == {MAX_TEXT}
+    assert len({round(r["audio_seconds"], 6) for r in requests}) == 1
+    streamed = [r for r in requests if r["system"] == "pipeline"]
+    assert all(len(r["timeline_s"]["audio"]) == 2 for r in streamed)  # 4 frames, then 7
+    assert all(r["ttft_ms"] < r["ttfp_ms"] for r in streamed)
+
+
+def test_short_real_run_prints_the_table_and_stays_under_a_minute(bench_run):
+    code, out, wall, printed = bench_run
+    assert code == 0
+    header = next(line for line in printed.splitlines() if line.startswith("system "))
+    for column in ("TTFT ms p50/p90/p99", "TTFP ms p50/p90/p99", "RTF p50/p90/p99", "req/s", "audio s/s",
+                   "underruns/req", "TTFP/floor"):
+        assert column in header
+    assert "pipeline / baseline" in printed and f"wrote {out / 'bench.json'}" in printed
+    assert wall < 60, f"the short real run took {wall:.0f} s"
