@@ -48,6 +48,10 @@ class BenchConfig:
         """What every stage server gets, so the pipeline runs where the reference does."""
         return ("--device", self.device, "--dtype", self.dtype)
 
+    def talker_args(self) -> tuple[str, ...]:
+        """The talker also gets the first chunk's size, so the floor and the stack agree."""
+        return self.stage_args() + ("--first-chunk-frames", str(self.first_chunk_frames))
+
 
 def resolved_threads(threads: int) -> int:
     """0 = the launcher's default: a third of the cores per stage, at least 1."""
@@ -84,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                                               "pipeline")
     p.add_argument("--floor-repeats", type=int, default=2, help="floor samples per prompt (default %(default)s)")
     p.add_argument("--first-chunk-frames", type=int, default=4,
-                   help="frames in the talker's first chunk, as the talker is configured (default %(default)s)")
+                   help="frames in the talker's first chunk: for the floor and the talker started here; "
+                        "with --target, say what that talker uses (default %(default)s)")
     p.add_argument("--prebuffer-ms", type=float, default=0.0,
                    help="simulated player's buffer before it starts playing (default %(default)s)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request deadline in seconds")

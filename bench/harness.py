@@ -70,121 +70,144 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore")
 
 
-def run(config: BenchConfig, progress_stream=None) -> BenchReport:
-    import torch
+class Bench:
+    """One invocation: `setup`, `warm_up`, `measure_floor`, `run_blocks`, `measure_floor`, `report`."""
 
-    from bench.reference import Reference, load_reference
-    from router.launcher import Stack, StackOptions
-    from services.common.checkpoint import check_folder
+    def __init__(self, config: BenchConfig, progress_stream=None):
+        import torch
 
-    started = time.perf_counter()
-    check_folder(config.checkpoint)
-    quiet_libraries()
-    torch.set_num_threads(config.threads)
-    machine = describe_machine()
-    prompts: list[BenchPrompt] = load_jsonl(config.prompts_file) if config.prompts_file else built_in_prompts()
-    blocks = plan_blocks(config, len(prompts))
-    skipped: list[Skipped] = []
-    if System.REFERENCE_BATCHED in config.systems and 1 in config.concurrency:
-        skipped.append(Skipped(System.REFERENCE_BATCHED, 1, "a batch of one is the reference row"))
-    progress = Progress(sum(len(b.prompt_indices) for b in blocks), stream=progress_stream)
-    setup: dict[str, float] = {}  # step -> seconds
+        from services.common.checkpoint import check_folder
 
-    def step(name: str, fn):
-        progress.note(f"omni-bench: {name} ...")
+        check_folder(config.checkpoint)
+        quiet_libraries()
+        torch.set_num_threads(config.threads)
+        self.config = config
+        self.started = time.perf_counter()
+        self.machine = describe_machine()
+        self.prompts: list[BenchPrompt] = load_jsonl(config.prompts_file) if config.prompts_file else built_in_prompts()
+        self.blocks = plan_blocks(config, len(self.prompts))
+        self.skipped: list[Skipped] = []
+        if System.REFERENCE_BATCHED in config.systems and 1 in config.concurrency:
+            self.skipped.append(Skipped(System.REFERENCE_BATCHED, 1, "a batch of one is the reference row"))
+        self.progress = Progress(sum(len(b.prompt_indices) for b in self.blocks), stream=progress_stream)
+        self.setup_s: dict[str, float] = {}  # step -> seconds
+        self.systems: dict = {}  # System -> ReferenceSystem | BatchedReferenceSystem | PipelineSystem
+        self.floor_samples: list[FloorSample] = []
+        self.records: list[RequestRecord] = []
+        self.walls: dict[tuple[System, int], float] = {}  # (system, level) -> block walls summed over rounds
+
+    def _step(self, name: str, fn):
+        self.progress.note(f"omni-bench: {name} ...")
         t = time.perf_counter()
         result = fn()
-        setup[name] = time.perf_counter() - t
+        self.setup_s[name] = self.setup_s.get(name, 0.0) + time.perf_counter() - t
         return result
 
-    runner = step("load reference", lambda: load_reference(config.checkpoint, config.device, config.dtype))
-    reference = Reference(runner, config.device, config.voice, config.max_new_tokens, config.talker_max_new_tokens)
-    systems = {System.REFERENCE: ReferenceSystem(reference), System.REFERENCE_BATCHED: BatchedReferenceSystem(reference)}
-    meter = FloorMeter(runner, config.device, config.voice, config.max_new_tokens, config.talker_max_new_tokens,
-                       config.first_chunk_frames)
-    floor_prompts = list(enumerate(prompts[:FLOOR_PROMPTS]))
-    floor_samples: list[FloorSample] = []
-    records: list[RequestRecord] = []
-    walls: dict[tuple[System, int], float] = {}  # (system, level) -> block walls summed over rounds
+    def setup(self, cleanup: contextlib.ExitStack) -> None:
+        """Load the reference here, start the stack (unless --target); `cleanup` stops them."""
+        from bench.reference import Reference, load_reference
+        from router.launcher import Stack, StackOptions
 
-    with contextlib.ExitStack() as cleanup:
-        if System.PIPELINE in config.systems:
-            target = config.target
-            if target is None:
-                stack = Stack(StackOptions(
-                    checkpoint=config.checkpoint, port=0, threads=config.threads, thinker_args=config.stage_args(),
-                    talker_args=config.stage_args(), code2wav_args=config.stage_args(), log_prefix=False))
-                step("start stack", lambda: cleanup.enter_context(stack))
-                target = stack.target
-            pipeline = PipelineSystem(target, config.voice, config.max_new_tokens, config.talker_max_new_tokens,
-                                      config.timeout_s)
-            cleanup.callback(pipeline.close)
-            systems[System.PIPELINE] = pipeline
+        cfg = self.config
+        runner = self._step("load reference", lambda: load_reference(cfg.checkpoint, cfg.device, cfg.dtype))
+        reference = Reference(runner, cfg.device, cfg.voice, cfg.max_new_tokens, cfg.talker_max_new_tokens)
+        self.systems[System.REFERENCE] = ReferenceSystem(reference)
+        cleanup.callback(self.systems[System.REFERENCE].close)
+        self.systems[System.REFERENCE_BATCHED] = BatchedReferenceSystem(reference)
+        self.meter = FloorMeter(runner, cfg.device, cfg.voice, cfg.max_new_tokens, cfg.talker_max_new_tokens,
+                                cfg.first_chunk_frames)
+        if System.PIPELINE not in cfg.systems:
+            return
+        target = cfg.target
+        if target is None:
+            stack = Stack(StackOptions(
+                checkpoint=cfg.checkpoint, port=0, threads=cfg.threads, thinker_args=cfg.stage_args(),
+                talker_args=cfg.talker_args(), code2wav_args=cfg.stage_args(), log_prefix=False))
+            self._step("start stack", lambda: cleanup.enter_context(stack))
+            target = stack.target
+        pipeline = PipelineSystem(target, cfg.voice, cfg.max_new_tokens, cfg.talker_max_new_tokens, cfg.timeout_s)
+        cleanup.callback(pipeline.close)
+        self.systems[System.PIPELINE] = pipeline
 
-        step("warm up", lambda: warm_up(config, systems, prompts, skipped))
-        before = (config.floor_repeats + 1) // 2
-        step("floor", lambda: floor_samples.extend(
-            meter.measure(p, i) for _ in range(before + 1) for i, p in floor_prompts))
-        del floor_samples[:len(floor_prompts)]  # the first pass warms the engines up
+    def warm_up(self) -> None:
+        """One request per system and one floor pass, not counted: first-call costs (allocator,
+        kernels, connections)."""
+        self._step("warm up", self._warm_up)
 
-        for block in blocks:
-            if any(s.system is block.system and s.concurrency in (None, block.concurrency) for s in skipped):
+    def _warm_up(self) -> None:
+        first, cfg = self.prompts[0], self.config
+        if System.PIPELINE in cfg.systems:
+            pipeline: PipelineSystem = self.systems[System.PIPELINE]
+            outcome: Outcome = pipeline.call(pipeline.request(first))
+            if outcome.timing is None:
+                raise UserError(f"pipeline warm-up request failed: {outcome.error}")
+        reference = self.systems[System.REFERENCE].reference
+        if System.REFERENCE in cfg.systems:
+            reference.generate([first])
+        batched_levels = [n for n in cfg.concurrency if n > 1]
+        if System.REFERENCE_BATCHED in cfg.systems and batched_levels:
+            try:
+                reference.generate([self.prompts[i % len(self.prompts)] for i in range(min(batched_levels[0], 2))])
+            except Exception as exc:  # transformers cannot batch these inputs: say why and go on
+                self.skipped.append(Skipped(System.REFERENCE_BATCHED, None,
+                                            f"generate failed on a batch: {type(exc).__name__}: {exc}"))
+        self.meter.measure(first)
+
+    def measure_floor(self, passes: int) -> None:
+        """`passes` over the first prompts; called before and after the blocks to catch drift."""
+        if passes > 0:
+            self._step("floor", lambda: self.floor_samples.extend(
+                self.meter.measure(p, i) for _ in range(passes) for i, p in enumerate(self.prompts[:FLOOR_PROMPTS])))
+
+    def run_blocks(self) -> None:
+        cfg, progress = self.config, self.progress
+        for block in self.blocks:
+            if any(s.system is block.system and s.concurrency in (None, block.concurrency) for s in self.skipped):
                 progress.advance(len(block.prompt_indices))
                 continue
-            progress.begin(f"{block.system.value} c={block.concurrency} round {block.round + 1}/{config.rounds}")
-            result: BlockResult = systems[block.system].run(
-                [prompts[i] for i in block.prompt_indices], block.concurrency, lambda _: progress.advance())
+            progress.begin(f"{block.system.value} c={block.concurrency} round {block.round + 1}/{cfg.rounds}")
+            result: BlockResult = self.systems[block.system].run(
+                [self.prompts[i] for i in block.prompt_indices], block.concurrency, lambda _: progress.advance())
             progress.end_block()
             key = (block.system, block.concurrency)
-            walls[key] = walls.get(key, 0.0) + result.wall_s
-            records += [RequestRecord(block.system, block.concurrency, block.round, i, o)
-                        for i, o in zip(block.prompt_indices, result.outcomes)]
+            self.walls[key] = self.walls.get(key, 0.0) + result.wall_s
+            self.records += [RequestRecord(block.system, block.concurrency, block.round, i, o)
+                             for i, o in zip(block.prompt_indices, result.outcomes)]
             if block.system is System.REFERENCE_BATCHED and all(o.timing is None for o in result.outcomes):
-                skipped.append(Skipped(block.system, None, f"generate failed on a batch: {result.outcomes[0].error}"))
+                self.skipped.append(Skipped(block.system, None,
+                                            f"generate failed on a batch: {result.outcomes[0].error}"))
+        progress.close()
 
-        after = config.floor_repeats - before
-        if after:
-            step("floor again", lambda: floor_samples.extend(
-                meter.measure(p, i) for _ in range(after) for i, p in floor_prompts))
-    progress.close()
-
-    floor = summarize_floor(floor_samples, config.first_chunk_frames) if floor_samples else None
-    results = []
-    for system, level in walls:
-        outcomes = [r.outcome for r in records if r.system is system and r.concurrency == level]
-        summary = summarize([o.timing for o in outcomes if o.timing is not None],
-                            errors=sum(1 for o in outcomes if o.timing is None), wall_s=walls[(system, level)],
-                            prebuffer_s=config.prebuffer_ms / 1000)
-        results.append(ResultRow(system, level, summary,
-                                 ratio(summary.ttfp_ms.p50, floor.floor_ms if floor else None)))
-    return BenchReport(
-        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        machine=machine, config=config, checkpoint_name=Path(config.checkpoint).resolve().name,
-        prompts=[f"{p.label} ({p.modalities})" for p in prompts], notes=NOTES, floor=floor, results=results,
-        ratios=ratios_for(results), skipped=skipped, requests=records, setup_s=setup,
-        wall_s=time.perf_counter() - started,
-    )
+    def report(self) -> BenchReport:
+        cfg = self.config
+        floor = summarize_floor(self.floor_samples, cfg.first_chunk_frames) if self.floor_samples else None
+        results = []
+        for (system, level), wall in self.walls.items():
+            outcomes = [r.outcome for r in self.records if r.system is system and r.concurrency == level]
+            summary = summarize([o.timing for o in outcomes if o.timing is not None],
+                                errors=sum(1 for o in outcomes if o.timing is None), wall_s=wall,
+                                prebuffer_s=cfg.prebuffer_ms / 1000)
+            results.append(ResultRow(system, level, summary,
+                                     ratio(summary.ttfp_ms.p50, floor.floor_ms if floor else None)))
+        return BenchReport(
+            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            machine=self.machine, config=cfg, checkpoint_name=Path(cfg.checkpoint).resolve().name,
+            prompts=[f"{p.label} ({p.modalities})" for p in self.prompts], notes=NOTES, floor=floor,
+            results=results, ratios=ratios_for(results), skipped=self.skipped, requests=self.records,
+            setup_s=self.setup_s, wall_s=time.perf_counter() - self.started,
+        )
 
 
-def warm_up(config: BenchConfig, systems: dict, prompts: list[BenchPrompt], skipped: list[Skipped]) -> None:
-    """One request per system, not counted: first-call costs (allocator, kernels, connections)."""
-    first = prompts[0]
-    if System.PIPELINE in systems:
-        pipeline: PipelineSystem = systems[System.PIPELINE]
-        outcome: Outcome = pipeline.call(pipeline.request(first))
-        if outcome.timing is None:
-            raise UserError(f"pipeline warm-up request failed: {outcome.error}")
-    reference: ReferenceSystem = systems[System.REFERENCE]
-    if System.REFERENCE in config.systems:
-        reference.reference.generate([first])
-    batched_levels = [n for n in config.concurrency if n > 1]
-    if System.REFERENCE_BATCHED in config.systems and batched_levels:
-        batch = [prompts[i % len(prompts)] for i in range(min(batched_levels[0], 2))]
-        try:
-            reference.reference.generate(batch)
-        except Exception as exc:  # transformers cannot batch these inputs: say why and go on
-            skipped.append(Skipped(System.REFERENCE_BATCHED, None, f"generate failed on a batch: "
-                                                                   f"{type(exc).__name__}: {exc}"))
+def run(config: BenchConfig, progress_stream=None) -> BenchReport:
+    bench = Bench(config, progress_stream)
+    before = (config.floor_repeats + 1) // 2
+    with contextlib.ExitStack() as cleanup:
+        bench.setup(cleanup)
+        bench.warm_up()
+        bench.measure_floor(before)
+        bench.run_blocks()
+        bench.measure_floor(config.floor_repeats - before)
+    return bench.report()
 
 
 def write_outputs(report: BenchReport, out: Path) -> tuple[Path, Path]:

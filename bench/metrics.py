@@ -92,7 +92,8 @@ class Playback:
     start_s: float | None  # when playback began (first chunk + pre-buffer); None without audio
 
 
-def simulate_playback(audio_times: tuple[float, ...], durations: tuple[float, ...], prebuffer_s: float = 0.0) -> Playback:
+def simulate_playback(audio_times: tuple[float, ...], durations: tuple[float, ...],
+                      prebuffer_s: float = 0.0) -> Playback:
     """Play chunks back to back from the first arrival (+ prebuffer); count the gaps."""
     if not audio_times:
         return Playback(0, 0.0, None)

@@ -175,7 +175,10 @@ def _result_cells(row: ResultRow) -> tuple[str, ...]:
 
 def _grid(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    fmt = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+
+    def fmt(cells: tuple[str, ...]) -> str:  # first column left-aligned, numbers right-aligned
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
     return [fmt(header), fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in rows]
 
 

@@ -3,8 +3,8 @@
 - `pipeline`: the router's `Generate`, streamed. Concurrency N = N client threads, each sending
   its next request when its previous one ended (closed loop), over one gRPC channel.
 - `reference`: transformers' `generate` one request at a time, as a server that wraps it would:
-  the same N client threads, one generate at a time (a lock), so a request's latency includes
-  its wait for the requests ahead of it.
+  the same N client threads in front of one generate at a time (first come, first served), so a
+  request's latency includes its wait for the requests ahead of it.
 - `reference-batched`: `generate` over batches of N requests sent together; every request of a
   batch gets its text and audio when the batch ends.
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,7 +25,7 @@ import grpc
 
 from bench.metrics import RequestTiming, whole_response
 from bench.prompts import BenchPrompt
-from bench.reference import Reference
+from bench.reference import Generated, Reference
 
 
 class System(enum.Enum):
@@ -126,22 +127,28 @@ class PipelineSystem:
 
 
 class ReferenceSystem:
-    """One generate at a time behind `concurrency` clients."""
+    """One generate at a time behind `concurrency` clients, first come first served."""
 
     def __init__(self, reference: Reference):
         self.reference = reference
-        self.lock = threading.Lock()
+        # One worker with a FIFO queue: a server that wraps generate without batching.
+        self.server = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference")
+
+    def _serve(self, prompt: BenchPrompt) -> tuple[float, float, Generated]:
+        started = time.perf_counter()
+        generated = self.reference.generate([prompt])[0]
+        return started, time.perf_counter() - started, generated
 
     def call(self, prompt: BenchPrompt) -> Outcome:
         sent = time.perf_counter()
-        with self.lock:
-            started = time.perf_counter()
-            generated = self.reference.generate([prompt])[0]
-            wall = time.perf_counter() - started
+        started, wall, generated = self.server.submit(self._serve, prompt).result()
         return Outcome(whole_response(wall, generated.audio_seconds, wait_s=started - sent), generated.text_tokens)
 
     def run(self, prompts: list[BenchPrompt], concurrency: int, on_done=lambda _: None) -> BlockResult:
         return run_closed_loop(prompts, concurrency, self.call, on_done)
+
+    def close(self) -> None:
+        self.server.shutdown()
 
 
 class BatchedReferenceSystem:

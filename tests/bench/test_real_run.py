@@ -37,8 +37,8 @@ def bench_run(tiny_checkpoint, tmp_path_factory, wav_file, png_file):
     started = time.perf_counter()
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        code = main(["--checkpoint", str(tiny_checkpoint), "--out", str(out), "--concurrency", "1,2", "--prompts", str(prompts),
-                     "--requests", "2", "--rounds", "1", "--max-new-tokens", str(MAX_TEXT),
+        code = main(["--checkpoint", str(tiny_checkpoint), "--out", str(out), "--prompts", str(prompts),
+                     "--concurrency", "1,2", "--requests", "2", "--rounds", "1", "--max-new-tokens", str(MAX_TEXT),
                      "--talker-max-new-tokens", str(MAX_TALKER), "--floor-repeats", "1"])
     return code, out, time.perf_counter() - started, printed.getvalue()
 
@@ -70,7 +70,8 @@ def test_short_real_run_writes_json_and_png_with_every_figure(bench_run):
 
     machine = report["machine"]
     assert machine["cpu_model"] and machine["logical_cores"] >= 1 and machine["torch"]
-    assert report["prompts"][:2] == [f"{out / 'prompts.jsonl'}:1 (text+audio)", f"{out / 'prompts.jsonl'}:2 (text+image)"]
+    jsonl = out / "prompts.jsonl"
+    assert report["prompts"] == [f"{jsonl}:1 (text+audio)", f"{jsonl}:2 (text+image)", f"{jsonl}:3 (text)"]
 
     # Same prompts, greedy, random weights that never stop: every system did the same work.
     requests = report["requests"]
@@ -91,3 +92,14 @@ def test_short_real_run_prints_the_table_and_stays_under_a_minute(bench_run):
         assert column in header
     assert "pipeline / baseline" in printed and f"wrote {out / 'bench.json'}" in printed
     assert wall < 60, f"the short real run took {wall:.0f} s"
+
+
+@pytest.mark.slow
+def test_default_run_finishes_within_the_ten_minutes_make_bench_has(tiny_checkpoint, tmp_path):
+    started = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()):
+        code = main(["--checkpoint", str(tiny_checkpoint), "--out", str(tmp_path)])
+    wall = time.perf_counter() - started
+    assert code == 0
+    assert (tmp_path / "bench.json").is_file() and (tmp_path / "bench.png").is_file()
+    assert wall < 600, f"default run took {wall:.0f} s"
