@@ -188,7 +188,7 @@ def render_table(report: BenchReport) -> str:
         f"omni-bench  {report.checkpoint_name} on {report.machine.label} (torch {report.machine.torch}, "
         f"{cfg.threads} thread(s) per process, device {cfg.device} {cfg.dtype})",
         f"  {len(report.prompts)} prompts, thinker {cfg.max_new_tokens} / talker {cfg.talker_max_new_tokens} max "
-        f"new tokens, greedy; {cfg.rounds} rounds per level; load average at start "
+        f"new tokens, greedy; {cfg.rounds} round(s) per level; load average at start "
         f"{'/'.join(str(x) for x in report.machine.load_average)}",
     ]
     f = report.floor

@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,10 +34,17 @@ STAGE_MODULES = {
 
 @dataclass
 class Process:
-    name: str
-    popen: subprocess.Popen
-    port_file: Path
-    port: int | None = None
+    name: str  # "thinker-0", "talker-1", "router", ...
+    stage: str
+    args: list[str]
+    port: int
+    popen: subprocess.Popen | None = None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 @dataclass
@@ -46,6 +53,9 @@ class StackOptions:
     port: int = 50051
     host: str = "127.0.0.1"
     threads: int = 0  # torch threads per stage process; 0 = cores / 3, at least 1
+    thinker_replicas: int = 1
+    talker_replicas: int = 1
+    code2wav_replicas: int = 1
     thinker_args: tuple[str, ...] = ()
     talker_args: tuple[str, ...] = ()
     code2wav_args: tuple[str, ...] = ()
@@ -56,81 +66,99 @@ class StackOptions:
 
 @dataclass
 class Stack:
-    """The four processes. Use as a context manager, or start() / stop()."""
+    """Every stage replica and the router as processes. A context manager, or start() / stop().
+
+    Replicas get fixed ports chosen at start, so a killed replica can be restarted on its address
+    (tests do that to check the router takes it back)."""
 
     options: StackOptions
-    processes: dict[str, Process] = field(default_factory=dict)
-    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="omni-serve-")))
+    processes: dict[str, Process] = field(default_factory=dict)  # name -> process, in start order
 
     @property
     def target(self) -> str:
         return f"{self.options.host}:{self.processes['router'].port}"
 
     def port(self, name: str) -> int:
-        return self.processes[name].port
+        return self.processes[name if name in self.processes else f"{name}-0"].port
 
-    def _spawn(self, name: str, args: list[str]) -> Process:
-        port_file = self.workdir / f"{name}.port"
-        port_file.unlink(missing_ok=True)
+    def addresses(self, stage: str) -> list[str]:
+        return [f"{self.options.host}:{p.port}" for p in self.processes.values() if p.stage == stage]
+
+    def _launch(self, process: Process) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        popen = subprocess.Popen(
-            [sys.executable, "-m", STAGE_MODULES[name], *args, "--port-file", str(port_file)],
+        process.popen = subprocess.Popen(
+            [sys.executable, "-m", STAGE_MODULES[process.stage], *process.args, "--port", str(process.port)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, start_new_session=True,
         )
-        threading.Thread(target=self._pump, args=(name, popen), daemon=True).start()
-        process = Process(name, popen, port_file)
-        self.processes[name] = process
-        return process
+        threading.Thread(target=self._pump, args=(process.name, process.popen), daemon=True).start()
 
     def _pump(self, name: str, popen: subprocess.Popen) -> None:
         for line in popen.stdout:
             if self.options.log_prefix:
-                sys.stderr.write(f"[{name:8}] {line}")
+                sys.stderr.write(f"[{name:10}] {line}")
 
-    def start_stage(self, name: str, extra: tuple[str, ...] = ()) -> Process:
-        o = self.options
-        threads = o.threads or max(1, (os.cpu_count() or 1) // 3)
-        common = ["--checkpoint", o.checkpoint, "--host", o.host, "--port", "0", "--threads", str(threads)]
-        return self._spawn(name, common + list(extra))
+    def _add(self, name: str, stage: str, args: list[str], port: int | None = None) -> Process:
+        process = Process(name, stage, args, port or free_port(self.options.host))
+        self.processes[name] = process
+        self._launch(process)
+        return process
 
     def start(self) -> "Stack":
         o = self.options
+        threads = o.threads or max(1, (os.cpu_count() or 1) // 3)
+        common = ["--checkpoint", o.checkpoint, "--host", o.host, "--threads", str(threads)]
         try:
-            for name, extra in (("code2wav", o.code2wav_args), ("talker", o.talker_args), ("thinker", o.thinker_args)):
-                self.start_stage(name, extra)
-            for name in ("code2wav", "talker", "thinker"):
+            for stage, count, extra in (("code2wav", o.code2wav_replicas, o.code2wav_args),
+                                        ("talker", o.talker_replicas, o.talker_args),
+                                        ("thinker", o.thinker_replicas, o.thinker_args)):
+                for i in range(count):
+                    self._add(f"{stage}-{i}", stage, common + list(extra))
+            for name in list(self.processes):
                 self.wait_ready(name)
-            addr = lambda n: f"{o.host}:{self.port(n)}"  # noqa: E731
-            self._spawn("router", ["--host", o.host, "--port", str(o.port), "--thinker", addr("thinker"),
-                                   "--talker", addr("talker"), "--code2wav", addr("code2wav"), *o.router_args])
+            router = ["--host", o.host, "--poll-interval-s", "0.5", *o.router_args]
+            for stage in ("thinker", "talker", "code2wav"):
+                router += [f"--{stage}", ",".join(self.addresses(stage))]
+            self._add("router", "router", router, port=o.port or free_port(o.host))
             self.wait_ready("router")
         except BaseException:
             self.stop()
             raise
         return self
 
-    def wait_ready(self, name: str) -> int:
-        """Wait for the port file, then for SERVING on grpc.health.v1."""
+    def wait_ready(self, name: str, timeout_s: float | None = None) -> int:
+        """Wait until the process reports SERVING on grpc.health.v1."""
         process = self.processes[name]
-        deadline = time.monotonic() + self.options.startup_timeout_s
+        deadline = time.monotonic() + (timeout_s or self.options.startup_timeout_s)
         while time.monotonic() < deadline:
             if process.popen.poll() is not None:
                 raise UserError(f"{name} exited with code {process.popen.returncode} during start-up (see its log)")
-            if process.port is None and process.port_file.exists():
-                process.port = int(process.port_file.read_text())
-            if process.port is not None and health_status(f"{self.options.host}:{process.port}") == "SERVING":
+            if health_status(f"{self.options.host}:{process.port}") == "SERVING":
                 return process.port
             time.sleep(0.1)
         raise UserError(f"{name} did not become healthy within {self.options.startup_timeout_s:.0f} s")
 
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send a signal to one process (tests: kill -9 a replica, or SIGTERM to drain it)."""
+        self.processes[name].popen.send_signal(sig)
+
+    def restart(self, name: str) -> None:
+        """Start a stopped process again on the same port and wait until it serves."""
+        process = self.processes[name]
+        if process.popen.poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        self._launch(process)
+        self.wait_ready(name)
+
     def stop(self, grace_s: float = 10.0) -> None:
         # The router first, so no new work reaches the stages.
-        for name in ("router", "thinker", "talker", "code2wav"):
-            process = self.processes.get(name)
-            if process is not None and process.popen.poll() is None:
+        order = sorted(self.processes.values(), key=lambda p: p.stage != "router")
+        for process in order:
+            if process.popen is not None and process.popen.poll() is None:
                 process.popen.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        for process in self.processes.values():
+        for process in order:
+            if process.popen is None:
+                continue
             try:
                 process.popen.wait(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
@@ -161,6 +189,9 @@ def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads per stage (default cores/3)")
     parser.add_argument("--thinker-max-new-tokens", type=int, help="thinker default max new tokens")
     parser.add_argument("--talker-max-new-tokens", type=int, help="talker default max new tokens")
+    parser.add_argument("--thinker-replicas", type=int, default=1)
+    parser.add_argument("--talker-replicas", type=int, default=1)
+    parser.add_argument("--code2wav-replicas", type=int, default=1)
 
 
 def _options(args) -> StackOptions:
@@ -170,7 +201,8 @@ def _options(args) -> StackOptions:
     thinker = ("--default-max-new-tokens", str(args.thinker_max_new_tokens)) if args.thinker_max_new_tokens else ()
     talker = ("--default-max-new-tokens", str(args.talker_max_new_tokens)) if args.talker_max_new_tokens else ()
     return StackOptions(checkpoint=args.checkpoint, port=args.port, host=args.host, threads=args.threads,
-                        thinker_args=thinker, talker_args=talker)
+                        thinker_replicas=args.thinker_replicas, talker_replicas=args.talker_replicas,
+                        code2wav_replicas=args.code2wav_replicas, thinker_args=thinker, talker_args=talker)
 
 
 def up(args) -> None:
@@ -178,14 +210,15 @@ def up(args) -> None:
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
-    print(f"omni-serve: starting code2wav, talker, thinker, router from {args.checkpoint}", file=sys.stderr)
+    print(f"omni-serve: starting code2wav x{args.code2wav_replicas}, talker x{args.talker_replicas}, "
+          f"thinker x{args.thinker_replicas}, router from {args.checkpoint}", file=sys.stderr)
     stack.start()
-    print(f"omni-serve: ready on {stack.target} (thinker :{stack.port('thinker')}, talker :{stack.port('talker')}, "
-          f"code2wav :{stack.port('code2wav')}). Try:\n  .venv/bin/omni-client --target {stack.target} "
+    stages = ", ".join(f"{s} {' '.join(stack.addresses(s))}" for s in ("thinker", "talker", "code2wav"))
+    print(f"omni-serve: ready on {stack.target} ({stages}). Try:\n  .venv/bin/omni-client --target {stack.target} "
           f"--prompt 'Hello!' --out out/hello.wav\nCtrl-C stops everything.", file=sys.stderr)
     try:
         while not stopping.is_set():
-            dead = [p.name for p in stack.processes.values() if p.popen.poll() is not None]
+            dead = [p.name for p in stack.processes.values() if p.popen is not None and p.popen.poll() is not None]
             if dead:
                 raise UserError(f"{', '.join(dead)} exited; stopping the stack")
             stopping.wait(0.5)

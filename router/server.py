@@ -1,6 +1,7 @@
 """The router: the client-facing `omni.v1.Omni/Generate`.
 
-Picks a replica of each stage for the request, puts that route in the call to the thinker, and
+Admits the request (bounded in-flight count and queue; RESOURCE_EXHAUSTED beyond them), picks
+the least-loaded healthy replica of each stage, puts that route in the call to the thinker, and
 streams text deltas and audio chunks back to the client as they come. The client's deadline is
 handed on to the thinker (which hands it on down the pipeline); a cancelled client call cancels
 the thinker call, which cancels the talker and code2wav streams, freeing the work everywhere.
@@ -11,22 +12,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import re
 import sys
+import time
 import uuid
 from dataclasses import dataclass
 
 import grpc
 
 from omni.v1 import omni_pb2, omni_pb2_grpc, stages_pb2, stages_pb2_grpc
-from services.common.channels import ChannelPool
+from router.admission import Admission, AdmissionConfig, Rejected
+from router.metrics import RouterMetrics
+from router.replicas import Replica, ReplicaSet, ReplicaSource
 from services.common.config import env_default
-from services.common.errors import UserError, run_cli
+from services.common.errors import run_cli
 from services.common.grpc_server import (
     DEFAULT_MAX_MESSAGE_BYTES,
     ServerHandle,
     StageUnavailable,
-    abort_for,
     build_server,
+    channel_options,
     serve_until_signal,
     setup_logging,
     time_remaining,
@@ -35,86 +40,226 @@ from services.common.service_main import write_port_file
 
 log = logging.getLogger("router")
 SERVICE = omni_pb2.DESCRIPTOR.services_by_name["Omni"].full_name
+STAGES = ("thinker", "talker", "code2wav")
+_FAILED_REPLICA = re.compile(r"^stage (\w+) \(([^)]+)\) unavailable")
 
 
 @dataclass(frozen=True)
 class RouterConfig:
-    thinker: tuple[str, ...]
-    talker: tuple[str, ...]
-    code2wav: tuple[str, ...]
+    thinker: ReplicaSource
+    talker: ReplicaSource
+    code2wav: ReplicaSource
     host: str = "0.0.0.0"
     port: int = 50051
+    admission: AdmissionConfig = AdmissionConfig()
+    poll_interval_s: float = 1.0
+    dns_refresh_s: float = 5.0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     grace_s: float = 30.0
+    metrics_port: int = 0
 
 
-class Replicas:
-    """The replicas of each stage. For now: the first of each static list."""
-
-    def __init__(self, config: RouterConfig):
-        self.config = config
-
-    def pick(self) -> tuple[str, stages_pb2.Route]:
-        return self.config.thinker[0], stages_pb2.Route(talker=self.config.talker[0], code2wav=self.config.code2wav[0])
+def _outcome(code: grpc.StatusCode) -> str:
+    return {
+        grpc.StatusCode.OK: "ok", grpc.StatusCode.INVALID_ARGUMENT: "invalid_argument",
+        grpc.StatusCode.RESOURCE_EXHAUSTED: "rejected", grpc.StatusCode.UNAVAILABLE: "unavailable",
+        grpc.StatusCode.CANCELLED: "cancelled", grpc.StatusCode.DEADLINE_EXCEEDED: "deadline_exceeded",
+    }.get(code, "error")
 
 
 class OmniServicer(omni_pb2_grpc.OmniServicer):
-    def __init__(self, config: RouterConfig):
+    def __init__(self, config: RouterConfig, stages: dict[str, ReplicaSet], metrics: RouterMetrics):
         self.config = config
-        self.replicas = Replicas(config)
-        self.channels = ChannelPool(config.max_message_bytes)
+        self.stages = stages  # stage name -> its replicas
+        self.admission = Admission(config.admission)
+        self.metrics = metrics
+
+    def _route(self) -> dict[str, Replica]:
+        route = {}
+        for stage in STAGES:
+            replica = self.stages[stage].pick()
+            if replica is None:
+                raise StageUnavailable(stage, "no replica", "no healthy replica")
+            route[stage] = replica
+        return route
+
+    def _track(self, route: dict[str, Replica], delta: int) -> None:
+        for stage, replica in route.items():
+            replica.in_flight += delta
+            self.metrics.replica_in_flight.labels(stage, replica.address).set(replica.in_flight)
 
     async def Generate(self, request: omni_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        if not request.request_id:
-            request.request_id = uuid.uuid4().hex
-        thinker, route = self.replicas.pick()
-        call = stages_pb2_grpc.ThinkerStub(self.channels.get(thinker)).Generate(
-            stages_pb2.ThinkerRequest(request=request, route=route), timeout=time_remaining(context))
+        received = time.perf_counter()
+        self.metrics.queue_depth.set(self.admission.queued + 1)
+        try:
+            await self.admission.acquire()
+        except Rejected as exc:
+            self.metrics.requests.labels("rejected").inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        finally:
+            self.metrics.queue_depth.set(self.admission.queued)
+        self.metrics.in_flight.set(self.admission.in_flight)
+        route: dict[str, Replica] = {}
+        outcome = grpc.StatusCode.UNKNOWN
+        try:
+            if not request.request_id:
+                request.request_id = uuid.uuid4().hex
+            route = self._route()
+            self._track(route, +1)
+            async for response in self._stream(request, route, context, received):
+                yield response
+            outcome = grpc.StatusCode.OK
+        except StageUnavailable as exc:
+            outcome = grpc.StatusCode.UNAVAILABLE
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except grpc.aio.AioRpcError as exc:
+            outcome = exc.code()
+            self._note_failure(exc, route)
+            error = StageUnavailable.from_rpc("thinker", route["thinker"].address, exc)
+            await context.abort(exc.code(), str(error) if isinstance(error, StageUnavailable) else exc.details())
+        except asyncio.CancelledError:
+            outcome = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            self.metrics.requests.labels(_outcome(outcome)).inc()
+            self._track(route, -1)
+            self.admission.release()
+            self.metrics.in_flight.set(self.admission.in_flight)
+
+    async def _stream(self, request, route: dict[str, Replica], context, received: float):
+        thinker = route["thinker"]
+        stub = stages_pb2_grpc.ThinkerStub(self.stages["thinker"].channel(thinker.address))
+        call = stub.Generate(
+            stages_pb2.ThinkerRequest(request=request, route=stages_pb2.Route(
+                talker=route["talker"].address, code2wav=route["code2wav"].address)),
+            timeout=time_remaining(context),
+        )
+        first_text = first_audio = last_audio = None
+        audio_samples, sample_rate = 0, 24000
         try:
             async for response in call:
+                now = time.perf_counter()
+                kind = response.WhichOneof("event")
+                if kind == "text" and first_text is None:
+                    first_text = now
+                    self.metrics.ttft.observe(now - received)
+                elif kind == "audio":
+                    if first_audio is None:
+                        first_audio = now
+                        self.metrics.ttfp.observe(now - received)
+                    last_audio = now
+                    audio_samples += response.audio.num_samples
+                    sample_rate = response.audio.sample_rate or sample_rate
                 yield response
-        except grpc.aio.AioRpcError as exc:
-            await abort_for(context, StageUnavailable.from_rpc("thinker", thinker, exc))
         finally:
             call.cancel()  # no-op when finished; frees every stage when the client went away
+        if audio_samples:
+            self.metrics.rtf.observe((last_audio - received) / (audio_samples / sample_rate))
+
+    def _note_failure(self, exc: grpc.aio.AioRpcError, route: dict[str, Replica]) -> None:
+        """Mark the replica an UNAVAILABLE names (or the thinker, if it died itself) as failed."""
+        if exc.code() is not grpc.StatusCode.UNAVAILABLE:
+            return
+        match = _FAILED_REPLICA.match(exc.details() or "")
+        if match and match.group(1) in self.stages:
+            self.stages[match.group(1)].mark_failed(match.group(2))
+        elif route:
+            self.stages["thinker"].mark_failed(route["thinker"].address)
 
 
-async def create_server(config: RouterConfig) -> ServerHandle:
+class Router:
+    """The replica sets, the servicer and the readiness they imply."""
+
+    def __init__(self, config: RouterConfig):
+        self.config = config
+        self.metrics = RouterMetrics()
+        options = channel_options(config.max_message_bytes)
+        self.stages = {
+            stage: ReplicaSet(stage, getattr(config, stage), options, config.poll_interval_s, config.dns_refresh_s)
+            for stage in STAGES
+        }
+        self.servicer = OmniServicer(config, self.stages, self.metrics)
+
+    @property
+    def ready(self) -> bool:
+        return all(any(r.healthy and not r.draining for r in s.replicas.values()) for s in self.stages.values())
+
+    async def start(self) -> None:
+        await asyncio.gather(*(s.refresh() for s in self.stages.values()))
+        for replica_set in self.stages.values():
+            replica_set.start()
+
+    async def keep_health(self, handle: ServerHandle) -> None:
+        """Readiness: SERVING while every stage has a healthy replica."""
+        serving = None
+        while True:
+            for stage, replica_set in self.stages.items():
+                for replica in replica_set.replicas.values():
+                    self.metrics.replica_healthy.labels(stage, replica.address).set(
+                        int(replica.healthy and not replica.draining))
+            if self.ready != serving and not handle.draining:
+                serving = self.ready
+                await handle.set_serving(serving)
+                log.info("router %s", "ready" if serving else "not ready: a stage has no healthy replica")
+            await asyncio.sleep(self.config.poll_interval_s / 2)
+
+
+async def create_server(config: RouterConfig) -> tuple[ServerHandle, Router]:
+    router = Router(config)
+    await router.start()
     handle = build_server(config.host, config.port, (SERVICE,), config.max_message_bytes)
-    omni_pb2_grpc.add_OmniServicer_to_server(OmniServicer(config), handle.server)
-    return handle
-
-
-def _targets(value: str | None, flag: str) -> tuple[str, ...]:
-    targets = tuple(t.strip() for t in (value or "").split(",") if t.strip())
-    if not targets:
-        raise UserError(f"{flag}: give at least one host:port")
-    return targets
+    omni_pb2_grpc.add_OmniServicer_to_server(router.servicer, handle.server)
+    router.metrics.serve(config.metrics_port)
+    return handle, router
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="omni-router", description=__doc__.splitlines()[0])
     parser.add_argument("--host", default=env_default("host", "0.0.0.0"))
     parser.add_argument("--port", type=int, default=env_default("port", 50051))
-    parser.add_argument("--thinker", default=env_default("thinker", "localhost:50061"), help="host:port[,host:port]")
-    parser.add_argument("--talker", default=env_default("talker", "localhost:50062"), help="host:port[,host:port]")
-    parser.add_argument("--code2wav", default=env_default("code2wav", "localhost:50063"), help="host:port[,host:port]")
+    for stage, port in (("thinker", 50061), ("talker", 50062), ("code2wav", 50063)):
+        parser.add_argument(f"--{stage}", default=env_default(stage, f"localhost:{port}"),
+                            help=f"{stage} replicas: host:port[,host:port] or dns:///name:port")
+    parser.add_argument("--max-in-flight", type=int, default=env_default("max_in_flight", 64),
+                        help="requests streaming at once (default 64)")
+    parser.add_argument("--max-queue", type=int, default=env_default("max_queue", 128),
+                        help="requests waiting for a place (default 128)")
+    parser.add_argument("--queue-timeout-s", type=float, default=env_default("queue_timeout_s", 10.0),
+                        help="longest wait for a place before RESOURCE_EXHAUSTED (default 10)")
+    parser.add_argument("--poll-interval-s", type=float, default=env_default("poll_interval_s", 1.0),
+                        help="health and load poll of every replica (default 1)")
+    parser.add_argument("--dns-refresh-s", type=float, default=env_default("dns_refresh_s", 5.0))
     parser.add_argument("--max-message-mb", type=int, default=env_default("max_message_mb", DEFAULT_MAX_MESSAGE_BYTES >> 20))
     parser.add_argument("--grace-s", type=float, default=env_default("grace_s", 30.0))
+    parser.add_argument("--metrics-port", type=int, default=env_default("metrics_port", 0),
+                        help="serve Prometheus metrics on this HTTP port (0 = off)")
     parser.add_argument("--port-file")
     args = parser.parse_args(argv)
 
     def run() -> None:
         config = RouterConfig(
-            thinker=_targets(args.thinker, "--thinker"), talker=_targets(args.talker, "--talker"),
-            code2wav=_targets(args.code2wav, "--code2wav"), host=args.host, port=args.port,
-            max_message_bytes=args.max_message_mb << 20, grace_s=args.grace_s,
+            thinker=ReplicaSource.parse(args.thinker, "--thinker"),
+            talker=ReplicaSource.parse(args.talker, "--talker"),
+            code2wav=ReplicaSource.parse(args.code2wav, "--code2wav"),
+            host=args.host, port=args.port,
+            admission=AdmissionConfig(args.max_in_flight, args.max_queue, args.queue_timeout_s),
+            poll_interval_s=args.poll_interval_s, dns_refresh_s=args.dns_refresh_s,
+            max_message_bytes=args.max_message_mb << 20, grace_s=args.grace_s, metrics_port=args.metrics_port,
         )
         setup_logging("router")
 
         async def serve() -> None:
-            handle = await create_server(config)
-            await serve_until_signal(handle, config.grace_s, on_started=lambda: write_port_file(args.port_file, handle.port))
+            handle, router = await create_server(config)
+            health = None
+
+            def started() -> None:
+                nonlocal health
+                write_port_file(args.port_file, handle.port)
+                health = asyncio.get_running_loop().create_task(router.keep_health(handle))
+
+            await serve_until_signal(handle, config.grace_s, on_started=started, initially_serving=False)
+            if health is not None:
+                health.cancel()
 
         asyncio.run(serve())
 

@@ -13,7 +13,7 @@ import grpc
 from omni.v1 import common_pb2, stages_pb2, stages_pb2_grpc
 from services.code2wav.engine import Audio, CodecChunk, CodecEnd, Code2WavEngine, Decoded
 from services.common.config import StageConfig, add_stage_flags, env_default, stage_config_from_args
-from services.common.engine_loop import EngineFailed, EngineLoop, EventSink
+from services.common.engine_loop import EngineFailed, EngineLoop, EventSink, StreamIdle
 from services.common.errors import InvalidArgument, run_cli
 from services.common.grpc_server import ServerHandle, abort_for, build_server, serve_until_signal, setup_logging
 from services.common.metrics import StageMetrics
@@ -31,9 +31,11 @@ class Code2WavConfig:
 
 
 class Code2WavServicer(stages_pb2_grpc.Code2WavServicer):
-    def __init__(self, loop: EngineLoop, engine: Code2WavEngine):
+    def __init__(self, loop: EngineLoop, engine: Code2WavEngine, handle: ServerHandle, idle_timeout_s: float):
         self.loop = loop
         self.engine = engine
+        self.handle = handle
+        self.idle_timeout_s = idle_timeout_s
         self.sample_rate = engine.geometry.sample_rate
 
     async def Decode(self, request_iterator, context: grpc.aio.ServicerContext):
@@ -48,7 +50,7 @@ class Code2WavServicer(stages_pb2_grpc.Code2WavServicer):
         finished = False
         try:
             while True:
-                event = await sink.get()
+                event = await sink.get(self.idle_timeout_s, "code2wav")
                 if isinstance(event, Audio):
                     yield stages_pb2.Code2WavOutput(audio=audio_to_proto(
                         event.samples, self.sample_rate, index, event.first_sample // self.engine.geometry.samples_per_frame))
@@ -61,6 +63,8 @@ class Code2WavServicer(stages_pb2_grpc.Code2WavServicer):
                     await context.abort(grpc.StatusCode.INTERNAL, f"code2wav: {event.message}")
                 elif isinstance(event, BaseException):
                     await abort_for(context, event)
+        except StreamIdle as exc:
+            await abort_for(context, exc)
         finally:
             reader.cancel()
             if not finished:
@@ -90,10 +94,7 @@ class Code2WavServicer(stages_pb2_grpc.Code2WavServicer):
             pass  # the caller went away; the handler's finally aborts the request
 
     async def GetLoad(self, request, context):
-        return common_pb2.LoadReport(
-            stage="code2wav", queue_depth=self.engine.queue_depth, running=self.engine.running,
-            step_ms=self.loop.stats.step_ms_ewma,
-        )
+        return self.loop.load_report("code2wav", 0, self.handle.draining)
 
 
 async def create_server(config: Code2WavConfig) -> tuple[ServerHandle, EngineLoop]:
@@ -106,7 +107,7 @@ async def create_server(config: Code2WavConfig) -> tuple[ServerHandle, EngineLoo
     loop = EngineLoop(engine, "code2wav", metrics)
     loop.start()
     handle = build_server(config.stage.host, config.stage.port, (SERVICE,), config.stage.max_message_bytes)
-    stages_pb2_grpc.add_Code2WavServicer_to_server(Code2WavServicer(loop, engine), handle.server)
+    stages_pb2_grpc.add_Code2WavServicer_to_server(Code2WavServicer(loop, engine, handle, config.stage.stream_idle_timeout_s), handle.server)
     return handle, loop
 
 

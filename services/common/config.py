@@ -31,6 +31,7 @@ class StageConfig:
     grace_s: float = 30.0  # SIGTERM: time to finish in-flight streams
     threads: int = 0  # torch intra-op threads; 0 = torch's default
     metrics_port: int = 0  # Prometheus /metrics over HTTP; 0 = off
+    stream_idle_timeout_s: float = 120.0  # a stream with no progress this long is ended (dead peer)
 
 
 def add_stage_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
@@ -46,6 +47,8 @@ def add_stage_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--threads", type=int, default=env_default("threads", 0), help="torch threads (0 = default)")
     parser.add_argument("--metrics-port", type=int, default=env_default("metrics_port", 0),
                         help="serve Prometheus metrics on this HTTP port (0 = off)")
+    parser.add_argument("--stream-idle-timeout-s", type=float, default=env_default("stream_idle_timeout_s", 120.0),
+                        help="end a stream that made no progress for this long (default 120)")
     parser.add_argument("--port-file", help="write the bound port here once serving (for port 0)")
 
 
@@ -55,7 +58,7 @@ def stage_config_from_args(args: argparse.Namespace) -> StageConfig:
     return StageConfig(
         checkpoint=args.checkpoint, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
         max_message_bytes=args.max_message_mb << 20, grace_s=args.grace_s, threads=args.threads,
-        metrics_port=args.metrics_port,
+        metrics_port=args.metrics_port, stream_idle_timeout_s=args.stream_idle_timeout_s,
     )
 
 

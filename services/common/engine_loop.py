@@ -36,6 +36,10 @@ class EngineFailed:
     message: str
 
 
+class StreamIdle(Exception):
+    """A stream saw no event for its idle timeout (a stalled or vanished peer)."""
+
+
 class EventSink:
     """An asyncio queue that the engine thread can put into."""
 
@@ -49,8 +53,12 @@ class EventSink:
         except RuntimeError:  # the event loop closed: the caller is gone
             pass
 
-    async def get(self) -> Any:
-        return await self.queue.get()
+    async def get(self, idle_timeout_s: float | None = None, stage: str = "stage") -> Any:
+        """The next event; no stage waits forever: silence past the idle timeout is an error."""
+        try:
+            return await asyncio.wait_for(self.queue.get(), idle_timeout_s)
+        except TimeoutError:
+            raise StreamIdle(f"{stage}: no progress on this stream for {idle_timeout_s:g} s") from None
 
 
 @dataclass
@@ -91,6 +99,16 @@ class EngineLoop:
     @property
     def in_flight(self) -> int:
         return len(self._sinks)
+
+    def load_report(self, stage: str, cache_capacity: int = 0, draining: bool = False):
+        """omni.v1.LoadReport of this stage, read by the router to balance."""
+        from omni.v1 import common_pb2
+
+        return common_pb2.LoadReport(
+            stage=stage, queue_depth=self.engine.queue_depth, running=self.engine.running,
+            step_ms=self.stats.step_ms_ewma, cache_used=self.engine.running if cache_capacity else 0,
+            cache_capacity=cache_capacity, draining=draining, in_flight=self.in_flight,
+        )
 
     def _observe(self, elapsed_ms: float, batch: int) -> None:
         m = self.metrics

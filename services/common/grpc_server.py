@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.engine_loop import StreamIdle
 from services.common.errors import InvalidArgument
 from services.common.wire import WireError
 
@@ -48,8 +49,9 @@ def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[t
 class ServerHandle:
     server: grpc.aio.Server
     port: int
-    health: health.aio.HealthServicer if hasattr(health, "aio") else object
+    health: health.aio.HealthServicer
     service_names: tuple[str, ...]
+    draining: bool = False  # SIGTERM received: NOT_SERVING, finishing in-flight streams
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -73,9 +75,10 @@ def build_server(host: str, port: int, service_names: tuple[str, ...],
     return ServerHandle(server=server, port=bound, health=health_servicer, service_names=service_names)
 
 
-async def serve_until_signal(handle: ServerHandle, grace_s: float, on_started=None, on_stop=None) -> None:
+async def serve_until_signal(handle: ServerHandle, grace_s: float, on_started=None, on_stop=None,
+                             initially_serving: bool = True) -> None:
     await handle.server.start()
-    await handle.set_serving(True)
+    await handle.set_serving(initially_serving)
     if on_started is not None:
         on_started()
     stop = asyncio.Event()
@@ -85,6 +88,7 @@ async def serve_until_signal(handle: ServerHandle, grace_s: float, on_started=No
     log.info("serving on port %d", handle.port)
     await stop.wait()
     log.info("draining: NOT_SERVING, finishing in-flight streams (grace %.0f s)", grace_s)
+    handle.draining = True
     await handle.set_serving(False)
     await handle.server.stop(grace_s)
     if on_stop is not None:
@@ -97,7 +101,7 @@ async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException) -> No
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     if isinstance(exc, WireError):
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed tensor: {exc}")
-    if isinstance(exc, StageUnavailable):
+    if isinstance(exc, (StageUnavailable, StreamIdle)):
         await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
     if isinstance(exc, grpc.aio.AioRpcError):
         await context.abort(exc.code(), exc.details() or exc.code().name)

@@ -22,7 +22,7 @@ from services.common.config import (
     exact_batching,
     stage_config_from_args,
 )
-from services.common.engine_loop import EngineFailed, EngineLoop, EventSink
+from services.common.engine_loop import EngineFailed, EngineLoop, EventSink, StreamIdle
 from services.common.errors import InvalidArgument, run_cli
 from services.common.grpc_server import (
     ServerHandle,
@@ -119,8 +119,10 @@ def talker_job_from_proto(start: stages_pb2.TalkerStart, model_config, config: T
 
 
 class TalkerServicer(stages_pb2_grpc.TalkerServicer):
-    def __init__(self, loop: EngineLoop, engine: TalkerEngine, config: TalkerConfig, model_config):
+    def __init__(self, loop: EngineLoop, engine: TalkerEngine, config: TalkerConfig, model_config,
+                 handle: ServerHandle):
         self.loop = loop
+        self.handle = handle
         self.engine = engine
         self.config = config
         self.model_config = model_config
@@ -149,7 +151,7 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
         try:
             await decode.write(stages_pb2.Code2WavInput(start=stages_pb2.Code2WavStart(request_id=request_id)))
             while True:
-                event = await sink.get()
+                event = await sink.get(self.config.stage.stream_idle_timeout_s, "talker")
                 if isinstance(event, Frame):
                     chunk = chunker.add(event.codes)
                     if chunk is not None:
@@ -175,6 +177,8 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
                     await context.abort(grpc.StatusCode.INTERNAL, f"talker: {event.message}")
                 elif isinstance(event, BaseException):
                     await abort_for(context, event)
+        except StreamIdle as exc:
+            await abort_for(context, exc)
         except grpc.aio.AioRpcError as exc:  # a write to code2wav failed
             await abort_for(context, StageUnavailable.from_rpc("code2wav", start.route.code2wav, exc))
         finally:
@@ -218,11 +222,7 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
             sink.queue.put_nowait(StageUnavailable.from_rpc("code2wav", target, exc))
 
     async def GetLoad(self, request, context):
-        return common_pb2.LoadReport(
-            stage="talker", queue_depth=self.engine.queue_depth, running=self.engine.running,
-            step_ms=self.loop.stats.step_ms_ewma, cache_used=self.engine.running,
-            cache_capacity=self.config.engine.num_slots,
-        )
+        return self.loop.load_report("talker", self.config.engine.num_slots, self.handle.draining)
 
 
 async def create_server(config: TalkerConfig) -> tuple[ServerHandle, EngineLoop]:
@@ -236,7 +236,7 @@ async def create_server(config: TalkerConfig) -> tuple[ServerHandle, EngineLoop]
     loop = EngineLoop(engine, "talker", metrics)
     loop.start()
     handle = build_server(config.stage.host, config.stage.port, (SERVICE,), config.stage.max_message_bytes)
-    stages_pb2_grpc.add_TalkerServicer_to_server(TalkerServicer(loop, engine, config, loaded.config), handle.server)
+    stages_pb2_grpc.add_TalkerServicer_to_server(TalkerServicer(loop, engine, config, loaded.config, handle), handle.server)
     return handle, loop
 
 

@@ -23,7 +23,7 @@ from services.common.config import (
     stage_config_from_args,
 )
 from services.common.detokenizer import IncrementalDetokenizer
-from services.common.engine_loop import EngineFailed, EngineLoop, EventSink
+from services.common.engine_loop import EngineFailed, EngineLoop, EventSink, StreamIdle
 from services.common.errors import InvalidArgument, run_cli
 from services.common.grpc_server import (
     ServerHandle,
@@ -88,8 +88,10 @@ class Prepared:
 
 
 class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
-    def __init__(self, loop: EngineLoop, engine: ThinkerEngine, prompts: PromptBuilder, config: ThinkerConfig):
+    def __init__(self, loop: EngineLoop, engine: ThinkerEngine, prompts: PromptBuilder, config: ThinkerConfig,
+                 handle: ServerHandle):
         self.loop = loop
+        self.handle = handle
         self.engine = engine
         self.prompts = prompts
         self.config = config
@@ -132,7 +134,7 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         ttft = ttfp = None
         try:
             while True:
-                event = await sink.get()
+                event = await sink.get(self.config.stage.stream_idle_timeout_s, "thinker")
                 if isinstance(event, Prefilled):
                     speak = stages_pb2_grpc.TalkerStub(self.channels.get(request.route.talker)).Speak(
                         timeout=time_remaining(context))
@@ -161,6 +163,8 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
                 if text_done is not None and (talker_done is not None or not prepared.audio):
                     yield self._final(request_id, text_done, talker_done, received, ttft, ttfp)
                     return
+        except StreamIdle as exc:
+            await abort_for(context, exc)
         except grpc.aio.AioRpcError as exc:  # a write to the talker failed
             await abort_for(context, StageUnavailable.from_rpc("talker", request.route.talker, exc))
         finally:
@@ -227,11 +231,7 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         return omni_pb2.GenerateResponse(request_id=request_id, final=final)
 
     async def GetLoad(self, request, context):
-        return common_pb2.LoadReport(
-            stage="thinker", queue_depth=self.engine.queue_depth, running=self.engine.running,
-            step_ms=self.loop.stats.step_ms_ewma, cache_used=self.engine.running,
-            cache_capacity=self.config.engine.num_slots,
-        )
+        return self.loop.load_report("thinker", self.config.engine.num_slots, self.handle.draining)
 
 
 async def create_server(config: ThinkerConfig) -> tuple[ServerHandle, EngineLoop]:
@@ -246,7 +246,7 @@ async def create_server(config: ThinkerConfig) -> tuple[ServerHandle, EngineLoop
     loop = EngineLoop(engine, "thinker", metrics)
     loop.start()
     handle = build_server(config.stage.host, config.stage.port, (SERVICE,), config.stage.max_message_bytes)
-    stages_pb2_grpc.add_ThinkerServicer_to_server(ThinkerServicer(loop, engine, prompts, config), handle.server)
+    stages_pb2_grpc.add_ThinkerServicer_to_server(ThinkerServicer(loop, engine, prompts, config, handle), handle.server)
     return handle, loop
 
 

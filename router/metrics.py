@@ -1,0 +1,32 @@
+"""Router Prometheus metrics: requests by outcome, queue, in flight, TTFT/TTFP/RTF, per replica."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
+RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = r = registry or CollectorRegistry()
+        self.requests = Counter("omni_router_requests", "Requests by outcome", ["outcome"], registry=r)
+        self.queue_depth = Gauge("omni_router_queue_depth", "Requests waiting for admission", registry=r)
+        self.in_flight = Gauge("omni_router_in_flight", "Requests admitted and streaming", registry=r)
+        self.ttft = Histogram("omni_router_ttft_seconds", "Request received to first text delta",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.ttfp = Histogram("omni_router_ttfp_seconds", "Request received to first audio chunk",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.rtf = Histogram("omni_router_rtf", "(last audio chunk - received) / audio seconds",
+                             buckets=RTF_BUCKETS, registry=r)
+        self.replica_in_flight = Gauge("omni_router_replica_in_flight", "This router's requests per replica",
+                                       ["stage", "replica"], registry=r)
+        self.replica_healthy = Gauge("omni_router_replica_healthy", "1 if the replica is SERVING and not draining",
+                                     ["stage", "replica"], registry=r)
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int | None:
+        if not port:
+            return None
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return server.server_port

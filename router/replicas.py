@@ -1,0 +1,165 @@
+"""Replicas of one stage: discovery (static list or DNS), health, load, and the pick.
+
+Each stage's replicas come from a static list (`host:port,host:port`) or a DNS name
+(`dns:///omni-talker:50062`: every A record, re-resolved periodically, the way a Kubernetes
+headless service is read). A background task polls every replica's grpc.health.v1 status and
+its own load report (`GetLoad`). `pick()` returns the least-loaded healthy replica that is not
+draining, scoring each by its reported queue and running batch plus what this router has in
+flight on it (which moves between polls). A call that fails with UNAVAILABLE marks its replica
+unhealthy at once, so new requests avoid a dead pod before the next poll; a restarted replica
+comes back when its health says SERVING again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import socket
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from omni.v1 import common_pb2, stages_pb2_grpc
+from services.common.errors import UserError
+
+log = logging.getLogger("router.replicas")
+
+_LOAD_STUBS = {
+    "thinker": stages_pb2_grpc.ThinkerStub,
+    "talker": stages_pb2_grpc.TalkerStub,
+    "code2wav": stages_pb2_grpc.Code2WavStub,
+}
+
+
+@dataclass
+class Replica:
+    address: str  # host:port
+    healthy: bool = False
+    draining: bool = False
+    load: common_pb2.LoadReport | None = None
+    in_flight: int = 0  # this router's requests on it now
+    last_ok: float = 0.0  # monotonic time of the last successful poll
+
+    @property
+    def score(self) -> float:
+        reported = (self.load.queue_depth + self.load.running) if self.load is not None else 0
+        return self.in_flight + reported
+
+
+@dataclass(frozen=True)
+class ReplicaSource:
+    """Where a stage's replicas come from: fixed addresses, or a DNS name to resolve."""
+
+    static: tuple[str, ...] = ()
+    dns_host: str | None = None
+    dns_port: int | None = None
+
+    @classmethod
+    def parse(cls, spec: str, flag: str) -> "ReplicaSource":
+        spec = spec.strip()
+        if spec.startswith("dns:"):
+            target = spec.removeprefix("dns:").lstrip("/")
+            host, _, port = target.rpartition(":")
+            if not host or not port.isdigit():
+                raise UserError(f"{flag}: expected dns:///host:port, got {spec!r}")
+            return cls(dns_host=host, dns_port=int(port))
+        targets = tuple(t.strip() for t in spec.split(",") if t.strip())
+        if not targets or any(":" not in t for t in targets):
+            raise UserError(f"{flag}: expected host:port[,host:port] or dns:///host:port, got {spec!r}")
+        return cls(static=targets)
+
+    def resolve(self) -> list[str]:
+        if self.dns_host is None:
+            return list(self.static)
+        infos = socket.getaddrinfo(self.dns_host, self.dns_port, type=socket.SOCK_STREAM)
+        addresses = sorted({info[4][0] for info in infos})
+        return [f"[{a}]:{self.dns_port}" if ":" in a else f"{a}:{self.dns_port}" for a in addresses]
+
+
+@dataclass
+class ReplicaSet:
+    stage: str
+    source: ReplicaSource
+    channel_options: list = field(default_factory=list)
+    poll_interval_s: float = 1.0
+    dns_refresh_s: float = 5.0
+    replicas: dict[str, Replica] = field(default_factory=dict)  # address -> replica
+    _channels: dict[str, grpc.aio.Channel] = field(default_factory=dict)  # address -> channel
+    _task: asyncio.Task | None = None
+    _last_resolve: float = -1e9
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._poll_forever(), name=f"replicas-{self.stage}")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for channel in self._channels.values():
+            await channel.close()
+
+    def pick(self) -> Replica | None:
+        candidates = [r for r in self.replicas.values() if r.healthy and not r.draining]
+        if not candidates:
+            return None
+        best = min(r.score for r in candidates)
+        return random.choice([r for r in candidates if r.score == best])
+
+    def mark_failed(self, address: str) -> None:
+        replica = self.replicas.get(address)
+        if replica is not None and replica.healthy:
+            log.warning("%s replica %s failed a call; unhealthy until it answers SERVING again", self.stage, address)
+            replica.healthy = False
+
+    async def refresh(self) -> None:
+        """One round: re-resolve if due, then poll health and load of every replica."""
+        now = time.monotonic()
+        if now - self._last_resolve >= self.dns_refresh_s or not self.replicas:
+            self._last_resolve = now
+            try:
+                addresses = await asyncio.to_thread(self.source.resolve)
+            except OSError as exc:
+                log.warning("%s: cannot resolve %s: %s", self.stage, self.source.dns_host, exc)
+                addresses = list(self.replicas)
+            for address in addresses:
+                self.replicas.setdefault(address, Replica(address))
+            for gone in set(self.replicas) - set(addresses):
+                self.replicas.pop(gone)
+                channel = self._channels.pop(gone, None)
+                if channel is not None:
+                    await channel.close()
+        await asyncio.gather(*(self._poll(r) for r in list(self.replicas.values())))
+
+    async def _poll_forever(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception:  # keep polling whatever happens
+                log.exception("%s: replica poll failed", self.stage)
+            await asyncio.sleep(self.poll_interval_s)
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=self.channel_options)
+            self._channels[address] = channel
+        return channel
+
+    async def _poll(self, replica: Replica) -> None:
+        channel = self.channel(replica.address)
+        try:
+            health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            serving = health.status == health_pb2.HealthCheckResponse.SERVING
+            load = await _LOAD_STUBS[self.stage](channel).GetLoad(common_pb2.LoadRequest(), timeout=1.0) \
+                if serving else None
+        except grpc.aio.AioRpcError:
+            serving, load = False, None
+        if serving != replica.healthy:
+            log.info("%s replica %s is %s", self.stage, replica.address, "SERVING" if serving else "not serving")
+        replica.healthy = serving
+        replica.load = load
+        replica.draining = bool(load.draining) if load is not None else not serving
+        if serving:
+            replica.last_ok = time.monotonic()
