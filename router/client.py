@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ import numpy as np
 from omni.v1 import omni_pb2, omni_pb2_grpc
 from services.common.errors import UserError, run_cli
 from services.common.grpc_server import channel_options
+from services.common.security import TLSConfig, add_tls_flags, secure_or_insecure_channel, tls_from_args
 from services.common.wire import audio_from_proto
 
 
@@ -107,10 +109,11 @@ class ClientResult:
 
 
 def collect(stub: omni_pb2_grpc.OmniStub, request: omni_pb2.GenerateRequest, timeout: float | None = None,
-            on_event=None) -> ClientResult:
+            on_event=None, token: str | None = None) -> ClientResult:
     """Run one Generate call to the end; raises grpc.RpcError on a non-OK status."""
     result = ClientResult(sent=time.perf_counter())
-    for response in stub.Generate(request, timeout=timeout):
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    for response in stub.Generate(request, timeout=timeout, metadata=metadata):
         now = time.perf_counter()
         kind = response.WhichOneof("event")
         if kind == "text":
@@ -132,8 +135,8 @@ def collect(stub: omni_pb2_grpc.OmniStub, request: omni_pb2.GenerateRequest, tim
     return result
 
 
-def connect(target: str) -> tuple[grpc.Channel, omni_pb2_grpc.OmniStub]:
-    channel = grpc.insecure_channel(target, options=channel_options())
+def connect(target: str, tls: TLSConfig = TLSConfig()) -> tuple[grpc.Channel, omni_pb2_grpc.OmniStub]:
+    channel = secure_or_insecure_channel(target, tls, channel_options(), aio=False)
     return channel, omni_pb2_grpc.OmniStub(channel)
 
 
@@ -160,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="deadline in seconds")
     parser.add_argument("--out", type=Path, help="write the audio here (.wav)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    parser.add_argument("--token", default=os.environ.get("OMNI_TOKEN"),
+                        help="bearer token for the router (default: $OMNI_TOKEN)")
+    add_tls_flags(parser)
     args = parser.parse_args(argv)
 
     def run() -> None:
@@ -174,9 +180,10 @@ def main(argv: list[str] | None = None) -> int:
             args.prompt, args.system, files.get("audio"), files.get("image"), args.voice, args.text_only,
             args.max_new_tokens, args.talker_max_new_tokens, return_codec_frames=args.json,
         )
-        channel, stub = connect(args.target)
+        channel, stub = connect(args.target, tls_from_args(args))
         try:
-            result = collect(stub, request, timeout=args.timeout, on_event=None if args.json else _progress)
+            result = collect(stub, request, timeout=args.timeout, on_event=None if args.json else _progress,
+                             token=args.token)
         except grpc.RpcError as exc:
             raise UserError(f"{exc.code().name}: {exc.details()}") from None
         finally:

@@ -23,6 +23,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.errors import UserError, run_cli
+from services.common.security import TLSConfig, secure_or_insecure_channel
 
 STAGE_MODULES = {
     "code2wav": "services.code2wav.server",
@@ -60,6 +61,8 @@ class StackOptions:
     talker_args: tuple[str, ...] = ()
     code2wav_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
+    extra_args: tuple[str, ...] = ()  # appended to every process (e.g. TLS flags)
+    tls: TLSConfig = TLSConfig()  # how the launcher itself reaches the processes (health checks)
     startup_timeout_s: float = 180.0
     log_prefix: bool = True
 
@@ -87,7 +90,8 @@ class Stack:
     def _launch(self, process: Process) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         process.popen = subprocess.Popen(
-            [sys.executable, "-m", STAGE_MODULES[process.stage], *process.args, "--port", str(process.port)],
+            [sys.executable, "-m", STAGE_MODULES[process.stage], *process.args, *self.options.extra_args,
+             "--port", str(process.port)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, start_new_session=True,
         )
         threading.Thread(target=self._pump, args=(process.name, process.popen), daemon=True).start()
@@ -132,7 +136,7 @@ class Stack:
         while time.monotonic() < deadline:
             if process.popen.poll() is not None:
                 raise UserError(f"{name} exited with code {process.popen.returncode} during start-up (see its log)")
-            if health_status(f"{self.options.host}:{process.port}") == "SERVING":
+            if health_status(f"{self.options.host}:{process.port}", tls=self.options.tls) == "SERVING":
                 return process.port
             time.sleep(0.1)
         raise UserError(f"{name} did not become healthy within {self.options.startup_timeout_s:.0f} s")
@@ -172,8 +176,8 @@ class Stack:
         self.stop()
 
 
-def health_status(target: str, service: str = "", timeout: float = 1.0) -> str:
-    with grpc.insecure_channel(target) as channel:
+def health_status(target: str, service: str = "", timeout: float = 1.0, tls: TLSConfig = TLSConfig()) -> str:
+    with secure_or_insecure_channel(target, tls, [], aio=False) as channel:
         try:
             response = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout)

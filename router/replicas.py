@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omni.v1 import common_pb2, stages_pb2_grpc
 from services.common.errors import UserError
+from services.common.security import TLSConfig, secure_or_insecure_channel
 
 log = logging.getLogger("router.replicas")
 
@@ -86,6 +87,7 @@ class ReplicaSet:
     channel_options: list = field(default_factory=list)
     poll_interval_s: float = 1.0
     dns_refresh_s: float = 5.0
+    tls: TLSConfig = TLSConfig()
     replicas: dict[str, Replica] = field(default_factory=dict)  # address -> replica
     _channels: dict[str, grpc.aio.Channel] = field(default_factory=dict)  # address -> channel
     _task: asyncio.Task | None = None
@@ -143,7 +145,7 @@ class ReplicaSet:
     def channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=self.channel_options)
+            channel = secure_or_insecure_channel(address, self.tls, self.channel_options)
             self._channels[address] = channel
         return channel
 

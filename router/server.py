@@ -36,6 +36,7 @@ from services.common.grpc_server import (
     setup_logging,
     time_remaining,
 )
+from services.common.security import BearerTokenInterceptor, TLSConfig, add_tls_flags, load_tokens, tls_from_args
 from services.common.service_main import write_port_file
 
 log = logging.getLogger("router")
@@ -57,6 +58,8 @@ class RouterConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     grace_s: float = 30.0
     metrics_port: int = 0
+    tls: TLSConfig = TLSConfig()  # client -> router and router -> thinker (and the stages' health/load)
+    auth_tokens: tuple[bytes, ...] = ()  # bearer tokens callers must present; empty = no authentication
 
 
 def _outcome(code: grpc.StatusCode) -> str:
@@ -175,7 +178,8 @@ class Router:
         self.metrics = RouterMetrics()
         options = channel_options(config.max_message_bytes)
         self.stages = {
-            stage: ReplicaSet(stage, getattr(config, stage), options, config.poll_interval_s, config.dns_refresh_s)
+            stage: ReplicaSet(stage, getattr(config, stage), options, config.poll_interval_s, config.dns_refresh_s,
+                              config.tls)
             for stage in STAGES
         }
         self.servicer = OmniServicer(config, self.stages, self.metrics)
@@ -207,7 +211,9 @@ class Router:
 async def create_server(config: RouterConfig) -> tuple[ServerHandle, Router]:
     router = Router(config)
     await router.start()
-    handle = build_server(config.host, config.port, (SERVICE,), config.max_message_bytes)
+    interceptors = (BearerTokenInterceptor(config.auth_tokens),) if config.auth_tokens else ()
+    handle = build_server(config.host, config.port, (SERVICE,), config.max_message_bytes, tls=config.tls,
+                          interceptors=interceptors)
     omni_pb2_grpc.add_OmniServicer_to_server(router.servicer, handle.server)
     router.metrics.serve(config.metrics_port)
     return handle, router
@@ -229,11 +235,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--poll-interval-s", type=float, default=env_default("poll_interval_s", 1.0),
                         help="health and load poll of every replica (default 1)")
     parser.add_argument("--dns-refresh-s", type=float, default=env_default("dns_refresh_s", 5.0))
-    parser.add_argument("--max-message-mb", type=int, default=env_default("max_message_mb", DEFAULT_MAX_MESSAGE_BYTES >> 20))
+    parser.add_argument("--max-message-mb", type=int, default=env_default("max_message_mb", 64),
+                        help="largest request or response message, both directions (default 64)")
     parser.add_argument("--grace-s", type=float, default=env_default("grace_s", 30.0))
     parser.add_argument("--metrics-port", type=int, default=env_default("metrics_port", 0),
                         help="serve Prometheus metrics on this HTTP port (0 = off)")
+    parser.add_argument("--auth-token-file", default=env_default("auth_token_file", None),
+                        help="bearer tokens callers must present, one per line (also OMNI_AUTH_TOKENS, "
+                             "comma-separated); none given = no authentication")
     parser.add_argument("--port-file")
+    add_tls_flags(parser)
     args = parser.parse_args(argv)
 
     def run() -> None:
@@ -245,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             admission=AdmissionConfig(args.max_in_flight, args.max_queue, args.queue_timeout_s),
             poll_interval_s=args.poll_interval_s, dns_refresh_s=args.dns_refresh_s,
             max_message_bytes=args.max_message_mb << 20, grace_s=args.grace_s, metrics_port=args.metrics_port,
+            tls=tls_from_args(args), auth_tokens=load_tokens(args.auth_token_file),
         )
         setup_logging("router")
 

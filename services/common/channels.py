@@ -5,17 +5,19 @@ from __future__ import annotations
 import grpc
 
 from services.common.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from services.common.security import TLSConfig, secure_or_insecure_channel
 
 
 class ChannelPool:
-    def __init__(self, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+    def __init__(self, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls: TLSConfig = TLSConfig()):
         self.max_message_bytes = max_message_bytes
+        self.tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}  # "host:port" -> channel
 
     def get(self, target: str) -> grpc.aio.Channel:
         channel = self._channels.get(target)
         if channel is None:
-            channel = grpc.aio.insecure_channel(target, options=channel_options(self.max_message_bytes))
+            channel = secure_or_insecure_channel(target, self.tls, channel_options(self.max_message_bytes))
             self._channels[target] = channel
         return channel
 

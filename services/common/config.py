@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 
 from services.common.grpc_server import DEFAULT_MAX_MESSAGE_BYTES
+from services.common.security import TLSConfig, add_tls_flags, tls_from_args
 
 
 def env_default(name: str, default):
@@ -32,6 +33,7 @@ class StageConfig:
     threads: int = 0  # torch intra-op threads; 0 = torch's default
     metrics_port: int = 0  # Prometheus /metrics over HTTP; 0 = off
     stream_idle_timeout_s: float = 120.0  # a stream with no progress this long is ended (dead peer)
+    tls: TLSConfig = TLSConfig()  # plaintext unless certificates are given
 
 
 def add_stage_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
@@ -50,6 +52,7 @@ def add_stage_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--stream-idle-timeout-s", type=float, default=env_default("stream_idle_timeout_s", 120.0),
                         help="end a stream that made no progress for this long (default 120)")
     parser.add_argument("--port-file", help="write the bound port here once serving (for port 0)")
+    add_tls_flags(parser)
 
 
 def stage_config_from_args(args: argparse.Namespace) -> StageConfig:
@@ -59,6 +62,7 @@ def stage_config_from_args(args: argparse.Namespace) -> StageConfig:
         checkpoint=args.checkpoint, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
         max_message_bytes=args.max_message_mb << 20, grace_s=args.grace_s, threads=args.threads,
         metrics_port=args.metrics_port, stream_idle_timeout_s=args.stream_idle_timeout_s,
+        tls=tls_from_args(args),
     )
 
 

@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.engine_loop import StreamIdle
 from services.common.errors import InvalidArgument
+from services.common.security import TLSConfig
 from services.common.wire import WireError
 
 log = logging.getLogger(__name__)
@@ -60,16 +61,20 @@ class ServerHandle:
 
 
 def build_server(host: str, port: int, service_names: tuple[str, ...],
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> ServerHandle:
-    """A grpc.aio server with health (NOT_SERVING until the model is loaded) and reflection."""
-    server = grpc.aio.server(options=server_options(max_message_bytes))
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls: TLSConfig = TLSConfig(),
+                 interceptors: tuple = ()) -> ServerHandle:
+    """A grpc.aio server with health (NOT_SERVING until the model is loaded) and reflection;
+    TLS (mutual with a CA) when `tls` has a certificate."""
+    server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=interceptors)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         service_names + (health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    credentials = tls.server_credentials()
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     return ServerHandle(server=server, port=bound, health=health_servicer, service_names=service_names)

@@ -124,10 +124,19 @@ def decode_image(data: bytes, field_name: str, max_pixels: int | None = None):
     return image.convert("RGB")
 
 
+@dataclass(frozen=True)
+class PromptLimits:
+    """What one request may carry; beyond them INVALID_ARGUMENT naming the field."""
+
+    max_prompt_tokens: int | None = None  # None: the model's max_position_embeddings
+    max_audio_seconds: float = 300.0  # per audio part
+    max_image_pixels: int = 4096 * 4096  # per image part, before resizing
+
+
 class PromptBuilder:
     """Loads the checkpoint's tokenizer and processors once; builds inputs per request."""
 
-    def __init__(self, folder: str | Path, config):
+    def __init__(self, folder: str | Path, config, limits: PromptLimits = PromptLimits()):
         from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
@@ -137,7 +146,9 @@ class PromptBuilder:
         self.audio_token = getattr(self.tokenizer, "audio_token", None) or "<|audio_pad|>"
         self.image_token = getattr(self.tokenizer, "image_token", None) or "<|image_pad|>"
         self.n_window = config.thinker_config.audio_config.n_window
-        self.max_prompt_tokens = config.thinker_config.text_config.max_position_embeddings
+        model_max = config.thinker_config.text_config.max_position_embeddings
+        self.max_prompt_tokens = min(limits.max_prompt_tokens or model_max, model_max)
+        self.limits = limits
 
     def build(self, messages: list[ChatMessage], field_prefix: str = "messages") -> PromptInputs:
         import torch
@@ -154,10 +165,10 @@ class PromptBuilder:
                 if part.text is not None:
                     content.append({"type": "text", "text": part.text})
                 elif part.audio is not None:
-                    audios.append(decode_audio(part.audio, f"{where}.audio"))
+                    audios.append(decode_audio(part.audio, f"{where}.audio", self.limits.max_audio_seconds))
                     content.append({"type": "audio"})
                 elif part.image is not None:
-                    images.append(decode_image(part.image, f"{where}.image"))
+                    images.append(decode_image(part.image, f"{where}.image", self.limits.max_image_pixels))
                     content.append({"type": "image"})
                 else:
                     raise InvalidArgument(where, "empty content part")
@@ -185,7 +196,7 @@ class PromptBuilder:
         ids = self.tokenizer(text, return_tensors="pt")["input_ids"].to(torch.long)
         if ids.shape[1] > self.max_prompt_tokens:
             raise InvalidArgument(
-                field_prefix, f"prompt is {ids.shape[1]} tokens, longer than the model's {self.max_prompt_tokens}"
+                field_prefix, f"prompt is {ids.shape[1]} tokens, longer than the limit of {self.max_prompt_tokens}"
             )
         return PromptInputs(input_ids=ids, attention_mask=torch.ones_like(ids), **inputs)
 

@@ -126,7 +126,7 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
         self.engine = engine
         self.config = config
         self.model_config = model_config
-        self.channels = ChannelPool(config.stage.max_message_bytes)
+        self.channels = ChannelPool(config.stage.max_message_bytes, config.stage.tls)
 
     async def Speak(self, request_iterator, context: grpc.aio.ServicerContext):
         first = await anext(aiter(request_iterator), None)
@@ -235,7 +235,8 @@ async def create_server(config: TalkerConfig) -> tuple[ServerHandle, EngineLoop]
     metrics.serve(config.stage.metrics_port)
     loop = EngineLoop(engine, "talker", metrics)
     loop.start()
-    handle = build_server(config.stage.host, config.stage.port, (SERVICE,), config.stage.max_message_bytes)
+    handle = build_server(config.stage.host, config.stage.port, (SERVICE,), config.stage.max_message_bytes,
+                          tls=config.stage.tls)
     stages_pb2_grpc.add_TalkerServicer_to_server(TalkerServicer(loop, engine, config, loaded.config, handle), handle.server)
     return handle, loop
 

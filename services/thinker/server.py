@@ -34,7 +34,7 @@ from services.common.grpc_server import (
     setup_logging,
     time_remaining,
 )
-from services.common.prompt import ChatMessage, Part, PromptBuilder, Role, resolve_voice
+from services.common.prompt import ChatMessage, Part, PromptBuilder, PromptLimits, Role, resolve_voice
 from services.common.sampling import sampling_from_proto
 from services.common.service_main import load_and_prepare, write_port_file
 from services.common.wire import tensor_to_proto
@@ -53,6 +53,7 @@ class ThinkerConfig:
     engine: ThinkerEngineConfig = ThinkerEngineConfig()
     default_max_new_tokens: int = 512
     max_new_tokens_limit: int = 4096
+    limits: PromptLimits = PromptLimits()
 
 
 def messages_from_proto(request: omni_pb2.GenerateRequest) -> list[ChatMessage]:
@@ -95,7 +96,7 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         self.engine = engine
         self.prompts = prompts
         self.config = config
-        self.channels = ChannelPool(config.stage.max_message_bytes)
+        self.channels = ChannelPool(config.stage.max_message_bytes, config.stage.tls)
 
     def prepare(self, request: omni_pb2.GenerateRequest) -> Prepared:
         """Validate and convert a request; runs in a worker thread (decodes audio and images)."""
@@ -238,14 +239,15 @@ async def create_server(config: ThinkerConfig) -> tuple[ServerHandle, EngineLoop
     from services.common.checkpoint import Stage
 
     loaded = load_and_prepare(config.stage, Stage.THINKER)
-    prompts = PromptBuilder(config.stage.checkpoint, loaded.config)
+    prompts = PromptBuilder(config.stage.checkpoint, loaded.config, config.limits)
     engine = ThinkerEngine(loaded.model, loaded.config, device=config.stage.device, engine_config=config.engine)
     metrics = StageMetrics("thinker")
     metrics.cache_capacity.set(config.engine.num_slots)
     metrics.serve(config.stage.metrics_port)
     loop = EngineLoop(engine, "thinker", metrics)
     loop.start()
-    handle = build_server(config.stage.host, config.stage.port, (SERVICE,), config.stage.max_message_bytes)
+    handle = build_server(config.stage.host, config.stage.port, (SERVICE,), config.stage.max_message_bytes,
+                          tls=config.stage.tls)
     stages_pb2_grpc.add_ThinkerServicer_to_server(ThinkerServicer(loop, engine, prompts, config, handle), handle.server)
     return handle, loop
 
@@ -256,6 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_flags(parser)
     parser.add_argument("--default-max-new-tokens", type=int, default=env_default("thinker_default_max_new_tokens", 512))
     parser.add_argument("--max-new-tokens-limit", type=int, default=env_default("thinker_max_new_tokens_limit", 4096))
+    parser.add_argument("--max-prompt-tokens", type=int, default=env_default("max_prompt_tokens", 0),
+                        help="longest prompt in tokens (default: the model's maximum)")
+    parser.add_argument("--max-audio-seconds", type=float, default=env_default("max_audio_seconds", 300.0),
+                        help="longest audio input part (default 300 s)")
+    parser.add_argument("--max-image-pixels", type=int, default=env_default("max_image_pixels", 4096 * 4096),
+                        help="largest image input part in pixels (default 4096x4096)")
     args = parser.parse_args(argv)
 
     def run() -> None:
@@ -263,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
                                      max_model_len=args.max_model_len, exact_batching=exact_batching(args))
         config = ThinkerConfig(stage=stage_config_from_args(args), engine=engine,
                                default_max_new_tokens=args.default_max_new_tokens,
-                               max_new_tokens_limit=args.max_new_tokens_limit)
+                               max_new_tokens_limit=args.max_new_tokens_limit,
+                               limits=PromptLimits(args.max_prompt_tokens or None, args.max_audio_seconds,
+                                                   args.max_image_pixels))
         setup_logging("thinker")
 
         async def serve() -> None:
