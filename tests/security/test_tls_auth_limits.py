@@ -138,7 +138,7 @@ def test_oversized_inputs_are_refused_naming_the_field_and_serving_goes_on(secur
             assert field in info.value.details()
         # A message over the router's --max-message-mb 1 is refused by gRPC itself.
         with pytest.raises(grpc.RpcError) as info:
-            collect(stub, build_request("hi", audio=_wav(60.0))  # ~1.9 MB, timeout=30, token=TOKEN)
+            collect(stub, build_request("hi", audio=_wav(60.0)), timeout=30, token=TOKEN)  # ~1.9 MB
         assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
         ok = collect(stub, build_request("still serving?", max_new_tokens=3, talker_max_new_tokens=5), timeout=60,
                      token=TOKEN)

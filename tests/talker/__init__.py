@@ -1,0 +1,1 @@
+"""Tests of services/talker: the engine fed by streamed text (continuous batching, waiting, exactness)."""

@@ -1,0 +1,1 @@
+"""Tests of services/thinker: the engine (continuous batching, exactness, cancellation)."""
