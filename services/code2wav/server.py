@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from omni.v1 import common_pb2, stages_pb2, stages_pb2_grpc
+from omni.v1 import stages_pb2, stages_pb2_grpc
 from services.code2wav.engine import Audio, CodecChunk, CodecEnd, Code2WavEngine, Decoded
 from services.common.config import StageConfig, add_stage_flags, env_default, stage_config_from_args
-from services.common.engine_loop import EngineFailed, EngineLoop, EventSink, StreamIdle
+from services.common.engine_loop import EngineFailed, EngineLoop, EventSink, StreamIdle, engine_key
 from services.common.errors import InvalidArgument, run_cli
 from services.common.grpc_server import ServerHandle, abort_for, build_server, serve_until_signal, setup_logging
 from services.common.metrics import StageMetrics
@@ -43,9 +43,10 @@ class Code2WavServicer(stages_pb2_grpc.Code2WavServicer):
         if first is None or not first.HasField("start"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "start: the first message must be start")
         request_id = first.start.request_id or "anonymous"
+        key = engine_key(request_id)  # unique per stream, whatever ids callers reuse
         sink = EventSink(asyncio.get_running_loop())
-        self.loop.add(request_id, None, sink)
-        reader = asyncio.create_task(self._read_inputs(request_id, request_iterator, sink))
+        self.loop.add(key, None, sink)
+        reader = asyncio.create_task(self._read_inputs(key, request_iterator, sink))
         index = 0
         finished = False
         try:
@@ -68,9 +69,9 @@ class Code2WavServicer(stages_pb2_grpc.Code2WavServicer):
         finally:
             reader.cancel()
             if not finished:
-                self.loop.abort(request_id)
+                self.loop.abort(key)
 
-    async def _read_inputs(self, request_id: str, request_iterator, sink: EventSink) -> None:
+    async def _read_inputs(self, key: str, request_iterator, sink: EventSink) -> None:
         try:
             async for message in request_iterator:
                 if message.HasField("frames"):
@@ -78,9 +79,9 @@ class Code2WavServicer(stages_pb2_grpc.Code2WavServicer):
                     if frames.shape[1] != self.engine.num_quantizers:
                         raise InvalidArgument("frames.num_code_groups",
                                               f"must be {self.engine.num_quantizers}, got {frames.shape[1]}")
-                    self.loop.add_input(request_id, CodecChunk(frames))
+                    self.loop.add_input(key, CodecChunk(frames))
                 elif message.HasField("end"):
-                    self.loop.add_input(request_id, CodecEnd())
+                    self.loop.add_input(key, CodecEnd())
                     return
                 else:
                     raise InvalidArgument("event", "expected frames or end after start")

@@ -8,17 +8,16 @@ U+FFFD. Cost per token is O(window), not O(text).
 
 from __future__ import annotations
 
+from typing import Callable
+
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, context_tokens: int = 6):
-        self.tokenizer = tokenizer
+    def __init__(self, decode: Callable[[list[int]], str], context_tokens: int = 6):
+        self._decode = decode  # ids -> text, special tokens kept, no clean-up of spaces
         self.context_tokens = context_tokens
         self.ids: list[int] = []
         self.prefix_offset = 0  # start of the context window
         self.read_offset = 0  # tokens before this are emitted
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def add(self, token_id: int, last: bool = False) -> str:
         """Append one token; return the text that is now final ('' while a character is split)."""

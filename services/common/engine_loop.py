@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -34,6 +35,11 @@ class EngineFailed:
     """Delivered to a request's stream when the engine raised while serving it."""
 
     message: str
+
+
+def engine_key(request_id: str) -> str:
+    """The engine's key for one stream: the caller's request id made unique."""
+    return f"{request_id}#{uuid.uuid4().hex[:12]}"
 
 
 class StreamIdle(Exception):

@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import enum
 import io
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from services.common.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    import torch
 
 AUDIO_SAMPLE_RATE = 16000  # what the Whisper feature extractor expects
 
@@ -140,6 +145,9 @@ class PromptBuilder:
         from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        # Fast tokenizers are not safe to share between threads (RuntimeError: Already borrowed);
+        # prompts are built in worker threads while deltas are decoded on the event loop.
+        self._tokenizer_lock = threading.Lock()
         self.feature_extractor = AutoFeatureExtractor.from_pretrained(str(folder))
         self.image_processor = AutoImageProcessor.from_pretrained(str(folder))
         self.config = config
@@ -175,7 +183,8 @@ class PromptBuilder:
             chat.append({"role": message.role.value, "content": content})
         if not any(m.role is Role.USER for m in messages):
             raise InvalidArgument(field_prefix, "at least one user message is required")
-        text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        with self._tokenizer_lock:
+            text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
 
         inputs = {}
         if audios:
@@ -193,7 +202,8 @@ class PromptBuilder:
             inputs["image_grid_thw"] = pix["image_grid_thw"]
             merge = self.image_processor.merge_size ** 2
             text = self._expand(text, self.image_token, [int(g.prod()) // merge for g in pix["image_grid_thw"]])
-        ids = self.tokenizer(text, return_tensors="pt")["input_ids"].to(torch.long)
+        with self._tokenizer_lock:
+            ids = self.tokenizer(text, return_tensors="pt")["input_ids"].to(torch.long)
         if ids.shape[1] > self.max_prompt_tokens:
             raise InvalidArgument(
                 field_prefix, f"prompt is {ids.shape[1]} tokens, longer than the limit of {self.max_prompt_tokens}"
@@ -211,7 +221,8 @@ class PromptBuilder:
         return out
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+        with self._tokenizer_lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
 def speaker_names(config) -> list[str]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from omni.v1 import common_pb2, stages_pb2, stages_pb2_grpc
+from omni.v1 import stages_pb2, stages_pb2_grpc
 from services.common.channels import ChannelPool
 from services.common.config import (
     StageConfig,
@@ -22,7 +22,7 @@ from services.common.config import (
     exact_batching,
     stage_config_from_args,
 )
-from services.common.engine_loop import EngineFailed, EngineLoop, EventSink, StreamIdle
+from services.common.engine_loop import EngineFailed, EngineLoop, EventSink, StreamIdle, engine_key
 from services.common.errors import InvalidArgument, run_cli
 from services.common.grpc_server import (
     ServerHandle,
@@ -140,9 +140,10 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
         if not start.route.code2wav:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "route.code2wav: no code2wav replica given")
         request_id = start.request_id or "anonymous"
+        key = engine_key(request_id)  # unique per stream, whatever ids callers reuse
         sink = EventSink(asyncio.get_running_loop())
-        self.loop.add(request_id, job, sink)
-        tasks = [asyncio.create_task(self._read_text(request_id, request_iterator, sink))]
+        self.loop.add(key, job, sink)
+        tasks = [asyncio.create_task(self._read_text(key, request_iterator, sink))]
         stub = stages_pb2_grpc.Code2WavStub(self.channels.get(start.route.code2wav))
         decode = stub.Decode(timeout=time_remaining(context))
         tasks.append(asyncio.create_task(self._read_audio(decode, start.route.code2wav, sink)))
@@ -185,7 +186,7 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
             for task in tasks:
                 task.cancel()
             decode.cancel()
-            self.loop.abort(request_id)
+            self.loop.abort(key)
 
     @staticmethod
     async def _send_chunk(decode, chunk: torch.Tensor, chunker: FrameChunker, return_frames: bool):
@@ -194,13 +195,13 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
         if return_frames:
             yield stages_pb2.TalkerOutput(codec_frames=message)
 
-    async def _read_text(self, request_id: str, request_iterator, sink: EventSink) -> None:
+    async def _read_text(self, key: str, request_iterator, sink: EventSink) -> None:
         try:
             async for message in request_iterator:
                 if message.HasField("token"):
-                    self.loop.add_input(request_id, TextRow(tensor_from_proto(message.token.embedding)))
+                    self.loop.add_input(key, TextRow(tensor_from_proto(message.token.embedding)))
                 elif message.HasField("finished"):
-                    self.loop.add_input(request_id, TextEnd())
+                    self.loop.add_input(key, TextEnd())
                     return
                 else:
                     raise InvalidArgument("event", "expected token or finished after start")

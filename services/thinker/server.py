@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from omni.v1 import common_pb2, omni_pb2, stages_pb2, stages_pb2_grpc
+from omni.v1 import omni_pb2, stages_pb2, stages_pb2_grpc
 from services.common.channels import ChannelPool
 from services.common.config import (
     StageConfig,
@@ -23,7 +23,7 @@ from services.common.config import (
     stage_config_from_args,
 )
 from services.common.detokenizer import IncrementalDetokenizer
-from services.common.engine_loop import EngineFailed, EngineLoop, EventSink, StreamIdle
+from services.common.engine_loop import EngineFailed, EngineLoop, EventSink, StreamIdle, engine_key
 from services.common.errors import InvalidArgument, run_cli
 from services.common.grpc_server import (
     ServerHandle,
@@ -125,9 +125,10 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         except InvalidArgument as exc:
             await abort_for(context, exc)
         request_id = req.request_id or "anonymous"
+        key = engine_key(request_id)  # unique per stream, whatever ids callers reuse
         sink = EventSink(asyncio.get_running_loop())
-        self.loop.add(request_id, prepared.job, sink)
-        detok = IncrementalDetokenizer(self.prompts.tokenizer)
+        self.loop.add(key, prepared.job, sink)
+        detok = IncrementalDetokenizer(self.prompts.decode)
         speak = None  # the talker stream, opened after prefill
         tasks: list[asyncio.Task] = []
         text_done: Finished | None = None
@@ -173,7 +174,7 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
                 task.cancel()
             if speak is not None:
                 speak.cancel()
-            self.loop.abort(request_id)
+            self.loop.abort(key)
 
     @staticmethod
     async def _feed_talker(speak, event: Token) -> None:

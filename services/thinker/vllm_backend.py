@@ -36,10 +36,13 @@ NOTE: talker inputs stay exact; vLLM does not produce them.
 NOTE: prompts. `PromptBuilder` already expands each audio/image placeholder to one token per
 encoder position; vLLM's processor expands placeholders itself and would expand an expanded
 prompt again, so each run of placeholders goes to vLLM as one token, with the raw media (16 kHz
-audio arrays, RGB images; see `with_media`). vLLM's expansion must equal ours: the first output
+audio arrays, RGB images; see `build_prompt`). vLLM's expansion must equal ours: the first output
 of every request is checked, and a request whose prompt differs fails rather than run on
-different positions. (vLLM zero-pads audio to a multiple of 160 samples before its Whisper
-features; for other lengths the count can differ, which the check catches.)
+different positions. vLLM 0.32 zero-pads audio to a multiple of the Whisper hop (160 samples)
+before its features and then counts one audio token more than the transformers processor for
+other lengths (16080 samples: 26 prompt tokens against 25); so `build_prompt` pads audio the same
+way before the prompt builder sees it, and both sides agree. Such audio then differs from what
+the transformers backend hears by under 10 ms of trailing silence.
 
 NOTE: exactness of tokens. Greedy ids equal transformers' on the tiny checkpoint (float32, CPU,
 tests/thinker/test_vllm_backend.py). vLLM's kernels are not transformers': on real weights in
@@ -64,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import json
 import logging
 import math
@@ -72,11 +76,19 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from services.common.engine_loop import EngineFailed
 from services.common.finish import FinishReason
-from services.common.prompt import ChatMessage, PromptInputs, decode_audio, decode_image, AUDIO_SAMPLE_RATE
+from services.common.prompt import (
+    AUDIO_SAMPLE_RATE,
+    ChatMessage,
+    PromptBuilder,
+    PromptInputs,
+    decode_audio,
+    decode_image,
+)
 from services.common.sampling import SamplingConfig
 from services.thinker.engine import Finished, Prefilled, ThinkerJob, Token
 
@@ -137,6 +149,32 @@ def with_media(prompt: PromptInputs, messages: list[ChatMessage]) -> PromptInput
     return dataclasses.replace(prompt, extra=extra)
 
 
+def pad_audio(messages: list[ChatMessage], hop: int) -> list[ChatMessage]:
+    """The messages with every audio part decoded, zero-padded to a multiple of `hop` samples at
+    16 kHz and stored as a float wav (which decodes back to the same samples)."""
+    import soundfile as sf
+
+    out = []
+    for i, message in enumerate(messages):
+        parts = []
+        for j, part in enumerate(message.parts):
+            if part.audio is not None:
+                samples = decode_audio(part.audio, f"messages[{i}].content[{j}].audio")
+                samples = np.pad(samples, (0, -len(samples) % hop))
+                buf = io.BytesIO()
+                sf.write(buf, samples, AUDIO_SAMPLE_RATE, format="WAV", subtype="FLOAT")
+                part = dataclasses.replace(part, audio=buf.getvalue())
+            parts.append(part)
+        out.append(dataclasses.replace(message, parts=tuple(parts)))
+    return out
+
+
+def build_prompt(prompts: PromptBuilder, messages: list[ChatMessage]) -> PromptInputs:
+    """What the vLLM backend's requests carry: audio padded as vLLM pads it, raw media attached."""
+    padded = pad_audio(messages, prompts.feature_extractor.hop_length)
+    return with_media(prompts.build(padded), padded)
+
+
 def collapse_placeholders(ids: list[int], placeholder_ids: set[int]) -> list[int]:
     """Each run of one placeholder id -> a single token (vLLM expands it again)."""
     out: list[int] = []
@@ -156,7 +194,7 @@ def vllm_prompt(prompt: PromptInputs, audio_id: int, image_id: int) -> dict:
         return {"prompt_token_ids": ids}
     media = prompt.extra.get(MEDIA_KEY)
     if media is None:
-        raise ValueError("an audio/image prompt needs its raw media for vLLM: build it with with_media()")
+        raise ValueError("an audio/image prompt needs its raw media for vLLM: build it with build_prompt()")
     data = {}
     if has_audio:
         data["audio"] = [(audio, AUDIO_SAMPLE_RATE) for audio in media.audios]
