@@ -31,14 +31,24 @@ _original_linear = F.linear
 _local = threading.local()
 
 
+# torch.bmm computes problems with T*K*N below this with a naive loop, not the GEMV/GEMM kernels
+# F.linear uses, which rounds differently (measured: 380 differs, 400 matches).
+_BMM_KERNEL_MIN_SIZE = 400
+
+
 def _batch_invariant_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     # [B, T, K]: B requests of T tokens each; [R, K]: R single-token requests; else unchanged.
     if not getattr(_local, "active", False) or input.ndim not in (2, 3) or input.shape[0] <= 1:
         return _original_linear(input, weight, bias)
     rows = input if input.ndim == 3 else input.unsqueeze(1)  # [B, T, K]
-    out = torch.bmm(rows, weight.t().unsqueeze(0).expand(rows.shape[0], -1, -1))  # [B, T, N]
-    if bias is not None:
-        out = out + bias
+    batch, tokens = rows.shape[:2]
+    if tokens * weight.shape[1] * weight.shape[0] < _BMM_KERNEL_MIN_SIZE:
+        out = torch.cat([_original_linear(rows[i], weight, bias).unsqueeze(0) for i in range(batch)])
+    else:
+        weights = weight.t().unsqueeze(0).expand(batch, -1, -1)  # [B, K, N], no copy
+        # baddbmm rounds bias + product once, as F.linear does (a separate add rounds twice in bf16).
+        out = (torch.bmm(rows, weights) if bias is None
+               else torch.baddbmm(bias.expand(batch, tokens, -1), rows, weights))  # [B, T, N]
     return out if input.ndim == 3 else out.squeeze(1)
 
 
@@ -73,13 +83,36 @@ def _rowwise_attention(module, query, key, value, attention_mask, **kwargs):
     return torch.cat(outputs, dim=0), None  # [B, T, heads, head_dim]
 
 
+ROWWISE_EXPERTS = "omni_rowwise_experts"
+
+
+def _rowwise_experts(module, hidden_states, top_k_index, top_k_weights):
+    """MoE experts that, in batch-invariant mode, run each token row alone. transformers groups a
+    batch's tokens by expert into one matmul per expert (its `grouped_mm`), whose rounding depends
+    on how many tokens share the expert; one row at a time is exactly the single-request decode."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    base = ALL_EXPERTS_FUNCTIONS.get_interface(module.config._omni_base_experts, type(module).forward.__wrapped__)
+    if not getattr(_local, "active", False) or hidden_states.shape[0] <= 1:
+        return base(module, hidden_states, top_k_index, top_k_weights)
+    return torch.cat([base(module, hidden_states[i:i + 1], top_k_index[i:i + 1], top_k_weights[i:i + 1])
+                      for i in range(hidden_states.shape[0])])
+
+
 def use_rowwise_attention(*configs) -> None:
-    """Switch these (text) configs to the row-wise attention; with one request it is SDPA."""
+    """Switch these (text) configs to the row-wise attention and experts; with one request both
+    are exactly what transformers runs (SDPA; its configured experts implementation)."""
     from transformers import AttentionInterface
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     AttentionInterface.register(ROWWISE_ATTENTION, _rowwise_attention)
+    ALL_EXPERTS_FUNCTIONS.register(ROWWISE_EXPERTS, _rowwise_experts)
     for config in configs:
         config._attn_implementation = ROWWISE_ATTENTION
+        current = getattr(config, "_experts_implementation", None)
+        if current is not None and current != ROWWISE_EXPERTS:
+            config._omni_base_experts = current
+            config._experts_implementation = ROWWISE_EXPERTS
 
 
 class SlotKVCache:

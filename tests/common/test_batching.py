@@ -32,15 +32,16 @@ def threads(request):
 
 @pytest.fixture
 def bmm_calls(monkeypatch):
-    """Thread ids of every torch.bmm call: the batch-invariant path is the only bmm user here."""
+    """Thread ids of every torch.bmm / baddbmm call: the batch-invariant path is their only user here."""
     calls: list[int] = []
-    real = torch.bmm
+    for name in ("bmm", "baddbmm"):
+        real = getattr(torch, name)
 
-    def spy(*args, **kwargs):
-        calls.append(threading.get_ident())
-        return real(*args, **kwargs)
+        def spy(*args, _real=real, **kwargs):
+            calls.append(threading.get_ident())
+            return _real(*args, **kwargs)
 
-    monkeypatch.setattr(torch, "bmm", spy)
+        monkeypatch.setattr(torch, name, spy)
     return calls
 
 
@@ -64,6 +65,7 @@ def make(shape, n_out, dtype=torch.float32, seed=0):
 @pytest.mark.parametrize("shape", [(5, 96), (4, 1, 96), (3, 2, 96), (6, 1, 1024), (4, 2, 512)],
                          ids=["2d_rows", "3d_t1", "3d_t2", "3d_t1_wide", "3d_t2_wide"])
 def test_batch_invariant_linear_equals_single_request_linear_bit_for_bit(shape, with_bias, threads):
+    # Every shape here has T*K*N >= 400, where torch.bmm uses the BLAS kernel (see the tiny-matrix test).
     x, w, b = make(shape, n_out=160)
     bias = b if with_bias else None
     with batch_invariant():
@@ -72,13 +74,17 @@ def test_batch_invariant_linear_equals_single_request_linear_bit_for_bit(shape, 
     assert torch.equal(out, per_request(x, w, bias))
 
 
-@pytest.mark.parametrize("with_bias", [
-    False,
-    pytest.param(True, marks=pytest.mark.xfail(
-        strict=True,
-        reason="bug: bmm then `+ bias` rounds twice in bf16/fp16, F.linear's addmm once; "
-               "torch.baddbmm(bias, rows, weight) is bit-equal")),
-], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("shape,n_out", [((4, 32), 4), ((3, 1, 16), 16), ((2, 2, 10), 19)],
+                         ids=["router_k32_n4", "3d_t1_k16_n16", "3d_t2_k10_n19"])
+def test_batch_invariant_linear_is_bit_exact_for_tiny_matrices(shape, n_out):
+    x, w, _ = make(shape, n_out=n_out)
+    with batch_invariant():
+        out = F.linear(x, w)
+    assert torch.equal(out, per_request(x, w, None))
+
+
+# With a bias, bmm then `+ bias` would round twice in bf16; baddbmm rounds once, like F.linear.
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
 def test_batch_invariant_linear_is_bit_exact_in_bfloat16(with_bias):
     x, w, b = make((4, 1, 256), n_out=128, dtype=torch.bfloat16)
     bias = b if with_bias else None

@@ -19,12 +19,13 @@ from services.common.sampling import SamplingConfig
 from services.thinker.engine import Finished, Prefilled, ThinkerJob, Token
 from services.thinker.vllm_backend import (
     MEDIA_KEY,
+    build_prompt,
     collapse_placeholders,
     hf_overrides,
     load_embedding_table,
+    pad_audio,
     vllm_available,
     vllm_prompt,
-    with_media,
 )
 
 VLLM_OK, VLLM_DETAIL = vllm_available()
@@ -73,9 +74,9 @@ def test_vllm_prompt_collapses_media_runs_and_carries_the_raw_media(tiny_checkpo
     messages = user_turn("Describe.", audio=wav_bytes, image=png_bytes)
     prompt = PromptBuilder(tiny_checkpoint, config).build(messages)
     mm = config.thinker_config
-    with pytest.raises(ValueError, match="with_media"):
+    with pytest.raises(ValueError, match="build_prompt"):
         vllm_prompt(prompt, mm.audio_token_id, mm.image_token_id)
-    prompt = with_media(prompt, messages)
+    prompt = build_prompt(PromptBuilder(tiny_checkpoint, config), messages)
     out = vllm_prompt(prompt, mm.audio_token_id, mm.image_token_id)
     ids = out["prompt_token_ids"]
     assert ids.count(mm.audio_token_id) == 1 and ids.count(mm.image_token_id) == 1
@@ -83,6 +84,28 @@ def test_vllm_prompt_collapses_media_runs_and_carries_the_raw_media(tiny_checkpo
     (audio, rate), = out["multi_modal_data"]["audio"]
     assert rate == 16000 and audio.dtype == np.float32 and audio.shape == (16000,)
     assert out["multi_modal_data"]["image"] == list(prompt.extra[MEDIA_KEY].images)
+
+
+def wav(samples: int, rate: int = 16000) -> bytes:
+    import io
+
+    import soundfile as sf
+
+    t = np.arange(samples) / rate
+    buf = io.BytesIO()
+    sf.write(buf, (0.5 * np.sin(2 * np.pi * 440 * t)).astype(np.float32), rate, format="WAV", subtype="FLOAT")
+    return buf.getvalue()
+
+
+def test_pad_audio_appends_silence_up_to_a_whole_hop():
+    from services.common.prompt import decode_audio
+
+    messages = user_turn("hi", audio=wav(16080))
+    padded = pad_audio(messages, 160)[1].parts[0]
+    original, got = decode_audio(messages[1].parts[0].audio, "a"), decode_audio(padded.audio, "a")
+    assert got.shape == (16160,)
+    assert np.array_equal(got[:16080], original) and not got[16080:].any()
+    assert pad_audio(user_turn("hi", audio=wav(16000)), 160)[1].parts[0].audio == wav(16000)
 
 
 def test_hf_overrides_fill_only_the_keys_vllm_needs(tiny_checkpoint):
@@ -143,8 +166,8 @@ def backends(vllm_checkpoint):
 
 
 def job_for(prompts, messages, talker: bool, max_new: int = MAX_NEW) -> ThinkerJob:
-    prompt = with_media(prompts.build(messages), messages)
-    return ThinkerJob(prompt, SamplingConfig(max_new_tokens=max_new), want_talker_inputs=talker)
+    return ThinkerJob(build_prompt(prompts, messages), SamplingConfig(max_new_tokens=max_new),
+                      want_talker_inputs=talker)
 
 
 @pytest.fixture(scope="module")
@@ -154,15 +177,17 @@ def cases(wav_bytes, png_bytes):
         "audio": user_turn("What do you hear?", audio=wav_bytes),
         "image": user_turn("Describe the picture.", image=png_bytes),
         "audio+image": user_turn("Tell me about both.", audio=wav_bytes, image=png_bytes),
+        # 16080 samples: vLLM would count one audio token more unless padded (build_prompt)
+        "odd-length audio": user_turn("And this?", audio=wav(16080)),
     }
 
 
 @pytest.mark.vllm
 @needs_vllm
-@pytest.mark.parametrize("case", ["text", "audio", "image", "audio+image"])
+@pytest.mark.parametrize("case", ["text", "audio", "image", "audio+image", "odd-length audio"])
 def test_greedy_ids_equal_transformers_engine_and_reference(backends, cases, case):
     vllm, hf, prompts, reference = backends
-    messages = cases[case]
+    messages = pad_audio(cases[case], 160)  # what build_prompt hands both engines; the reference too
     got = token_ids(run_to_end(vllm, {"r": job_for(prompts, messages, talker=False)})["r"])
     want_engine = token_ids(run_to_end(hf, {"r": job_for(prompts, messages, talker=False)})["r"])
     want_reference = reference.generate(messages, max_new_tokens=MAX_NEW, return_audio=False).thinker_token_ids
