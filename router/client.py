@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from omni.v1 import omni_pb2, omni_pb2_grpc
+from omni.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 from services.common.errors import UserError, run_cli
 from services.common.grpc_server import channel_options
 from services.common.security import TLSConfig, add_tls_flags, secure_or_insecure_channel, tls_from_args
@@ -103,8 +103,8 @@ class ClientResult:
             "ttfp_ms": self.ttfp_ms,
             "rtf": self.rtf,
             "audio_chunks": len(self.audio_chunks),
-            "text_finish_reason": omni_pb2.FinishReason.Name(final.text_finish_reason) if final else None,
-            "audio_finish_reason": omni_pb2.FinishReason.Name(final.audio_finish_reason) if final else None,
+            "text_finish_reason": common_pb2.FinishReason.Name(final.text_finish_reason) if final else None,
+            "audio_finish_reason": common_pb2.FinishReason.Name(final.audio_finish_reason) if final else None,
         }
 
 

@@ -130,13 +130,15 @@ class Stack:
         return self
 
     def wait_ready(self, name: str, timeout_s: float | None = None) -> int:
-        """Wait until the process reports SERVING on grpc.health.v1."""
+        """Wait until the process reports SERVING on grpc.health.v1 (the router: for omni.v1.Omni,
+        which means every stage has a healthy replica)."""
         process = self.processes[name]
+        service = "omni.v1.Omni" if process.stage == "router" else ""
         deadline = time.monotonic() + (timeout_s or self.options.startup_timeout_s)
         while time.monotonic() < deadline:
             if process.popen.poll() is not None:
                 raise UserError(f"{name} exited with code {process.popen.returncode} during start-up (see its log)")
-            if health_status(f"{self.options.host}:{process.port}", tls=self.options.tls) == "SERVING":
+            if health_status(f"{self.options.host}:{process.port}", service, tls=self.options.tls) == "SERVING":
                 return process.port
             time.sleep(0.1)
         raise UserError(f"{name} did not become healthy within {self.options.startup_timeout_s:.0f} s")

@@ -194,7 +194,8 @@ class Router:
             replica_set.start()
 
     async def keep_health(self, handle: ServerHandle) -> None:
-        """Readiness: SERVING while every stage has a healthy replica."""
+        """Readiness under the service name omni.v1.Omni: SERVING while every stage has a healthy
+        replica. The overall status "" says only that the router is up (liveness) until it drains."""
         serving = None
         while True:
             for stage, replica_set in self.stages.items():
@@ -203,7 +204,7 @@ class Router:
                         int(replica.healthy and not replica.draining))
             if self.ready != serving and not handle.draining:
                 serving = self.ready
-                await handle.set_serving(serving)
+                await handle.set_serving(serving, services=(SERVICE,))
                 log.info("router %s", "ready" if serving else "not ready: a stage has no healthy replica")
             await asyncio.sleep(self.config.poll_interval_s / 2)
 
@@ -263,13 +264,15 @@ def main(argv: list[str] | None = None) -> int:
         async def serve() -> None:
             handle, router = await create_server(config)
             health = None
+            await handle.set_serving(False, services=(SERVICE,))  # not ready until every stage has a replica
 
             def started() -> None:
                 nonlocal health
                 write_port_file(args.port_file, handle.port)
                 health = asyncio.get_running_loop().create_task(router.keep_health(handle))
 
-            await serve_until_signal(handle, config.grace_s, on_started=started, initially_serving=False)
+            await serve_until_signal(handle, config.grace_s, on_started=started)
+
             if health is not None:
                 health.cancel()
 

@@ -3,7 +3,9 @@
 Each request owns a `StreamingDecoder` (left context + held-back tail, see streaming.py); the
 engine keeps a FIFO of received chunks per request; each step takes the oldest chunk of every
 request and decodes the windows of equal length together (after the first chunk nearly all
-windows are context + 25 frames, so they batch).
+windows are context + 25 frames, so they batch). With CUDA graphs (`Code2WavGraphs`) each group
+of windows is padded to a batch bucket and replayed from a graph captured per (window length,
+bucket): window lengths are few (first chunk, first + context, context + chunk, and the tails).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import numpy as np
 import torch
 
 from services.code2wav.streaming import StreamingDecoder, VocoderGeometry, forward_batch, measure_geometry
+from services.common.cuda_graphs import GraphRunner, GraphSettings, pad_rows, plan_padding
 
 
 @dataclass(frozen=True)
@@ -47,12 +50,51 @@ class _State:
     pending: deque = field(default_factory=deque)  # CodecChunk | CodecEnd, in arrival order
 
 
+class Code2WavGraphs:
+    """Vocoder forwards of [B, n, Q] windows, replayed from a graph per (n, bucket)."""
+
+    def __init__(self, model, settings: GraphSettings, max_graphs: int = 96):
+        self.model = model
+        self.settings = settings
+        self.device = next(model.parameters()).device
+        self.runner = GraphRunner(self._forward, settings.enabled, "code2wav", max_graphs=max_graphs)
+
+    def _forward(self, codes: torch.Tensor) -> torch.Tensor:
+        # codes [B, Q, n] long on the device -> wav [B, n*U - L] float32
+        return self.model(codes)[:, 0].float()
+
+    @torch.inference_mode()
+    def capture(self, window_lengths: tuple[int, ...], num_quantizers: int) -> None:
+        """Capture every (window length, bucket) at start-up; others are captured on first use."""
+        for n in window_lengths:
+            for bucket in self.settings.buckets:
+                codes = torch.zeros((bucket, num_quantizers, n), dtype=torch.long, device=self.device)
+                if self.runner.capture((n, bucket), codes) is None:
+                    return
+
+    @torch.inference_mode()
+    def decode(self, windows: torch.Tensor) -> torch.Tensor:
+        """windows [G, n, Q] -> wav [G, n*U - L] float32 (eagerly above the largest bucket)."""
+        plan = plan_padding(windows.shape[0], self.settings.buckets)
+        if plan is None or not self.runner.enabled:
+            return forward_batch(self.model, windows)
+        codes = windows.to(device=self.device, dtype=torch.long).transpose(1, 2)  # [G, Q, n]
+        zeros = torch.zeros_like(codes[:1])  # padded rows decode silence codes
+        (wav,) = self.runner((codes.shape[2], plan.bucket), pad_rows(codes, plan, fill=zeros))
+        return wav[:plan.batch]
+
+
 class Code2WavEngine:
-    def __init__(self, model, config, left_context: int = 25):
+    def __init__(self, model, config, left_context: int = 25, graphs: GraphSettings = GraphSettings(),
+                 graph_windows: tuple[int, ...] = ()):
         self.model = model
         self.config = config
         self.left_context = left_context
         self.geometry: VocoderGeometry = measure_geometry(model)
+        self.graphs = None
+        if graphs.enabled:
+            self.graphs = Code2WavGraphs(model, graphs)
+            self.graphs.capture(graph_windows, int(config.code2wav_config.num_quantizers))
         self.codebook_size = int(config.code2wav_config.codebook_size)
         self.num_quantizers = int(config.code2wav_config.num_quantizers)
         self._states: dict[str, _State] = {}  # request_id -> decoder state
@@ -106,7 +148,8 @@ class Code2WavEngine:
                 window = state.decoder.window(item.frames)
                 windows.setdefault(window.shape[0], []).append((request_id, window))
         for group in windows.values():
-            wavs = forward_batch(self.model, torch.stack([w for _, w in group]))  # [G, samples]
+            stacked = torch.stack([w for _, w in group])  # [G, n, Q]
+            wavs = self.graphs.decode(stacked) if self.graphs is not None else forward_batch(self.model, stacked)
             for (request_id, window), wav in zip(group, wavs):
                 decoder = self._states[request_id].decoder
                 first = decoder.samples_emitted

@@ -13,6 +13,7 @@ import grpc
 from omni.v1 import stages_pb2, stages_pb2_grpc
 from services.code2wav.engine import Audio, CodecChunk, CodecEnd, Code2WavEngine, Decoded
 from services.common.config import StageConfig, add_stage_flags, env_default, stage_config_from_args
+from services.common.cuda_graphs import parse_buckets
 from services.common.engine_loop import EngineFailed, EngineLoop, EventSink, StreamIdle, engine_key
 from services.common.errors import InvalidArgument, run_cli
 from services.common.grpc_server import ServerHandle, abort_for, build_server, serve_until_signal, setup_logging
@@ -28,6 +29,9 @@ SERVICE = stages_pb2.DESCRIPTOR.services_by_name["Code2Wav"].full_name
 class Code2WavConfig:
     stage: StageConfig
     left_context: int = 25  # frames of context decoded before each chunk
+    # Window lengths captured as CUDA graphs at start-up (others on first use): the talker's
+    # default chunks of 4 then 25 frames with 25 of context give windows of 4, 4 + 25 and 25 + 25.
+    graph_windows: tuple[int, ...] = (4, 29, 50)
 
 
 class Code2WavServicer(stages_pb2_grpc.Code2WavServicer):
@@ -102,7 +106,8 @@ async def create_server(config: Code2WavConfig) -> tuple[ServerHandle, EngineLoo
     from services.common.checkpoint import Stage
 
     loaded = load_and_prepare(config.stage, Stage.CODE2WAV)
-    engine = Code2WavEngine(loaded.model, loaded.config, left_context=config.left_context)
+    engine = Code2WavEngine(loaded.model, loaded.config, left_context=config.left_context,
+                            graphs=config.stage.graphs, graph_windows=config.graph_windows)
     metrics = StageMetrics("code2wav")
     metrics.serve(config.stage.metrics_port)
     loop = EngineLoop(engine, "code2wav", metrics)
@@ -118,10 +123,15 @@ def main(argv: list[str] | None = None) -> int:
     add_stage_flags(parser, default_port=50063)
     parser.add_argument("--left-context", type=int, default=env_default("left_context", 25),
                         help="frames of left context decoded before each chunk (default 25)")
+    parser.add_argument("--graph-windows", default=env_default("graph_windows", "4,29,50"),
+                        help="chunk window lengths (context + chunk frames) captured as CUDA graphs at start-up; "
+                             "others are captured on first use (default %(default)s)")
     args = parser.parse_args(argv)
 
     def run() -> None:
-        config = Code2WavConfig(stage=stage_config_from_args(args), left_context=args.left_context)
+        windows = parse_buckets(args.graph_windows, "--graph-windows")  # the same syntax: positive integers
+        config = Code2WavConfig(stage=stage_config_from_args(args), left_context=args.left_context,
+                                graph_windows=windows)
         setup_logging("code2wav")
 
         async def serve() -> None:

@@ -5,6 +5,9 @@ A Qwen3-Omni checkpoint folder holds one state dict with keys `thinker.*`, `talk
 own `from_pretrained` and the stage's key prefix as `base_model_prefix`: safetensors are read
 lazily, so the other stages' tensors are skipped, never materialised. The same code serves the
 tiny checkpoint and Qwen/Qwen3-Omni-30B-A3B-Instruct (sharded, with an index file).
+
+`random_weights=True` reads config.json only and builds the stage on the device with seeded
+random weights (services/common/full_size.py): the real model's shape without its weights.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ class Stage(enum.Enum):
     CODE2WAV = "code2wav"
 
 
-def check_folder(folder: str | Path) -> Path:
+def check_folder(folder: str | Path, need_weights: bool = True) -> Path:
     path = Path(folder)
     if not path.is_dir():
         raise UserError(f"checkpoint folder not found: {path}")
@@ -36,15 +39,15 @@ def check_folder(folder: str | Path) -> Path:
     model_type = data.get("model_type") if isinstance(data, dict) else None
     if model_type != "qwen3_omni_moe":
         raise UserError(f"{path}: model_type is {model_type!r}, expected 'qwen3_omni_moe'")
-    if not any(path.glob("*.safetensors")):
-        raise UserError(f"{path}: no .safetensors weights")
+    if need_weights and not any(path.glob("*.safetensors")):
+        raise UserError(f"{path}: no .safetensors weights (for random weights at this shape: --random-weights)")
     return path
 
 
-def load_config(folder: str | Path):
+def load_config(folder: str | Path, need_weights: bool = True):
     from transformers import Qwen3OmniMoeConfig
 
-    return Qwen3OmniMoeConfig.from_pretrained(check_folder(folder))
+    return Qwen3OmniMoeConfig.from_pretrained(check_folder(folder, need_weights))
 
 
 def checkpoint_keys(folder: str | Path) -> list[str]:
@@ -92,17 +95,24 @@ class LoadedStage:
     config: object  # the full Qwen3OmniMoeConfig
 
 
-def load_stage(folder: str | Path, stage: Stage, device: str = "cpu", dtype: str = "float32") -> LoadedStage:
-    """Load one stage's module on `device` in `dtype` without reading the other stages."""
+def load_stage(folder: str | Path, stage: Stage, device: str = "cpu", dtype: str = "float32",
+               random_weights: bool = False, seed: int = 0) -> LoadedStage:
+    """Load one stage's module on `device` in `dtype` without reading the other stages
+    (or, with `random_weights`, build it there from config.json with seeded random weights)."""
     import torch
     import transformers
 
-    config = load_config(folder)
+    config = load_config(folder, need_weights=not random_weights)
     cls, sub_name = _stage_classes()[stage]
     sub_config = getattr(config, sub_name)
     if stage is Stage.TALKER and not hasattr(sub_config, "audio_config"):
         # transformers bug (NOTES): the talker's multimodal rope reads its config's audio config.
         sub_config.audio_config = config.thinker_config.audio_config
+    if random_weights:
+        from services.common.full_size import build_random_stage
+
+        model = build_random_stage(cls, sub_config, stage.value, device, getattr(torch, dtype), seed)
+        return LoadedStage(stage=stage, model=model, config=config)
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # the load report lists every other stage's key
     try:

@@ -10,6 +10,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from services.common.cuda_graphs import DEFAULT_BUCKETS, GraphSettings, graphs_wanted, parse_buckets
 from services.common.grpc_server import DEFAULT_MAX_MESSAGE_BYTES
 from services.common.security import TLSConfig, add_tls_flags, tls_from_args
 
@@ -34,6 +35,14 @@ class StageConfig:
     metrics_port: int = 0  # Prometheus /metrics over HTTP; 0 = off
     stream_idle_timeout_s: float = 120.0  # a stream with no progress this long is ended (dead peer)
     tls: TLSConfig = TLSConfig()  # plaintext unless certificates are given
+    graphs: GraphSettings = GraphSettings()  # CUDA graph capture of the decode steps (cuda only)
+    random_weights: bool = False  # build the stage from config.json with seeded random weights
+    random_seed: int = 0
+
+
+def env_flag(name: str) -> bool:
+    """A boolean flag's default from OMNI_<NAME>: 1/true/yes/on."""
+    return str(env_default(name, "")).lower() in ("1", "true", "yes", "on")
 
 
 def add_stage_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
@@ -42,7 +51,7 @@ def add_stage_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--host", default=env_default("host", "0.0.0.0"))
     parser.add_argument("--port", type=int, default=env_default("port", default_port), help="0 = any free port")
     parser.add_argument("--device", default=env_default("device", "cpu"), help="cpu, cuda, cuda:1, ...")
-    parser.add_argument("--dtype", default=env_default("dtype", "float32"), choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default=env_default("dtype", "float32"), choices=list(DTYPES))
     parser.add_argument("--max-message-mb", type=int, default=env_default("max_message_mb", DEFAULT_MAX_MESSAGE_BYTES >> 20))
     parser.add_argument("--grace-s", type=float, default=env_default("grace_s", 30.0),
                         help="on SIGTERM, seconds to let in-flight streams finish")
@@ -52,17 +61,37 @@ def add_stage_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--stream-idle-timeout-s", type=float, default=env_default("stream_idle_timeout_s", 120.0),
                         help="end a stream that made no progress for this long (default 120)")
     parser.add_argument("--port-file", help="write the bound port here once serving (for port 0)")
+    parser.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default=env_default("cuda_graphs", "auto"),
+                        help="capture the decode steps as CUDA graphs per batch bucket (auto: on for cuda, off for cpu)")
+    parser.add_argument("--graph-buckets", default=env_default("graph_buckets", ",".join(map(str, DEFAULT_BUCKETS))),
+                        help="batch sizes captured; a batch is padded to the next one, above the largest it runs "
+                             "eagerly (default %(default)s)")
+    parser.add_argument("--random-weights", action="store_true", default=env_flag("random_weights"),
+                        help="no weights: build the stage from the folder's config.json on --device in --dtype with "
+                             "seeded random weights (for benchmarks at full size; see omni-tiny-checkpoint --full-size)")
+    parser.add_argument("--random-seed", type=int, default=env_default("random_seed", 0),
+                        help="seed of --random-weights (default 0)")
     add_tls_flags(parser)
+
+
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def stage_config_from_args(args: argparse.Namespace) -> StageConfig:
     if not args.checkpoint:
         parser_error("--checkpoint is required (or set OMNI_CHECKPOINT)")
+    # argparse checks `choices` on the command line only, not on defaults read from OMNI_* variables.
+    if args.dtype not in DTYPES:
+        parser_error(f"--dtype / OMNI_DTYPE: {args.dtype!r} is not one of {', '.join(DTYPES)}")
+    if getattr(args, "exact_batching", "auto") not in ("auto", "on", "off"):
+        parser_error(f"--exact-batching / OMNI_EXACT_BATCHING: {args.exact_batching!r} is not auto, on or off")
     return StageConfig(
         checkpoint=args.checkpoint, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
         max_message_bytes=args.max_message_mb << 20, grace_s=args.grace_s, threads=args.threads,
         metrics_port=args.metrics_port, stream_idle_timeout_s=args.stream_idle_timeout_s,
         tls=tls_from_args(args),
+        graphs=GraphSettings(graphs_wanted(args.cuda_graphs, args.device), parse_buckets(args.graph_buckets)),
+        random_weights=bool(args.random_weights), random_seed=args.random_seed,
     )
 
 

@@ -54,9 +54,10 @@ class ServerHandle:
     service_names: tuple[str, ...]
     draining: bool = False  # SIGTERM received: NOT_SERVING, finishing in-flight streams
 
-    async def set_serving(self, serving: bool) -> None:
+    async def set_serving(self, serving: bool, services: tuple[str, ...] | None = None) -> None:
+        """Health of `services` (default: the overall status "" and every service of this server)."""
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("",) + self.service_names:
+        for name in services if services is not None else ("",) + self.service_names:
             await self.health.set(name, status)
 
 

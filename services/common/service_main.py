@@ -22,8 +22,10 @@ def load_and_prepare(config: StageConfig, stage: Stage) -> LoadedStage:
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     warnings.filterwarnings("ignore", module="transformers")
-    log.info("loading %s from %s on %s (%s)", stage.value, config.checkpoint, config.device, config.dtype)
-    return load_stage(config.checkpoint, stage, device=config.device, dtype=config.dtype)
+    log.info("loading %s from %s on %s (%s%s)", stage.value, config.checkpoint, config.device, config.dtype,
+             ", random weights" if config.random_weights else "")
+    return load_stage(config.checkpoint, stage, device=config.device, dtype=config.dtype,
+                      random_weights=config.random_weights, seed=config.random_seed)
 
 
 def write_port_file(path: str | None, port: int) -> None:

@@ -171,9 +171,15 @@ def write_processor_files(out: Path) -> None:
     (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2, sort_keys=True) + "\n")
 
 
-def build_config(ids: dict[str, int]):
+def build_config(ids: dict[str, int], layout: dict | None = None):
+    """The tiny config; `layout` (nested dicts of sizes, e.g. full_size.REAL_LAYOUT) is merged over
+    it, while every special token id stays the tiny tokenizer's."""
     from transformers import Qwen3OmniMoeConfig
 
+    from services.common.full_size import check_layout, merge_layout
+
+    layout = layout or {}
+    codebook = layout.get("code2wav_config", {}).get("codebook_size", CODEBOOK_SIZE)
     vocab = ids["vocab_size"]  # every id the thinker can emit decodes
     head_dim = 16
     mrope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "interleaved": True}
@@ -193,14 +199,14 @@ def build_config(ids: dict[str, int]):
         spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=TEXT_HIDDEN,
         num_position_embeddings=256, deepstack_visual_indexes=[0],
     )
-    special = CODEBOOK_SIZE  # codec specials and speakers live in [CODEBOOK_SIZE, CODEBOOK_SIZE + 1024)
+    special = codebook  # codec specials and speakers live in [codebook, codebook + 1024)
     talker_text = dict(
-        vocab_size=CODEBOOK_SIZE + 1024, hidden_size=TALKER_HIDDEN, intermediate_size=64,
+        vocab_size=codebook + 1024, hidden_size=TALKER_HIDDEN, intermediate_size=64,
         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim,
         max_position_embeddings=4096, rope_parameters=mrope, shared_expert_intermediate_size=32, **moe,
     )
     code_predictor = dict(
-        vocab_size=CODEBOOK_SIZE, hidden_size=TALKER_HIDDEN, intermediate_size=64, num_hidden_layers=1,
+        vocab_size=codebook, hidden_size=TALKER_HIDDEN, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim, num_code_groups=16,
         max_position_embeddings=64,
     )
@@ -215,7 +221,7 @@ def build_config(ids: dict[str, int]):
         audio_start_token_id=ids["<|audio_start|>"], position_id_per_seconds=25,
     )
     code2wav = dict(
-        codebook_size=CODEBOOK_SIZE, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
+        codebook_size=codebook, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
         num_hidden_layers=2, sliding_window=8, intermediate_size=64, num_quantizers=16,
         upsample_rates=[8, 5, 4, 3], upsampling_ratios=[2, 2], decoder_dim=32, max_position_embeddings=8000,
     )
@@ -225,13 +231,16 @@ def build_config(ids: dict[str, int]):
         video_token_id=ids["<|video_pad|>"], audio_start_token_id=ids["<|audio_start|>"],
         vision_start_token_id=ids["<|vision_start|>"], user_token_id=ids["user"], position_id_per_seconds=25,
     )
-    return Qwen3OmniMoeConfig(
-        thinker_config=thinker, talker_config=talker, code2wav_config=code2wav, enable_audio_output=True,
+    stages = merge_layout(dict(thinker_config=thinker, talker_config=talker, code2wav_config=code2wav), layout)
+    config = Qwen3OmniMoeConfig(
+        **stages, enable_audio_output=True,
         im_start_token_id=ids["<|im_start|>"], im_end_token_id=ids["<|im_end|>"],
         tts_pad_token_id=ids["<tts_pad>"], tts_bos_token_id=ids["<tts_text_bos>"],
         tts_eos_token_id=ids["<tts_text_eod>"], system_token_id=ids["system"], user_token_id=ids["user"],
         assistant_token_id=ids["assistant"],
     )
+    check_layout(config)
+    return config
 
 
 def init_weights(model, seed: int) -> None:
@@ -273,14 +282,22 @@ def init_weights(model, seed: int) -> None:
         model.code2wav.decoder[-1].conv.weight.mul_(0.2 / max(rms, 1e-6))
 
 
-def build(out: Path, seed: int) -> Path:
+def build(out: Path, seed: int, layout: dict | None = None, weights: bool = True) -> Path:
+    """Write the folder. `layout`: sizes merged over the tiny ones (full_size.REAL_LAYOUT for the
+    real shape). `weights=False`: config, tokenizer and processor files only, for stages started
+    with --random-weights."""
     import torch
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
     out.mkdir(parents=True, exist_ok=True)
     ids = build_tokenizer(out)
     write_processor_files(out)
-    config = build_config(ids)
+    config = build_config(ids, layout)
+    if not weights:
+        for stale in out.glob("*.safetensors*"):  # a folder re-written without weights has none
+            stale.unlink()
+        config.save_pretrained(out)
+        return out
     torch.manual_seed(seed)
     model = Qwen3OmniMoeForConditionalGeneration(config).eval()
     init_weights(model, seed)
@@ -295,14 +312,37 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="omni-tiny-checkpoint", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="folder to write (created)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    parser.add_argument("--full-size", action="store_true",
+                        help="the real Qwen3-Omni-30B-A3B layout (special ids of the tiny tokenizer); needs --no-weights")
+    parser.add_argument("--layout", type=Path,
+                        help="JSON of sizes merged over the tiny config (nested like config.json), e.g. a scaled-down "
+                             "full-size layout")
+    parser.add_argument("--no-weights", action="store_true",
+                        help="write config, tokenizer and processor files only: start stages with --random-weights")
     args = parser.parse_args(argv)
 
     def run() -> None:
+        from services.common.full_size import REAL_LAYOUT
+
         if args.out.exists() and not args.out.is_dir():
             raise UserError(f"--out {args.out}: exists and is not a folder")
-        build(args.out, args.seed)
+        if args.full_size and not args.no_weights:
+            raise UserError("--full-size writes no weights (65.7 GiB in bfloat16): add --no-weights and start the "
+                            "stages with --random-weights")
+        layout = REAL_LAYOUT if args.full_size else None
+        if args.layout is not None:
+            try:
+                layout = json.loads(args.layout.read_text())
+            except (OSError, json.JSONDecodeError) as exc:
+                raise UserError(f"--layout {args.layout}: {exc}") from None
+        try:
+            build(args.out, args.seed, layout, weights=not args.no_weights)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
         size = sum(f.stat().st_size for f in args.out.iterdir()) / 1e6
-        print(f"wrote tiny Qwen3-Omni checkpoint to {args.out} ({size:.1f} MB, seed {args.seed})")
+        kind = "full-size" if args.full_size else "custom-layout" if args.layout else "tiny"
+        weights = "no weights: start stages with --random-weights" if args.no_weights else f"seed {args.seed}"
+        print(f"wrote {kind} Qwen3-Omni checkpoint to {args.out} ({size:.1f} MB, {weights})")
 
     return run_cli(run)
 

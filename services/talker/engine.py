@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common.batching import SlotKVCache, batch_invariant, use_rowwise_attention
+from services.common.cuda_graphs import GraphSettings
 from services.common.finish import FinishReason
 from services.common.sampling import SamplingConfig, select_token
 from services.common.scheduler import LMScheduler
@@ -70,6 +71,7 @@ class TalkerEngineConfig:
     num_slots: int = 32  # KV cache slots
     max_model_len: int = 4096  # cache positions per slot: prompt part + 9 + max_new_tokens must fit
     exact_batching: bool = True  # batch-invariant kernels (see services/common/batching.py)
+    graphs: GraphSettings = GraphSettings()  # CUDA graphs of the decode step and the code predictor
 
 
 @dataclass
@@ -119,12 +121,25 @@ class TalkerEngine:
         self.num_groups = int(self.tc.num_code_groups)
         predictor = model.code_predictor
         use_rowwise_attention(model.config.text_config, predictor.config)
-        dtype = next(model.parameters()).dtype
-        self.cache = SlotKVCache.for_config(model.config.text_config, engine_config.num_slots,
+        self.dtype = dtype = next(model.parameters()).dtype
+        # With graphs, one extra slot that no request owns takes the padded rows' writes.
+        graph_slots = 1 if engine_config.graphs.enabled else 0
+        self.cache = SlotKVCache.for_config(model.config.text_config, engine_config.num_slots + graph_slots,
                                             engine_config.max_model_len, dtype, device)
         # The code predictor's cache lives for one frame: rows of the batch, 1 + num_code_groups positions.
         self.predictor_cache = SlotKVCache.for_config(predictor.config, engine_config.max_batch_size,
                                                       self.num_groups + 1, dtype, device)
+        self.graphs = self.predictor_graphs = None
+        if engine_config.graphs.enabled:
+            from services.common.static_decode import PredictorGraphs, SlotDecodeGraphs, talker_step
+
+            hidden = model.config.text_config.hidden_size
+            self.graphs = SlotDecodeGraphs(talker_step(model, self.cache), self.cache, engine_config.num_slots,
+                                           engine_config.graphs, engine_config.exact_batching, "talker decode", device)
+            self.graphs.capture_all(torch.zeros((1, 1, hidden), dtype=dtype))
+            self.predictor_graphs = PredictorGraphs(model, engine_config.graphs, engine_config.exact_batching,
+                                                    device, dtype)
+            self.predictor_graphs.capture_all(hidden, dtype)
         self.scheduler = LMScheduler(engine_config.max_batch_size, engine_config.num_slots,
                                      engine_config.max_model_len)
         self._states: dict[str, _State] = {}  # request_id -> state
@@ -143,7 +158,8 @@ class TalkerEngine:
             if state.text_done:
                 raise ValueError("text row after the end of the text")
             with torch.inference_mode():
-                state.rows.append(self.model.text_projection(payload.embedding.to(self.device).view(1, 1, -1)))
+                embedding = payload.embedding.to(self.device, self.dtype)  # any dtype the thinker sent
+                state.rows.append(self.model.text_projection(embedding.view(1, 1, -1)))
         elif isinstance(payload, TextEnd):
             state.text_done = True
         else:
@@ -191,8 +207,9 @@ class TalkerEngine:
             return [(request_id, TalkerDone(FinishReason.STOP, 0))]
         job, cfg, talker = state.job, self.config, self.model
         ids = torch.tensor([job.prompt_token_ids], device=self.device)  # [1, P]
-        embeds = job.prompt_embeds.to(self.device).unsqueeze(0)  # [1, P, Ht]
-        tts = talker.text_projection(job.tts_embeds.to(self.device).unsqueeze(0))  # [1, 3, H]
+        # The thinker's tensors arrive in its dtype: cast to the talker's own.
+        embeds = job.prompt_embeds.to(self.device, self.dtype).unsqueeze(0)  # [1, P, Ht]
+        tts = talker.text_projection(job.tts_embeds.to(self.device, self.dtype).unsqueeze(0))  # [1, 3, H]
         state.tts = tuple(t.view(1, 1, -1) for t in tts[0])  # bos, eos, pad as [1, 1, H]
 
         # User part: every position of every user turn; projected as generate does (all text
@@ -202,7 +219,7 @@ class TalkerEngine:
         mm_mask[0, job.multimodal_positions] = True
         full = torch.empty((1, length, self.tc.text_config.hidden_size), device=self.device, dtype=embeds.dtype)
         if job.multimodal_positions:
-            full[mm_mask] = talker.hidden_projection(job.multimodal_hidden.to(self.device))
+            full[mm_mask] = talker.hidden_projection(job.multimodal_hidden.to(self.device, self.dtype))
         full[~mm_mask] = talker.text_projection(embeds[~mm_mask])
         positions = torch.arange(length, device=self.device).unsqueeze(0)
         im_start = torch.where(ids == cfg.im_start_token_id, positions, positions.new_full((), -1))
@@ -253,10 +270,14 @@ class TalkerEngine:
         for state in states:
             state.last_position = state.last_position + 1
             inputs.append(state.next_codec_embed + self._text_for_next_step(state))
+        inputs_embeds, position_ids = torch.cat(inputs, dim=0), torch.cat([s.last_position for s in states], dim=1)
+        replayed = self.graphs.decode(inputs_embeds, position_ids, slots) if self.graphs is not None else None
+        if replayed is not None:
+            return self._after_forward(request_ids, states, *replayed)
         view = self.cache.batch(slots)
         with batch_invariant(self.engine_config.exact_batching):
             out = self.model(
-                inputs_embeds=torch.cat(inputs, dim=0), position_ids=torch.cat([s.last_position for s in states], dim=1),
+                inputs_embeds=inputs_embeds, position_ids=position_ids,
                 past_key_values=view, use_cache=True, output_hidden_states=True,
                 generation_step=0,  # bookkeeping of generate only: the forward returns it + 1
             )
@@ -273,6 +294,7 @@ class TalkerEngine:
 
     def _after_forward(self, request_ids, states, logits: torch.Tensor, hidden: torch.Tensor):
         # logits: [B, vocab]; hidden: [B, 1, H] last layer at the last position.
+        logits = logits.cpu()  # sampling runs on the host (CPU generators and masks); a no-op on CPU
         events: list[tuple[str, object]] = []
         keep: list[int] = []  # rows that go on to make a frame
         for row, (request_id, state) in enumerate(zip(request_ids, states)):
@@ -303,6 +325,11 @@ class TalkerEngine:
         for row in rows:
             self.predictor_cache.reset(row)
         codes0 = torch.tensor([[s.codes[-1]] for s in states], device=self.device)  # [B, 1]
+        if self.predictor_graphs is not None and all(s.job.sampling.greedy for s in states):
+            replayed = self.predictor_graphs.predict(past_hidden, codes0)
+            if replayed is not None:
+                codes, codec_embed = replayed
+                return codes.to(torch.int64).cpu(), codec_embed
         first = self.model.get_input_embeddings()(codes0)  # [B, 1, H]
         columns, hiddens = [codes0[:, 0]], [first]
         exact = self.engine_config.exact_batching
@@ -311,7 +338,7 @@ class TalkerEngine:
             out = predictor(inputs_embeds=torch.cat((past_hidden, first), dim=1), past_key_values=view, use_cache=True)
         view.commit()
         for step in range(1, self.num_groups):
-            logits = out.logits[:, -1]  # [B, vocab]
+            logits = out.logits[:, -1].cpu()  # [B, vocab]; picked on the host (a no-op on CPU)
             picked = torch.tensor([self._pick_residual(logits[i], s) for i, s in enumerate(states)], device=self.device)
             columns.append(picked)
             ids = picked.view(batch, 1)

@@ -253,10 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def run() -> None:
+        stage = stage_config_from_args(args)
         engine = TalkerEngineConfig(max_batch_size=args.max_batch_size, num_slots=args.num_slots,
-                                    max_model_len=args.max_model_len, exact_batching=exact_batching(args))
+                                    max_model_len=args.max_model_len, exact_batching=exact_batching(args),
+                                    graphs=stage.graphs)
         config = TalkerConfig(
-            stage=stage_config_from_args(args), engine=engine, first_chunk_frames=args.first_chunk_frames,
+            stage=stage, engine=engine, first_chunk_frames=args.first_chunk_frames,
             chunk_frames=args.chunk_frames, default_max_new_tokens=args.default_max_new_tokens,
             max_new_tokens_limit=args.max_new_tokens_limit,
         )

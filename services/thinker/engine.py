@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common.batching import SlotKVCache, batch_invariant, use_rowwise_attention
+from services.common.cuda_graphs import GraphSettings
 from services.common.finish import FinishReason
 from services.common.prompt import PromptInputs
 from services.common.sampling import SamplingConfig, select_token
@@ -73,6 +74,7 @@ class ThinkerEngineConfig:
     num_slots: int = 32  # KV cache slots (requests holding cache at once)
     max_model_len: int = 4096  # cache positions per slot: prompt + max_new_tokens must fit
     exact_batching: bool = True  # batch-invariant kernels (see services/common/batching.py)
+    graphs: GraphSettings = GraphSettings()  # CUDA graphs of the decode step (services/common/static_decode.py)
 
 
 class ThinkerEngine:
@@ -89,9 +91,18 @@ class ThinkerEngine:
         self.embed = model.get_input_embeddings()
         text_config = model.config.text_config
         use_rowwise_attention(text_config)
-        dtype = next(model.parameters()).dtype
-        self.cache = SlotKVCache.for_config(text_config, engine_config.num_slots, engine_config.max_model_len,
-                                            dtype, device)
+        self.dtype = dtype = next(model.parameters()).dtype
+        # With graphs, one extra slot that no request owns takes the padded rows' writes.
+        graph_slots = 1 if engine_config.graphs.enabled else 0
+        self.cache = SlotKVCache.for_config(text_config, engine_config.num_slots + graph_slots,
+                                            engine_config.max_model_len, dtype, device)
+        self.graphs = None
+        if engine_config.graphs.enabled:
+            from services.common.static_decode import SlotDecodeGraphs, thinker_step
+
+            self.graphs = SlotDecodeGraphs(thinker_step(model, self.cache), self.cache, engine_config.num_slots,
+                                           engine_config.graphs, engine_config.exact_batching, "thinker decode", device)
+            self.graphs.capture_all(torch.zeros((1, 1), dtype=torch.long))
         self.scheduler = LMScheduler(engine_config.max_batch_size, engine_config.num_slots,
                                      engine_config.max_model_len)
         self._requests: dict[str, _Request] = {}  # request_id -> decoding state
@@ -140,7 +151,9 @@ class ThinkerEngine:
 
         request = self._requests[request_id]
         job = request.job
-        kwargs = {k: v.to(self.device) for k, v in job.prompt.model_kwargs().items()}
+        # Prompt tensors arrive as float32 on the CPU: floating inputs take the model's dtype.
+        kwargs = {k: v.to(self.device, self.dtype) if v.is_floating_point() else v.to(self.device)
+                  for k, v in job.prompt.model_kwargs().items()}
         position_ids = self.model._prepare_position_ids_for_generation(kwargs["input_ids"], dict(kwargs))
         cache = DynamicCache(config=self.model.config.text_config)
         out = self.model(
@@ -152,7 +165,7 @@ class ThinkerEngine:
         events: list[tuple[str, object]] = []
         if job.want_talker_inputs:
             events.append((request_id, self._prefilled(kwargs["input_ids"][0], out.hidden_states)))
-        return events + self._sample(request_id, request, out.logits[0, -1])
+        return events + self._sample(request_id, request, out.logits[0, -1].cpu())
 
     @torch.inference_mode()
     def decode(self, request_ids: list[str], slots: list[int]) -> list[tuple[str, object]]:
@@ -162,13 +175,19 @@ class ThinkerEngine:
             request.last_position = request.last_position + 1
         ids = torch.tensor([[r.generated[-1]] for r in requests], device=self.device)  # [B, 1]
         positions = torch.cat([r.last_position for r in requests], dim=1)  # [4, B, 1]
-        view = self.cache.batch(slots)
-        with batch_invariant(self.engine_config.exact_batching):
-            out = self.model(input_ids=ids, position_ids=positions, past_key_values=view, use_cache=True)
-        view.commit()
+        replayed = self.graphs.decode(ids, positions, slots) if self.graphs is not None else None
+        if replayed is not None:
+            logits = replayed[0]  # [B, vocab]
+        else:
+            view = self.cache.batch(slots)
+            with batch_invariant(self.engine_config.exact_batching):
+                out = self.model(input_ids=ids, position_ids=positions, past_key_values=view, use_cache=True)
+            view.commit()
+            logits = out.logits[:, -1]
+        logits = logits.cpu()  # sampling runs on the host (CPU generators and masks); a no-op on CPU
         events: list[tuple[str, object]] = []
         for row, (request_id, request) in enumerate(zip(request_ids, requests)):
-            events += self._sample(request_id, request, out.logits[row, -1])
+            events += self._sample(request_id, request, logits[row])
         return events
 
     def _prefilled(self, prompt_ids: torch.Tensor, hidden_states) -> Prefilled:

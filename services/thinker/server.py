@@ -268,9 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def run() -> None:
+        stage = stage_config_from_args(args)
         engine = ThinkerEngineConfig(max_batch_size=args.max_batch_size, num_slots=args.num_slots,
-                                     max_model_len=args.max_model_len, exact_batching=exact_batching(args))
-        config = ThinkerConfig(stage=stage_config_from_args(args), engine=engine,
+                                     max_model_len=args.max_model_len, exact_batching=exact_batching(args),
+                                     graphs=stage.graphs)
+        config = ThinkerConfig(stage=stage, engine=engine,
                                default_max_new_tokens=args.default_max_new_tokens,
                                max_new_tokens_limit=args.max_new_tokens_limit,
                                limits=PromptLimits(args.max_prompt_tokens or None, args.max_audio_seconds,
