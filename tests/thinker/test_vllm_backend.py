@@ -125,23 +125,17 @@ def test_embedding_table_from_safetensors_equals_the_loaded_thinker(tiny_checkpo
 
 # With vLLM.
 
+# The tiny checkpoint with thinker head_dim 32, which vLLM's CPU attention supports (its mrope
+# sections scaled to fill it).
+HEAD_DIM_32 = {"thinker_config": {"text_config": {"head_dim": 32, "rope_parameters": {
+    "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5], "interleaved": True}}}}
+
+
 @pytest.fixture(scope="module")
 def vllm_checkpoint(tmp_path_factory):
-    """The tiny checkpoint (seed 0) with thinker head_dim 32, which vLLM's CPU attention supports."""
-    from services.common import tiny_checkpoint as tc
+    from services.common.tiny_checkpoint import build
 
-    original = tc.build_config
-
-    def build_config(ids):
-        config = original(ids)
-        text = config.thinker_config.text_config
-        text.head_dim = 32
-        text.rope_parameters = dict(text.rope_parameters, mrope_section=[6, 5, 5])  # sums to head_dim / 2
-        return config
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tc, "build_config", build_config)
-        return tc.build(tmp_path_factory.mktemp("ckpt") / "tiny-hd32", seed=0)
+    return build(tmp_path_factory.mktemp("ckpt") / "tiny-hd32", seed=0, layout=HEAD_DIM_32)
 
 
 @pytest.fixture(scope="module")
