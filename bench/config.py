@@ -10,11 +10,12 @@ from pathlib import Path
 from bench.systems import System
 from services.common.errors import UserError
 
-# Defaults sized so that `make bench` (tiny checkpoint, 2 CPU cores, all three systems at
-# concurrency 1, 4 and 16) ends in about 3-4 minutes, well inside its 10-minute budget even
-# on a busy machine. Random weights never emit EOS: every request runs to its max tokens.
+# Defaults sized so that `make bench` (tiny checkpoint, all three systems at concurrency 1, 4
+# and 16) ends in about 3 minutes on 2 idle CPU cores and in about 5 with other work loading
+# them 3x over, inside its 10-minute budget. Random weights never emit EOS: every request runs
+# to its max tokens.
 DEFAULT_CONCURRENCY = (1, 4, 16)
-DEFAULT_REQUESTS = 8  # per system, concurrency level and round; raised to the concurrency
+DEFAULT_REQUESTS = 6  # per system, concurrency level and round; raised to the concurrency
 DEFAULT_ROUNDS = 2
 DEFAULT_MAX_NEW_TOKENS = 32
 DEFAULT_TALKER_MAX_NEW_TOKENS = 64  # 63 frames = 5.0 s of audio
@@ -85,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch threads per stage process and for the in-process reference "
                         "(default 0: a third of the cores, at least 1)")
     p.add_argument("--skip", default="", help="comma-separated systems not to run: reference, reference-batched, "
-                                              "pipeline")
+                                              "pipeline, pipeline-unbatched (the same stack at batch size 1)")
     p.add_argument("--floor-repeats", type=int, default=2, help="floor samples per prompt (default %(default)s)")
     p.add_argument("--first-chunk-frames", type=int, default=4,
                    help="frames in the talker's first chunk: for the floor and the talker started here; "

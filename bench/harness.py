@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import sys
 import time
 import warnings
@@ -22,7 +23,7 @@ from bench.machine import describe_machine
 from bench.metrics import ratio, summarize
 from bench.progress import Progress
 from bench.prompts import BenchPrompt, built_in_prompts, load_jsonl
-from bench.report import NOTES, BenchReport, ResultRow, Skipped, ratios_for, render_table, write_json
+from bench.report import NOTES, BenchReport, BlockLog, ResultRow, Skipped, ratios_for, render_table, write_json
 from bench.systems import (
     BatchedReferenceSystem,
     BlockResult,
@@ -94,6 +95,7 @@ class Bench:
         self.systems: dict = {}  # System -> ReferenceSystem | BatchedReferenceSystem | PipelineSystem
         self.floor_samples: list[FloorSample] = []
         self.records: list[RequestRecord] = []
+        self.block_log: list[BlockLog] = []
         self.walls: dict[tuple[System, int], float] = {}  # (system, level) -> block walls summed over rounds
 
     def _step(self, name: str, fn):
@@ -116,18 +118,22 @@ class Bench:
         self.systems[System.REFERENCE_BATCHED] = BatchedReferenceSystem(reference)
         self.meter = FloorMeter(runner, cfg.device, cfg.voice, cfg.max_new_tokens, cfg.talker_max_new_tokens,
                                 cfg.first_chunk_frames)
-        if System.PIPELINE not in cfg.systems:
-            return
-        target = cfg.target
-        if target is None:
-            stack = Stack(StackOptions(
-                checkpoint=cfg.checkpoint, port=0, threads=cfg.threads, thinker_args=cfg.stage_args(),
-                talker_args=cfg.talker_args(), code2wav_args=cfg.stage_args(), log_prefix=False))
-            self._step("start stack", lambda: cleanup.enter_context(stack))
-            target = stack.target
-        pipeline = PipelineSystem(target, cfg.voice, cfg.max_new_tokens, cfg.talker_max_new_tokens, cfg.timeout_s)
-        cleanup.callback(pipeline.close)
-        self.systems[System.PIPELINE] = pipeline
+        for system, batch in ((System.PIPELINE, ()), (System.PIPELINE_UNBATCHED, ("--max-batch-size", "1"))):
+            if system not in cfg.systems:
+                continue
+            target = cfg.target if system is System.PIPELINE else None
+            if system is System.PIPELINE_UNBATCHED and cfg.target is not None:
+                self.skipped.append(Skipped(system, None, "--target given: no second stack started here"))
+                continue
+            if target is None:
+                stack = Stack(StackOptions(
+                    checkpoint=cfg.checkpoint, port=0, threads=cfg.threads, thinker_args=cfg.stage_args() + batch,
+                    talker_args=cfg.talker_args() + batch, code2wav_args=cfg.stage_args(), log_prefix=False))
+                self._step(f"start stack ({system.value})", lambda: cleanup.enter_context(stack))
+                target = stack.target
+            pipeline = PipelineSystem(target, cfg.voice, cfg.max_new_tokens, cfg.talker_max_new_tokens, cfg.timeout_s)
+            cleanup.callback(pipeline.close)
+            self.systems[system] = pipeline
 
     def warm_up(self) -> None:
         """One request per system and one floor pass, not counted: first-call costs (allocator,
@@ -136,11 +142,12 @@ class Bench:
 
     def _warm_up(self) -> None:
         first, cfg = self.prompts[0], self.config
-        if System.PIPELINE in cfg.systems:
-            pipeline: PipelineSystem = self.systems[System.PIPELINE]
-            outcome: Outcome = pipeline.call(pipeline.request(first))
-            if outcome.timing is None:
-                raise UserError(f"pipeline warm-up request failed: {outcome.error}")
+        for system in (System.PIPELINE, System.PIPELINE_UNBATCHED):
+            if system in self.systems:
+                pipeline: PipelineSystem = self.systems[system]
+                outcome: Outcome = pipeline.call(pipeline.request(first))
+                if outcome.timing is None:
+                    raise UserError(f"{system.value} warm-up request failed: {outcome.error}")
         reference = self.systems[System.REFERENCE].reference
         if System.REFERENCE in cfg.systems:
             reference.generate([first])
@@ -169,6 +176,9 @@ class Bench:
             result: BlockResult = self.systems[block.system].run(
                 [self.prompts[i] for i in block.prompt_indices], block.concurrency, lambda _: progress.advance())
             progress.end_block()
+            load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+            self.block_log.append(BlockLog(block.system, block.concurrency, block.round, len(result.outcomes),
+                                           result.wall_s, load))
             key = (block.system, block.concurrency)
             self.walls[key] = self.walls.get(key, 0.0) + result.wall_s
             self.records += [RequestRecord(block.system, block.concurrency, block.round, i, o)
@@ -194,7 +204,7 @@ class Bench:
             machine=self.machine, config=cfg, checkpoint_name=Path(cfg.checkpoint).resolve().name,
             prompts=[f"{p.label} ({p.modalities})" for p in self.prompts], notes=NOTES, floor=floor,
             results=results, ratios=ratios_for(results), skipped=self.skipped, requests=self.records,
-            setup_s=self.setup_s, wall_s=time.perf_counter() - self.started,
+            blocks=self.block_log, setup_s=self.setup_s, wall_s=time.perf_counter() - self.started,
         )
 
 

@@ -11,6 +11,7 @@ STYLE = {  # system -> (colour, marker)
     System.REFERENCE: ("tab:gray", "s"),
     System.REFERENCE_BATCHED: ("tab:orange", "^"),
     System.PIPELINE: ("tab:blue", "o"),
+    System.PIPELINE_UNBATCHED: ("tab:purple", "v"),
 }
 
 
@@ -48,8 +49,11 @@ def write_plot(report: BenchReport, path: Path) -> None:
     ax_ttfp.set_yscale("log")
     ax_rps.set_ylim(bottom=0)
     cfg = report.config
+    loads = [b.load_1m for b in report.blocks if b.load_1m is not None]
+    load = f", load average {min(loads):.1f}-{max(loads):.1f} during the runs" if loads else ""
     fig.suptitle(f"omni-bench: {report.checkpoint_name}, thinker {cfg.max_new_tokens} / talker "
-                 f"{cfg.talker_max_new_tokens} tokens, {cfg.device} {cfg.dtype}\n{report.machine.label}", fontsize=9)
+                 f"{cfg.talker_max_new_tokens} tokens, {cfg.device} {cfg.dtype}\n{report.machine.label}{load}",
+                 fontsize=9)
     handles, labels = ax_ttfp.get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.12, 1, 1))

@@ -30,6 +30,10 @@ NOTES = (
     "in-process on the same modules, one after the other; TTFP/floor = p50 TTFP / median floor.",
     "underruns: simulated playback from chunk arrival times, starting at the first chunk (+ prebuffer); a chunk "
     "arriving after the audio before it ran out is one underrun, as long as the gap.",
+    "threads: torch intra-op threads of each stage process and of the one reference process alike; the "
+    "pipeline's three stages can together use three times as many.",
+    "Other work on the machine biases the comparison: on shared CPUs the pipeline's processes together get a "
+    "larger share than the one reference process. blocks[].load_1m shows the load while each block ran.",
 )
 
 
@@ -62,6 +66,18 @@ class Skipped:
 
 
 @dataclass(frozen=True)
+class BlockLog:
+    """One block as it ran: the load average shows other work on the machine at the time."""
+
+    system: System
+    concurrency: int
+    round: int
+    requests: int
+    wall_s: float
+    load_1m: float | None  # 1-minute load average at the block's end
+
+
+@dataclass(frozen=True)
 class BenchReport:
     created: str  # ISO 8601, UTC
     machine: Machine
@@ -74,6 +90,7 @@ class BenchReport:
     ratios: list[RatioRow]
     skipped: list[Skipped]
     requests: list[RequestRecord]
+    blocks: list[BlockLog]  # in run order
     setup_s: dict[str, float]  # step -> seconds: reference load, stack start, warm-up, floor
     wall_s: float
 
@@ -85,6 +102,7 @@ def ratios_for(results: list[ResultRow]) -> list[RatioRow]:
     out = []
     for pipe in (r for r in results if r.system is System.PIPELINE):
         for base in (r for r in results if r.system is not System.PIPELINE and r.concurrency == pipe.concurrency):
+            # pipeline-unbatched is a baseline too: the batching gain of the same stack
             p, b = pipe.summary, base.summary
             out.append(RatioRow(
                 concurrency=pipe.concurrency, baseline=base.system,
@@ -210,6 +228,11 @@ def render_table(report: BenchReport) -> str:
     for skip in report.skipped:
         where = "all levels" if skip.concurrency is None else f"concurrency {skip.concurrency}"
         lines.append(f"  skipped {skip.system.value} at {where}: {skip.reason}")
+    loads = [b.load_1m for b in report.blocks if b.load_1m is not None]
+    if loads:
+        lines.append(f"  1-minute load average at the end of each block: {min(loads):.1f} to {max(loads):.1f} on "
+                     f"{report.machine.usable_cores} cores (the run itself adds about 1 in reference blocks, up to 4 "
+                     f"in pipeline blocks; more is other work)")
     lines.append("  reference rows: TTFT = TTFP = whole-response time (generate streams nothing).")
     lines.append(f"  total {report.wall_s:.0f} s")
     return "\n".join(lines)

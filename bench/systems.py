@@ -32,6 +32,7 @@ class System(enum.Enum):
     REFERENCE = "reference"
     REFERENCE_BATCHED = "reference-batched"
     PIPELINE = "pipeline"
+    PIPELINE_UNBATCHED = "pipeline-unbatched"  # the same stack, thinker and talker at --max-batch-size 1
 
 
 @dataclass(frozen=True)

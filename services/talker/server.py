@@ -58,23 +58,29 @@ class TalkerConfig:
     stage: StageConfig
     engine: TalkerEngineConfig = TalkerEngineConfig()
     first_chunk_frames: int = 4  # frames in the first chunk sent to code2wav (time to first audio)
-    chunk_frames: int = 25  # frames in every later chunk
+    chunk_frames: int = 25  # frames in every later chunk, once grown
+    chunk_growth: int = 2  # each chunk this many times the last until chunk_frames (1 = jump)
     default_max_new_tokens: int = 2048
     max_new_tokens_limit: int = 8192
 
 
 class FrameChunker:
-    """Groups frames into chunks: a small first one (early audio), then larger ones."""
+    """Groups frames into chunks: a small first one (early audio), then growing ones up to `rest`.
 
-    def __init__(self, first: int, rest: int):
-        self.first, self.rest = first, rest
+    NOTE: growth. With 4 then 25 frames, the 25-frame chunk takes longer to make than the 0.32 s
+    the first one plays, so playback runs dry once per request (omni-bench's underrun figure).
+    Doubling (4, 8, 16, 25, 25, ...) keeps each chunk's production shorter than the audio already
+    queued, at a few more code2wav calls per request."""
+
+    def __init__(self, first: int, rest: int, growth: int = 2):
+        self.first, self.rest, self.growth = first, rest, max(growth, 1)
+        self.size = first  # size of the chunk being filled
         self.frames: list[torch.Tensor] = []  # pending [num_code_groups] rows
         self.sent = 0  # frames already handed out
 
     def add(self, codes: torch.Tensor) -> torch.Tensor | None:
         self.frames.append(codes)
-        size = self.first if self.sent == 0 else self.rest
-        return self.flush() if len(self.frames) >= size else None
+        return self.flush() if len(self.frames) >= self.size else None
 
     def flush(self) -> torch.Tensor | None:
         if not self.frames:
@@ -82,6 +88,7 @@ class FrameChunker:
         chunk = torch.stack(self.frames)  # [n, num_code_groups]
         self.sent += len(self.frames)
         self.frames = []
+        self.size = self.rest if self.growth == 1 else min(self.size * self.growth, self.rest)
         return chunk
 
 
@@ -147,7 +154,7 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
         stub = stages_pb2_grpc.Code2WavStub(self.channels.get(start.route.code2wav))
         decode = stub.Decode(timeout=time_remaining(context))
         tasks.append(asyncio.create_task(self._read_audio(decode, start.route.code2wav, sink)))
-        chunker = FrameChunker(self.config.first_chunk_frames, self.config.chunk_frames)
+        chunker = FrameChunker(self.config.first_chunk_frames, self.config.chunk_frames, self.config.chunk_growth)
         done: TalkerDone | None = None
         try:
             await decode.write(stages_pb2.Code2WavInput(start=stages_pb2.Code2WavStart(request_id=request_id)))
@@ -246,8 +253,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="omni-talker", description=__doc__)
     add_stage_flags(parser, default_port=50062)
     add_engine_flags(parser)
-    parser.add_argument("--first-chunk-frames", type=int, default=env_default("first_chunk_frames", 4))
-    parser.add_argument("--chunk-frames", type=int, default=env_default("chunk_frames", 25))
+    parser.add_argument("--first-chunk-frames", type=int, default=env_default("first_chunk_frames", 4),
+                        help="frames in the first chunk sent to code2wav: time to first audio (default 4)")
+    parser.add_argument("--chunk-frames", type=int, default=env_default("chunk_frames", 25),
+                        help="frames per chunk once grown (default 25)")
+    parser.add_argument("--chunk-growth", type=int, default=env_default("chunk_growth", 2),
+                        help="each chunk this many times the previous, up to --chunk-frames; 1 = straight "
+                             "from the first chunk to --chunk-frames (default 2: 4, 8, 16, 25, ...)")
     parser.add_argument("--default-max-new-tokens", type=int, default=env_default("talker_default_max_new_tokens", 2048))
     parser.add_argument("--max-new-tokens-limit", type=int, default=env_default("talker_max_new_tokens_limit", 8192))
     args = parser.parse_args(argv)
@@ -259,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                                     graphs=stage.graphs)
         config = TalkerConfig(
             stage=stage, engine=engine, first_chunk_frames=args.first_chunk_frames,
-            chunk_frames=args.chunk_frames, default_max_new_tokens=args.default_max_new_tokens,
+            chunk_frames=args.chunk_frames, chunk_growth=args.chunk_growth, default_max_new_tokens=args.default_max_new_tokens,
             max_new_tokens_limit=args.max_new_tokens_limit,
         )
         setup_logging("talker")

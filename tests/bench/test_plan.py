@@ -17,7 +17,7 @@ def config(*extra: str):
 def test_defaults_cover_concurrency_1_4_16_with_every_system():
     cfg = config()
     assert cfg.concurrency == (1, 4, 16)
-    assert cfg.systems == (System.REFERENCE, System.REFERENCE_BATCHED, System.PIPELINE)
+    assert cfg.systems == (System.REFERENCE, System.REFERENCE_BATCHED, System.PIPELINE, System.PIPELINE_UNBATCHED)
     assert cfg.threads >= 1
 
 
@@ -27,7 +27,7 @@ def test_device_flags_pass_through_to_every_stage():
 
 
 def test_within_a_round_every_system_serves_the_same_prompts_and_the_order_flips_between_rounds():
-    cfg = config("--concurrency", "4,1", "--requests", "3", "--rounds", "2")
+    cfg = config("--concurrency", "4,1", "--requests", "3", "--rounds", "2", "--skip", "pipeline-unbatched")
     blocks = plan_blocks(cfg, n_prompts=5)
     level1 = [b for b in blocks if b.concurrency == 1]
     assert [b.system for b in level1] == [System.REFERENCE, System.PIPELINE, System.PIPELINE, System.REFERENCE]
@@ -48,7 +48,7 @@ def test_no_batched_block_at_concurrency_one():
     (("--concurrency", "1,x"), "comma-separated integers"),
     (("--concurrency", "0"), ">= 1"),
     (("--skip", "turbo"), "unknown systems"),
-    (("--skip", "reference,reference-batched,pipeline"), "nothing left"),
+    (("--skip", "reference,reference-batched,pipeline,pipeline-unbatched"), "nothing left"),
     (("--rounds", "0"), "--rounds must be >= 1"),
 ])
 def test_bad_flags_are_user_errors(flags, message):
