@@ -10,6 +10,7 @@ bucket): window lengths are few (first chunk, first + context, context + chunk, 
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -18,6 +19,8 @@ import torch
 
 from services.code2wav.streaming import StreamingDecoder, VocoderGeometry, forward_batch, measure_geometry
 from services.common.cuda_graphs import GraphRunner, GraphSettings, pad_rows, plan_padding
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,8 @@ class Code2WavGraphs:
             for bucket in self.settings.buckets:
                 codes = torch.zeros((bucket, num_quantizers, n), dtype=torch.long, device=self.device)
                 if self.runner.capture((n, bucket), codes) is None:
-                    return
+                    break
+        log.info("%s (windows %s; other lengths on first use)", self.runner.summary(), list(window_lengths))
 
     @torch.inference_mode()
     def decode(self, windows: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ directly, so CPU behaviour is unchanged.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Hashable
 
@@ -108,6 +109,7 @@ class _Captured:
 @dataclass
 class GraphStats:
     captures: int = 0
+    capture_s: float = 0.0  # wall time spent capturing (warm-up runs included)
     replays: int = 0
     eager_calls: int = 0
     failed: str | None = None  # why capture was given up (first error), if it was
@@ -169,6 +171,7 @@ class GraphRunner:
             return None
         if key in self._graphs:
             return self._graphs[key]
+        started = time.perf_counter()
         try:
             static = tuple(x.detach().clone() for x in example_inputs)
             stream = torch.cuda.Stream()
@@ -195,5 +198,12 @@ class GraphRunner:
         entry = _Captured(graph, static, outputs)
         self._graphs[key] = entry
         self.stats.captures += 1
+        self.stats.capture_s += time.perf_counter() - started
         self.stats.keys.append(key)
         return entry
+
+    def summary(self) -> str:
+        s = self.stats
+        if s.failed:
+            return f"{self.name}: CUDA graph capture failed, eager ({s.failed})"
+        return f"{self.name}: {s.captures} CUDA graphs captured in {s.capture_s:.1f} s"

@@ -140,6 +140,7 @@ class SlotDecodeGraphs:
             positions = torch.zeros((bucket,), dtype=torch.long, device=self.device)
             if self.runner.capture((bucket, POSITION_ROWS), x, position_ids, slots, positions) is None:
                 break
+        log.info("%s", self.runner.summary())
 
     def decode(self, x: torch.Tensor, position_ids: torch.Tensor, slots: list[int]):
         """x: [B, 1] ids or [B, 1, H] embeddings; position_ids [4, B, 1]. Returns the step's
@@ -210,6 +211,7 @@ class PredictorGraphs:
             codes0 = torch.zeros((bucket, 1), dtype=torch.long, device=self.device)
             if self.runner.capture(bucket, hidden, codes0) is None:
                 break
+        log.info("%s", self.runner.summary())
 
     def predict(self, past_hidden: torch.Tensor, codes0: torch.Tensor):
         """past_hidden [B, 1, H], codes0 [B, 1] -> (codes [B, num_groups] long, embeds [B, 1, H]),

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# bench/fetch_device_wheels.sh: download, here, the wheels bench/device_check.sh installs on the GPU
+# machine (python 3.12, manylinux x86_64, no network there) into .whl/ (gitignored; carried).
+#
+# Why each one (the device image's own list: /work/.library/device/KINDS.md):
+#   grpcio 1.85.3            the generated omni/v1/*_grpc.py require grpcio >= 1.85.1 (its version is
+#                            not recorded for the image)
+#   grpcio-health-checking,  not on the image; every stage and the launcher import them
+#   grpcio-reflection 1.85.1
+#   protobuf 7.36.2          the generated *_pb2.py (protoc 7.35.1) need a 7.x runtime >= 7.35.1
+#   transformers 5.19.0      the image has 5.17.0; the engines are written and tested against 5.19
+#                            (row-wise experts hook, mask early exit, grouped_mm experts, no_init_weights).
+#                            Its requirements are 5.17's but for huggingface-hub (>=1.31,<3): the image's
+#                            hub 1.33.0, tokenizers 0.23.2, safetensors 0.8.0, regex, typer satisfy them.
+# Not carried: torch (the image's 2.11.0+cu130), huggingface_hub (2.x would need httpx2, which the
+# image lacks), numpy/pillow/matplotlib/prometheus-client (on the image), soundfile (only for audio
+# prompts; needs cffi, which the image lacks; the benchmark sends text).
+#
+# Usage: bash bench/fetch_device_wheels.sh   (prints the total; keep it well under the 64 MiB
+# that travels with the working tree)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+WHEELS=(
+  grpcio==1.85.3
+  grpcio-health-checking==1.85.1
+  grpcio-reflection==1.85.1
+  protobuf==7.36.2
+  transformers==5.19.0
+)
+mkdir -p .whl
+for wheel in "${WHEELS[@]}"; do
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "$wheel"
+done
+# One version of each: an older download of the same name would stop the install there.
+ls -1 .whl/*.whl | sed -E 's#.*/([^-]+)-.*#\1#' | sort | uniq -d | while read -r dup; do
+  echo "two versions of $dup in .whl: remove the stale one" >&2; exit 1
+done
+ls -la .whl
+du -ch .whl/*.whl | tail -1

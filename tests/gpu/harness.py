@@ -1,0 +1,87 @@
+"""In-process harness of the GPU-path tests: thinker -> talker as the servers wire them (without
+gRPC), and engines wired for CUDA graphs with the capture left out (the static steps run eagerly)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from services.common.batching import SlotKVCache
+from services.common.cuda_graphs import GraphSettings
+from services.common.prompt import resolve_voice
+from services.common.sampling import SamplingConfig
+from services.common.static_decode import PredictorGraphs, SlotDecodeGraphs, talker_step, thinker_step
+from services.talker.engine import Frame, TalkerDone, TalkerEngine, TalkerEngineConfig, TalkerJob, TextEnd, TextRow
+from services.thinker.engine import Finished, Prefilled, ThinkerEngine, ThinkerEngineConfig, ThinkerJob, Token
+
+BUCKETS = (1, 2, 4, 8)  # 3 requests run padded to 4
+SLOTS = 4
+
+
+def run_pipeline(thinker, talker, builder, config, requests: dict, voice: str = "chelsie",
+                 max_steps: int = 200) -> tuple[dict, dict, dict]:
+    """requests: request_id -> (messages, thinker max tokens, talker max tokens).
+    Returns (text ids, frames, talker ends), each keyed by request id."""
+    tokens: dict[str, list[int]] = defaultdict(list)  # request_id -> text ids
+    frames: dict[str, list[torch.Tensor]] = defaultdict(list)  # request_id -> [num_code_groups] codes
+    done: dict[str, TalkerDone] = {}  # request_id -> the talker's end
+    prompts = {}
+    for rid, (messages, max_new, talker_max) in requests.items():
+        prompts[rid] = prompt = builder.build(messages)
+        thinker.add(rid, ThinkerJob(prompt, SamplingConfig(max_new_tokens=max_new), True))
+    for _ in range(max_steps):
+        if not (thinker.has_work() or talker.has_work()):
+            break
+        if thinker.has_work():
+            for rid, event in thinker.step():
+                if isinstance(event, Prefilled):
+                    prompt = prompts[rid]
+                    talker.add(rid, TalkerJob(
+                        prompt_token_ids=event.prompt_token_ids, prompt_embeds=event.prompt_embeds,
+                        multimodal_positions=event.multimodal_positions, multimodal_hidden=event.multimodal_hidden,
+                        tts_embeds=event.tts_embeds, speaker_id=resolve_voice(config, voice)[1],
+                        sampling=SamplingConfig(max_new_tokens=requests[rid][2], repetition_penalty=1.05),
+                        image_grid_thw=prompt.image_grid_thw, audio_feature_lengths=prompt.audio_feature_lengths))
+                elif isinstance(event, Token):
+                    tokens[rid].append(event.token_id)
+                    talker.add_input(rid, TextEnd() if event.last else TextRow(event.embedding))
+                else:
+                    assert isinstance(event, Finished)
+        if talker.has_work():
+            for rid, event in talker.step():
+                if isinstance(event, Frame):
+                    frames[rid].append(event.codes)
+                elif isinstance(event, TalkerDone):
+                    done[rid] = event
+    else:
+        raise AssertionError("the pipeline did not finish")
+    return tokens, frames, done
+
+
+class EagerStatic:
+    """A GPU engine's graph hooks with the capture left out: the static step runs eagerly."""
+
+    def __init__(self, graphs):
+        self.graphs = graphs
+
+    def decode(self, x, position_ids, slots):
+        return self.graphs.run_padded(x, position_ids, slots)
+
+    def predict(self, past_hidden, codes0):
+        return self.graphs.run_padded(past_hidden, codes0)
+
+
+def static_engines(thinker_stage, talker_stage, device: str = "cpu"):
+    """Engines wired as with --cuda-graphs on (scratch slot, hooks), minus the capture."""
+    settings = GraphSettings(False, BUCKETS)
+    cfg = dict(max_batch_size=SLOTS, num_slots=SLOTS, max_model_len=96, exact_batching=False)
+    thinker = ThinkerEngine(thinker_stage.model, thinker_stage.config, device, ThinkerEngineConfig(**cfg))
+    talker = TalkerEngine(talker_stage.model, talker_stage.config, device, TalkerEngineConfig(**cfg))
+    for engine, step in ((thinker, thinker_step), (talker, talker_step)):
+        text_config = engine.model.config.text_config
+        engine.cache = SlotKVCache.for_config(text_config, SLOTS + 1, 96, engine.dtype, device)
+        engine.graphs = EagerStatic(SlotDecodeGraphs(step(engine.model, engine.cache), engine.cache, SLOTS,
+                                                     settings, False, "test", device))
+    talker.predictor_graphs = EagerStatic(PredictorGraphs(talker.model, settings, False, device, talker.dtype))
+    return thinker, talker

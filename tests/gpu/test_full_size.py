@@ -1,0 +1,155 @@
+"""Full size without weights: the real layout in config.json, and stages built with --random-weights.
+
+The real layout is checked on the meta device (no memory); --random-weights runs for real on CPU
+with a scaled-down layout written through the same code path (`omni-tiny-checkpoint --layout`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from services.common.checkpoint import Stage, _stage_classes, load_config, load_stage
+from services.common.config import StageConfig
+from services.common.errors import UserError
+from services.common.full_size import REAL_LAYOUT, check_layout
+from services.common.prompt import PromptBuilder
+from services.common.reference import messages_from_args
+from services.common.service_main import load_and_prepare
+from services.common.tiny_checkpoint import build_config, build_tokenizer, main
+from services.talker.engine import TalkerEngine, TalkerEngineConfig
+from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig
+from tests.gpu.harness import run_pipeline
+
+# The full-size code path at small numbers: every size the real layout sets, scaled down, with the
+# same relations (talker vocab = codebook + 1024, hidden sizes that must agree, mrope = head_dim / 2).
+SMALL_MROPE = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3], "interleaved": True}
+SMALL_LAYOUT = dict(
+    thinker_config=dict(
+        text_config=dict(vocab_size=1024, hidden_size=48, intermediate_size=32, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                         num_experts_per_tok=2, moe_intermediate_size=32, rope_parameters=SMALL_MROPE),
+        audio_config=dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64,
+                          output_dim=48, downsample_hidden_size=8),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48,
+                           num_position_embeddings=256, deepstack_visual_indexes=[0, 1]),
+    ),
+    talker_config=dict(
+        text_config=dict(vocab_size=128 + 1024, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=8,
+                         num_experts_per_tok=3, moe_intermediate_size=16, shared_expert_intermediate_size=32,
+                         rope_parameters=SMALL_MROPE),
+        code_predictor_config=dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=2, head_dim=16, num_code_groups=16),
+        num_code_groups=16, thinker_hidden_size=48, accept_hidden_layer=2, spatial_merge_size=2,
+    ),
+    code2wav_config=dict(codebook_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2, intermediate_size=64, decoder_dim=64, sliding_window=8),
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_ids(tmp_path_factory) -> dict:
+    return build_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def small_folder(tmp_path_factory) -> Path:
+    """A no-weights folder of the scaled-down layout, written by the CLI."""
+    out = tmp_path_factory.mktemp("small") / "ckpt"
+    layout = out.parent / "layout.json"
+    layout.write_text(json.dumps(SMALL_LAYOUT))
+    assert main(["--layout", str(layout), "--no-weights", "--out", str(out)]) == 0
+    return out
+
+
+def meta_params(config, stage: Stage) -> int:
+    cls, sub = _stage_classes()[stage]
+    with torch.device("meta"):
+        return sum(p.numel() for p in cls._from_config(getattr(config, sub)).parameters())
+
+
+def test_full_size_config_has_the_real_layout_and_the_tiny_tokenizers_special_ids(tokenizer_ids):
+    config = build_config(tokenizer_ids, REAL_LAYOUT)
+    text, talker, c2w = config.thinker_config.text_config, config.talker_config, config.code2wav_config
+    assert (text.vocab_size, text.hidden_size, text.num_hidden_layers, text.num_experts,
+            text.num_experts_per_tok) == (152064, 2048, 48, 128, 8)
+    assert (talker.text_config.hidden_size, talker.text_config.num_hidden_layers, talker.text_config.vocab_size,
+            talker.accept_hidden_layer) == (1024, 20, 3072, 24)
+    assert (talker.code_predictor_config.num_hidden_layers, c2w.decoder_dim, c2w.codebook_size) == (5, 1536, 2048)
+    # Special ids: the tiny tokenizer's (prompts work); codec ids: the real checkpoint's.
+    assert config.thinker_config.audio_token_id == tokenizer_ids["<|audio_pad|>"]
+    assert config.im_end_token_id == tokenizer_ids["<|im_end|>"] and config.user_token_id == tokenizer_ids["user"]
+    assert (talker.codec_pad_id, talker.codec_bos_id, talker.codec_eos_token_id) == (2148, 2149, 2150)
+    assert talker.speaker_id == {"chelsie": 2301, "ethan": 2302, "aiden": 2303}
+    # Parameter counts of Qwen3-Omni-30B-A3B (65.7 GiB in bfloat16), counted on the meta device.
+    counts = {stage: meta_params(config, stage) for stage in Stage}
+    assert round(counts[Stage.THINKER] / 1e9, 2) == 31.72
+    assert round(counts[Stage.TALKER] / 1e9, 2) == 3.32
+    assert round(counts[Stage.CODE2WAV] / 1e9, 2) == 0.22
+
+
+def test_inconsistent_layout_is_refused(tokenizer_ids):
+    bad = json.loads(json.dumps(SMALL_LAYOUT))
+    bad["talker_config"]["thinker_hidden_size"] = 64
+    with pytest.raises(ValueError, match="thinker_hidden_size"):
+        build_config(tokenizer_ids, bad)
+    check_layout(build_config(tokenizer_ids, SMALL_LAYOUT))
+
+
+def test_full_size_cli_writes_no_weights_and_loading_needs_random_weights(tmp_path):
+    assert main(["--full-size", "--out", str(tmp_path / "x")]) != 0  # needs --no-weights
+    out = tmp_path / "full"
+    assert main(["--full-size", "--no-weights", "--out", str(out)]) == 0
+    assert {f.name for f in out.iterdir()} == {"config.json", "tokenizer.json", "tokenizer_config.json",
+                                               "preprocessor_config.json"}
+    assert load_config(out, need_weights=False).thinker_config.text_config.num_hidden_layers == 48
+    with pytest.raises(UserError, match="--random-weights"):
+        load_stage(out, Stage.CODE2WAV)
+
+
+@pytest.mark.parametrize("stage", list(Stage), ids=lambda s: s.value)
+def test_random_weights_build_every_stage_on_the_device_in_its_dtype(small_folder, stage):
+    loaded = load_and_prepare(StageConfig(checkpoint=str(small_folder), dtype="bfloat16", random_weights=True), stage)
+    model = loaded.model
+    cls, sub = _stage_classes()[stage]
+    with torch.device("meta"):
+        reference = cls._from_config(getattr(loaded.config, sub))
+    assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == \
+           {k: tuple(v.shape) for k, v in reference.state_dict().items()}
+    assert not model.training
+    params = list(model.parameters())
+    assert all(p.dtype == torch.bfloat16 and p.device.type == "cpu" for p in params)
+    assert all(bool(torch.isfinite(p.float()).all()) for p in params)
+    matrices = [p for p in params if p.ndim >= 2]
+    assert all(float(p.detach().float().std()) > 0 for p in matrices)  # really drawn, not left empty or zero
+
+
+def test_random_weights_are_seeded(small_folder):
+    a = load_stage(small_folder, Stage.TALKER, random_weights=True, seed=1).model.state_dict()
+    b = load_stage(small_folder, Stage.TALKER, random_weights=True, seed=1).model.state_dict()
+    c = load_stage(small_folder, Stage.TALKER, random_weights=True, seed=2).model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_random_weight_stages_serve_a_prompt_at_the_small_layout(small_folder):
+    stages = {s: load_stage(small_folder, s, random_weights=True) for s in (Stage.THINKER, Stage.TALKER, Stage.CODE2WAV)}
+    config = stages[Stage.THINKER].config
+    cfg = dict(max_batch_size=2, num_slots=2, max_model_len=96, exact_batching=False)
+    thinker = ThinkerEngine(stages[Stage.THINKER].model, config, engine_config=ThinkerEngineConfig(**cfg))
+    talker = TalkerEngine(stages[Stage.TALKER].model, config, engine_config=TalkerEngineConfig(**cfg))
+    requests = {"r": (messages_from_args("Hello!", None, None, None), 4, 9)}
+    tokens, frames, done = run_pipeline(thinker, talker, PromptBuilder(small_folder, config), config, requests)
+    assert len(tokens["r"]) == 4
+    assert len(frames["r"]) == 8  # the codec EOS row is zeroed: every request runs to its max tokens
+    codes = torch.stack(frames["r"])
+    assert int(codes.min()) >= 0 and int(codes.max()) < 128
+    code2wav = stages[Stage.CODE2WAV].model
+    with torch.inference_mode():
+        wav = code2wav(codes.T.unsqueeze(0))[0, 0].numpy()
+    assert np.isfinite(wav).all() and float(np.sqrt(np.mean(wav ** 2))) > 1e-2
