@@ -33,7 +33,8 @@ $(CHECKPOINT)/config.json: | setup
 
 # Serve the whole stack (router + thinker + talker + code2wav) on the tiny checkpoint.
 run: setup checkpoint
-	$(VENV)/bin/omni-serve up --checkpoint $(CHECKPOINT) --port $(PORT)
+	$(VENV)/bin/omni-serve up --checkpoint $(CHECKPOINT) --port $(PORT) \
+		--thinker-max-new-tokens 64 --talker-max-new-tokens 256
 
 # Start the stack, turn one prompt into out/demo.wav, stop the stack.
 demo: setup checkpoint
