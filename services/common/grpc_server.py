@@ -36,6 +36,10 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
         ("grpc.keepalive_timeout_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+        # A restarted replica should be seen within a poll or two, not after gRPC's default
+        # backoff (which grows to 120 s).
+        ("grpc.initial_reconnect_backoff_ms", 250),
+        ("grpc.max_reconnect_backoff_ms", 1000),
     ]
 
 
@@ -82,7 +86,7 @@ def build_server(host: str, port: int, service_names: tuple[str, ...],
 
 
 async def serve_until_signal(handle: ServerHandle, grace_s: float, on_started=None, on_stop=None,
-                             initially_serving: bool = True) -> None:
+                             initially_serving: bool = True, drain_delay_s: float = 2.0) -> None:
     await handle.server.start()
     await handle.set_serving(initially_serving)
     if on_started is not None:
@@ -96,6 +100,9 @@ async def serve_until_signal(handle: ServerHandle, grace_s: float, on_started=No
     log.info("draining: NOT_SERVING, finishing in-flight streams (grace %.0f s)", grace_s)
     handle.draining = True
     await handle.set_serving(False)
+    # NOTE: keep taking calls while routers and probes see NOT_SERVING (they poll every 0.5-1 s);
+    # server.stop() refuses every new call at once, health checks included.
+    await asyncio.sleep(min(drain_delay_s, grace_s))
     await handle.server.stop(grace_s)
     if on_stop is not None:
         on_stop()
@@ -114,6 +121,11 @@ async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException) -> No
     await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
 
+# What grpc aio reports locally when a write races the peer's end of the stream: the peer's own
+# status is lost, so the stage ended (died or aborted) while we were sending to it.
+_LOCAL_SEND_FAILED = "Internal error from Core"
+
+
 class StageUnavailable(Exception):
     """A downstream stage could not be reached or died mid-stream; the message names it."""
 
@@ -129,6 +141,8 @@ class StageUnavailable(Exception):
         details = err.details() or err.code().name
         if err.code() is grpc.StatusCode.UNAVAILABLE and not details.startswith(cls.PREFIX):
             return cls(stage, target, details)
+        if err.code() is grpc.StatusCode.INTERNAL and details == _LOCAL_SEND_FAILED:
+            return cls(stage, target, "the stream broke while sending to it")
         return err
 
 

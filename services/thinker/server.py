@@ -39,6 +39,7 @@ from services.common.sampling import sampling_from_proto
 from services.common.service_main import load_and_prepare, write_port_file
 from services.common.wire import tensor_to_proto
 from services.common.metrics import StageMetrics
+from services.talker.engine import talker_prompt_len
 from services.thinker.engine import Finished, Prefilled, ThinkerEngine, ThinkerEngineConfig, ThinkerJob, Token
 
 log = logging.getLogger("thinker")
@@ -54,6 +55,9 @@ class ThinkerConfig:
     default_max_new_tokens: int = 512
     max_new_tokens_limit: int = 4096
     limits: PromptLimits = PromptLimits()
+    # The talker's own limits, checked here so that a bad talker setting fails before any output.
+    talker_max_new_tokens_limit: int = 8192
+    talker_max_model_len: int = 4096
     backend: str = "transformers"  # or "vllm" (services/thinker/vllm_backend.py; optional install)
 
 
@@ -103,10 +107,12 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
     def prepare(self, request: omni_pb2.GenerateRequest) -> Prepared:
         """Validate and convert a request; runs in a worker thread (decodes audio and images)."""
         audio = wants_audio(request)
+        talker_sampling = None
         if audio:
             resolve_voice(self.engine.config, request.voice if request.HasField("voice") else None)
             # Validated here too, so a bad talker setting fails before any output.
-            sampling_from_proto(request.talker_sampling, "talker_sampling", 1, 1 << 30)
+            talker_sampling = sampling_from_proto(request.talker_sampling, "talker_sampling", 1,
+                                                  self.config.talker_max_new_tokens_limit)
         sampling = sampling_from_proto(request.thinker_sampling, "thinker_sampling",
                                        self.config.default_max_new_tokens, self.config.max_new_tokens_limit)
         prompt = self.build_prompt(self.prompts, messages_from_proto(request))
@@ -115,6 +121,12 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
             raise InvalidArgument("thinker_sampling.max_new_tokens",
                                   f"prompt ({prompt.num_tokens} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
                                   f"exceeds the thinker's per-request cache ({capacity})")
+        if talker_sampling is not None and request.talker_sampling.HasField("max_new_tokens"):
+            needed = talker_prompt_len(prompt.input_ids[0].tolist(), self.engine.config) + talker_sampling.max_new_tokens
+            if needed > self.config.talker_max_model_len:
+                raise InvalidArgument("talker_sampling.max_new_tokens",
+                                      f"talker prompt + max_new_tokens ({needed}) exceeds the talker's per-request "
+                                      f"cache ({self.config.talker_max_model_len})")
         return Prepared(ThinkerJob(prompt, sampling, want_talker_inputs=audio), audio)
 
     async def Generate(self, request: stages_pb2.ThinkerRequest, context: grpc.aio.ServicerContext):
@@ -273,6 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_flags(parser)
     parser.add_argument("--default-max-new-tokens", type=int, default=env_default("thinker_default_max_new_tokens", 512))
     parser.add_argument("--max-new-tokens-limit", type=int, default=env_default("thinker_max_new_tokens_limit", 4096))
+    parser.add_argument("--talker-max-new-tokens-limit", type=int,
+                        default=env_default("talker_max_new_tokens_limit", 8192),
+                        help="the talker's --max-new-tokens-limit, checked before any output (default 8192)")
+    parser.add_argument("--talker-max-model-len", type=int, default=env_default("talker_max_model_len", 4096),
+                        help="the talker's --max-model-len, checked before any output (default 4096)")
     parser.add_argument("--backend", choices=["transformers", "vllm"], default=env_default("thinker_backend", "transformers"),
                         help="thinker engine: transformers (default) or vllm (make setup-vllm)")
     parser.add_argument("--max-prompt-tokens", type=int, default=env_default("max_prompt_tokens", 0),
@@ -293,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
                                max_new_tokens_limit=args.max_new_tokens_limit,
                                limits=PromptLimits(args.max_prompt_tokens or None, args.max_audio_seconds,
                                                    args.max_image_pixels),
-                               backend=args.backend)
+                               talker_max_new_tokens_limit=args.talker_max_new_tokens_limit,
+                               talker_max_model_len=args.talker_max_model_len, backend=args.backend)
         setup_logging("thinker")
 
         async def serve() -> None:

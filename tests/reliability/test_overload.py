@@ -1,0 +1,101 @@
+"""Overload: offered several times its capacity, the router completes or refuses every request at
+once (RESOURCE_EXHAUSTED before any response message), never lets more than its limit through to
+the stages, and nothing hangs."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor, wait
+
+from bench.soak import Call, read_load, read_router_gauges
+from router.client import build_request
+from .support import MAX_IN_FLIGHT, MAX_QUEUE, QUEUE_TIMEOUT_S, assert_recovered
+
+OFFERED = 30  # requests at once: 30 against 4 in flight + 4 queued
+
+
+class PeakLoad:
+    """Polls the router's and the thinker's in-flight counts in the background; keeps the peaks."""
+
+    def __init__(self, stack):
+        self.stack = stack
+        self.router = self.thinker = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        thinker = self.stack.address("thinker-0")
+        while not self._stop.is_set():
+            self.router = max(self.router, read_router_gauges(self.stack.metrics_url).in_flight)
+            self.thinker = max(self.thinker, read_load("thinker", thinker).in_flight)
+            time.sleep(0.02)
+
+    def __enter__(self) -> "PeakLoad":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def test_several_times_capacity_completes_or_is_rejected_before_any_message_and_nothing_hangs(stack, omni):
+    calls = [Call(omni.Generate, build_request(f"overload {i}", max_new_tokens=8, talker_max_new_tokens=40), 60)
+             for i in range(OFFERED)]
+    start = threading.Barrier(OFFERED)
+
+    def run_together(call: Call) -> Call:
+        start.wait(timeout=30)
+        return call.run()
+
+    with PeakLoad(stack) as peak, ThreadPoolExecutor(OFFERED) as pool:
+        futures = [pool.submit(run_together, call) for call in calls]
+        _, hanging = wait(futures, timeout=120)
+    assert not hanging, f"{len(hanging)} of {OFFERED} requests never ended"
+
+    codes = Counter(call.code.name for call in calls)
+    assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}, [(c.code, c.details) for c in calls if c.code.name != "OK"]
+    completed, rejected = codes["OK"], codes["RESOURCE_EXHAUSTED"]
+    assert completed + rejected == OFFERED
+    assert completed >= MAX_IN_FLIGHT, codes
+    # At the instant 30 arrive only 4 + 4 fit; some queued ones may still get a place in time.
+    assert rejected >= OFFERED - 2 * (MAX_IN_FLIGHT + MAX_QUEUE), codes
+    for call in calls:
+        if call.code.name == "RESOURCE_EXHAUSTED":
+            assert call.messages == 0, "a rejection must come before any response message"
+            assert "capacity" in call.details, call.details
+            assert call.seconds < QUEUE_TIMEOUT_S + 3.0, f"rejected only after {call.seconds:.1f} s"
+        else:
+            assert call.final is not None and call.final.usage.codec_frames == 39
+    assert peak.router <= MAX_IN_FLIGHT and peak.thinker <= MAX_IN_FLIGHT, (peak.router, peak.thinker)
+    print(f"overload: {completed} completed, {rejected} rejected, slowest rejection "
+          f"{max((c.seconds for c in calls if c.code.name != 'OK'), default=0):.2f} s, "
+          f"peak in flight router {peak.router} / thinker {peak.thinker}")
+    assert_recovered(stack, omni)
+
+
+def test_a_queued_request_is_rejected_once_its_queue_wait_passes(stack, omni):
+    # Long requests hold every place; they are cancelled at the end.
+    holders = [Call(omni.Generate, build_request(f"hold {i}", max_new_tokens=8, talker_max_new_tokens=2000), 120)
+               for i in range(MAX_IN_FLIGHT)]
+    for call in holders:
+        threading.Thread(target=call.run, daemon=True).start()
+    deadline = time.monotonic() + 30
+    while read_router_gauges(stack.metrics_url).in_flight < MAX_IN_FLIGHT:
+        assert time.monotonic() < deadline and not any(c.done.is_set() for c in holders), \
+            [(c.code, c.details) for c in holders]
+        time.sleep(0.05)
+
+    waiting = Call(omni.Generate, build_request("no room", max_new_tokens=4, talker_max_new_tokens=8), 60).run()
+    assert waiting.code.name == "RESOURCE_EXHAUSTED" and waiting.messages == 0, (waiting.code, waiting.details)
+    assert f"no place within {QUEUE_TIMEOUT_S:g} s" in waiting.details, waiting.details
+    assert QUEUE_TIMEOUT_S - 0.1 <= waiting.seconds < QUEUE_TIMEOUT_S + 1.5, waiting.seconds
+
+    for call in holders:
+        call.cancel()
+    for call in holders:
+        assert call.done.wait(10)
+        assert call.code.name == "CANCELLED", (call.code, call.details)
+    assert_recovered(stack, omni)

@@ -1,0 +1,79 @@
+"""A talker replica killed (-9) under load: its requests end at once with UNAVAILABLE naming it,
+the other replica's finish, new requests go to the survivor, and the restarted replica is used
+again."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from bench.soak import Call, read_load
+from router.client import build_request
+
+from .support import MAX_IN_FLIGHT, assert_recovered
+
+FAILURE_REPORTED_S = 2.0  # the issue's bound: kill -> UNAVAILABLE at the client
+
+
+def start_all(calls: list[Call]) -> list[threading.Thread]:
+    threads = [threading.Thread(target=call.run, daemon=True) for call in calls]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def wait_streaming_audio(calls: list[Call], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(call.audios >= 1 for call in calls):
+        ended = [(call.code, call.details) for call in calls if call.done.is_set()]
+        assert not ended, f"a request ended before the kill: {ended}"
+        assert time.monotonic() < deadline, "requests never reached audio"
+        time.sleep(0.01)
+
+
+def test_a_killed_talker_fails_only_its_requests_at_once_and_the_survivor_takes_new_ones(stack, omni):
+    victim, survivor = stack.address("talker-0"), stack.address("talker-1")
+    # 200 codec frames: several seconds of streaming, long after the kill.
+    calls = [Call(omni.Generate, build_request(f"under load {i}", max_new_tokens=8, talker_max_new_tokens=200), 120)
+             for i in range(MAX_IN_FLIGHT)]
+    threads = start_all(calls)
+    wait_streaming_audio(calls)
+    on_victim, on_survivor = read_load("talker", victim).in_flight, read_load("talker", survivor).in_flight
+    assert on_victim >= 1 and on_survivor >= 1 and on_victim + on_survivor == len(calls), (on_victim, on_survivor)
+
+    killed = stack.kill("talker-0")
+    for thread in threads:
+        thread.join(timeout=120)
+    failed = [call for call in calls if call.code.name != "OK"]
+    assert len(failed) == on_victim, [(call.code, call.details) for call in calls]
+    for call in failed:
+        assert call.code.name == "UNAVAILABLE", (call.code, call.details)
+        assert call.details.startswith(f"stage talker ({victim}) unavailable"), call.details
+        assert call.ended - killed < FAILURE_REPORTED_S, f"UNAVAILABLE only {call.ended - killed:.2f} s after the kill"
+    for call in calls:
+        if call.code.name == "OK":
+            assert call.final is not None and call.final.usage.codec_frames == 199
+    print(f"kill -9 -> UNAVAILABLE at the client: {max(c.ended - killed for c in failed) * 1000:.0f} ms "
+          f"({len(failed)} requests); survivors finished {len(calls) - len(failed)}")
+
+    # New requests: only the survivor is left, and the router knows it.
+    fresh = [Call(omni.Generate, build_request(f"after the kill {i}", max_new_tokens=4, talker_max_new_tokens=20), 60)
+             for i in range(MAX_IN_FLIGHT)]
+    for thread in start_all(fresh):
+        thread.join(timeout=60)
+    assert [call.code.name for call in fresh] == ["OK"] * len(fresh), [(c.code, c.details) for c in fresh]
+
+    # Restarted on its address, the replica is picked again.
+    stack.restart("talker-0")
+    seen_after = stack.wait_router_sees("talker-0", True, timeout_s=60.0)
+    print(f"router used the restarted talker-0 {seen_after:.2f} s after it reported SERVING")
+    probes = [Call(omni.Generate, build_request(f"back {i}", max_new_tokens=4, talker_max_new_tokens=60), 60)
+              for i in range(MAX_IN_FLIGHT)]
+    threads = start_all(probes)
+    busiest = 0
+    while any(thread.is_alive() for thread in threads):
+        busiest = max(busiest, read_load("talker", victim).in_flight)
+        time.sleep(0.01)
+    assert [call.code.name for call in probes] == ["OK"] * len(probes), [(c.code, c.details) for c in probes]
+    assert busiest >= 1, "the router never sent work to the restarted talker-0"
+    assert_recovered(stack, omni)
