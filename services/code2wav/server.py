@@ -16,9 +16,9 @@ from services.common.config import StageConfig, add_stage_flags, env_default, st
 from services.common.cuda_graphs import parse_buckets
 from services.common.engine_loop import EngineFailed, EngineLoop, EventSink, StreamIdle, engine_key
 from services.common.errors import InvalidArgument, run_cli
-from services.common.grpc_server import ServerHandle, abort_for, build_server, serve_until_signal, setup_logging
+from services.common.grpc_server import ServerHandle, abort_for, build_server
 from services.common.metrics import StageMetrics
-from services.common.service_main import load_and_prepare, write_port_file
+from services.common.service_main import load_and_prepare, serve_stage
 from services.common.wire import WireError, audio_to_proto, frames_from_proto
 
 log = logging.getLogger("code2wav")
@@ -132,14 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         windows = parse_buckets(args.graph_windows, "--graph-windows")  # the same syntax: positive integers
         config = Code2WavConfig(stage=stage_config_from_args(args), left_context=args.left_context,
                                 graph_windows=windows)
-        setup_logging("code2wav")
-
-        async def serve() -> None:
-            handle, loop = await create_server(config)
-            await serve_until_signal(handle, config.stage.grace_s,
-                                     on_started=lambda: write_port_file(args.port_file, handle.port), on_stop=loop.stop)
-
-        asyncio.run(serve())
+        serve_stage("code2wav", create_server, config, args.port_file)
 
     return run_cli(run)
 

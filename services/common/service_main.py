@@ -35,3 +35,28 @@ def write_port_file(path: str | None, port: int) -> None:
     tmp = Path(f"{path}.tmp{os.getpid()}")
     tmp.write_text(f"{port}\n")
     tmp.replace(path)
+
+
+def serve_stage(name: str, create_server, config, port_file: str | None) -> None:
+    """Run a stage service until SIGTERM / SIGINT: build it, serve, drain, stop its engine loop.
+
+    `create_server(config)` returns (ServerHandle, EngineLoop); `config.stage` is its StageConfig."""
+    import asyncio
+
+    from services.common.grpc_server import serve_until_signal, setup_logging
+
+    setup_logging(name)
+
+    async def serve() -> None:
+        handle, loop = await create_server(config)
+
+        def stop() -> None:
+            loop.stop()
+            close = getattr(loop.engine, "close", None)  # the vLLM backend owns an engine process
+            if close is not None:
+                close()
+
+        await serve_until_signal(handle, config.stage.grace_s,
+                                 on_started=lambda: write_port_file(port_file, handle.port), on_stop=stop)
+
+    asyncio.run(serve())

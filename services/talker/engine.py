@@ -24,6 +24,7 @@ import torch
 from services.common.batching import SlotKVCache, batch_invariant, use_rowwise_attention
 from services.common.cuda_graphs import GraphSettings
 from services.common.finish import FinishReason
+from services.common.lm_engine import SlotScheduledEngine
 from services.common.sampling import SamplingConfig, select_token
 from services.common.scheduler import LMScheduler
 
@@ -106,7 +107,7 @@ def talker_prompt_len(prompt_token_ids: list[int], config) -> int:
     return user + 9
 
 
-class TalkerEngine:
+class TalkerEngine(SlotScheduledEngine):
     def __init__(self, model, config, device: str = "cpu", engine_config: TalkerEngineConfig = TalkerEngineConfig()):
         self.model = model
         self.config = config  # the full Qwen3OmniMoeConfig
@@ -142,16 +143,16 @@ class TalkerEngine:
             self.predictor_graphs.capture_all(hidden, dtype)
         self.scheduler = LMScheduler(engine_config.max_batch_size, engine_config.num_slots,
                                      engine_config.max_model_len)
-        self._states: dict[str, _State] = {}  # request_id -> state
+        self._requests: dict[str, _State] = {}  # request_id -> state
 
     # The loop's interface.
     def add(self, request_id: str, job: TalkerJob) -> None:
         prompt_len = talker_prompt_len(job.prompt_token_ids, self.config)
         self.scheduler.add(request_id, prompt_len, job.sampling.max_new_tokens, ready=False)
-        self._states[request_id] = _State(job=job, generator=job.sampling.generator())
+        self._requests[request_id] = _State(job=job, generator=job.sampling.generator())
 
     def add_input(self, request_id: str, payload) -> None:
-        state = self._states.get(request_id)
+        state = self._requests.get(request_id)
         if state is None:
             return
         if isinstance(payload, TextRow):
@@ -166,43 +167,17 @@ class TalkerEngine:
             raise TypeError(f"unexpected talker input {type(payload).__name__}")
         self.scheduler.set_ready(request_id, state.ready)
 
-    def abort(self, request_id: str) -> None:
-        self.scheduler.abort(request_id)
-        self._states.pop(request_id, None)
-
-    def has_work(self) -> bool:
-        return self.scheduler.has_work
-
-    @property
-    def queue_depth(self) -> int:
-        return self.scheduler.queue_depth
-
-    @property
-    def running(self) -> int:
-        return self.scheduler.running
-
-    def step(self) -> list[tuple[str, object]]:
-        plan = self.scheduler.schedule()
-        events: list[tuple[str, object]] = []
-        for request_id in plan.prefill:
-            events += self.prefill(request_id, plan.slots[request_id])
-        if plan.decode:
-            events += self.decode(list(plan.decode), [plan.slots[r] for r in plan.decode])
-        finished = {rid for rid, event in events if isinstance(event, TalkerDone)}
-        self.scheduler.update(plan, finished)
-        for request_id in finished:
-            self._states.pop(request_id, None)
+    def after_step(self, plan) -> None:
         for request_id in plan.prefill + plan.decode:
-            if request_id in self._states:  # its next step may have to wait for text
-                self.scheduler.set_ready(request_id, self._states[request_id].ready)
-        return events
+            if request_id in self._requests:  # its next step may have to wait for text
+                self.scheduler.set_ready(request_id, self._requests[request_id].ready)
 
     # Model work.
     @torch.inference_mode()
     def prefill(self, request_id: str, slot: int) -> list[tuple[str, object]]:
         from transformers import DynamicCache
 
-        state = self._states[request_id]
+        state = self._requests[request_id]
         if not state.rows:  # the text ended before any token: nothing to say
             return [(request_id, TalkerDone(FinishReason.STOP, 0))]
         job, cfg, talker = state.job, self.config, self.model
@@ -265,7 +240,7 @@ class TalkerEngine:
     @torch.inference_mode()
     def decode(self, request_ids: list[str], slots: list[int]) -> list[tuple[str, object]]:
         """One talker step for every ready request: frame f's codec embeddings + text row f + 1."""
-        states = [self._states[r] for r in request_ids]
+        states = [self._requests[r] for r in request_ids]
         inputs = []
         for state in states:
             state.last_position = state.last_position + 1

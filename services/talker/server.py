@@ -29,13 +29,11 @@ from services.common.grpc_server import (
     StageUnavailable,
     abort_for,
     build_server,
-    serve_until_signal,
-    setup_logging,
     time_remaining,
 )
 from services.common.prompt import resolve_voice
 from services.common.sampling import sampling_from_proto
-from services.common.service_main import load_and_prepare, write_port_file
+from services.common.service_main import load_and_prepare, serve_stage
 from services.common.wire import WireError, frames_to_proto, tensor_from_proto
 from services.common.metrics import StageMetrics
 from services.talker.engine import (
@@ -274,14 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             chunk_frames=args.chunk_frames, chunk_growth=args.chunk_growth, default_max_new_tokens=args.default_max_new_tokens,
             max_new_tokens_limit=args.max_new_tokens_limit,
         )
-        setup_logging("talker")
-
-        async def serve() -> None:
-            handle, loop = await create_server(config)
-            await serve_until_signal(handle, config.stage.grace_s,
-                                     on_started=lambda: write_port_file(args.port_file, handle.port), on_stop=loop.stop)
-
-        asyncio.run(serve())
+        serve_stage("talker", create_server, config, args.port_file)
 
     return run_cli(run)
 

@@ -21,6 +21,7 @@ import torch
 from services.common.batching import SlotKVCache, batch_invariant, use_rowwise_attention
 from services.common.cuda_graphs import GraphSettings
 from services.common.finish import FinishReason
+from services.common.lm_engine import SlotScheduledEngine
 from services.common.prompt import PromptInputs
 from services.common.sampling import SamplingConfig, select_token
 from services.common.scheduler import LMScheduler
@@ -77,7 +78,7 @@ class ThinkerEngineConfig:
     graphs: GraphSettings = GraphSettings()  # CUDA graphs of the decode step (services/common/static_decode.py)
 
 
-class ThinkerEngine:
+class ThinkerEngine(SlotScheduledEngine):
     def __init__(self, model, config, device: str = "cpu", engine_config: ThinkerEngineConfig = ThinkerEngineConfig()):
         self.model = model
         self.config = config
@@ -114,34 +115,6 @@ class ThinkerEngine:
 
     def add_input(self, request_id: str, payload) -> None:
         raise ValueError("the thinker takes no streamed input")
-
-    def abort(self, request_id: str) -> None:
-        self.scheduler.abort(request_id)
-        self._requests.pop(request_id, None)
-
-    def has_work(self) -> bool:
-        return self.scheduler.has_work
-
-    @property
-    def queue_depth(self) -> int:
-        return self.scheduler.queue_depth
-
-    @property
-    def running(self) -> int:
-        return self.scheduler.running
-
-    def step(self) -> list[tuple[str, object]]:
-        plan = self.scheduler.schedule()
-        events: list[tuple[str, object]] = []
-        for request_id in plan.prefill:
-            events += self.prefill(request_id, plan.slots[request_id])
-        if plan.decode:
-            events += self.decode(list(plan.decode), [plan.slots[r] for r in plan.decode])
-        finished = {rid for rid, event in events if isinstance(event, Finished)}
-        self.scheduler.update(plan, finished)
-        for request_id in finished:
-            self._requests.pop(request_id, None)
-        return events
 
     # Model work.
     @torch.inference_mode()

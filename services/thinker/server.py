@@ -30,13 +30,11 @@ from services.common.grpc_server import (
     StageUnavailable,
     abort_for,
     build_server,
-    serve_until_signal,
-    setup_logging,
     time_remaining,
 )
 from services.common.prompt import ChatMessage, Part, PromptBuilder, PromptLimits, Role, resolve_voice
 from services.common.sampling import sampling_from_proto
-from services.common.service_main import load_and_prepare, write_port_file
+from services.common.service_main import load_and_prepare, serve_stage
 from services.common.wire import tensor_to_proto
 from services.common.metrics import StageMetrics
 from services.talker.engine import talker_prompt_len
@@ -312,20 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                                                    args.max_image_pixels),
                                talker_max_new_tokens_limit=args.talker_max_new_tokens_limit,
                                talker_max_model_len=args.talker_max_model_len, backend=args.backend)
-        setup_logging("thinker")
-
-        async def serve() -> None:
-            handle, loop = await create_server(config)
-
-            def stop() -> None:
-                loop.stop()
-                if hasattr(loop.engine, "close"):  # the vLLM backend owns an engine process
-                    loop.engine.close()
-
-            await serve_until_signal(handle, config.stage.grace_s,
-                                     on_started=lambda: write_port_file(args.port_file, handle.port), on_stop=stop)
-
-        asyncio.run(serve())
+        serve_stage("thinker", create_server, config, args.port_file)
 
     return run_cli(run)
 

@@ -17,47 +17,15 @@ import torch
 
 from services.common.checkpoint import Stage, check_folder, checkpoint_keys, load_stage
 from services.common.errors import UserError
+from services.common.full_size import REAL_LAYOUT
 
 # Files of a checkpoint folder besides the weights.
 NON_WEIGHT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "preprocessor_config.json")
 
 # The real checkpoint's sizes, from its config.json (transformers' config defaults differ: see
-# test_default_config_is_not_the_real_checkpoint). Only fields that shape the state dict.
-REAL_MROPE = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [24, 20, 20], "interleaved": True}
-REAL_CONFIG = dict(
-    thinker_config=dict(
-        text_config=dict(
-            vocab_size=152064, hidden_size=2048, intermediate_size=768, num_hidden_layers=48,
-            num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
-            num_experts_per_tok=8, moe_intermediate_size=768, rope_parameters=REAL_MROPE,
-        ),
-        audio_config=dict(
-            d_model=1280, encoder_layers=32, encoder_attention_heads=20, encoder_ffn_dim=5120,
-            output_dim=2048, downsample_hidden_size=480,
-        ),
-        vision_config=dict(
-            depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=2048,
-            num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24],
-        ),
-    ),
-    talker_config=dict(
-        text_config=dict(
-            vocab_size=3072, hidden_size=1024, intermediate_size=2048, num_hidden_layers=20,
-            num_attention_heads=16, num_key_value_heads=2, head_dim=128, num_experts=128,
-            num_experts_per_tok=6, moe_intermediate_size=384, shared_expert_intermediate_size=768,
-            rope_parameters=REAL_MROPE,
-        ),
-        code_predictor_config=dict(
-            vocab_size=2048, hidden_size=1024, intermediate_size=3072, num_hidden_layers=5,
-            num_attention_heads=16, num_key_value_heads=8, head_dim=128, num_code_groups=16,
-        ),
-        num_code_groups=16, thinker_hidden_size=2048, accept_hidden_layer=24, spatial_merge_size=2,
-    ),
-    code2wav_config=dict(
-        codebook_size=2048, hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
-        num_key_value_heads=16, intermediate_size=3072, decoder_dim=1536, sliding_window=72,
-    ),
-)
+# test_default_config_is_not_the_real_checkpoint). Only fields that shape the state dict; kept in
+# one place, shared with `omni-tiny-checkpoint --full-size`.
+REAL_CONFIG = REAL_LAYOUT
 
 
 def n_params(module: torch.nn.Module) -> int:

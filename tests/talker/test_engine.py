@@ -201,7 +201,7 @@ def assert_clean(pipe: Pipeline) -> None:
     for engine in (pipe.thinker, pipe.talker):
         assert engine.running == 0 and engine.queue_depth == 0 and not engine.has_work()
         assert sorted(engine.scheduler.free_slots) == list(range(engine.engine_config.num_slots))
-    assert not pipe.thinker._requests and not pipe.talker._states
+    assert not pipe.thinker._requests and not pipe.talker._requests
 
 
 def assert_equals_reference(pipe: Pipeline, expected: dict, request_ids) -> None:

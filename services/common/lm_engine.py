@@ -1,0 +1,54 @@
+"""What the thinker and talker engines share: the loop-facing half of a slot-scheduled LM.
+
+A subclass owns the model work (`prefill(request_id, slot)`, `decode(request_ids, slots)`, each
+returning (request_id, event) pairs; an event with `final=True` ends its request) and keeps its
+per-request state in `self._requests`. This class runs the step: schedule, prefill the new
+requests, one batched decode of the running ones, then hand the results to the scheduler.
+"""
+
+from __future__ import annotations
+
+from services.common.scheduler import LMScheduler, StepPlan
+
+
+class SlotScheduledEngine:
+    scheduler: LMScheduler
+    _requests: dict  # request_id -> the subclass's per-request state
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+        self._requests.pop(request_id, None)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    @property
+    def queue_depth(self) -> int:
+        return self.scheduler.queue_depth
+
+    @property
+    def running(self) -> int:
+        return self.scheduler.running
+
+    def step(self) -> list[tuple[str, object]]:
+        plan = self.scheduler.schedule()
+        events: list[tuple[str, object]] = []
+        for request_id in plan.prefill:
+            events += self.prefill(request_id, plan.slots[request_id])
+        if plan.decode:
+            events += self.decode(list(plan.decode), [plan.slots[r] for r in plan.decode])
+        finished = {request_id for request_id, event in events if getattr(event, "final", False)}
+        self.scheduler.update(plan, finished)
+        for request_id in finished:
+            self._requests.pop(request_id, None)
+        self.after_step(plan)
+        return events
+
+    def after_step(self, plan: StepPlan) -> None:
+        """Hook: e.g. mark requests whose next step must wait for input."""
+
+    def prefill(self, request_id: str, slot: int) -> list[tuple[str, object]]:
+        raise NotImplementedError
+
+    def decode(self, request_ids: list[str], slots: list[int]) -> list[tuple[str, object]]:
+        raise NotImplementedError
