@@ -5,26 +5,27 @@ PY := $(VENV)/bin/python
 CHECKPOINT ?= models/tiny-qwen3-omni
 PORT ?= 50051
 PROTO_SRC := $(wildcard protos/omni/v1/*.proto)
-PROTO_OUT := omni/v1/omni_pb2.py
 STAMP := $(VENV)/.installed
 
-.PHONY: setup proto checkpoint run demo test test-all bench clean setup-vllm test-vllm
+.PHONY: setup proto proto-gen checkpoint run demo test test-all bench clean setup-vllm test-vllm
 
-setup: $(STAMP) $(PROTO_OUT)
+setup: $(STAMP)
 
-$(STAMP): requirements.txt pyproject.toml
+# NOTE: the protobuf code is generated before the editable install: setuptools maps the
+# project's top-level packages (omni among them) when it installs, not later.
+$(STAMP): requirements.txt pyproject.toml $(PROTO_SRC)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
+	$(MAKE) --no-print-directory proto-gen
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
-proto: $(STAMP)
+proto: $(STAMP) proto-gen
+
+proto-gen:
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)
 	touch omni/__init__.py omni/v1/__init__.py
-
-$(PROTO_OUT): $(PROTO_SRC) | $(STAMP)
-	$(MAKE) proto
 
 checkpoint: $(CHECKPOINT)/config.json
 
@@ -58,7 +59,7 @@ VLLM_STAMP := $(VENV_VLLM)/.installed
 
 setup-vllm: $(VLLM_STAMP)
 
-$(VLLM_STAMP): requirements.txt requirements-vllm.txt pyproject.toml | $(PROTO_OUT)
+$(VLLM_STAMP): requirements.txt requirements-vllm.txt pyproject.toml | $(STAMP)
 	test -x $(VENV_VLLM)/bin/python || $(PYTHON) -m venv $(VENV_VLLM)
 	$(VENV_VLLM)/bin/pip install -q --upgrade pip
 	$(VENV_VLLM)/bin/pip install -q torch==2.13.0

@@ -26,7 +26,6 @@ from services.common.engine_loop import EngineFailed, EngineLoop, EventSink, Str
 from services.common.errors import InvalidArgument, run_cli
 from services.common.grpc_server import (
     ServerHandle,
-    StageUnavailable,
     abort_for,
     build_server,
     time_remaining,
@@ -34,6 +33,7 @@ from services.common.grpc_server import (
 from services.common.prompt import resolve_voice
 from services.common.sampling import sampling_from_proto
 from services.common.service_main import load_and_prepare, serve_stage
+from services.common.streams import close_quietly, relay_responses, write_quietly
 from services.common.wire import WireError, frames_to_proto, tensor_from_proto
 from services.common.metrics import StageMetrics
 from services.talker.engine import (
@@ -151,11 +151,12 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
         tasks = [asyncio.create_task(self._read_text(key, request_iterator, sink))]
         stub = stages_pb2_grpc.Code2WavStub(self.channels.get(start.route.code2wav))
         decode = stub.Decode(timeout=time_remaining(context))
-        tasks.append(asyncio.create_task(self._read_audio(decode, start.route.code2wav, sink)))
+        tasks.append(asyncio.create_task(relay_responses(
+            decode, "code2wav", start.route.code2wav, sink, lambda out: out.HasField("final"))))
         chunker = FrameChunker(self.config.first_chunk_frames, self.config.chunk_frames, self.config.chunk_growth)
         done: TalkerDone | None = None
         try:
-            await decode.write(stages_pb2.Code2WavInput(start=stages_pb2.Code2WavStart(request_id=request_id)))
+            await write_quietly(decode, stages_pb2.Code2WavInput(start=stages_pb2.Code2WavStart(request_id=request_id)))
             while True:
                 event = await sink.get(self.config.stage.stream_idle_timeout_s, "talker")
                 if isinstance(event, Frame):
@@ -169,8 +170,8 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
                     if chunk is not None:
                         async for out in self._send_chunk(decode, chunk, chunker, start.return_codec_frames):
                             yield out
-                    await decode.write(stages_pb2.Code2WavInput(end=stages_pb2.CodecEnd()))
-                    await decode.done_writing()
+                    if await write_quietly(decode, stages_pb2.Code2WavInput(end=stages_pb2.CodecEnd())):
+                        await close_quietly(decode)
                 elif isinstance(event, stages_pb2.Code2WavOutput):
                     if event.HasField("audio"):
                         yield stages_pb2.TalkerOutput(audio=event.audio)
@@ -185,8 +186,6 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
                     await abort_for(context, event)
         except StreamIdle as exc:
             await abort_for(context, exc)
-        except grpc.aio.AioRpcError as exc:  # a write to code2wav failed
-            await abort_for(context, StageUnavailable.from_rpc("code2wav", start.route.code2wav, exc))
         finally:
             for task in tasks:
                 task.cancel()
@@ -196,7 +195,7 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
     @staticmethod
     async def _send_chunk(decode, chunk: torch.Tensor, chunker: FrameChunker, return_frames: bool):
         message = frames_to_proto(chunk, first_frame=chunker.sent - chunk.shape[0])
-        await decode.write(stages_pb2.Code2WavInput(frames=message))
+        await write_quietly(decode, stages_pb2.Code2WavInput(frames=message))
         if return_frames:
             yield stages_pb2.TalkerOutput(codec_frames=message)
 
@@ -215,17 +214,6 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
             sink.queue.put_nowait(exc)
         except grpc.aio.AioRpcError:
             pass
-
-    @staticmethod
-    async def _read_audio(decode, target: str, sink: EventSink) -> None:
-        try:
-            async for out in decode:
-                sink.queue.put_nowait(out)
-            status = await decode.code()
-            if status is not grpc.StatusCode.OK:
-                raise grpc.aio.AioRpcError(status, None, None, await decode.details())
-        except grpc.aio.AioRpcError as exc:
-            sink.queue.put_nowait(StageUnavailable.from_rpc("code2wav", target, exc))
 
     async def GetLoad(self, request, context):
         return self.loop.load_report("talker", self.config.engine.num_slots, self.handle.draining)

@@ -27,7 +27,6 @@ from services.common.engine_loop import EngineFailed, EngineLoop, EventSink, Str
 from services.common.errors import InvalidArgument, run_cli
 from services.common.grpc_server import (
     ServerHandle,
-    StageUnavailable,
     abort_for,
     build_server,
     time_remaining,
@@ -35,6 +34,7 @@ from services.common.grpc_server import (
 from services.common.prompt import ChatMessage, Part, PromptBuilder, PromptLimits, Role, resolve_voice
 from services.common.sampling import sampling_from_proto
 from services.common.service_main import load_and_prepare, serve_stage
+from services.common.streams import close_quietly, relay_responses, write_quietly
 from services.common.wire import tensor_to_proto
 from services.common.metrics import StageMetrics
 from services.talker.engine import talker_prompt_len
@@ -152,8 +152,10 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
                 if isinstance(event, Prefilled):
                     speak = stages_pb2_grpc.TalkerStub(self.channels.get(request.route.talker)).Speak(
                         timeout=time_remaining(context))
-                    tasks.append(asyncio.create_task(self._read_talker(speak, request.route.talker, sink)))
-                    await speak.write(stages_pb2.TalkerInput(start=self._talker_start(req, request.route, event, prepared)))
+                    tasks.append(asyncio.create_task(relay_responses(
+                        speak, "talker", request.route.talker, sink, lambda out: out.HasField("final"))))
+                    await write_quietly(speak, stages_pb2.TalkerInput(
+                        start=self._talker_start(req, request.route, event, prepared)))
                 elif isinstance(event, Token):
                     ttft = ttft if ttft is not None else (time.perf_counter() - received) * 1000
                     yield omni_pb2.GenerateResponse(request_id=request_id, text=omni_pb2.TextDelta(
@@ -179,8 +181,6 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
                     return
         except StreamIdle as exc:
             await abort_for(context, exc)
-        except grpc.aio.AioRpcError as exc:  # a write to the talker failed
-            await abort_for(context, StageUnavailable.from_rpc("talker", request.route.talker, exc))
         finally:
             for task in tasks:
                 task.cancel()
@@ -190,18 +190,13 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
 
     @staticmethod
     async def _feed_talker(speak, event: Token) -> None:
-        """One text row per generated token except the last; then the text-finished mark."""
-        if speak.done():
-            return  # the talker already ended (its own max tokens or EOS); its final is on the way
-        try:
-            if not event.last:
-                await speak.write(stages_pb2.TalkerInput(token=stages_pb2.TextToken(
-                    token_id=event.token_id, embedding=tensor_to_proto(event.embedding))))
-            else:
-                await speak.write(stages_pb2.TalkerInput(finished=stages_pb2.TextFinished()))
-                await speak.done_writing()
-        except asyncio.InvalidStateError:
-            pass  # finished between the check and the write: the reader reports how it ended
+        """One text row per generated token except the last; then the text-finished mark. The
+        talker may have ended already (its own max tokens or EOS): the relay says how."""
+        if not event.last:
+            await write_quietly(speak, stages_pb2.TalkerInput(token=stages_pb2.TextToken(
+                token_id=event.token_id, embedding=tensor_to_proto(event.embedding))))
+        elif await write_quietly(speak, stages_pb2.TalkerInput(finished=stages_pb2.TextFinished())):
+            await close_quietly(speak)
 
     def _talker_start(self, req, route, event: Prefilled, prepared: Prepared) -> stages_pb2.TalkerStart:
         prompt = prepared.job.prompt
@@ -218,17 +213,6 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         if prompt.audio_feature_lengths is not None:
             start.audio_feature_lengths.CopyFrom(tensor_to_proto(prompt.audio_feature_lengths))
         return start
-
-    @staticmethod
-    async def _read_talker(speak, target: str, sink: EventSink) -> None:
-        try:
-            async for out in speak:
-                sink.queue.put_nowait(out)
-            status = await speak.code()
-            if status is not grpc.StatusCode.OK:
-                raise grpc.aio.AioRpcError(status, None, None, await speak.details())
-        except grpc.aio.AioRpcError as exc:
-            sink.queue.put_nowait(StageUnavailable.from_rpc("talker", target, exc))
 
     @staticmethod
     def _final(request_id, text: Finished, talker: stages_pb2.TalkerFinal | None, received, ttft, ttfp):

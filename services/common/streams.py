@@ -1,0 +1,56 @@
+"""Talking to the next stage over a bidirectional stream: writes that never raise, and a relay of
+its responses that says how the stream ended.
+
+NOTE: a downstream stage may end its stream while we are still writing (the talker reaches its
+own max tokens while the thinker still streams text). grpc aio then fails the write and may
+report its own local error as the call's status, hiding the stage's real one. So writes are
+best-effort and the relay alone decides: everything up to the stage's final message counts, and
+whatever status follows it does not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable
+
+import grpc
+
+from services.common.engine_loop import EventSink
+from services.common.grpc_server import StageUnavailable
+
+
+async def write_quietly(call, message) -> bool:
+    """Write `message` to a downstream stream; False once the stream has ended."""
+    if call.done():
+        return False
+    try:
+        await call.write(message)
+        return True
+    except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+        return False  # the relay reports how the stream ended
+
+
+async def close_quietly(call) -> None:
+    if not call.done():
+        try:
+            await call.done_writing()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass
+
+
+async def relay_responses(call, stage: str, target: str, sink: EventSink, is_final: Callable[[object], bool]) -> None:
+    """Put every response into `sink` up to the final one; any other end becomes an error event:
+    StageUnavailable naming `stage` for a dead or vanished peer, else the stage's own status."""
+    try:
+        async for response in call:
+            sink.queue.put_nowait(response)
+            if is_final(response):
+                return
+        status = await call.code()
+        if status is grpc.StatusCode.OK:
+            raise StageUnavailable(stage, target, "the stream ended without a final message")
+        raise grpc.aio.AioRpcError(status, None, None, await call.details())
+    except grpc.aio.AioRpcError as exc:
+        sink.queue.put_nowait(StageUnavailable.from_rpc(stage, target, exc))
+    except StageUnavailable as exc:
+        sink.queue.put_nowait(exc)
