@@ -70,4 +70,4 @@ $(VLLM_STAMP): requirements.txt requirements-vllm.txt pyproject.toml | $(STAMP)
 	touch $(VLLM_STAMP)
 
 test-vllm: setup-vllm
-	$(VENV_VLLM)/bin/python -m pytest -q -m vllm tests/thinker/test_vllm_backend.py
+	$(VENV_VLLM)/bin/python -m pytest -q -m vllm tests/thinker/test_vllm_backend.py tests/e2e/test_vllm_pipeline.py

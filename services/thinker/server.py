@@ -57,6 +57,8 @@ class ThinkerConfig:
     talker_max_new_tokens_limit: int = 8192
     talker_max_model_len: int = 4096
     backend: str = "transformers"  # or "vllm" (services/thinker/vllm_backend.py; optional install)
+    vllm_kv_cache_bytes: int | None = None  # vLLM's KV cache; None: its own sizing (GPU memory fraction)
+    vllm_gpu_memory_utilization: float = 0.9
 
 
 def messages_from_proto(request: omni_pb2.GenerateRequest) -> list[ChatMessage]:
@@ -242,6 +244,7 @@ async def create_server(config: ThinkerConfig) -> tuple[ServerHandle, EngineLoop
         engine = vllm_backend.VllmThinkerEngine(vllm_backend.VllmThinkerConfig(
             checkpoint=config.stage.checkpoint, dtype=config.stage.dtype, max_num_seqs=config.engine.max_batch_size,
             max_model_len=config.engine.max_model_len, talker_inputs_device=config.stage.device,
+            kv_cache_bytes=config.vllm_kv_cache_bytes, gpu_memory_utilization=config.vllm_gpu_memory_utilization,
         ))
         model_config, build_prompt = engine.config, vllm_backend.build_prompt
     else:
@@ -274,6 +277,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="the talker's --max-model-len, checked before any output (default 4096)")
     parser.add_argument("--backend", choices=["transformers", "vllm"], default=env_default("thinker_backend", "transformers"),
                         help="thinker engine: transformers (default) or vllm (make setup-vllm)")
+    parser.add_argument("--vllm-kv-cache-mb", type=int, default=env_default("vllm_kv_cache_mb", 0),
+                        help="vLLM backend: KV cache size (default: 512 on cpu, where vLLM would otherwise "
+                             "reserve 90%% of the host's memory; on cuda vLLM sizes it from --vllm-gpu-memory-utilization)")
+    parser.add_argument("--vllm-gpu-memory-utilization", type=float,
+                        default=env_default("vllm_gpu_memory_utilization", 0.9),
+                        help="vLLM backend: fraction of GPU memory vLLM may take (default 0.9)")
     parser.add_argument("--max-prompt-tokens", type=int, default=env_default("max_prompt_tokens", 0),
                         help="longest prompt in tokens (default: the model's maximum)")
     parser.add_argument("--max-audio-seconds", type=float, default=env_default("max_audio_seconds", 300.0),
@@ -293,7 +302,10 @@ def main(argv: list[str] | None = None) -> int:
                                limits=PromptLimits(args.max_prompt_tokens or None, args.max_audio_seconds,
                                                    args.max_image_pixels),
                                talker_max_new_tokens_limit=args.talker_max_new_tokens_limit,
-                               talker_max_model_len=args.talker_max_model_len, backend=args.backend)
+                               talker_max_model_len=args.talker_max_model_len, backend=args.backend,
+                               vllm_kv_cache_bytes=(args.vllm_kv_cache_mb or (512 if args.device == "cpu" else 0)) << 20
+                               or None,
+                               vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization)
         serve_stage("thinker", create_server, config, args.port_file)
 
     return run_cli(run)

@@ -106,6 +106,12 @@ def vllm_available() -> tuple[bool, str]:
     return True, vllm.__version__
 
 
+# `omni-tiny-checkpoint` layout override for vLLM on CPU: its attention has no kernel for the tiny
+# checkpoint's head_dim 16, so the thinker gets 32 (its mrope sections scaled to fill it).
+TINY_LAYOUT_FOR_VLLM_CPU = {"thinker_config": {"text_config": {"head_dim": 32, "rope_parameters": {
+    "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5], "interleaved": True}}}}
+
+
 @dataclass(frozen=True)
 class VllmThinkerConfig:
     checkpoint: str

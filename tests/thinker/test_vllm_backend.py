@@ -24,6 +24,7 @@ from services.thinker.vllm_backend import (
     hf_overrides,
     load_embedding_table,
     pad_audio,
+    TINY_LAYOUT_FOR_VLLM_CPU,
     vllm_available,
     vllm_prompt,
 )
@@ -125,10 +126,8 @@ def test_embedding_table_from_safetensors_equals_the_loaded_thinker(tiny_checkpo
 
 # With vLLM.
 
-# The tiny checkpoint with thinker head_dim 32, which vLLM's CPU attention supports (its mrope
-# sections scaled to fill it).
-HEAD_DIM_32 = {"thinker_config": {"text_config": {"head_dim": 32, "rope_parameters": {
-    "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5], "interleaved": True}}}}
+# The tiny checkpoint with thinker head_dim 32, which vLLM's CPU attention supports.
+HEAD_DIM_32 = TINY_LAYOUT_FOR_VLLM_CPU
 
 
 @pytest.fixture(scope="module")
