@@ -22,12 +22,13 @@ import platform
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from bench.loop import closed_loop
 
 PROMPTS = (  # text only: the talker and code2wav see the same work for every prompt
     "Hello! How are you today?",
@@ -132,30 +133,10 @@ def one_request(stub, request, timeout_s: float) -> Sample:
     return Sample(ttfp, ttft, result.rtf, result.audio_seconds)
 
 
-def closed_loop(stub, requests: list, concurrency: int, timeout_s: float) -> tuple[list[Sample], float]:
-    """`concurrency` threads, each sending its next request when the previous one ended."""
-    samples: list[Sample | None] = [None] * len(requests)
-    pending = list(range(len(requests)))[::-1]
-    lock = threading.Lock()
-
-    def worker() -> None:
-        while True:
-            with lock:
-                if not pending:
-                    return
-                index = pending.pop()
-            try:
-                samples[index] = one_request(stub, requests[index], timeout_s)
-            except Exception as exc:  # noqa: BLE001 - one failed request must not end the run
-                samples[index] = Sample(None, None, None, 0.0, f"{type(exc).__name__}: {exc}")
-
-    start = time.perf_counter()
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(concurrency, len(requests)))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return [s for s in samples if s is not None], time.perf_counter() - start
+def run_level(stub, requests: list, concurrency: int, timeout_s: float) -> tuple[list[Sample], float]:
+    """`concurrency` clients, each sending its next request when the previous one ended."""
+    return closed_loop(requests, concurrency, lambda request: one_request(stub, request, timeout_s),
+                       lambda exc: Sample(None, None, None, 0.0, f"{type(exc).__name__}: {exc}"))
 
 
 def gpu_memory() -> str | None:
@@ -260,7 +241,7 @@ class DeviceBench:
                     self.say(f"graphs {graphs}: c={level} skipped ({left:.0f} s left)")
                     continue
                 self.say(f"graphs {graphs}: c={level}, {n} requests ...")
-                samples, wall = closed_loop(stub, self.requests(n), level, timeout_s=left)
+                samples, wall = run_level(stub, self.requests(n), level, timeout_s=left)
                 row = summarize(graphs, level, samples, wall)
                 self.report.levels.append(row)
                 self.say(f"graphs {graphs}: c={level}: ttfp p50 {fmt(row.ttfp_ms_p50)} ms p99 {fmt(row.ttfp_ms_p99)} ms, "

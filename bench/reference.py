@@ -26,33 +26,8 @@ class Generated:
 
 
 def load_reference(checkpoint: str, device: str = "cpu", dtype: str = "float32") -> ReferenceRunner:
-    """ReferenceRunner, in `dtype` on `device` (the runner itself loads float32 only)."""
-    if dtype == "float32":
-        return ReferenceRunner(checkpoint, device=device)
-    # NOTE: a 30B checkpoint does not fit in host memory as float32, so load in `dtype` directly;
-    # the rest mirrors ReferenceRunner.__init__.
-    import transformers
-    from transformers import Qwen3OmniMoeForConditionalGeneration
-
-    from services.common.checkpoint import check_folder
-    from services.common.prompt import PromptBuilder
-
-    folder = check_folder(checkpoint)
-    runner = ReferenceRunner.__new__(ReferenceRunner)
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    try:
-        runner.model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(str(folder), dtype=getattr(torch, dtype))
-    finally:
-        transformers.logging.set_verbosity(verbosity)
-    runner.model.to(device).eval()
-    runner.config = runner.model.config
-    if not hasattr(runner.config.talker_config, "audio_config"):
-        runner.config.talker_config.audio_config = runner.config.thinker_config.audio_config
-    runner.prompts = PromptBuilder(folder, runner.config)
-    runner.eos_id = runner.config.im_end_token_id
-    runner.sample_rate = 24000
-    return runner
+    """ReferenceRunner in `dtype` on `device`."""
+    return ReferenceRunner(checkpoint, device=device, dtype=dtype)
 
 
 def collate(inputs: list[PromptInputs], pad_id: int) -> dict[str, torch.Tensor]:

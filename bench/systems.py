@@ -15,7 +15,6 @@ whole response.
 from __future__ import annotations
 
 import enum
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from typing import Callable
 
 import grpc
 
+from bench.loop import closed_loop
 from bench.metrics import RequestTiming, whole_response
 from bench.prompts import BenchPrompt
 from bench.reference import Generated, Reference
@@ -60,30 +60,9 @@ class BlockResult:
 def run_closed_loop(items: list, concurrency: int, call: Callable[[object], Outcome],
                     on_done: Callable[[Outcome], None] = lambda _: None) -> BlockResult:
     """`concurrency` threads take the next item as soon as their previous call returned."""
-    outcomes: list[Outcome | None] = [None] * len(items)
-    pending = list(range(len(items)))[::-1]  # popped from the end: item 0 first
-    lock = threading.Lock()
-
-    def worker() -> None:
-        while True:
-            with lock:
-                if not pending:
-                    return
-                index = pending.pop()
-            try:
-                outcome = call(items[index])
-            except Exception as exc:  # one failed request must not end the benchmark
-                outcome = Outcome(None, error=f"{type(exc).__name__}: {exc}")
-            outcomes[index] = outcome
-            on_done(outcome)
-
-    start = time.perf_counter()
-    threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(concurrency, len(items)))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return BlockResult(outcomes=outcomes, wall_s=time.perf_counter() - start)
+    outcomes, wall = closed_loop(items, concurrency, call,
+                                 lambda exc: Outcome(None, error=f"{type(exc).__name__}: {exc}"), on_done)
+    return BlockResult(outcomes=outcomes, wall_s=wall)
 
 
 class PipelineSystem:

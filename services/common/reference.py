@@ -43,7 +43,7 @@ class ReferenceResult:
 class ReferenceRunner:
     """The full transformers model, loaded once; one greedy `generate` per call."""
 
-    def __init__(self, checkpoint: str | Path, device: str = "cpu"):
+    def __init__(self, checkpoint: str | Path, device: str = "cpu", dtype: str = "float32"):
         import torch
         import transformers
         from transformers import Qwen3OmniMoeForConditionalGeneration
@@ -55,11 +55,13 @@ class ReferenceRunner:
         transformers.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()
         try:
-            self.model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(str(folder), dtype=torch.float32)
+            # Loaded in `dtype` directly: a 30B checkpoint does not fit host memory as float32.
+            self.model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(str(folder), dtype=getattr(torch, dtype))
             self.prompts = PromptBuilder(folder, self.model.config)
         finally:
             transformers.logging.set_verbosity(verbosity)
         self.model.to(device).eval()
+        self.device = device
         self.config = self.model.config
         # transformers bug (NOTES): audio + image in one prompt fails in the talker without this.
         if not hasattr(self.config.talker_config, "audio_config"):
@@ -79,6 +81,7 @@ class ReferenceRunner:
 
         name, _ = resolve_voice(self.config, voice)
         inputs = self.prompts.build(messages)
+        model_inputs = {k: v.to(self.device) for k, v in inputs.model_kwargs().items()}
         captured = []  # the codes generate hands to the vocoder, [1, Q, frames]
         original = self.model.code2wav.chunked_decode if return_audio else None
 
@@ -92,7 +95,7 @@ class ReferenceRunner:
                 self.model.code2wav.chunked_decode = capture
                 try:
                     sequences, wav = self.model.generate(
-                        **inputs.model_kwargs(), speaker=name, return_audio=True,
+                        **model_inputs, speaker=name, return_audio=True,
                         thinker_max_new_tokens=max_new_tokens, thinker_eos_token_id=self.eos_id,
                         thinker_do_sample=False, talker_max_new_tokens=talker_max_new_tokens,
                         talker_do_sample=False,
@@ -101,14 +104,14 @@ class ReferenceRunner:
                     del self.model.code2wav.chunked_decode
             else:
                 sequences = self.model.generate(
-                    **inputs.model_kwargs(), return_audio=False, thinker_max_new_tokens=max_new_tokens,
+                    **model_inputs, return_audio=False, thinker_max_new_tokens=max_new_tokens,
                     thinker_eos_token_id=self.eos_id, thinker_do_sample=False,
                 )
                 wav = None
         wall = time.perf_counter() - start
-        ids = sequences[0, inputs.num_tokens:].tolist()
+        ids = sequences[0, inputs.num_tokens:].cpu().tolist()
         frames = captured[0][0].T.tolist() if captured else []
-        audio = wav.reshape(-1).float().numpy() if wav is not None else np.zeros(0, np.float32)
+        audio = wav.reshape(-1).float().cpu().numpy() if wav is not None else np.zeros(0, np.float32)
         return ReferenceResult(
             text=self.prompts.decode(ids), thinker_token_ids=ids, codec_frames=frames, audio=audio,
             sample_rate=self.sample_rate, prompt_tokens=inputs.num_tokens, wall_s=wall,
