@@ -195,6 +195,11 @@ def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads per stage (default cores/3)")
     parser.add_argument("--thinker-max-new-tokens", type=int, help="thinker default max new tokens")
     parser.add_argument("--talker-max-new-tokens", type=int, help="talker default max new tokens")
+    parser.add_argument("--device", help="every stage's --device (e.g. cuda)")
+    parser.add_argument("--dtype", help="every stage's --dtype (e.g. bfloat16)")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="every stage builds its model from config.json with seeded random weights "
+                             "(a folder from `omni-tiny-checkpoint --full-size --no-weights`)")
     parser.add_argument("--thinker-replicas", type=int, default=1)
     parser.add_argument("--talker-replicas", type=int, default=1)
     parser.add_argument("--code2wav-replicas", type=int, default=1)
@@ -203,12 +208,15 @@ def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
 def _options(args) -> StackOptions:
     from services.common.checkpoint import check_folder
 
-    check_folder(args.checkpoint)
+    check_folder(args.checkpoint, need_weights=not args.random_weights)
+    every = (("--device", args.device) if args.device else ()) + (("--dtype", args.dtype) if args.dtype else ()) + (
+        ("--random-weights",) if args.random_weights else ())
     thinker = ("--default-max-new-tokens", str(args.thinker_max_new_tokens)) if args.thinker_max_new_tokens else ()
     talker = ("--default-max-new-tokens", str(args.talker_max_new_tokens)) if args.talker_max_new_tokens else ()
     return StackOptions(checkpoint=args.checkpoint, port=args.port, host=args.host, threads=args.threads,
                         thinker_replicas=args.thinker_replicas, talker_replicas=args.talker_replicas,
-                        code2wav_replicas=args.code2wav_replicas, thinker_args=thinker, talker_args=talker)
+                        code2wav_replicas=args.code2wav_replicas, thinker_args=every + thinker,
+                        talker_args=every + talker, code2wav_args=every)
 
 
 def up(args) -> None:
