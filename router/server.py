@@ -60,6 +60,7 @@ class RouterConfig:
     metrics_port: int = 0
     tls: TLSConfig = TLSConfig()  # client -> router and router -> thinker (and the stages' health/load)
     auth_tokens: tuple[bytes, ...] = ()  # bearer tokens callers must present; empty = no authentication
+    health_port: int = 0  # a plaintext grpc.health.v1-only port (probes when TLS is on); 0 = none
 
 
 def _outcome(code: grpc.StatusCode) -> str:
@@ -214,7 +215,7 @@ async def create_server(config: RouterConfig) -> tuple[ServerHandle, Router]:
     await router.start()
     interceptors = (BearerTokenInterceptor(config.auth_tokens),) if config.auth_tokens else ()
     handle = build_server(config.host, config.port, (SERVICE,), config.max_message_bytes, tls=config.tls,
-                          interceptors=interceptors)
+                          interceptors=interceptors, health_port=config.health_port)
     omni_pb2_grpc.add_OmniServicer_to_server(router.servicer, handle.server)
     router.metrics.serve(config.metrics_port)
     return handle, router
@@ -246,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
                              "comma-separated); none given = no authentication")
     parser.add_argument("--port-file")
     add_tls_flags(parser)
+    parser.add_argument("--health-port", type=int, default=env_default("health_port", 0),
+                        help="also serve grpc.health.v1 alone, in plaintext, on this port (probes when TLS is on)")
     args = parser.parse_args(argv)
 
     def run() -> None:
@@ -257,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             admission=AdmissionConfig(args.max_in_flight, args.max_queue, args.queue_timeout_s),
             poll_interval_s=args.poll_interval_s, dns_refresh_s=args.dns_refresh_s,
             max_message_bytes=args.max_message_mb << 20, grace_s=args.grace_s, metrics_port=args.metrics_port,
-            tls=tls_from_args(args), auth_tokens=load_tokens(args.auth_token_file),
+            tls=tls_from_args(args), auth_tokens=load_tokens(args.auth_token_file), health_port=args.health_port,
         )
         setup_logging("router")
 

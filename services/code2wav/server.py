@@ -113,7 +113,7 @@ async def create_server(config: Code2WavConfig) -> tuple[ServerHandle, EngineLoo
     loop = EngineLoop(engine, "code2wav", metrics)
     loop.start()
     handle = build_server(config.stage.host, config.stage.port, (SERVICE,), config.stage.max_message_bytes,
-                          tls=config.stage.tls)
+                          tls=config.stage.tls, health_port=config.stage.health_port)
     stages_pb2_grpc.add_Code2WavServicer_to_server(Code2WavServicer(loop, engine, handle, config.stage.stream_idle_timeout_s), handle.server)
     return handle, loop
 

@@ -35,6 +35,7 @@ class StageConfig:
     metrics_port: int = 0  # Prometheus /metrics over HTTP; 0 = off
     stream_idle_timeout_s: float = 120.0  # a stream with no progress this long is ended (dead peer)
     tls: TLSConfig = TLSConfig()  # plaintext unless certificates are given
+    health_port: int = 0  # a plaintext grpc.health.v1-only port (for probes when TLS is on); 0 = none
     graphs: GraphSettings = GraphSettings()  # CUDA graph capture of the decode steps (cuda only)
     random_weights: bool = False  # build the stage from config.json with seeded random weights
     random_seed: int = 0
@@ -72,6 +73,8 @@ def add_stage_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--random-seed", type=int, default=env_default("random_seed", 0),
                         help="seed of --random-weights (default 0)")
     add_tls_flags(parser)
+    parser.add_argument("--health-port", type=int, default=env_default("health_port", 0),
+                        help="also serve grpc.health.v1 alone, in plaintext, on this port (probes when TLS is on)")
 
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -89,7 +92,7 @@ def stage_config_from_args(args: argparse.Namespace) -> StageConfig:
         checkpoint=args.checkpoint, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
         max_message_bytes=args.max_message_mb << 20, grace_s=args.grace_s, threads=args.threads,
         metrics_port=args.metrics_port, stream_idle_timeout_s=args.stream_idle_timeout_s,
-        tls=tls_from_args(args),
+        tls=tls_from_args(args), health_port=args.health_port,
         graphs=GraphSettings(graphs_wanted(args.cuda_graphs, args.device), parse_buckets(args.graph_buckets)),
         random_weights=bool(args.random_weights), random_seed=args.random_seed,
     )

@@ -57,6 +57,8 @@ class ServerHandle:
     health: health.aio.HealthServicer
     service_names: tuple[str, ...]
     draining: bool = False  # SIGTERM received: NOT_SERVING, finishing in-flight streams
+    health_server: grpc.aio.Server | None = None  # plaintext, health only (--health-port)
+    health_port: int | None = None
 
     async def set_serving(self, serving: bool, services: tuple[str, ...] | None = None) -> None:
         """Health of `services` (default: the overall status "" and every service of this server)."""
@@ -67,9 +69,11 @@ class ServerHandle:
 
 def build_server(host: str, port: int, service_names: tuple[str, ...],
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls: TLSConfig = TLSConfig(),
-                 interceptors: tuple = ()) -> ServerHandle:
+                 interceptors: tuple = (), health_port: int = 0) -> ServerHandle:
     """A grpc.aio server with health (NOT_SERVING until the model is loaded) and reflection;
-    TLS (mutual with a CA) when `tls` has a certificate."""
+    TLS (mutual with a CA) when `tls` has a certificate. `health_port` adds a second, plaintext
+    server with only grpc.health.v1 (the same statuses): Kubernetes' native gRPC probes cannot
+    speak TLS."""
     server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=interceptors)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -82,12 +86,21 @@ def build_server(host: str, port: int, service_names: tuple[str, ...],
     bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
-    return ServerHandle(server=server, port=bound, health=health_servicer, service_names=service_names)
+    handle = ServerHandle(server=server, port=bound, health=health_servicer, service_names=service_names)
+    if health_port:
+        handle.health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, handle.health_server)
+        handle.health_port = handle.health_server.add_insecure_port(f"{host}:{health_port}")
+        if handle.health_port == 0:
+            raise OSError(f"cannot bind {host}:{health_port}")
+    return handle
 
 
 async def serve_until_signal(handle: ServerHandle, grace_s: float, on_started=None, on_stop=None,
                              initially_serving: bool = True, drain_delay_s: float = 2.0) -> None:
     await handle.server.start()
+    if handle.health_server is not None:
+        await handle.health_server.start()
     await handle.set_serving(initially_serving)
     if on_started is not None:
         on_started()
@@ -104,6 +117,8 @@ async def serve_until_signal(handle: ServerHandle, grace_s: float, on_started=No
     # server.stop() refuses every new call at once, health checks included.
     await asyncio.sleep(min(drain_delay_s, grace_s))
     await handle.server.stop(grace_s)
+    if handle.health_server is not None:
+        await handle.health_server.stop(0)
     if on_stop is not None:
         on_stop()
 

@@ -230,7 +230,7 @@ async def create_server(config: TalkerConfig) -> tuple[ServerHandle, EngineLoop]
     loop = EngineLoop(engine, "talker", metrics)
     loop.start()
     handle = build_server(config.stage.host, config.stage.port, (SERVICE,), config.stage.max_message_bytes,
-                          tls=config.stage.tls)
+                          tls=config.stage.tls, health_port=config.stage.health_port)
     stages_pb2_grpc.add_TalkerServicer_to_server(TalkerServicer(loop, engine, config, loaded.config, handle), handle.server)
     return handle, loop
 

@@ -258,7 +258,7 @@ async def create_server(config: ThinkerConfig) -> tuple[ServerHandle, EngineLoop
     loop = EngineLoop(engine, "thinker", metrics)
     loop.start()
     handle = build_server(config.stage.host, config.stage.port, (SERVICE,), config.stage.max_message_bytes,
-                          tls=config.stage.tls)
+                          tls=config.stage.tls, health_port=config.stage.health_port)
     servicer = ThinkerServicer(loop, engine, prompts, config, handle, build_prompt)
     stages_pb2_grpc.add_ThinkerServicer_to_server(servicer, handle.server)
     return handle, loop

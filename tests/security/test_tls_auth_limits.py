@@ -16,7 +16,7 @@ import pytest
 
 from omni.v1 import common_pb2, stages_pb2_grpc
 from router.client import build_request, collect, connect
-from router.launcher import Stack, StackOptions, health_status
+from router.launcher import Stack, StackOptions, free_port, health_status
 from services.common.security import TLSConfig, secure_or_insecure_channel
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
@@ -62,14 +62,17 @@ def secure_stack(tiny_checkpoint, certs, tmp_path_factory):
     tokens.write_text(f"# callers\n{TOKEN}\n")
     tls_flags = ("--tls-cert", str(certs / "pipeline.pem"), "--tls-key", str(certs / "pipeline.key"),
                  "--tls-ca", str(certs / "ca.pem"))
+    health_port = free_port()
     options = StackOptions(
         checkpoint=str(tiny_checkpoint), port=0, threads=1, log_prefix=False,
         extra_args=tls_flags, tls=tls_of(certs, "pipeline"),
         thinker_args=("--max-prompt-tokens", "200", "--max-audio-seconds", "0.5", "--max-image-pixels", "1000",
                       "--max-new-tokens-limit", "64"),
+        talker_args=("--health-port", str(health_port)),
         router_args=("--auth-token-file", str(tokens), "--max-message-mb", "1"),
     )
     with Stack(options) as stack:
+        stack.talker_health_port = health_port
         yield stack
 
 
@@ -143,3 +146,13 @@ def test_oversized_inputs_are_refused_naming_the_field_and_serving_goes_on(secur
         ok = collect(stub, build_request("still serving?", max_new_tokens=3, talker_max_new_tokens=5), timeout=60,
                      token=TOKEN)
     assert len(ok.thinker_token_ids) == 3
+
+
+def test_a_plaintext_health_port_serves_probes_while_the_service_port_requires_tls(secure_stack):
+    # Kubernetes' native gRPC probes speak plaintext only: --health-port serves grpc.health.v1 alone.
+    assert health_status(f"127.0.0.1:{secure_stack.talker_health_port}") == "SERVING"
+    assert health_status(f"127.0.0.1:{secure_stack.port('talker')}") == "UNREACHABLE"  # TLS only
+    channel = grpc.insecure_channel(f"127.0.0.1:{secure_stack.talker_health_port}")
+    with channel, pytest.raises(grpc.RpcError) as info:  # nothing but health there
+        stages_pb2_grpc.TalkerStub(channel).GetLoad(common_pb2.LoadRequest(), timeout=5)
+    assert info.value.code() is grpc.StatusCode.UNIMPLEMENTED
