@@ -1,8 +1,13 @@
-"""The code2wav engine: decodes the codec chunks that are ready, in one batch.
+"""The code2wav engine: decodes the codec chunks that are ready.
 
-Each request owns a `StreamingDecoder` (left context + held-back tail, see streaming.py); the
-engine keeps a FIFO of received chunks per request; each step takes the oldest chunk of every
-request and decodes the windows of equal length together (after the first chunk nearly all
+Two decoders (`--decoder`): "incremental" (the default, exact for any vocoder: the
+pre-transformer keeps a KV cache per request, see incremental.py) decodes each request's chunk
+on its own; "window" re-decodes a left context before every chunk (exact only while the context
+covers the vocoder's reach: the tiny checkpoint, not the real 8-layer, window-72 one) and batches.
+
+With "window", each request owns a `StreamingDecoder` (left context + held-back tail, see
+streaming.py); the engine keeps a FIFO of received chunks per request; each step takes the oldest
+chunk of every request and decodes the windows of equal length together (after the first chunk nearly all
 windows are context + 25 frames, so they batch). With CUDA graphs (`Code2WavGraphs`) each group
 of windows is padded to a batch bucket and replayed from a graph captured per (window length,
 bucket): window lengths are few (first chunk, first + context, context + chunk, and the tails).
@@ -17,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from services.code2wav.incremental import DEFAULT_CONV_CONTEXT, IncrementalDecoder
 from services.code2wav.streaming import StreamingDecoder, VocoderGeometry, forward_batch, measure_geometry
 from services.common.cuda_graphs import GraphRunner, GraphSettings, pad_rows, plan_padding
 
@@ -49,7 +55,7 @@ class Decoded:
 
 @dataclass
 class _State:
-    decoder: StreamingDecoder
+    decoder: StreamingDecoder | IncrementalDecoder
     pending: deque = field(default_factory=deque)  # CodecChunk | CodecEnd, in arrival order
 
 
@@ -90,10 +96,15 @@ class Code2WavGraphs:
 
 class Code2WavEngine:
     def __init__(self, model, config, left_context: int = 25, graphs: GraphSettings = GraphSettings(),
-                 graph_windows: tuple[int, ...] = ()):
+                 graph_windows: tuple[int, ...] = (), decoder: str = "incremental",
+                 conv_context: int = DEFAULT_CONV_CONTEXT):
+        if decoder not in ("incremental", "window"):
+            raise ValueError(f"decoder must be incremental or window, got {decoder!r}")
         self.model = model
         self.config = config
         self.left_context = left_context
+        self.decoder = decoder
+        self.conv_context = conv_context
         self.geometry: VocoderGeometry = measure_geometry(model)
         self.graphs = None
         if graphs.enabled:
@@ -104,7 +115,9 @@ class Code2WavEngine:
         self._states: dict[str, _State] = {}  # request_id -> decoder state
 
     def add(self, request_id: str, _payload=None) -> None:
-        self._states[request_id] = _State(StreamingDecoder(self.model, self.geometry, self.left_context))
+        decoder = (IncrementalDecoder(self.model, self.geometry, self.conv_context) if self.decoder == "incremental"
+                   else StreamingDecoder(self.model, self.geometry, self.left_context))
+        self._states[request_id] = _State(decoder)
 
     def add_input(self, request_id: str, payload) -> None:
         state = self._states.get(request_id)
@@ -148,7 +161,14 @@ class Code2WavEngine:
                     events.append((request_id, Audio(tail, first)))
                 events.append((request_id, Decoded(state.decoder.samples_emitted, state.decoder.frames_seen)))
                 del self._states[request_id]
-            elif item.frames.shape[0]:
+            elif not item.frames.shape[0]:
+                continue
+            elif isinstance(state.decoder, IncrementalDecoder):
+                first = state.decoder.samples_emitted
+                samples = state.decoder.push(item.frames)
+                if samples.size:
+                    events.append((request_id, Audio(samples, first)))
+            else:
                 window = state.decoder.window(item.frames)
                 windows.setdefault(window.shape[0], []).append((request_id, window))
         for group in windows.values():

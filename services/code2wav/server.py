@@ -28,7 +28,8 @@ SERVICE = stages_pb2.DESCRIPTOR.services_by_name["Code2Wav"].full_name
 @dataclass(frozen=True)
 class Code2WavConfig:
     stage: StageConfig
-    left_context: int = 25  # frames of context decoded before each chunk
+    left_context: int = 25  # --decoder window: frames of context decoded before each chunk
+    decoder: str = "incremental"  # or "window" (see services/code2wav/engine.py)
     # Window lengths captured as CUDA graphs at start-up (others on first use): the talker's
     # default chunks of 4 then 25 frames with 25 of context give windows of 4, 4 + 25 and 25 + 25.
     graph_windows: tuple[int, ...] = (4, 29, 50)
@@ -106,7 +107,7 @@ async def create_server(config: Code2WavConfig) -> tuple[ServerHandle, EngineLoo
     from services.common.checkpoint import Stage
 
     loaded = load_and_prepare(config.stage, Stage.CODE2WAV)
-    engine = Code2WavEngine(loaded.model, loaded.config, left_context=config.left_context,
+    engine = Code2WavEngine(loaded.model, loaded.config, left_context=config.left_context, decoder=config.decoder,
                             graphs=config.stage.graphs, graph_windows=config.graph_windows)
     metrics = StageMetrics("code2wav")
     metrics.serve(config.stage.metrics_port)
@@ -121,6 +122,10 @@ async def create_server(config: Code2WavConfig) -> tuple[ServerHandle, EngineLoo
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="omni-code2wav", description=__doc__)
     add_stage_flags(parser, default_port=50063)
+    parser.add_argument("--decoder", choices=["incremental", "window"], default=env_default("decoder", "incremental"),
+                        help="incremental (default): the vocoder's transformer keeps a KV cache per request, exact "
+                             "for any checkpoint; window: re-decode --left-context frames before each chunk, batched "
+                             "across requests (exact only for short-reach vocoders such as the tiny checkpoint's)")
     parser.add_argument("--left-context", type=int, default=env_default("left_context", 25),
                         help="frames of left context decoded before each chunk (default 25)")
     parser.add_argument("--graph-windows", default=env_default("graph_windows", "4,29,50"),
@@ -130,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def run() -> None:
         windows = parse_buckets(args.graph_windows, "--graph-windows")  # the same syntax: positive integers
-        config = Code2WavConfig(stage=stage_config_from_args(args), left_context=args.left_context,
+        config = Code2WavConfig(stage=stage_config_from_args(args), left_context=args.left_context, decoder=args.decoder,
                                 graph_windows=windows)
         serve_stage("code2wav", create_server, config, args.port_file)
 
