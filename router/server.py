@@ -24,7 +24,7 @@ from omni.v1 import omni_pb2, omni_pb2_grpc, stages_pb2, stages_pb2_grpc
 from router.admission import Admission, AdmissionConfig, Rejected
 from router.metrics import RouterMetrics
 from router.replicas import Replica, ReplicaSet, ReplicaSource
-from services.common.config import env_default
+from services.common.config import add_health_port_flag, env_default
 from services.common.errors import run_cli
 from services.common.grpc_server import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -247,8 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                              "comma-separated); none given = no authentication")
     parser.add_argument("--port-file")
     add_tls_flags(parser)
-    parser.add_argument("--health-port", type=int, default=env_default("health_port", 0),
-                        help="also serve grpc.health.v1 alone, in plaintext, on this port (probes when TLS is on)")
+    add_health_port_flag(parser)
     args = parser.parse_args(argv)
 
     def run() -> None:

@@ -73,8 +73,7 @@ def add_stage_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--random-seed", type=int, default=env_default("random_seed", 0),
                         help="seed of --random-weights (default 0)")
     add_tls_flags(parser)
-    parser.add_argument("--health-port", type=int, default=env_default("health_port", 0),
-                        help="also serve grpc.health.v1 alone, in plaintext, on this port (probes when TLS is on)")
+    add_health_port_flag(parser)
 
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -96,6 +95,11 @@ def stage_config_from_args(args: argparse.Namespace) -> StageConfig:
         graphs=GraphSettings(graphs_wanted(args.cuda_graphs, args.device), parse_buckets(args.graph_buckets)),
         random_weights=bool(args.random_weights), random_seed=args.random_seed,
     )
+
+
+def add_health_port_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--health-port", type=int, default=env_default("health_port", 0),
+                        help="also serve grpc.health.v1 alone, in plaintext, on this port (probes when TLS is on)")
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:

@@ -1,11 +1,11 @@
-"""Prometheus metrics of a stage: queue depth, running batch, step time, KV cache use, requests.
+"""Prometheus metrics of a stage: queue depth, running batch, step time, KV cache use, streams.
 
 Each service serves them over HTTP on `--metrics-port` (0 = off) at /metrics.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
 
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 
@@ -29,11 +29,6 @@ class StageMetrics:
                                     registry=r).labels(**labels)
         self.in_flight = Gauge("omni_stage_in_flight", "Streams open on this stage", ["stage"],
                                registry=r).labels(**labels)
-        self._requests = Counter("omni_stage_requests", "Requests by outcome", ["stage", "outcome"], registry=r)
-        self.stage = stage
-
-    def request_done(self, outcome: str) -> None:
-        self._requests.labels(stage=self.stage, outcome=outcome).inc()
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int | None:
         if not port:
