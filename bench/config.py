@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.systems import System
-from services.common.errors import UserError
+from services.runtime.errors import UserError
 
 # Defaults sized so that `make bench` (tiny checkpoint, all three systems at concurrency 1, 4
 # and 16) ends in about 3 minutes on 2 idle CPU cores and in about 5 with other work loading

@@ -3,7 +3,7 @@
 For each graphs mode it starts code2wav, talker, thinker and the router as processes (all on the
 same device, random weights, bfloat16), sends one warm-up request, then at each concurrency level
 N runs a closed loop of N client threads over a fixed number of requests, and measures from the
-client side (router/client.py `collect`): TTFP (first audio chunk), TTFT, RTF (last audio chunk /
+client side (services/tools/client.py `collect`): TTFP (first audio chunk), TTFT, RTF (last audio chunk /
 seconds of audio) and completed requests per second. Results are written after every level
 (device_bench.json, then device_bench.png and device_bench.md), so a run cut short keeps what it
 measured. Every phase is bounded by the overall deadline; a level that would not fit is skipped
@@ -120,7 +120,7 @@ def chunk_windows(frames: int, first: int = 4, chunk: int = 25, context: int = 2
 def one_request(stub, request, timeout_s: float) -> Sample:
     import grpc
 
-    from router.client import collect
+    from services.tools.client import collect
 
     try:
         result = collect(stub, request, timeout=timeout_s)
@@ -188,7 +188,7 @@ class DeviceBench:
                 common + ("--graph-windows", windows))
 
     def requests(self, n: int) -> list:
-        from router.client import build_request
+        from services.tools.client import build_request
 
         return [build_request(PROMPTS[i % len(PROMPTS)], max_new_tokens=self.args.thinker_tokens,
                               talker_max_new_tokens=self.args.talker_tokens, request_id=f"bench-{i}")
@@ -199,8 +199,8 @@ class DeviceBench:
         (self.out / "device_bench.json").write_text(json.dumps(asdict(self.report), indent=2) + "\n")
 
     def run_mode(self, graphs: str, modes_left: int) -> None:
-        from router.client import connect
-        from router.launcher import Stack, StackOptions
+        from services.tools.client import connect
+        from services.tools.launcher import Stack, StackOptions
 
         mode = ModeResult(graphs)
         self.report.modes.append(mode)

@@ -96,10 +96,10 @@ fi
 rm -rf "$FOLDER"
 if [ "$SMALL" = 1 ]; then
   say "writing the tiny layout without weights to $FOLDER"
-  timeout 120 "$PY" -m services.common.tiny_checkpoint --no-weights --out "$FOLDER" || exit 2
+  timeout 120 "$PY" -m services.tools.tiny_checkpoint --no-weights --out "$FOLDER" || exit 2
 else
   say "writing the full-size layout without weights to $FOLDER"
-  timeout 120 "$PY" -m services.common.tiny_checkpoint --full-size --no-weights --out "$FOLDER" || exit 2
+  timeout 120 "$PY" -m services.tools.tiny_checkpoint --full-size --no-weights --out "$FOLDER" || exit 2
 fi
 
 # 4. The benchmark, inside what is left of TOTAL_S (30 s kept for stopping and printing).

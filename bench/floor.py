@@ -24,11 +24,18 @@ import torch
 
 from bench.prompts import BenchPrompt
 from services.code2wav.streaming import StreamingDecoder, measure_geometry
-from services.common.prompt import resolve_voice
-from services.common.reference import ReferenceRunner
-from services.common.sampling import SamplingConfig
-from services.talker.engine import Frame, TalkerDone, TalkerEngine, TalkerJob, TextEnd, TextRow
+from services.runtime.prompt import resolve_voice
+from services.runtime.sampling import SamplingConfig
+from services.talker.engine import (
+    Frame,
+    TalkerDone,
+    TalkerEngine,
+    TalkerJob,
+    TextEnd,
+    TextRow,
+)
 from services.thinker.engine import Prefilled, ThinkerEngine, ThinkerJob, Token
+from services.tools.reference import ReferenceRunner
 
 TALKER_REPETITION_PENALTY = 1.05  # the talker service's default, as in generate
 

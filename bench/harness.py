@@ -23,7 +23,16 @@ from bench.machine import describe_machine
 from bench.metrics import ratio, summarize
 from bench.progress import Progress
 from bench.prompts import BenchPrompt, built_in_prompts, load_jsonl
-from bench.report import NOTES, BenchReport, BlockLog, ResultRow, Skipped, ratios_for, render_table, write_json
+from bench.report import (
+    NOTES,
+    BenchReport,
+    BlockLog,
+    ResultRow,
+    Skipped,
+    ratios_for,
+    render_table,
+    write_json,
+)
 from bench.systems import (
     BatchedReferenceSystem,
     BlockResult,
@@ -33,7 +42,7 @@ from bench.systems import (
     RequestRecord,
     System,
 )
-from services.common.errors import UserError, run_cli
+from services.runtime.errors import UserError, run_cli
 
 FLOOR_PROMPTS = 4  # the floor is sampled on the first prompts of the set
 
@@ -77,7 +86,7 @@ class Bench:
     def __init__(self, config: BenchConfig, progress_stream=None):
         import torch
 
-        from services.common.checkpoint import check_folder
+        from services.runtime.checkpoint import check_folder
 
         check_folder(config.checkpoint)
         quiet_libraries()
@@ -108,7 +117,7 @@ class Bench:
     def setup(self, cleanup: contextlib.ExitStack) -> None:
         """Load the reference here, start the stack (unless --target); `cleanup` stops them."""
         from bench.reference import Reference, load_reference
-        from router.launcher import Stack, StackOptions
+        from services.tools.launcher import Stack, StackOptions
 
         cfg = self.config
         runner = self._step("load reference", lambda: load_reference(cfg.checkpoint, cfg.device, cfg.dtype))

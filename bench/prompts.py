@@ -12,8 +12,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.errors import UserError
-from services.common.prompt import ChatMessage, Part, Role
+from services.runtime.errors import UserError
+from services.runtime.prompt import ChatMessage, Part, Role
 
 # Short everyday requests of different lengths, as a voice assistant gets them.
 BUILT_IN = (

@@ -1,7 +1,7 @@
 """The transformers reference for the benchmark: `Qwen3OmniMoeForConditionalGeneration.generate`,
 greedy, one request per call or a batch of them.
 
-The model is the one `services.common.reference.ReferenceRunner` loads (same prompt builder, same
+The model is the one `services.tools.reference.ReferenceRunner` loads (same prompt builder, same
 greedy settings: thinker and talker `do_sample=False`, generate's talker repetition penalty 1.05,
 which the talker service uses too). The benchmark calls `generate` itself rather than
 `ReferenceRunner.generate` because it needs a batch (left-padded, which `generate` supports for
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from bench.prompts import BenchPrompt
-from services.common.prompt import PromptInputs, resolve_voice
-from services.common.reference import ReferenceRunner
+from services.runtime.prompt import PromptInputs, resolve_voice
+from services.tools.reference import ReferenceRunner
 
 
 @dataclass(frozen=True)

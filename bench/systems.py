@@ -70,7 +70,7 @@ class PipelineSystem:
 
     def __init__(self, target: str, voice: str | None, max_new_tokens: int, talker_max_new_tokens: int,
                  timeout_s: float):
-        from router.client import connect
+        from services.tools.client import connect
 
         self.channel, self.stub = connect(target)
         self.voice = voice
@@ -79,13 +79,13 @@ class PipelineSystem:
         self.timeout_s = timeout_s
 
     def request(self, prompt: BenchPrompt):
-        from router.client import build_request
+        from services.tools.client import build_request
 
         return build_request(prompt.text, prompt.system, prompt.audio, prompt.image, self.voice,
                              max_new_tokens=self.max_new_tokens, talker_max_new_tokens=self.talker_max_new_tokens)
 
     def call(self, request) -> Outcome:
-        from router.client import collect
+        from services.tools.client import collect
 
         try:
             result = collect(self.stub, request, timeout=self.timeout_s)

@@ -20,9 +20,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from services.common.errors import UserError, run_cli
-from services.common.prompt import ChatMessage, Part, Role
-from services.common.sampling import SamplingConfig
+from services.runtime.errors import UserError, run_cli
+from services.runtime.prompt import ChatMessage, Part, Role
+from services.runtime.sampling import SamplingConfig
 from services.thinker.engine import ThinkerJob, Token
 
 PROMPTS = [
@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch
         import transformers
 
-        from services.common.checkpoint import Stage, load_stage
-        from services.common.prompt import PromptBuilder
+        from services.runtime.checkpoint import Stage, load_stage
+        from services.runtime.prompt import PromptBuilder
         from services.thinker import vllm_backend
         from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig
 
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
         checkpoint = args.checkpoint
         if checkpoint is None:
-            from services.common.tiny_checkpoint import build
+            from services.tools.tiny_checkpoint import build
 
             checkpoint = build(Path(tempfile.mkdtemp()) / "tiny-hd32", 0, layout=vllm_backend.TINY_LAYOUT_FOR_VLLM_CPU)
         levels = [int(x) for x in args.concurrency.split(",")]

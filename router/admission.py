@@ -21,6 +21,7 @@ class AdmissionConfig:
     max_in_flight: int = 64  # requests streaming through the stages at once
     max_queue: int = 128  # requests waiting for an in-flight place
     queue_timeout_s: float = 10.0  # longest wait for a place
+    retry_after_s: float = 1.0  # RetryInfo on a rejection: when a client may try again
 
 
 class Admission:

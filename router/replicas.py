@@ -23,8 +23,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omni.v1 import common_pb2, stages_pb2_grpc
-from services.common.errors import UserError
-from services.common.security import TLSConfig, secure_or_insecure_channel
+from services.runtime.errors import UserError
+from services.serving.security import TLSConfig, secure_or_insecure_channel
 
 log = logging.getLogger("router.replicas")
 

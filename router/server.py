@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import re
 import sys
 import time
 import uuid
@@ -24,25 +23,37 @@ from omni.v1 import omni_pb2, omni_pb2_grpc, stages_pb2, stages_pb2_grpc
 from router.admission import Admission, AdmissionConfig, Rejected
 from router.metrics import RouterMetrics
 from router.replicas import Replica, ReplicaSet, ReplicaSource
-from services.common.config import add_health_port_flag, env_default
-from services.common.errors import run_cli
-from services.common.grpc_server import (
+from services.runtime.errors import run_cli
+from services.serving.config import add_health_port_flag, env_default
+from services.serving.grpc_server import (
     DEFAULT_MAX_MESSAGE_BYTES,
     ServerHandle,
-    StageUnavailable,
     build_server,
     channel_options,
     serve_until_signal,
     setup_logging,
     time_remaining,
 )
-from services.common.security import BearerTokenInterceptor, TLSConfig, add_tls_flags, load_tokens, tls_from_args
-from services.common.service_main import write_port_file
+from services.serving.security import (
+    BearerTokenInterceptor,
+    TLSConfig,
+    add_tls_flags,
+    load_tokens,
+    tls_from_args,
+)
+from services.serving.stage_main import write_port_file
+from services.serving.status import (
+    STAGE_UNAVAILABLE,
+    Overloaded,
+    StageUnavailable,
+    abort_for,
+    error_info,
+    failure_of_call,
+)
 
 log = logging.getLogger("router")
 SERVICE = omni_pb2.DESCRIPTOR.services_by_name["Omni"].full_name
 STAGES = ("thinker", "talker", "code2wav")
-_FAILED_REPLICA = re.compile(r"^stage (\w+) \(([^)]+)\) unavailable")
 
 
 @dataclass(frozen=True)
@@ -99,7 +110,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
             await self.admission.acquire()
         except Rejected as exc:
             self.metrics.requests.labels("rejected").inc()
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            await abort_for(context, Overloaded(str(exc), self.config.admission.retry_after_s))
         finally:
             self.metrics.queue_depth.set(self.admission.queued)
         self.metrics.in_flight.set(self.admission.in_flight)
@@ -115,12 +126,11 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
             outcome = grpc.StatusCode.OK
         except StageUnavailable as exc:
             outcome = grpc.StatusCode.UNAVAILABLE
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            await abort_for(context, exc)
         except grpc.aio.AioRpcError as exc:
             outcome = exc.code()
             self._note_failure(exc, route)
-            error = StageUnavailable.from_rpc("thinker", route["thinker"].address, exc)
-            await context.abort(exc.code(), str(error) if isinstance(error, StageUnavailable) else exc.details())
+            await abort_for(context, failure_of_call("thinker", route["thinker"].address, exc))
         except asyncio.CancelledError:
             outcome = grpc.StatusCode.CANCELLED
             raise
@@ -161,13 +171,13 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
             self.metrics.rtf.observe((last_audio - received) / (audio_samples / sample_rate))
 
     def _note_failure(self, exc: grpc.aio.AioRpcError, route: dict[str, Replica]) -> None:
-        """Mark the replica an UNAVAILABLE names (or the thinker, if it died itself) as failed."""
+        """Mark the replica an UNAVAILABLE's ErrorInfo names (or the thinker, if it died itself) as failed."""
         if exc.code() is not grpc.StatusCode.UNAVAILABLE:
             return
-        match = _FAILED_REPLICA.match(exc.details() or "")
-        if match and match.group(1) in self.stages:
-            self.stages[match.group(1)].mark_failed(match.group(2))
-        elif route:
+        info = error_info(exc)
+        if info is not None and info.reason == STAGE_UNAVAILABLE and info.metadata.get("stage") in self.stages:
+            self.stages[info.metadata["stage"]].mark_failed(info.metadata["replica"])
+        elif info is None and route:
             self.stages["thinker"].mark_failed(route["thinker"].address)
 
 

@@ -26,7 +26,7 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 
     Treat it as read-only: every test of the session shares it.
     """
-    from services.common.tiny_checkpoint import build
+    from services.tools.tiny_checkpoint import build
 
     return build(tmp_path_factory.mktemp("ckpt") / "tiny", seed=0)
 

@@ -18,13 +18,25 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from services.code2wav.incremental import DEFAULT_CONV_CONTEXT, IncrementalDecoder
-from services.code2wav.streaming import StreamingDecoder, VocoderGeometry, forward_batch, measure_geometry
-from services.common.cuda_graphs import GraphRunner, GraphSettings, pad_rows, plan_padding
+from services.code2wav.streaming import (
+    StreamingDecoder,
+    VocoderGeometry,
+    forward_batch,
+    measure_geometry,
+)
+from services.runtime.cuda_graphs import (
+    GraphRunner,
+    GraphSettings,
+    pad_rows,
+    plan_padding,
+)
+from services.runtime.events import EngineEvent
 
 log = logging.getLogger(__name__)
 
@@ -40,17 +52,16 @@ class CodecEnd:
 
 
 @dataclass(frozen=True)
-class Audio:
+class Audio(EngineEvent):
     samples: np.ndarray  # float32 [n]
     first_sample: int
-    final: bool = False
 
 
 @dataclass(frozen=True)
-class Decoded:
+class Decoded(EngineEvent):
     samples: int
     frames: int
-    final: bool = True
+    final: ClassVar[bool] = True
 
 
 @dataclass

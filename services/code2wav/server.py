@@ -11,15 +11,31 @@ from dataclasses import dataclass
 import grpc
 
 from omni.v1 import stages_pb2, stages_pb2_grpc
-from services.code2wav.engine import Audio, CodecChunk, CodecEnd, Code2WavEngine, Decoded
-from services.common.config import StageConfig, add_stage_flags, env_default, stage_config_from_args
-from services.common.cuda_graphs import parse_buckets
-from services.common.engine_loop import EngineFailed, EngineLoop, EventSink, StreamIdle, engine_key
-from services.common.errors import InvalidArgument, run_cli
-from services.common.grpc_server import ServerHandle, abort_for, build_server
-from services.common.metrics import StageMetrics
-from services.common.service_main import load_and_prepare, serve_stage
-from services.common.wire import WireError, audio_to_proto, frames_from_proto
+from services.code2wav.engine import (
+    Audio,
+    Code2WavEngine,
+    CodecChunk,
+    CodecEnd,
+    Decoded,
+)
+from services.runtime.cuda_graphs import parse_buckets
+from services.runtime.errors import InvalidArgument, run_cli
+from services.serving.config import (
+    StageConfig,
+    add_stage_flags,
+    env_default,
+    stage_config_from_args,
+)
+from services.serving.engine_loop import (
+    EngineLoop,
+    EventSink,
+    engine_key,
+)
+from services.serving.grpc_server import ServerHandle, build_server
+from services.serving.metrics import StageMetrics
+from services.serving.stage_main import load_and_prepare, serve_stage
+from services.serving.status import WireError, abort_for
+from services.serving.wire import audio_to_proto, frames_from_proto
 
 log = logging.getLogger("code2wav")
 SERVICE = stages_pb2.DESCRIPTOR.services_by_name["Code2Wav"].full_name
@@ -56,20 +72,19 @@ class Code2WavServicer(stages_pb2_grpc.Code2WavServicer):
         finished = False
         try:
             while True:
-                event = await sink.get(self.idle_timeout_s, "code2wav")
-                if isinstance(event, Audio):
-                    yield stages_pb2.Code2WavOutput(audio=audio_to_proto(
-                        event.samples, self.sample_rate, index, event.first_sample // self.engine.geometry.samples_per_frame))
-                    index += 1
-                elif isinstance(event, Decoded):
-                    finished = True
-                    yield stages_pb2.Code2WavOutput(final=stages_pb2.Code2WavFinal(audio_samples=event.samples))
-                    return
-                elif isinstance(event, EngineFailed):
-                    await context.abort(grpc.StatusCode.INTERNAL, f"code2wav: {event.message}")
-                elif isinstance(event, BaseException):
-                    await abort_for(context, event)
-        except StreamIdle as exc:
+                match await sink.get(self.idle_timeout_s, "code2wav"):
+                    case Audio() as audio:
+                        yield stages_pb2.Code2WavOutput(audio=audio_to_proto(
+                            audio.samples, self.sample_rate, index,
+                            audio.first_sample // self.engine.geometry.samples_per_frame))
+                        index += 1
+                    case Decoded(samples=samples):
+                        finished = True
+                        yield stages_pb2.Code2WavOutput(final=stages_pb2.Code2WavFinal(audio_samples=samples))
+                        return
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # a failed engine or a bad input stream
             await abort_for(context, exc)
         finally:
             reader.cancel()
@@ -93,7 +108,7 @@ class Code2WavServicer(stages_pb2_grpc.Code2WavServicer):
             # The caller half-closed without an end mark: it gave up on this request.
             raise InvalidArgument("end", "stream closed before the end mark")
         except (InvalidArgument, WireError) as exc:
-            sink.queue.put_nowait(exc)
+            sink.fail(exc)
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError:
@@ -104,7 +119,7 @@ class Code2WavServicer(stages_pb2_grpc.Code2WavServicer):
 
 
 async def create_server(config: Code2WavConfig) -> tuple[ServerHandle, EngineLoop]:
-    from services.common.checkpoint import Stage
+    from services.runtime.checkpoint import Stage
 
     loaded = load_and_prepare(config.stage, Stage.CODE2WAV)
     engine = Code2WavEngine(loaded.model, loaded.config, left_context=config.left_context, decoder=config.decoder,

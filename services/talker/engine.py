@@ -18,15 +18,22 @@ decoding (NOTES-qwen3-omni.md, "What the talker needs"):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
-from services.common.batching import SlotKVCache, batch_invariant, use_rowwise_attention
-from services.common.cuda_graphs import GraphSettings
-from services.common.finish import FinishReason
-from services.common.lm_engine import SlotScheduledEngine
-from services.common.sampling import SamplingConfig, select_token
-from services.common.scheduler import LMScheduler
+from services.runtime.batching import (
+    SlotKVCache,
+    batch_invariant,
+    use_rowwise_attention,
+)
+from services.runtime.cuda_graphs import GraphSettings
+from services.runtime.events import EngineEvent
+from services.runtime.finish import FinishReason
+from services.runtime.lm_engine import SlotScheduledEngine
+from services.runtime.qwen3_omni import talker_prompt_len
+from services.runtime.sampling import SamplingConfig, select_token
+from services.runtime.scheduler import LMScheduler
 
 
 @dataclass(frozen=True)
@@ -53,17 +60,16 @@ class TextEnd:
 
 
 @dataclass(frozen=True)
-class Frame:
+class Frame(EngineEvent):
     index: int
     codes: torch.Tensor  # [num_code_groups] int64
-    final: bool = False
 
 
 @dataclass(frozen=True)
-class TalkerDone:
+class TalkerDone(EngineEvent):
     reason: FinishReason
     frames: int
-    final: bool = True
+    final: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)
@@ -71,7 +77,7 @@ class TalkerEngineConfig:
     max_batch_size: int = 32  # requests decoded together in one step
     num_slots: int = 32  # KV cache slots
     max_model_len: int = 4096  # cache positions per slot: prompt part + 9 + max_new_tokens must fit
-    exact_batching: bool = True  # batch-invariant kernels (see services/common/batching.py)
+    exact_batching: bool = True  # batch-invariant kernels (see services/runtime/batching.py)
     graphs: GraphSettings = GraphSettings()  # CUDA graphs of the decode step and the code predictor
 
 
@@ -94,17 +100,6 @@ class _State:
         if not self.started:
             return bool(self.rows) or self.text_done
         return len(self.rows) > self.frames or self.text_done
-
-
-def talker_prompt_len(prompt_token_ids: list[int], config) -> int:
-    """Cache positions of the talker prefill: every user-turn position plus 9 assistant ones.
-    A position's role is the token after the last <|im_start|> at or before it (as generate)."""
-    last_start, user = 0, 0
-    for i, token in enumerate(prompt_token_ids):
-        if token == config.im_start_token_id:
-            last_start = i
-        user += prompt_token_ids[min(last_start + 1, len(prompt_token_ids) - 1)] == config.user_token_id
-    return user + 9
 
 
 class TalkerEngine(SlotScheduledEngine):
@@ -132,7 +127,8 @@ class TalkerEngine(SlotScheduledEngine):
                                                       self.num_groups + 1, dtype, device)
         self.graphs = self.predictor_graphs = None
         if engine_config.graphs.enabled:
-            from services.common.static_decode import PredictorGraphs, SlotDecodeGraphs, talker_step
+            from services.runtime.static_decode import SlotDecodeGraphs
+            from services.talker.graphs import PredictorGraphs, talker_step
 
             hidden = model.config.text_config.hidden_size
             self.graphs = SlotDecodeGraphs(talker_step(model, self.cache), self.cache, engine_config.num_slots,

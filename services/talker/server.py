@@ -13,8 +13,11 @@ import grpc
 import torch
 
 from omni.v1 import stages_pb2, stages_pb2_grpc
-from services.common.channels import ChannelPool
-from services.common.config import (
+from services.runtime.errors import InvalidArgument, run_cli
+from services.runtime.prompt import resolve_voice
+from services.runtime.qwen3_omni import talker_prompt_len
+from services.serving.channels import ChannelPool
+from services.serving.config import (
     StageConfig,
     add_engine_flags,
     add_stage_flags,
@@ -22,20 +25,22 @@ from services.common.config import (
     exact_batching,
     stage_config_from_args,
 )
-from services.common.engine_loop import EngineFailed, EngineLoop, EventSink, StreamIdle, engine_key
-from services.common.errors import InvalidArgument, run_cli
-from services.common.grpc_server import (
+from services.serving.convert import finish_reason_to_proto, sampling_from_proto
+from services.serving.engine_loop import (
+    EngineLoop,
+    EventSink,
+    engine_key,
+)
+from services.serving.grpc_server import (
     ServerHandle,
-    abort_for,
     build_server,
     time_remaining,
 )
-from services.common.prompt import resolve_voice
-from services.common.sampling import sampling_from_proto
-from services.common.service_main import load_and_prepare, serve_stage
-from services.common.streams import close_quietly, relay_responses, write_quietly
-from services.common.wire import WireError, frames_to_proto, tensor_from_proto
-from services.common.metrics import StageMetrics
+from services.serving.metrics import StageMetrics
+from services.serving.stage_main import load_and_prepare, serve_stage
+from services.serving.status import WireError, abort_for
+from services.serving.streams import close_quietly, relay_responses, write_quietly
+from services.serving.wire import frames_to_proto, tensor_from_proto
 from services.talker.engine import (
     Frame,
     TalkerDone,
@@ -44,7 +49,6 @@ from services.talker.engine import (
     TalkerJob,
     TextEnd,
     TextRow,
-    talker_prompt_len,
 )
 
 log = logging.getLogger("talker")
@@ -158,33 +162,30 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
         try:
             await write_quietly(decode, stages_pb2.Code2WavInput(start=stages_pb2.Code2WavStart(request_id=request_id)))
             while True:
-                event = await sink.get(self.config.stage.stream_idle_timeout_s, "talker")
-                if isinstance(event, Frame):
-                    chunk = chunker.add(event.codes)
-                    if chunk is not None:
-                        async for out in self._send_chunk(decode, chunk, chunker, start.return_codec_frames):
-                            yield out
-                elif isinstance(event, TalkerDone):
-                    done = event
-                    chunk = chunker.flush()
-                    if chunk is not None:
-                        async for out in self._send_chunk(decode, chunk, chunker, start.return_codec_frames):
-                            yield out
-                    if await write_quietly(decode, stages_pb2.Code2WavInput(end=stages_pb2.CodecEnd())):
-                        await close_quietly(decode)
-                elif isinstance(event, stages_pb2.Code2WavOutput):
-                    if event.HasField("audio"):
-                        yield stages_pb2.TalkerOutput(audio=event.audio)
-                    else:
+                match await sink.get(self.config.stage.stream_idle_timeout_s, "talker"):
+                    case Frame(codes=codes):
+                        chunk = chunker.add(codes)
+                        if chunk is not None:
+                            async for out in self._send_chunk(decode, chunk, chunker, start.return_codec_frames):
+                                yield out
+                    case TalkerDone() as talker_done:
+                        done = talker_done
+                        chunk = chunker.flush()
+                        if chunk is not None:
+                            async for out in self._send_chunk(decode, chunk, chunker, start.return_codec_frames):
+                                yield out
+                        if await write_quietly(decode, stages_pb2.Code2WavInput(end=stages_pb2.CodecEnd())):
+                            await close_quietly(decode)
+                    case stages_pb2.Code2WavOutput() as out if out.HasField("audio"):
+                        yield stages_pb2.TalkerOutput(audio=out.audio)
+                    case stages_pb2.Code2WavOutput() as out:
                         yield stages_pb2.TalkerOutput(final=stages_pb2.TalkerFinal(
-                            finish_reason=done.reason.to_proto(), codec_frames=done.frames,
-                            audio_samples=event.final.audio_samples))
+                            finish_reason=finish_reason_to_proto(done.reason), codec_frames=done.frames,
+                            audio_samples=out.final.audio_samples))
                         return
-                elif isinstance(event, EngineFailed):
-                    await context.abort(grpc.StatusCode.INTERNAL, f"talker: {event.message}")
-                elif isinstance(event, BaseException):
-                    await abort_for(context, event)
-        except StreamIdle as exc:
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # a failed engine, code2wav or text stream: one status for the caller
             await abort_for(context, exc)
         finally:
             for task in tasks:
@@ -211,7 +212,7 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
                     raise InvalidArgument("event", "expected token or finished after start")
             raise InvalidArgument("finished", "stream closed before the text-finished mark")
         except (InvalidArgument, WireError) as exc:
-            sink.queue.put_nowait(exc)
+            sink.fail(exc)
         except grpc.aio.AioRpcError:
             pass
 
@@ -220,7 +221,7 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
 
 
 async def create_server(config: TalkerConfig) -> tuple[ServerHandle, EngineLoop]:
-    from services.common.checkpoint import Stage
+    from services.runtime.checkpoint import Stage
 
     loaded = load_and_prepare(config.stage, Stage.TALKER)
     engine = TalkerEngine(loaded.model, loaded.config, device=config.stage.device, engine_config=config.engine)

@@ -1,7 +1,7 @@
 """The thinker engine: prefill, then one decode step per generated text token.
 
 Continuous batching: each step prefills waiting requests (one at a time, through the module's own
-path) beside one batched decode step of every running request (services/common/batching.py).
+path) beside one batched decode step of every running request (services/runtime/batching.py).
 
 Mirrors `Qwen3OmniMoeThinkerForConditionalGeneration.generate` exactly under greedy decoding:
 the 4-row position ids (text row + 3 multimodal-rope rows) are computed once at prefill by the
@@ -15,16 +15,22 @@ generated token, then `Finished`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
-from services.common.batching import SlotKVCache, batch_invariant, use_rowwise_attention
-from services.common.cuda_graphs import GraphSettings
-from services.common.finish import FinishReason
-from services.common.lm_engine import SlotScheduledEngine
-from services.common.prompt import PromptInputs
-from services.common.sampling import SamplingConfig, select_token
-from services.common.scheduler import LMScheduler
+from services.runtime.batching import (
+    SlotKVCache,
+    batch_invariant,
+    use_rowwise_attention,
+)
+from services.runtime.cuda_graphs import GraphSettings
+from services.runtime.events import EngineEvent
+from services.runtime.finish import FinishReason
+from services.runtime.lm_engine import SlotScheduledEngine
+from services.runtime.prompt import PromptInputs
+from services.runtime.sampling import SamplingConfig, select_token
+from services.runtime.scheduler import LMScheduler
 
 
 @dataclass(frozen=True)
@@ -35,30 +41,28 @@ class ThinkerJob:
 
 
 @dataclass(frozen=True)
-class Prefilled:
+class Prefilled(EngineEvent):
     prompt_token_ids: list[int]
     prompt_embeds: torch.Tensor  # [P, H] layer-0 hidden state of every prompt position
     multimodal_positions: list[int]  # prompt positions holding audio/image/video tokens
     multimodal_hidden: torch.Tensor  # [M, H] hidden state of accept_hidden_layer at those positions
     tts_embeds: torch.Tensor  # [3, H] thinker embeddings of tts_bos, tts_eos, tts_pad
-    final: bool = False
 
 
 @dataclass(frozen=True)
-class Token:
+class Token(EngineEvent):
     token_id: int
     index: int  # 0-based position among generated tokens
     embedding: torch.Tensor | None  # [H] layer-0 embedding, when the talker is fed
     last: bool  # no token follows (end token, or max_new_tokens reached)
-    final: bool = False
 
 
 @dataclass(frozen=True)
-class Finished:
+class Finished(EngineEvent):
     reason: FinishReason
     prompt_tokens: int
     generated: int
-    final: bool = True
+    final: ClassVar[bool] = True
 
 
 @dataclass
@@ -74,8 +78,8 @@ class ThinkerEngineConfig:
     max_batch_size: int = 32  # requests decoded together in one step
     num_slots: int = 32  # KV cache slots (requests holding cache at once)
     max_model_len: int = 4096  # cache positions per slot: prompt + max_new_tokens must fit
-    exact_batching: bool = True  # batch-invariant kernels (see services/common/batching.py)
-    graphs: GraphSettings = GraphSettings()  # CUDA graphs of the decode step (services/common/static_decode.py)
+    exact_batching: bool = True  # batch-invariant kernels (see services/runtime/batching.py)
+    graphs: GraphSettings = GraphSettings()  # CUDA graphs of the decode step (services/runtime/static_decode.py)
 
 
 class ThinkerEngine(SlotScheduledEngine):
@@ -99,7 +103,8 @@ class ThinkerEngine(SlotScheduledEngine):
                                             engine_config.max_model_len, dtype, device)
         self.graphs = None
         if engine_config.graphs.enabled:
-            from services.common.static_decode import SlotDecodeGraphs, thinker_step
+            from services.runtime.static_decode import SlotDecodeGraphs
+            from services.thinker.graphs import thinker_step
 
             self.graphs = SlotDecodeGraphs(thinker_step(model, self.cache), self.cache, engine_config.num_slots,
                                            engine_config.graphs, engine_config.exact_batching, "thinker decode", device)

@@ -13,8 +13,19 @@ from dataclasses import dataclass
 import grpc
 
 from omni.v1 import omni_pb2, stages_pb2, stages_pb2_grpc
-from services.common.channels import ChannelPool
-from services.common.config import (
+from services.runtime.detokenizer import IncrementalDetokenizer
+from services.runtime.errors import InvalidArgument, run_cli
+from services.runtime.prompt import (
+    ChatMessage,
+    Part,
+    PromptBuilder,
+    PromptLimits,
+    Role,
+    resolve_voice,
+)
+from services.runtime.qwen3_omni import talker_prompt_len
+from services.serving.channels import ChannelPool
+from services.serving.config import (
     StageConfig,
     add_engine_flags,
     add_stage_flags,
@@ -22,23 +33,30 @@ from services.common.config import (
     exact_batching,
     stage_config_from_args,
 )
-from services.common.detokenizer import IncrementalDetokenizer
-from services.common.engine_loop import EngineFailed, EngineLoop, EventSink, StreamIdle, engine_key
-from services.common.errors import InvalidArgument, run_cli
-from services.common.grpc_server import (
+from services.serving.convert import finish_reason_to_proto, sampling_from_proto
+from services.serving.engine_loop import (
+    EngineLoop,
+    EventSink,
+    engine_key,
+)
+from services.serving.grpc_server import (
     ServerHandle,
-    abort_for,
     build_server,
     time_remaining,
 )
-from services.common.prompt import ChatMessage, Part, PromptBuilder, PromptLimits, Role, resolve_voice
-from services.common.sampling import sampling_from_proto
-from services.common.service_main import load_and_prepare, serve_stage
-from services.common.streams import close_quietly, relay_responses, write_quietly
-from services.common.wire import tensor_to_proto
-from services.common.metrics import StageMetrics
-from services.talker.engine import talker_prompt_len
-from services.thinker.engine import Finished, Prefilled, ThinkerEngine, ThinkerEngineConfig, ThinkerJob, Token
+from services.serving.metrics import StageMetrics
+from services.serving.stage_main import load_and_prepare, serve_stage
+from services.serving.status import abort_for
+from services.serving.streams import close_quietly, relay_responses, write_quietly
+from services.serving.wire import tensor_to_proto
+from services.thinker.engine import (
+    Finished,
+    Prefilled,
+    ThinkerEngine,
+    ThinkerEngineConfig,
+    ThinkerJob,
+    Token,
+)
 
 log = logging.getLogger("thinker")
 SERVICE = stages_pb2.DESCRIPTOR.services_by_name["Thinker"].full_name
@@ -150,38 +168,35 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         ttft = ttfp = None
         try:
             while True:
-                event = await sink.get(self.config.stage.stream_idle_timeout_s, "thinker")
-                if isinstance(event, Prefilled):
-                    speak = stages_pb2_grpc.TalkerStub(self.channels.get(request.route.talker)).Speak(
-                        timeout=time_remaining(context))
-                    tasks.append(asyncio.create_task(relay_responses(
-                        speak, "talker", request.route.talker, sink, lambda out: out.HasField("final"))))
-                    await write_quietly(speak, stages_pb2.TalkerInput(
-                        start=self._talker_start(req, request.route, event, prepared)))
-                elif isinstance(event, Token):
-                    ttft = ttft if ttft is not None else (time.perf_counter() - received) * 1000
-                    yield omni_pb2.GenerateResponse(request_id=request_id, text=omni_pb2.TextDelta(
-                        text=detok.add(event.token_id, last=event.last), token_ids=[event.token_id]))
-                    if speak is not None and talker_done is None:
-                        await self._feed_talker(speak, event)
-                elif isinstance(event, Finished):
-                    text_done = event
-                elif isinstance(event, stages_pb2.TalkerOutput):
-                    if event.HasField("audio"):
+                match await sink.get(self.config.stage.stream_idle_timeout_s, "thinker"):
+                    case Prefilled() as prefilled:
+                        speak = stages_pb2_grpc.TalkerStub(self.channels.get(request.route.talker)).Speak(
+                            timeout=time_remaining(context))
+                        tasks.append(asyncio.create_task(relay_responses(
+                            speak, "talker", request.route.talker, sink, lambda out: out.HasField("final"))))
+                        await write_quietly(speak, stages_pb2.TalkerInput(
+                            start=self._talker_start(req, request.route, prefilled, prepared)))
+                    case Token() as token:
+                        ttft = ttft if ttft is not None else (time.perf_counter() - received) * 1000
+                        yield omni_pb2.GenerateResponse(request_id=request_id, text=omni_pb2.TextDelta(
+                            text=detok.add(token.token_id, last=token.last), token_ids=[token.token_id]))
+                        if speak is not None and talker_done is None:
+                            await self._feed_talker(speak, token)
+                    case Finished() as finished:
+                        text_done = finished
+                    case stages_pb2.TalkerOutput() as out if out.HasField("audio"):
                         ttfp = ttfp if ttfp is not None else (time.perf_counter() - received) * 1000
-                        yield omni_pb2.GenerateResponse(request_id=request_id, audio=event.audio)
-                    elif event.HasField("codec_frames"):
-                        yield omni_pb2.GenerateResponse(request_id=request_id, codec_frames=event.codec_frames)
-                    else:
-                        talker_done = event.final  # the talker may finish before the text does
-                elif isinstance(event, EngineFailed):
-                    await context.abort(grpc.StatusCode.INTERNAL, f"thinker: {event.message}")
-                elif isinstance(event, BaseException):
-                    await abort_for(context, event)
+                        yield omni_pb2.GenerateResponse(request_id=request_id, audio=out.audio)
+                    case stages_pb2.TalkerOutput() as out if out.HasField("codec_frames"):
+                        yield omni_pb2.GenerateResponse(request_id=request_id, codec_frames=out.codec_frames)
+                    case stages_pb2.TalkerOutput() as out:
+                        talker_done = out.final  # the talker may finish before the text does
                 if text_done is not None and (talker_done is not None or not prepared.audio):
                     yield self._final(request_id, text_done, talker_done, received, ttft, ttfp)
                     return
-        except StreamIdle as exc:
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # a failed engine, talker or stream: one status for the caller
             await abort_for(context, exc)
         finally:
             for task in tasks:
@@ -218,7 +233,7 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
 
     @staticmethod
     def _final(request_id, text: Finished, talker: stages_pb2.TalkerFinal | None, received, ttft, ttfp):
-        final = omni_pb2.Final(text_finish_reason=text.reason.to_proto())
+        final = omni_pb2.Final(text_finish_reason=finish_reason_to_proto(text.reason))
         final.usage.prompt_tokens = text.prompt_tokens
         final.usage.text_tokens = text.generated
         if talker is not None:
@@ -235,7 +250,7 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
 
 
 async def create_server(config: ThinkerConfig) -> tuple[ServerHandle, EngineLoop]:
-    from services.common.checkpoint import Stage
+    from services.runtime.checkpoint import Stage
 
     build_prompt = PromptBuilder.build
     if config.backend == "vllm":

@@ -79,9 +79,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from services.common.engine_loop import EngineFailed
-from services.common.finish import FinishReason
-from services.common.prompt import (
+from services.runtime.events import RequestFailed
+from services.runtime.finish import FinishReason
+from services.runtime.prompt import (
     AUDIO_SAMPLE_RATE,
     ChatMessage,
     PromptBuilder,
@@ -89,7 +89,7 @@ from services.common.prompt import (
     decode_audio,
     decode_image,
 )
-from services.common.sampling import SamplingConfig
+from services.runtime.sampling import SamplingConfig
 from services.thinker.engine import Finished, Prefilled, ThinkerJob, Token
 
 EMBED_KEY = "thinker.model.embed_tokens.weight"
@@ -271,7 +271,7 @@ def load_prefill_model(checkpoint: str | Path, layers: int, dtype: torch.dtype, 
         Qwen3OmniMoeThinkerForConditionalGeneration,
     )
 
-    from services.common.checkpoint import load_config
+    from services.runtime.checkpoint import load_config
 
     thinker = load_config(checkpoint).thinker_config
     text = thinker.text_config
@@ -336,7 +336,7 @@ class _Request:
 
 class VllmThinkerEngine:
     def __init__(self, engine_config: VllmThinkerConfig):
-        from services.common.checkpoint import load_config
+        from services.runtime.checkpoint import load_config
 
         self.engine_config = engine_config
         self.config = load_config(engine_config.checkpoint)  # the full Qwen3OmniMoeConfig, as ThinkerEngine's
@@ -401,7 +401,7 @@ class VllmThinkerEngine:
             expected = request.job.prompt.input_ids[0].tolist()
             if list(output.prompt_token_ids) != expected:
                 self.abort(request_id)
-                return [(request_id, EngineFailed(
+                return [(request_id, RequestFailed(
                     f"vLLM expanded the prompt to {len(output.prompt_token_ids)} tokens, the prompt builder "
                     f"to {len(expected)}: audio/image positions differ"))]
         completion = output.outputs[0]
@@ -416,7 +416,7 @@ class VllmThinkerEngine:
             del self._requests[request_id]
             reason = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}.get(completion.finish_reason)
             if reason is None or not new:
-                return events + [(request_id, EngineFailed(f"vLLM ended the request: {completion.finish_reason}"))]
+                return events + [(request_id, RequestFailed(f"vLLM ended the request: {completion.finish_reason}"))]
             events.append((request_id, Finished(reason, request.job.prompt.num_tokens, request.generated)))
         return events
 

@@ -7,7 +7,7 @@ import pytest
 from bench.config import build_parser, config_from_args
 from bench.harness import plan_blocks
 from bench.systems import System
-from services.common.errors import UserError
+from services.runtime.errors import UserError
 
 
 def config(*extra: str):

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from bench.prompts import built_in_prompts, load_jsonl
-from services.common.errors import UserError
-from services.common.prompt import Role
+from services.runtime.errors import UserError
+from services.runtime.prompt import Role
 
 
 def test_built_in_prompts_are_text_with_a_system_turn():

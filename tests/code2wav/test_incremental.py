@@ -13,7 +13,7 @@ import torch
 
 from services.code2wav.incremental import IncrementalDecoder
 from services.code2wav.streaming import StreamingDecoder, decode_full, measure_geometry
-from services.common.checkpoint import Stage, load_stage
+from services.runtime.checkpoint import Stage, load_stage
 
 REAL_REACH = {"code2wav_config": {"num_hidden_layers": 8, "sliding_window": 72}}
 FRAMES = 160
@@ -28,7 +28,7 @@ def snr_db(reference: np.ndarray, test: np.ndarray) -> float:
 def vocoders(tiny_checkpoint, tmp_path_factory):
     import transformers
 
-    from services.common.tiny_checkpoint import build
+    from services.tools.tiny_checkpoint import build
 
     transformers.logging.set_verbosity_error()
     real_reach = build(tmp_path_factory.mktemp("ckpt") / "tiny-real-reach", seed=0, layout=REAL_REACH)

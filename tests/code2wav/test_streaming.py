@@ -15,9 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from services.code2wav.streaming import StreamingDecoder, VocoderGeometry, decode_full, measure_geometry
-from services.common.checkpoint import Stage, load_stage
-from services.common.tiny_checkpoint import build
+from services.code2wav.streaming import (
+    StreamingDecoder,
+    VocoderGeometry,
+    decode_full,
+    measure_geometry,
+)
+from services.runtime.checkpoint import Stage, load_stage
+from services.tools.tiny_checkpoint import build
 
 N_FRAMES = 60
 EXACT_SNR_DB = 100.0

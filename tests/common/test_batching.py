@@ -1,4 +1,4 @@
-"""Batch-invariant linear layers, the slot KV cache and row-wise attention (services/common/batching.py).
+"""Batch-invariant linear layers, the slot KV cache and row-wise attention (services/runtime/batching.py).
 
 Why the exact mode exists: one GEMM over B rows does not give the same bits per row as B
 single-row calls (different kernels and blocking), so a request's greedy tokens would depend on
@@ -16,8 +16,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.common import batching
-from services.common.batching import ROWWISE_ATTENTION, RowKV, SlotKVCache, batch_invariant
+from services.runtime import batching
+from services.runtime.batching import (
+    ROWWISE_ATTENTION,
+    RowKV,
+    SlotKVCache,
+    batch_invariant,
+)
 
 original_linear = batching._original_linear  # torch's own F.linear, before the module patched it
 

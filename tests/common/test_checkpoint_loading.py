@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.common.checkpoint import Stage, check_folder, checkpoint_keys, load_stage
-from services.common.errors import UserError
-from services.common.full_size import REAL_LAYOUT
+from services.runtime.checkpoint import Stage, check_folder, checkpoint_keys, load_stage
+from services.runtime.errors import UserError
+from services.runtime.full_size import REAL_LAYOUT
 
 # Files of a checkpoint folder besides the weights.
 NON_WEIGHT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "preprocessor_config.json")

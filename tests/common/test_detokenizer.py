@@ -6,7 +6,7 @@ import random
 
 from transformers import AutoTokenizer
 
-from services.common.detokenizer import IncrementalDetokenizer
+from services.runtime.detokenizer import IncrementalDetokenizer
 
 
 def test_deltas_concatenate_to_the_full_text_and_hold_back_split_characters(tiny_checkpoint):

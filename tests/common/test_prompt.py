@@ -7,8 +7,8 @@ import io
 import numpy as np
 import pytest
 
-from services.common.errors import InvalidArgument
-from services.common.prompt import (
+from services.runtime.errors import InvalidArgument
+from services.runtime.prompt import (
     AUDIO_SAMPLE_RATE,
     ChatMessage,
     Part,

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from services.common.errors import InvalidArgument, UserError
-from services.common.prompt import ChatMessage, Part, Role
-from services.common.reference import ReferenceRunner, messages_from_args
+from services.runtime.errors import InvalidArgument, UserError
+from services.runtime.prompt import ChatMessage, Part, Role
+from services.tools.reference import ReferenceRunner, messages_from_args
 
 MAX_NEW_TOKENS = 8
 TALKER_MAX_NEW_TOKENS = 24
@@ -185,7 +185,7 @@ def cli_runs(tiny_checkpoint, cli_tmp):
         SUBPROCESS_ERROR_CASE: cli_args(tiny_checkpoint, cli_tmp, ERROR_CASES[SUBPROCESS_ERROR_CASE][0]),
     }
     procs = {
-        case: subprocess.Popen([sys.executable, "-m", "services.common.reference", *args], cwd=REPO,
+        case: subprocess.Popen([sys.executable, "-m", "services.tools.reference", *args], cwd=REPO,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for case, args in commands.items()
     }
@@ -234,7 +234,7 @@ def test_cli_process_exits_2_with_one_error_line(cli_runs):
 
 @pytest.mark.parametrize("case", [c for c in ERROR_CASES if c != SUBPROCESS_ERROR_CASE])
 def test_cli_user_mistake_returns_2_with_one_error_line(tiny_checkpoint, cli_tmp, capsys, case):
-    from services.common.reference import main
+    from services.tools.reference import main
 
     extra, expected = ERROR_CASES[case]
     assert main(cli_args(tiny_checkpoint, cli_tmp, extra)) == 2

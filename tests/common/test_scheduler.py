@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from services.common.scheduler import CacheFull, LMScheduler, Phase
+from services.runtime.scheduler import CacheFull, LMScheduler, Phase
 
 
 def step(s: LMScheduler, finished: set[str] = frozenset()):

@@ -2,7 +2,7 @@
 
 NOTE: `AutoProcessor.from_pretrained` on the folder raises ImportError (transformers 5.19):
 Qwen3OmniMoeProcessor wants a Qwen2VLVideoProcessor, which requires torchvision, and no
-torchvision build matches the CPU torch wheel here. That is why services/common/prompt.py drives
+torchvision build matches the CPU torch wheel here. That is why services/runtime/prompt.py drives
 the tokenizer, feature extractor and image processor itself.
 """
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.common.checkpoint import Stage, load_stage
-from services.common.tiny_checkpoint import SPECIAL_TOKENS, build
+from services.runtime.checkpoint import Stage, load_stage
+from services.tools.tiny_checkpoint import SPECIAL_TOKENS, build
 
 MAX_FOLDER_BYTES = 8_000_000
 
@@ -49,7 +49,7 @@ def test_same_seed_builds_byte_identical_folder(tiny_checkpoint, tmp_path):
 
 
 def test_cli_with_another_seed_writes_different_weights(tiny_checkpoint, tmp_path, capsys):
-    from services.common.tiny_checkpoint import main
+    from services.tools.tiny_checkpoint import main
 
     other = tmp_path / "seed1"
     assert main(["--out", str(other), "--seed", "1"]) == 0
@@ -65,7 +65,7 @@ def test_folder_is_a_few_megabytes(tiny_checkpoint):
 
 
 def test_cli_refuses_an_out_path_that_is_a_file(tmp_path, capsys):
-    from services.common.tiny_checkpoint import main
+    from services.tools.tiny_checkpoint import main
 
     target = tmp_path / "a_file"
     target.write_text("x")

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from omni.v1 import common_pb2, omni_pb2, stages_pb2
-from services.common.errors import InvalidArgument
-from services.common.sampling import SamplingConfig, sampling_from_proto
-from services.common.wire import (
+from services.runtime.errors import InvalidArgument
+from services.runtime.sampling import SamplingConfig
+from services.serving.convert import sampling_from_proto
+from services.serving.wire import (
     WireError,
     audio_from_proto,
     audio_to_proto,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.client import connect
-from router.launcher import Stack, StackOptions
+from services.tools.client import connect
+from services.tools.launcher import Stack, StackOptions
 
 
 @pytest.fixture(scope="session")
@@ -29,7 +29,7 @@ def reference(tiny_checkpoint):
     """transformers' generate on the same checkpoint, in this process: the oracle."""
     import transformers
 
-    from services.common.reference import ReferenceRunner
+    from services.tools.reference import ReferenceRunner
 
     transformers.logging.set_verbosity_error()
     return ReferenceRunner(tiny_checkpoint)

@@ -6,8 +6,8 @@ import grpc
 import pytest
 
 from omni.v1 import omni_pb2, stages_pb2, stages_pb2_grpc
-from router.client import build_request, collect
-from services.common.grpc_server import channel_options
+from services.serving.grpc_server import channel_options
+from services.tools.client import build_request, collect
 
 
 def bad_requests(wav_bytes):

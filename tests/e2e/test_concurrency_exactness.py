@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from router.client import build_request, collect
-from services.common.prompt import ChatMessage, Part, Role
+from services.runtime.prompt import ChatMessage, Part, Role
+from services.tools.client import build_request, collect
 
 VOICES = ("ethan", "chelsie", "aiden")
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from router.client import build_request, collect
 from services.code2wav.streaming import decode_full
-from services.common.prompt import ChatMessage, Part, Role
+from services.runtime.prompt import ChatMessage, Part, Role
+from services.tools.client import build_request, collect
 
 MAX_TEXT = 24
 MAX_FRAMES_TOKENS = 60  # the talker's max new tokens: at most 59 frames

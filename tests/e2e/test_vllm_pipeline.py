@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from router.client import build_request, collect, connect
-from router.launcher import Stack, StackOptions
-from services.common.prompt import ChatMessage, Part, Role
+from services.runtime.prompt import ChatMessage, Part, Role
 from services.thinker.vllm_backend import TINY_LAYOUT_FOR_VLLM_CPU, vllm_available
+from services.tools.client import build_request, collect, connect
+from services.tools.launcher import Stack, StackOptions
 
 VLLM_OK, VLLM_DETAIL = vllm_available()
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def vllm_stack(tmp_path_factory):
-    from services.common.tiny_checkpoint import build
+    from services.tools.tiny_checkpoint import build
 
     checkpoint = build(tmp_path_factory.mktemp("ckpt") / "tiny-hd32", seed=0, layout=TINY_LAYOUT_FOR_VLLM_CPU)
     options = StackOptions(checkpoint=str(checkpoint), port=0, threads=1, log_prefix=False,
@@ -34,7 +34,7 @@ def vllm_stack(tmp_path_factory):
 def test_pipeline_with_the_vllm_thinker_equals_generate(vllm_stack, case, wav_bytes):
     import transformers
 
-    from services.common.reference import ReferenceRunner
+    from services.tools.reference import ReferenceRunner
 
     stack, checkpoint = vllm_stack
     audio = wav_bytes if case == "audio" else None

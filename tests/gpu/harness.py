@@ -7,13 +7,30 @@ from collections import defaultdict
 
 import torch
 
-from services.common.batching import SlotKVCache
-from services.common.cuda_graphs import GraphSettings
-from services.common.prompt import resolve_voice
-from services.common.sampling import SamplingConfig
-from services.common.static_decode import PredictorGraphs, SlotDecodeGraphs, talker_step, thinker_step
-from services.talker.engine import Frame, TalkerDone, TalkerEngine, TalkerEngineConfig, TalkerJob, TextEnd, TextRow
-from services.thinker.engine import Finished, Prefilled, ThinkerEngine, ThinkerEngineConfig, ThinkerJob, Token
+from services.runtime.batching import SlotKVCache
+from services.runtime.cuda_graphs import GraphSettings
+from services.runtime.prompt import resolve_voice
+from services.runtime.sampling import SamplingConfig
+from services.runtime.static_decode import SlotDecodeGraphs
+from services.talker.engine import (
+    Frame,
+    TalkerDone,
+    TalkerEngine,
+    TalkerEngineConfig,
+    TalkerJob,
+    TextEnd,
+    TextRow,
+)
+from services.talker.graphs import PredictorGraphs, talker_step
+from services.thinker.engine import (
+    Finished,
+    Prefilled,
+    ThinkerEngine,
+    ThinkerEngineConfig,
+    ThinkerJob,
+    Token,
+)
+from services.thinker.graphs import thinker_step
 
 BUCKETS = (1, 2, 4, 8)  # 3 requests run padded to 4
 SLOTS = 4

@@ -12,13 +12,19 @@ import numpy as np
 import pytest
 import torch
 
-from services.code2wav.engine import Audio, CodecChunk, CodecEnd, Code2WavEngine, Decoded
-from services.common.checkpoint import Stage, load_stage
-from services.common.finish import FinishReason
-from services.common.prompt import PromptBuilder
-from services.common.reference import messages_from_args
+from services.code2wav.engine import (
+    Audio,
+    Code2WavEngine,
+    CodecChunk,
+    CodecEnd,
+    Decoded,
+)
+from services.runtime.checkpoint import Stage, load_stage
+from services.runtime.finish import FinishReason
+from services.runtime.prompt import PromptBuilder
 from services.talker.engine import TalkerEngine, TalkerEngineConfig
 from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig
+from services.tools.reference import messages_from_args
 from tests.gpu.harness import run_pipeline
 
 THINKER_TOKENS = 5

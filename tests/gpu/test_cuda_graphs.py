@@ -1,4 +1,4 @@
-"""services/common/cuda_graphs.py on CPU: bucket choice, padding plans, flags, and the eager
+"""services/runtime/cuda_graphs.py on CPU: bucket choice, padding plans, flags, and the eager
 fallback of GraphRunner (what CPU runs). Capture and replay need a GPU: bench/device_check.sh."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ import argparse
 import pytest
 import torch
 
-from services.common.config import add_stage_flags, stage_config_from_args
-from services.common.cuda_graphs import (
+from services.runtime.cuda_graphs import (
     DEFAULT_BUCKETS,
     GraphRunner,
     GraphSettings,
@@ -20,7 +19,8 @@ from services.common.cuda_graphs import (
     pick_bucket,
     plan_padding,
 )
-from services.common.errors import UserError
+from services.runtime.errors import UserError
+from services.serving.config import add_stage_flags, stage_config_from_args
 
 
 @pytest.mark.parametrize("batch, bucket", [(1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (17, 32), (33, 64), (64, 64)])

@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 import torch
 
-from services.common.checkpoint import Stage, _stage_classes, load_config, load_stage
-from services.common.config import StageConfig
-from services.common.errors import UserError
-from services.common.full_size import REAL_LAYOUT, check_layout
-from services.common.prompt import PromptBuilder
-from services.common.reference import messages_from_args
-from services.common.service_main import load_and_prepare
-from services.common.tiny_checkpoint import build_config, build_tokenizer, main
+from services.runtime.checkpoint import Stage, _stage_classes, load_config, load_stage
+from services.runtime.errors import UserError
+from services.runtime.full_size import REAL_LAYOUT, check_layout
+from services.runtime.prompt import PromptBuilder
+from services.serving.config import StageConfig
+from services.serving.stage_main import load_and_prepare
 from services.talker.engine import TalkerEngine, TalkerEngineConfig
 from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig
+from services.tools.reference import messages_from_args
+from services.tools.tiny_checkpoint import build_config, build_tokenizer, main
 from tests.gpu.harness import run_pipeline
 
 # The full-size code path at small numbers: every size the real layout sets, scaled down, with the

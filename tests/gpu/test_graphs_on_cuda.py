@@ -13,12 +13,12 @@ import torch
 
 from services.code2wav.engine import Code2WavGraphs
 from services.code2wav.streaming import forward_batch
-from services.common.checkpoint import Stage, load_stage
-from services.common.cuda_graphs import GraphSettings
-from services.common.prompt import PromptBuilder
-from services.common.reference import messages_from_args
+from services.runtime.checkpoint import Stage, load_stage
+from services.runtime.cuda_graphs import GraphSettings
+from services.runtime.prompt import PromptBuilder
 from services.talker.engine import TalkerEngine, TalkerEngineConfig
 from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig
+from services.tools.reference import messages_from_args
 from tests.gpu.harness import run_pipeline, static_engines
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

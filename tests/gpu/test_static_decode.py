@@ -1,4 +1,4 @@
-"""The static-shape steps that CUDA graphs capture (services/common/static_decode.py), checked on CPU.
+"""The static-shape steps that CUDA graphs capture (services/runtime/static_decode.py), checked on CPU.
 
 1. Run eagerly on CPU, padded to buckets, the static thinker step, talker step and code-predictor
    frame give the same greedy text ids and codec frames as the engines' row-wise steps.
@@ -17,17 +17,19 @@ from unittest import mock
 import pytest
 import torch
 
-from services.common.batching import SlotKVCache, use_rowwise_attention
-from services.common.checkpoint import Stage, _stage_classes, load_stage
-from services.common.cuda_graphs import GraphSettings
-from services.common.full_size import REAL_LAYOUT
-from services.common.prompt import PromptBuilder
-from services.common.reference import messages_from_args
-from services.common.static_decode import PredictorGraphs, talker_step, thinker_step
-from services.common.tiny_checkpoint import build_config, build_tokenizer
+from services.runtime.batching import SlotKVCache, use_rowwise_attention
+from services.runtime.checkpoint import Stage, _stage_classes, load_stage
+from services.runtime.cuda_graphs import GraphSettings
+from services.runtime.full_size import REAL_LAYOUT
+from services.runtime.prompt import PromptBuilder
 from services.talker.engine import TalkerEngine, TalkerEngineConfig
+from services.talker.graphs import PredictorGraphs, talker_step
 from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig
+from services.thinker.graphs import thinker_step
+from services.tools.reference import messages_from_args
+from services.tools.tiny_checkpoint import build_config, build_tokenizer
 from tests.gpu.harness import SLOTS, run_pipeline, static_engines
+
 
 def test_static_steps_give_the_row_wise_steps_greedy_output(tiny_checkpoint, wav_file):
     stages = load_stage(tiny_checkpoint, Stage.THINKER), load_stage(tiny_checkpoint, Stage.TALKER)

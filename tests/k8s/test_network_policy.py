@@ -7,7 +7,14 @@ import itertools
 
 import pytest
 
-from .manifests import COMPONENTS, KUSTOMIZATIONS, Peer, container_port, ingress_allowed, main_container
+from .manifests import (
+    COMPONENTS,
+    KUSTOMIZATIONS,
+    Peer,
+    container_port,
+    ingress_allowed,
+    main_container,
+)
 
 MONITORING = "monitoring"
 

@@ -160,7 +160,7 @@ def test_each_stage_autoscales_on_its_own_queue_depth(rendered, kustomization):
 def test_the_autoscalers_metric_is_the_one_each_stage_exports():
     from prometheus_client import generate_latest
 
-    from services.common.metrics import StageMetrics
+    from services.serving.metrics import StageMetrics
 
     for stage in STAGES:
         text = generate_latest(StageMetrics(stage).registry).decode()

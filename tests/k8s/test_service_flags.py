@@ -119,7 +119,7 @@ def test_each_stage_reads_its_checkpoint_from_the_checkpoint_volume(overlays, ov
         if overlay == "dev-cpu":
             # Written by the initContainer into the pod's emptyDir, where the stage looks for it.
             (init,) = spec["initContainers"]
-            assert entry_point(init) == "services.common.tiny_checkpoint:main"
+            assert entry_point(init) == "services.tools.tiny_checkpoint:main"
             assert flag_value(argv_of(init), "--out") == parsed.args.checkpoint, stage
             assert "emptyDir" in volume
             init_mounts = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}

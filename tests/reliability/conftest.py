@@ -10,11 +10,18 @@ from __future__ import annotations
 
 import pytest
 
-from bench.soak import wait_settled
-from router.client import connect
-from router.launcher import Stack, StackOptions, free_port
+from services.tools.client import connect
+from services.tools.launcher import Stack, StackOptions, free_port
+from services.tools.soak import wait_settled
 
-from .support import MAX_IN_FLIGHT, MAX_QUEUE, QUEUE_TIMEOUT_S, SETTLE_S, TALKER_GRACE_S, Reliable
+from .support import (
+    MAX_IN_FLIGHT,
+    MAX_QUEUE,
+    QUEUE_TIMEOUT_S,
+    SETTLE_S,
+    TALKER_GRACE_S,
+    Reliable,
+)
 
 
 @pytest.fixture(scope="package")

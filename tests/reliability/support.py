@@ -7,9 +7,9 @@ import signal
 import time
 from dataclasses import dataclass
 
-from bench.soak import STAGES, Call, read_router_gauges, wait_settled
-from router.client import build_request
-from router.launcher import Stack
+from services.tools.client import build_request
+from services.tools.launcher import Stack
+from services.tools.soak import STAGES, Call, read_router_gauges, wait_settled
 
 MAX_IN_FLIGHT = 4  # router admission: requests streaming at once
 MAX_QUEUE = 4  # requests waiting for a place

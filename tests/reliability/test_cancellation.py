@@ -9,8 +9,8 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, wait
 
-from bench.soak import Call, CancelPoint, CancelWhen, read_router_gauges
-from router.client import build_request
+from services.tools.client import build_request
+from services.tools.soak import Call, CancelPoint, CancelWhen, read_router_gauges
 
 from .support import MAX_IN_FLIGHT, assert_recovered
 

@@ -11,12 +11,11 @@ import time
 from pathlib import Path
 
 import grpc
-import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.soak import Call, read_load
-from router.client import build_request
-from router.launcher import health_status
+from services.tools.client import build_request
+from services.tools.launcher import health_status
+from services.tools.soak import Call, read_load
 
 from .support import TALKER_GRACE_S, assert_recovered
 
@@ -106,7 +105,7 @@ def test_sigterm_drains_a_talker_its_stream_completes_it_exits_and_new_requests_
 
 SLOW_SERVER = """
 import asyncio, grpc
-from services.common.grpc_server import build_server, serve_until_signal
+from services.serving.grpc_server import build_server, serve_until_signal
 
 async def slow(request, context):
     for _ in range(600):

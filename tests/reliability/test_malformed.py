@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import grpc
 import pytest
 
-from bench.soak import Call, malformed_requests, method_for
-from services.common.grpc_server import channel_options
+from services.serving.grpc_server import channel_options
+from services.tools.soak import Call, malformed_requests, method_for
 
 from .support import MAX_IN_FLIGHT, assert_recovered
 

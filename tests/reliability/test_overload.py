@@ -9,8 +9,9 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, wait
 
-from bench.soak import Call, read_load, read_router_gauges
-from router.client import build_request
+from services.tools.client import build_request
+from services.tools.soak import Call, read_load, read_router_gauges
+
 from .support import MAX_IN_FLIGHT, MAX_QUEUE, QUEUE_TIMEOUT_S, assert_recovered
 
 OFFERED = 30  # requests at once: 30 against 4 in flight + 4 queued

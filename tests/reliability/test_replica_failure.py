@@ -7,8 +7,8 @@ from __future__ import annotations
 import threading
 import time
 
-from bench.soak import Call, read_load
-from router.client import build_request
+from services.tools.client import build_request
+from services.tools.soak import Call, read_load
 
 from .support import MAX_IN_FLIGHT, assert_recovered
 

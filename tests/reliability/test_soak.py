@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from bench.soak import main
+from services.tools.soak import main
 
 from .support import assert_recovered
 
@@ -29,7 +29,7 @@ def test_a_short_soak_reports_nothing_leaked_or_hung(stack, omni, capsys):
 @pytest.mark.slow
 def test_omni_soak_with_its_own_stack_and_chaos_leaks_nothing(tiny_checkpoint):
     run = subprocess.run(
-        [sys.executable, "-m", "bench.soak", "--checkpoint", str(tiny_checkpoint), "--duration-s", "30",
+        [sys.executable, "-m", "services.tools.soak", "--checkpoint", str(tiny_checkpoint), "--duration-s", "30",
          "--threads", "1", "--chaos", "--json"],
         capture_output=True, text=True, timeout=600,
     )

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from omni.v1 import common_pb2, stages_pb2_grpc
-from router.client import build_request, collect, connect
-from router.launcher import Stack, StackOptions, free_port, health_status
-from services.common.security import TLSConfig, secure_or_insecure_channel
+from services.serving.security import TLSConfig, secure_or_insecure_channel
+from services.tools.client import build_request, collect, connect
+from services.tools.launcher import Stack, StackOptions, free_port, health_status
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 

@@ -15,13 +15,28 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from services.common.checkpoint import Stage, load_stage
-from services.common.finish import FinishReason
-from services.common.prompt import PromptBuilder, resolve_voice
-from services.common.reference import ReferenceRunner, messages_from_args
-from services.common.sampling import SamplingConfig
-from services.talker.engine import Frame, TalkerDone, TalkerEngine, TalkerEngineConfig, TalkerJob, TextEnd, TextRow
-from services.thinker.engine import Finished, Prefilled, ThinkerEngine, ThinkerEngineConfig, ThinkerJob, Token
+from services.runtime.checkpoint import Stage, load_stage
+from services.runtime.finish import FinishReason
+from services.runtime.prompt import PromptBuilder, resolve_voice
+from services.runtime.sampling import SamplingConfig
+from services.talker.engine import (
+    Frame,
+    TalkerDone,
+    TalkerEngine,
+    TalkerEngineConfig,
+    TalkerJob,
+    TextEnd,
+    TextRow,
+)
+from services.thinker.engine import (
+    Finished,
+    Prefilled,
+    ThinkerEngine,
+    ThinkerEngineConfig,
+    ThinkerJob,
+    Token,
+)
+from services.tools.reference import ReferenceRunner, messages_from_args
 
 # transformers warns on every talker generate that the penalty skips the prompt; expected here.
 pytestmark = pytest.mark.filterwarnings("ignore:Passing `repetition_penalty`:UserWarning")

@@ -13,13 +13,20 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from services.common.checkpoint import Stage, load_stage
-from services.common.finish import FinishReason
-from services.common.prompt import PromptBuilder
-from services.common.reference import messages_from_args
-from services.common.sampling import SamplingConfig
-from services.common.scheduler import CacheFull
-from services.thinker.engine import Finished, Prefilled, ThinkerEngine, ThinkerEngineConfig, ThinkerJob, Token
+from services.runtime.checkpoint import Stage, load_stage
+from services.runtime.finish import FinishReason
+from services.runtime.prompt import PromptBuilder
+from services.runtime.sampling import SamplingConfig
+from services.runtime.scheduler import CacheFull
+from services.thinker.engine import (
+    Finished,
+    Prefilled,
+    ThinkerEngine,
+    ThinkerEngineConfig,
+    ThinkerJob,
+    Token,
+)
+from services.tools.reference import messages_from_args
 
 SLOTS = 4
 MAX_MODEL_LEN = 128  # the longest prompt here is ~35 tokens

@@ -14,17 +14,17 @@ import numpy as np
 import pytest
 import torch
 
-from services.common.prompt import ChatMessage, Part, Role
-from services.common.sampling import SamplingConfig
+from services.runtime.prompt import ChatMessage, Part, Role
+from services.runtime.sampling import SamplingConfig
 from services.thinker.engine import Finished, Prefilled, ThinkerJob, Token
 from services.thinker.vllm_backend import (
     MEDIA_KEY,
+    TINY_LAYOUT_FOR_VLLM_CPU,
     build_prompt,
     collapse_placeholders,
     hf_overrides,
     load_embedding_table,
     pad_audio,
-    TINY_LAYOUT_FOR_VLLM_CPU,
     vllm_available,
     vllm_prompt,
 )
@@ -68,8 +68,8 @@ def test_collapse_placeholders_keeps_one_token_per_run():
 
 
 def test_vllm_prompt_collapses_media_runs_and_carries_the_raw_media(tiny_checkpoint, wav_bytes, png_bytes):
-    from services.common.checkpoint import load_config
-    from services.common.prompt import PromptBuilder
+    from services.runtime.checkpoint import load_config
+    from services.runtime.prompt import PromptBuilder
 
     config = load_config(tiny_checkpoint)
     messages = user_turn("Describe.", audio=wav_bytes, image=png_bytes)
@@ -99,7 +99,7 @@ def wav(samples: int, rate: int = 16000) -> bytes:
 
 
 def test_pad_audio_appends_silence_up_to_a_whole_hop():
-    from services.common.prompt import decode_audio
+    from services.runtime.prompt import decode_audio
 
     messages = user_turn("hi", audio=wav(16080))
     padded = pad_audio(messages, 160)[1].parts[0]
@@ -117,7 +117,7 @@ def test_hf_overrides_fill_only_the_keys_vllm_needs(tiny_checkpoint):
 
 
 def test_embedding_table_from_safetensors_equals_the_loaded_thinker(tiny_checkpoint):
-    from services.common.checkpoint import Stage, load_stage
+    from services.runtime.checkpoint import Stage, load_stage
 
     model = load_stage(tiny_checkpoint, Stage.THINKER).model
     table = load_embedding_table(tiny_checkpoint, torch.float32)
@@ -132,7 +132,7 @@ HEAD_DIM_32 = TINY_LAYOUT_FOR_VLLM_CPU
 
 @pytest.fixture(scope="module")
 def vllm_checkpoint(tmp_path_factory):
-    from services.common.tiny_checkpoint import build
+    from services.tools.tiny_checkpoint import build
 
     return build(tmp_path_factory.mktemp("ckpt") / "tiny-hd32", seed=0, layout=HEAD_DIM_32)
 
@@ -142,11 +142,11 @@ def backends(vllm_checkpoint):
     """(vLLM engine, transformers engine, prompt builder, reference runner) on that checkpoint."""
     import transformers
 
-    from services.common.checkpoint import Stage, load_stage
-    from services.common.prompt import PromptBuilder
-    from services.common.reference import ReferenceRunner
+    from services.runtime.checkpoint import Stage, load_stage
+    from services.runtime.prompt import PromptBuilder
     from services.thinker.engine import ThinkerEngine
     from services.thinker.vllm_backend import VllmThinkerConfig, VllmThinkerEngine
+    from services.tools.reference import ReferenceRunner
 
     transformers.logging.set_verbosity_error()
     loaded = load_stage(vllm_checkpoint, Stage.THINKER)

@@ -10,9 +10,14 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from services.common.cuda_graphs import DEFAULT_BUCKETS, GraphSettings, graphs_wanted, parse_buckets
-from services.common.grpc_server import DEFAULT_MAX_MESSAGE_BYTES
-from services.common.security import TLSConfig, add_tls_flags, tls_from_args
+from services.runtime.cuda_graphs import (
+    DEFAULT_BUCKETS,
+    GraphSettings,
+    graphs_wanted,
+    parse_buckets,
+)
+from services.serving.grpc_server import DEFAULT_MAX_MESSAGE_BYTES
+from services.serving.security import TLSConfig, add_tls_flags, tls_from_args
 
 
 def env_default(name: str, default):
@@ -120,6 +125,6 @@ def exact_batching(args: argparse.Namespace) -> bool:
 
 
 def parser_error(message: str) -> None:
-    from services.common.errors import UserError
+    from services.runtime.errors import UserError
 
     raise UserError(message)

@@ -16,6 +16,7 @@ class InvalidArgument(UserError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.description = message
 
 
 def run_cli(fn: Callable[[], None]) -> int:

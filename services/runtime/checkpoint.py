@@ -7,7 +7,7 @@ lazily, so the other stages' tensors are skipped, never materialised. The same c
 tiny checkpoint and Qwen/Qwen3-Omni-30B-A3B-Instruct (sharded, with an index file).
 
 `random_weights=True` reads config.json only and builds the stage on the device with seeded
-random weights (services/common/full_size.py): the real model's shape without its weights.
+random weights (services/runtime/full_size.py): the real model's shape without its weights.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.errors import UserError
+from services.runtime.errors import UserError
 
 
 class Stage(enum.Enum):
@@ -109,7 +109,7 @@ def load_stage(folder: str | Path, stage: Stage, device: str = "cpu", dtype: str
         # transformers bug (NOTES): the talker's multimodal rope reads its config's audio config.
         sub_config.audio_config = config.thinker_config.audio_config
     if random_weights:
-        from services.common.full_size import build_random_stage
+        from services.runtime.full_size import build_random_stage
 
         model = build_random_stage(cls, sub_config, stage.value, device, getattr(torch, dtype), seed)
         return LoadedStage(stage=stage, model=model, config=config)

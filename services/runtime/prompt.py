@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from services.common.errors import InvalidArgument
+from services.runtime.errors import InvalidArgument
 
 if TYPE_CHECKING:
     import torch

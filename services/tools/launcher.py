@@ -22,8 +22,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.errors import UserError, run_cli
-from services.common.security import TLSConfig, secure_or_insecure_channel
+from services.runtime.errors import UserError, run_cli
+from services.serving.security import TLSConfig, secure_or_insecure_channel
 
 STAGE_MODULES = {
     "code2wav": "services.code2wav.server",
@@ -206,7 +206,7 @@ def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _options(args) -> StackOptions:
-    from services.common.checkpoint import check_folder
+    from services.runtime.checkpoint import check_folder
 
     check_folder(args.checkpoint, need_weights=not args.random_weights)
     every = (("--device", args.device) if args.device else ()) + (("--dtype", args.dtype) if args.dtype else ()) + (
@@ -242,8 +242,8 @@ def up(args) -> None:
 
 
 def demo(args) -> None:
-    from router.client import build_request, collect, connect
-    from services.common.reference import write_wav
+    from services.tools.client import build_request, collect, connect
+    from services.tools.reference import write_wav
 
     with Stack(_options(args)) as stack:
         channel, stub = connect(stack.target)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from omni.v1 import common_pb2
+from services.serving.status import WireError
 
 assert sys.byteorder == "little", "the wire format assumes a little-endian host"
 
@@ -26,10 +27,6 @@ _TORCH_TO_WIRE = {
 _WIRE_TO_TORCH = {v: k for k, v in _TORCH_TO_WIRE.items()}
 # The dtype whose bytes carry each wire dtype (bfloat16 travels as its int16 bit pattern).
 _CARRIER = {torch.bfloat16: torch.int16}
-
-
-class WireError(ValueError):
-    """A tensor message that cannot be decoded (unknown dtype, size that does not match shape)."""
 
 
 def tensor_to_proto(t: torch.Tensor) -> common_pb2.Tensor:

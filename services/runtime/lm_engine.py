@@ -1,14 +1,14 @@
 """What the thinker and talker engines share: the loop-facing half of a slot-scheduled LM.
 
 A subclass owns the model work (`prefill(request_id, slot)`, `decode(request_ids, slots)`, each
-returning (request_id, event) pairs; an event with `final=True` ends its request) and keeps its
+returning (request_id, EngineEvent) pairs; a `final` event ends its request) and keeps its
 per-request state in `self._requests`. This class runs the step: schedule, prefill the new
 requests, one batched decode of the running ones, then hand the results to the scheduler.
 """
 
 from __future__ import annotations
 
-from services.common.scheduler import LMScheduler, StepPlan
+from services.runtime.scheduler import LMScheduler, StepPlan
 
 
 class SlotScheduledEngine:
@@ -37,7 +37,7 @@ class SlotScheduledEngine:
             events += self.prefill(request_id, plan.slots[request_id])
         if plan.decode:
             events += self.decode(list(plan.decode), [plan.slots[r] for r in plan.decode])
-        finished = {request_id for request_id, event in events if getattr(event, "final", False)}
+        finished = {request_id for request_id, event in events if event.final}
         self.scheduler.update(plan, finished)
         for request_id in finished:
             self._requests.pop(request_id, None)

@@ -11,8 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.errors import InvalidArgument
-
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -33,37 +31,6 @@ class SamplingConfig:
         gen = torch.Generator()
         gen.manual_seed(self.seed if self.seed is not None else torch.seed())
         return gen
-
-
-def sampling_from_proto(p, field: str, default_max_new_tokens: int, max_new_tokens_limit: int,
-                        default_repetition_penalty: float = 1.0) -> SamplingConfig:
-    """omni.v1.SamplingParams -> SamplingConfig, validating every set field."""
-    cfg = {"max_new_tokens": default_max_new_tokens, "repetition_penalty": default_repetition_penalty}
-    if p.HasField("temperature"):
-        if not (0.0 <= p.temperature <= 10.0):
-            raise InvalidArgument(f"{field}.temperature", f"must be in [0, 10], got {p.temperature}")
-        cfg["temperature"] = float(p.temperature)
-    if p.HasField("top_k"):
-        if p.top_k < 0:
-            raise InvalidArgument(f"{field}.top_k", f"must be >= 0, got {p.top_k}")
-        cfg["top_k"] = int(p.top_k)
-    if p.HasField("top_p"):
-        if not (0.0 < p.top_p <= 1.0):
-            raise InvalidArgument(f"{field}.top_p", f"must be in (0, 1], got {p.top_p}")
-        cfg["top_p"] = float(p.top_p)
-    if p.HasField("repetition_penalty"):
-        if not (0.0 < p.repetition_penalty <= 10.0):
-            raise InvalidArgument(f"{field}.repetition_penalty", f"must be in (0, 10], got {p.repetition_penalty}")
-        cfg["repetition_penalty"] = float(p.repetition_penalty)
-    if p.HasField("max_new_tokens"):
-        if not (1 <= p.max_new_tokens <= max_new_tokens_limit):
-            raise InvalidArgument(
-                f"{field}.max_new_tokens", f"must be in [1, {max_new_tokens_limit}], got {p.max_new_tokens}"
-            )
-        cfg["max_new_tokens"] = int(p.max_new_tokens)
-    if p.HasField("seed"):
-        cfg["seed"] = int(p.seed)
-    return SamplingConfig(**cfg)
 
 
 def apply_repetition_penalty(scores: torch.Tensor, history: list[int], penalty: float) -> torch.Tensor:

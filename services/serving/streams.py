@@ -15,8 +15,8 @@ from typing import Callable
 
 import grpc
 
-from services.common.engine_loop import EventSink
-from services.common.grpc_server import StageUnavailable
+from services.serving.engine_loop import EventSink
+from services.serving.status import StageUnavailable, failure_of_call
 
 
 async def write_quietly(call, message) -> bool:
@@ -38,19 +38,19 @@ async def close_quietly(call) -> None:
             pass
 
 
-async def relay_responses(call, stage: str, target: str, sink: EventSink, is_final: Callable[[object], bool]) -> None:
-    """Put every response into `sink` up to the final one; any other end becomes an error event:
+async def relay_responses(call, stage: str, replica: str, sink: EventSink, is_final: Callable[[object], bool]) -> None:
+    """Put every response into `sink` up to the final one; any other end fails the sink:
     StageUnavailable naming `stage` for a dead or vanished peer, else the stage's own status."""
     try:
         async for response in call:
-            sink.queue.put_nowait(response)
+            sink.downstream(response)
             if is_final(response):
                 return
         status = await call.code()
         if status is grpc.StatusCode.OK:
-            raise StageUnavailable(stage, target, "the stream ended without a final message")
-        raise grpc.aio.AioRpcError(status, None, None, await call.details())
+            raise StageUnavailable(stage, replica, "the stream ended without a final message")
+        raise grpc.aio.AioRpcError(status, None, await call.trailing_metadata(), await call.details())
     except grpc.aio.AioRpcError as exc:
-        sink.queue.put_nowait(StageUnavailable.from_rpc(stage, target, exc))
+        sink.fail(failure_of_call(stage, replica, exc))
     except StageUnavailable as exc:
-        sink.queue.put_nowait(exc)
+        sink.fail(exc)

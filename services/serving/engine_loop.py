@@ -1,7 +1,7 @@
 """One engine loop per service, off the gRPC event loop.
 
 gRPC handlers (asyncio) only convert and enqueue commands; a dedicated thread drains the
-command queue, steps the model, and hands each event back to the handler's asyncio queue with
+command queue, steps the model, and hands each event back to the handler's `EventSink` with
 `call_soon_threadsafe`. Aborts travel through the same queue, so the engine itself is
 single-threaded and needs no locks.
 """
@@ -17,6 +17,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from omni.v1 import common_pb2
+from services.runtime.events import EngineEvent, RequestFailed
+from services.serving.status import EngineFailed, StreamIdle
+
 log = logging.getLogger(__name__)
 
 
@@ -27,14 +31,40 @@ class Engine(Protocol):
     def add_input(self, request_id: str, payload: Any) -> None: ...
     def abort(self, request_id: str) -> None: ...
     def has_work(self) -> bool: ...
-    def step(self) -> list[tuple[str, Any]]: ...  # (request_id, event) pairs
+    def step(self) -> list[tuple[str, EngineEvent]]: ...  # (request_id, event) pairs
+
+    @property
+    def queue_depth(self) -> int: ...  # requests admitted, waiting for a slot or for input
+
+    @property
+    def running(self) -> int: ...  # requests holding a KV slot / decoder
+
+
+# Loop commands: what handlers ask of the loop thread.
+@dataclass(frozen=True)
+class Add:
+    request_id: str
+    payload: Any  # the engine's job for this request
+    sink: "EventSink"
 
 
 @dataclass(frozen=True)
-class EngineFailed:
-    """Delivered to a request's stream when the engine raised while serving it."""
+class Input:
+    request_id: str
+    payload: Any  # more input for a running request (a text row, codec frames, an end mark)
 
-    message: str
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Unblocks the loop thread (on stop)."""
+
+
+Command = Add | Input | Abort | Wake
 
 
 def engine_key(request_id: str) -> str:
@@ -42,32 +72,49 @@ def engine_key(request_id: str) -> str:
     return f"{request_id}#{uuid.uuid4().hex[:12]}"
 
 
-class StreamIdle(Exception):
-    """A stream saw no event for its idle timeout (a stalled or vanished peer)."""
-
-
 class EventSink:
-    """An asyncio queue that the engine thread can put into."""
+    """Where one stream's items arrive, in order: its engine's events (from the loop thread,
+    `deliver`), the next stage's responses (from a relay task, `downstream`) and failures
+    (`fail`). `get` returns events and responses and raises failures, so handlers deal with
+    errors in one `except`."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self._queue: asyncio.Queue = asyncio.Queue()  # EngineEvent | protobuf message | _Failure
 
-    def put_threadsafe(self, event: Any) -> None:
+    def deliver(self, event: EngineEvent | BaseException) -> None:
+        """From the engine thread."""
+        item = _Failure(event) if isinstance(event, BaseException) else event
         try:
-            self._loop.call_soon_threadsafe(self.queue.put_nowait, event)
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
         except RuntimeError:  # the event loop closed: the caller is gone
             pass
 
-    async def get(self, idle_timeout_s: float | None = None, stage: str = "stage") -> Any:
-        """The next event; no stage waits forever: silence past the idle timeout is an error."""
+    def downstream(self, message) -> None:
+        """A response of the next stage (on the event loop)."""
+        self._queue.put_nowait(message)
+
+    def fail(self, exc: BaseException) -> None:
+        """End the stream with `exc` (on the event loop)."""
+        self._queue.put_nowait(_Failure(exc))
+
+    async def get(self, idle_timeout_s: float | None = None, stage: str = "stage"):
+        """The next event or response; raises a failure put in, and StreamIdle past the idle
+        timeout: no stage waits forever."""
         try:
-            return await asyncio.wait_for(self.queue.get(), idle_timeout_s)
+            item = await asyncio.wait_for(self._queue.get(), idle_timeout_s)
         except TimeoutError:
-            raise StreamIdle(f"{stage}: no progress on this stream for {idle_timeout_s:g} s") from None
+            raise StreamIdle(stage, idle_timeout_s) from None
+        if isinstance(item, _Failure):
+            raise item.error
+        return item
 
 
-@dataclass
+@dataclass(frozen=True)
+class _Failure:
+    error: BaseException
+
+
 class LoopStats:
     steps: int = 0
     step_ms_ewma: float = 0.0
@@ -89,18 +136,18 @@ class EngineLoop:
 
     def stop(self) -> None:
         self._stopped.set()
-        self._commands.put(("wake", None, None))
+        self._commands.put(Wake())
         self._thread.join(timeout=5)
 
     # Called from handlers (any thread).
     def add(self, request_id: str, payload: Any, sink: EventSink) -> None:
-        self._commands.put(("add", request_id, (payload, sink)))
+        self._commands.put(Add(request_id, payload, sink))
 
     def add_input(self, request_id: str, payload: Any) -> None:
-        self._commands.put(("input", request_id, payload))
+        self._commands.put(Input(request_id, payload))
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id, None))
+        self._commands.put(Abort(request_id))
 
     @property
     def in_flight(self) -> int:
@@ -108,8 +155,6 @@ class EngineLoop:
 
     def load_report(self, stage: str, cache_capacity: int = 0, draining: bool = False):
         """omni.v1.LoadReport of this stage, read by the router to balance."""
-        from omni.v1 import common_pb2
-
         return common_pb2.LoadReport(
             stage=stage, queue_depth=self.engine.queue_depth, running=self.engine.running,
             step_ms=self.stats.step_ms_ewma, cache_used=self.engine.running if cache_capacity else 0,
@@ -129,18 +174,19 @@ class EngineLoop:
         m.in_flight.set(len(self._sinks))
 
     # The loop thread.
-    def _apply(self, command: tuple) -> None:
-        kind, request_id, payload = command
-        if kind == "add":
-            request, sink = payload
-            self._sinks[request_id] = sink
-            self._guarded(request_id, self.engine.add, request_id, request)
-        elif kind == "input":
-            if request_id in self._sinks:
-                self._guarded(request_id, self.engine.add_input, request_id, payload)
-        elif kind == "abort":
-            if self._sinks.pop(request_id, None) is not None:
-                self.engine.abort(request_id)
+    def _apply(self, command: Command) -> None:
+        match command:
+            case Add(request_id, payload, sink):
+                self._sinks[request_id] = sink
+                self._guarded(request_id, self.engine.add, request_id, payload)
+            case Input(request_id, payload):
+                if request_id in self._sinks:
+                    self._guarded(request_id, self.engine.add_input, request_id, payload)
+            case Abort(request_id):
+                if self._sinks.pop(request_id, None) is not None:
+                    self.engine.abort(request_id)
+            case Wake():
+                pass
 
     def _guarded(self, request_id: str, fn, *args) -> None:
         try:
@@ -156,7 +202,7 @@ class EngineLoop:
         except Exception:
             log.exception("%s: abort of %s failed", self.name, request_id)
         if sink is not None:
-            sink.put_threadsafe(EngineFailed(f"{type(exc).__name__}: {exc}"))
+            sink.deliver(EngineFailed(self.name, f"{type(exc).__name__}: {exc}"))
 
     def _run(self) -> None:
         while not self._stopped.is_set():
@@ -186,6 +232,6 @@ class EngineLoop:
                 sink = self._sinks.get(request_id)
                 if sink is None:
                     continue
-                if getattr(event, "final", False):
+                if event.final:
                     del self._sinks[request_id]
-                sink.put_threadsafe(event)
+                sink.deliver(EngineFailed(self.name, event.message) if isinstance(event, RequestFailed) else event)

@@ -15,8 +15,14 @@ from pathlib import Path
 
 import numpy as np
 
-from services.common.errors import UserError, run_cli
-from services.common.prompt import ChatMessage, Part, PromptBuilder, Role, resolve_voice
+from services.runtime.errors import UserError, run_cli
+from services.runtime.prompt import (
+    ChatMessage,
+    Part,
+    PromptBuilder,
+    Role,
+    resolve_voice,
+)
 
 
 @dataclass(frozen=True)
@@ -48,7 +54,7 @@ class ReferenceRunner:
         import transformers
         from transformers import Qwen3OmniMoeForConditionalGeneration
 
-        from services.common.checkpoint import check_folder
+        from services.runtime.checkpoint import check_folder
 
         folder = check_folder(checkpoint)
         verbosity = transformers.logging.get_verbosity()
@@ -161,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def run() -> None:
-        from services.common.errors import InvalidArgument
+        from services.runtime.errors import InvalidArgument
 
         messages = messages_from_args(args.prompt, args.system, args.audio, args.image)  # files first
         runner = ReferenceRunner(args.checkpoint)

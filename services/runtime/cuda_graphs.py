@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Hashable
 
-from services.common.errors import UserError
+from services.runtime.errors import UserError
 
 if TYPE_CHECKING:  # torch is imported where used: the router imports this module's settings only
     import torch

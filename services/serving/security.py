@@ -21,7 +21,7 @@ from pathlib import Path
 
 import grpc
 
-from services.common.errors import UserError
+from services.runtime.errors import UserError
 
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
@@ -54,7 +54,7 @@ class TLSConfig:
 
 
 def add_tls_flags(parser: argparse.ArgumentParser) -> None:
-    from services.common.config import env_default
+    from services.serving.config import env_default
 
     parser.add_argument("--tls-cert", default=env_default("tls_cert", None),
                         help="PEM certificate this process serves with and presents to the next stage")

@@ -1,4 +1,4 @@
-"""What every gRPC service shares: channel options, health, reflection, status mapping, SIGTERM.
+"""What every gRPC service shares: channel options, health, reflection, SIGTERM.
 
 Each service builds its server with `build_server`, registers its servicer, then calls
 `serve_until_signal`, which marks it SERVING, and on SIGTERM / SIGINT turns NOT_SERVING,
@@ -16,10 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.engine_loop import StreamIdle
-from services.common.errors import InvalidArgument
-from services.common.security import TLSConfig
-from services.common.wire import WireError
+from services.serving.security import TLSConfig
 
 log = logging.getLogger(__name__)
 
@@ -121,44 +118,6 @@ async def serve_until_signal(handle: ServerHandle, grace_s: float, on_started=No
         await handle.health_server.stop(0)
     if on_stop is not None:
         on_stop()
-
-
-async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-    """The one place errors become gRPC statuses."""
-    if isinstance(exc, InvalidArgument):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-    if isinstance(exc, WireError):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed tensor: {exc}")
-    if isinstance(exc, (StageUnavailable, StreamIdle)):
-        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-    if isinstance(exc, grpc.aio.AioRpcError):
-        await context.abort(exc.code(), exc.details() or exc.code().name)
-    await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-
-
-# What grpc aio reports locally when a write races the peer's end of the stream: the peer's own
-# status is lost, so the stage ended (died or aborted) while we were sending to it.
-_LOCAL_SEND_FAILED = "Internal error from Core"
-
-
-class StageUnavailable(Exception):
-    """A downstream stage could not be reached or died mid-stream; the message names it."""
-
-    PREFIX = "stage "
-
-    def __init__(self, stage: str, target: str, detail: str):
-        super().__init__(f"{self.PREFIX}{stage} ({target}) unavailable: {detail}")
-
-    @classmethod
-    def from_rpc(cls, stage: str, target: str, err: grpc.aio.AioRpcError) -> Exception:
-        """Connection-level failures name `stage`; statuses a stage chose itself pass through,
-        and so does an UNAVAILABLE that already names a stage further down."""
-        details = err.details() or err.code().name
-        if err.code() is grpc.StatusCode.UNAVAILABLE and not details.startswith(cls.PREFIX):
-            return cls(stage, target, details)
-        if err.code() is grpc.StatusCode.INTERNAL and details == _LOCAL_SEND_FAILED:
-            return cls(stage, target, "the stream broke while sending to it")
-        return err
 
 
 def time_remaining(context: grpc.aio.ServicerContext) -> float | None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import grpc
 
-from services.common.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
-from services.common.security import TLSConfig, secure_or_insecure_channel
+from services.serving.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from services.serving.security import TLSConfig, secure_or_insecure_channel
 
 
 class ChannelPool:

@@ -7,8 +7,8 @@ import os
 import warnings
 from pathlib import Path
 
-from services.common.checkpoint import LoadedStage, Stage, load_stage
-from services.common.config import StageConfig
+from services.runtime.checkpoint import LoadedStage, Stage, load_stage
+from services.serving.config import StageConfig
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def serve_stage(name: str, create_server, config, port_file: str | None) -> None
     `create_server(config)` returns (ServerHandle, EngineLoop); `config.stage` is its StageConfig."""
     import asyncio
 
-    from services.common.grpc_server import serve_until_signal, setup_logging
+    from services.serving.grpc_server import serve_until_signal, setup_logging
 
     setup_logging(name)
 

@@ -19,10 +19,15 @@ import grpc
 import numpy as np
 
 from omni.v1 import common_pb2, omni_pb2, omni_pb2_grpc
-from services.common.errors import UserError, run_cli
-from services.common.grpc_server import channel_options
-from services.common.security import TLSConfig, add_tls_flags, secure_or_insecure_channel, tls_from_args
-from services.common.wire import audio_from_proto
+from services.runtime.errors import UserError, run_cli
+from services.serving.grpc_server import channel_options
+from services.serving.security import (
+    TLSConfig,
+    add_tls_flags,
+    secure_or_insecure_channel,
+    tls_from_args,
+)
+from services.serving.wire import audio_from_proto
 
 
 def build_request(
@@ -189,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             channel.close()
         if args.out is not None and result.audio_chunks:
-            from services.common.reference import write_wav
+            from services.tools.reference import write_wav
 
             write_wav(args.out, result.audio, result.sample_rate)
         if args.json:

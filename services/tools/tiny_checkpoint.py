@@ -20,7 +20,7 @@ import math
 import sys
 from pathlib import Path
 
-from services.common.errors import UserError, run_cli
+from services.runtime.errors import UserError, run_cli
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -176,7 +176,7 @@ def build_config(ids: dict[str, int], layout: dict | None = None):
     it, while every special token id stays the tiny tokenizer's."""
     from transformers import Qwen3OmniMoeConfig
 
-    from services.common.full_size import check_layout, merge_layout
+    from services.runtime.full_size import check_layout, merge_layout
 
     layout = layout or {}
     codebook = layout.get("code2wav_config", {}).get("codebook_size", CODEBOOK_SIZE)
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def run() -> None:
-        from services.common.full_size import REAL_LAYOUT
+        from services.runtime.full_size import REAL_LAYOUT
 
         if args.out.exists() and not args.out.is_dir():
             raise UserError(f"--out {args.out}: exists and is not a folder")

@@ -32,9 +32,9 @@ from typing import Callable
 import grpc
 
 from omni.v1 import common_pb2, omni_pb2, stages_pb2_grpc
-from router.client import build_request
-from services.common.errors import UserError, run_cli
-from services.common.grpc_server import channel_options
+from services.runtime.errors import UserError, run_cli
+from services.serving.grpc_server import channel_options
+from services.tools.client import build_request
 
 STAGES = ("thinker", "talker", "code2wav")
 GENERATE = "/omni.v1.Omni/Generate"
@@ -508,7 +508,7 @@ def _stage_addresses(specs: list[str]) -> dict[str, tuple[str, ...]]:
 
 
 def soak(args, log: Callable[[str], None]) -> Summary:
-    from router.launcher import Stack, StackOptions, free_port
+    from services.tools.launcher import Stack, StackOptions, free_port
 
     stack = None
     metrics_url = args.router_metrics

@@ -1,0 +1,122 @@
+"""The talker's static-shape steps for CUDA graphs: its LM decode step over KV slots and one
+whole code-predictor frame (prefill + 14 greedy sub-steps) per replay.
+
+`UniformView`: every row of a frame starts a fresh 17-position cache and advances in lockstep, so
+the 15 sub-steps unroll into one graph with static slices; greedy picks (argmax) happen inside the
+graph. Frames with a sampling request run eagerly. See services/runtime/static_decode.py for the
+slot view and the exactness note.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from services.runtime.batching import SlotKVCache, batch_invariant
+from services.runtime.cuda_graphs import (
+    GraphRunner,
+    GraphSettings,
+    pad_rows,
+    plan_padding,
+)
+from services.runtime.static_decode import StaticSlotView
+
+log = logging.getLogger(__name__)
+
+
+def talker_step(model, cache: SlotKVCache) -> Callable:
+    """(embeds [B, 1, H], position_ids [4, B, 1], slots [B], positions [B])
+    -> (logits [B, vocab], last hidden [B, 1, H])."""
+
+    def step(embeds, position_ids, slots, positions):
+        view = StaticSlotView(cache, slots, positions)
+        out = model(inputs_embeds=embeds, position_ids=position_ids, attention_mask=view.mask(),
+                    past_key_values=view, use_cache=True, output_hidden_states=True, generation_step=0)
+        return out.logits[:, -1], out.hidden_states[0][-1][:, -1:]
+
+    return step
+
+
+class UniformView:
+    """`past_key_values` for a batch whose rows all sit at the same position (code predictor)."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], batch: int):
+        self.keys = [k[:batch] for k in keys]  # per layer [B, kv_heads, positions, head_dim]
+        self.values = [v[:batch] for v in values]
+        self.length = 0  # positions written
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs=None):
+        end = self.length + key_states.shape[2]
+        self.keys[layer_idx][:, :, self.length:end] = key_states
+        self.values[layer_idx][:, :, self.length:end] = value_states
+        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def commit(self, tokens: int) -> None:
+        self.length += tokens
+
+
+class PredictorGraphs:
+    """The talker's code predictor, one whole frame (prefill + 14 steps, greedy) per graph replay."""
+
+    def __init__(self, talker, settings: GraphSettings, exact: bool, device, dtype):
+        self.talker = talker
+        self.predictor = talker.code_predictor
+        self.num_groups = int(talker.config.num_code_groups)
+        self.settings = settings
+        self.exact = exact
+        self.device = device
+        config = self.predictor.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        # Allocated once: [max bucket, kv_heads, 1 + num_groups, head_dim] per layer (1 hidden +
+        # 16 codes; the last code is never fed back, so 16 positions are written).
+        shape = (max(settings.buckets), config.num_key_value_heads, self.num_groups + 1, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.runner = GraphRunner(self._frame, settings.enabled, "code predictor")
+
+    def _frame(self, past_hidden: torch.Tensor, codes0: torch.Tensor):
+        # past_hidden [B, 1, H] talker hidden; codes0 [B, 1] layer-0 codes
+        # -> (codes [B, num_groups] long, sum of the codes' embeddings [B, 1, H])
+        embeddings = self.predictor.get_input_embeddings()  # num_groups - 1 tables
+        first = self.talker.get_input_embeddings()(codes0)  # [B, 1, H]
+        view = UniformView(self.keys, self.values, codes0.shape[0])
+        columns, hiddens = [codes0[:, 0]], [first]
+        with batch_invariant(self.exact):
+            out = self.predictor(inputs_embeds=torch.cat((past_hidden, first), dim=1), past_key_values=view,
+                                 use_cache=True)
+            view.commit(2)
+            for step in range(1, self.num_groups):
+                ids = torch.argmax(out.logits[:, -1], dim=-1, keepdim=True)  # [B, 1]
+                columns.append(ids[:, 0])
+                hiddens.append(embeddings[step - 1](ids))
+                if step < self.num_groups - 1:
+                    out = self.predictor(input_ids=ids, past_key_values=view, use_cache=True, generation_steps=step)
+                    view.commit(1)
+        return torch.stack(columns, dim=1), torch.cat(hiddens, dim=1).sum(1, keepdim=True)
+
+    @torch.inference_mode()
+    def capture_all(self, hidden_size: int, dtype) -> None:
+        for bucket in self.settings.buckets:
+            hidden = torch.zeros((bucket, 1, hidden_size), dtype=dtype, device=self.device)
+            codes0 = torch.zeros((bucket, 1), dtype=torch.long, device=self.device)
+            if self.runner.capture(bucket, hidden, codes0) is None:
+                break
+        log.info("%s", self.runner.summary())
+
+    def predict(self, past_hidden: torch.Tensor, codes0: torch.Tensor):
+        """past_hidden [B, 1, H], codes0 [B, 1] -> (codes [B, num_groups] long, embeds [B, 1, H]),
+        or None when not handled (graphs off or failed, batch above the largest bucket)."""
+        if not self.runner.enabled or plan_padding(codes0.shape[0], self.settings.buckets) is None:
+            return None
+        return self.run_padded(past_hidden, codes0)
+
+    def run_padded(self, past_hidden: torch.Tensor, codes0: torch.Tensor):
+        """`predict` without the checks: through the runner, eagerly when it is disabled (CPU tests)."""
+        plan = plan_padding(codes0.shape[0], self.settings.buckets)
+        codes, embeds = self.runner(plan.bucket, pad_rows(past_hidden, plan), pad_rows(codes0, plan))
+        return codes[:plan.batch], embeds[:plan.batch]

@@ -1,0 +1,20 @@
+"""The thinker's static-shape decode step for CUDA graphs (see services/runtime/static_decode.py)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from services.runtime.batching import SlotKVCache
+from services.runtime.static_decode import StaticSlotView
+
+
+def thinker_step(model, cache: SlotKVCache) -> Callable:
+    """(ids [B, 1], position_ids [4, B, 1], slots [B], positions [B]) -> logits [B, vocab]."""
+
+    def step(ids, position_ids, slots, positions):
+        view = StaticSlotView(cache, slots, positions)
+        out = model(input_ids=ids, position_ids=position_ids, attention_mask=view.mask(), past_key_values=view,
+                    use_cache=True)
+        return out.logits[:, -1]
+
+    return step
