@@ -7,7 +7,7 @@ PORT ?= 50051
 PROTO_SRC := $(wildcard protos/omni/v1/*.proto)
 STAMP := $(VENV)/.installed
 
-.PHONY: setup proto proto-gen checkpoint run demo test test-all bench clean setup-vllm test-vllm
+.PHONY: setup proto proto-gen checkpoint run demo lint test test-all bench clean setup-vllm test-vllm
 
 setup: $(STAMP)
 
@@ -41,10 +41,15 @@ run: setup checkpoint
 demo: setup checkpoint
 	$(VENV)/bin/omni-serve demo --checkpoint $(CHECKPOINT) --out out/demo.wav
 
-test: setup
+# The layer rules (pyproject.toml [tool.importlinter], docs/architecture.md) and the linter.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
+
+test: setup lint
 	$(PY) -m pytest -q
 
-test-all: setup
+test-all: setup lint
 	$(PY) -m pytest -q -m ""
 
 bench: setup checkpoint

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import signal
 import subprocess
 import sys
@@ -26,9 +24,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from bench.loop import closed_loop
+from bench.machine import describe_machine
+from bench.metrics import percentile
+from services.runtime.chunking import DEFAULT_CHUNKS
+from services.tools.client import build_request, collect, connect
+from services.tools.launcher import Stack, StackOptions
 
 PROMPTS = (  # text only: the talker and code2wav see the same work for every prompt
     "Hello! How are you today?",
@@ -83,10 +84,6 @@ class Report:
     wall_s: float = 0.0
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else None
-
-
 def summarize(graphs: str, level: int, samples: list[Sample], wall_s: float) -> LevelResult:
     ok = [s for s in samples if s.error is None]
     ms = lambda xs: [x * 1000 for x in xs if x is not None]  # noqa: E731
@@ -103,24 +100,8 @@ def summarize(graphs: str, level: int, samples: list[Sample], wall_s: float) -> 
     )
 
 
-def chunk_windows(frames: int, first: int = 4, chunk: int = 25, context: int = 25) -> tuple[int, ...]:
-    """Window lengths (left context + chunk) code2wav decodes for a stream of `frames` frames cut
-    as the talker cuts it: a first chunk, then chunks of `chunk`, then the rest."""
-    sizes, left = [], frames
-    while left > 0:
-        sizes.append(min(left, first if not sizes else chunk))
-        left -= sizes[-1]
-    windows, seen = set(), 0
-    for size in sizes:
-        windows.add(min(context, seen) + size)
-        seen += size
-    return tuple(sorted(windows))
-
-
 def one_request(stub, request, timeout_s: float) -> Sample:
     import grpc
-
-    from services.tools.client import collect
 
     try:
         result = collect(stub, request, timeout=timeout_s)
@@ -148,20 +129,6 @@ def gpu_memory() -> str | None:
     return out.stdout.strip() or None
 
 
-def machine() -> dict:
-    import torch
-
-    info = {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    return info
-
-
 class DeviceBench:
     def __init__(self, args: argparse.Namespace):
         self.args = args
@@ -169,7 +136,7 @@ class DeviceBench:
         self.deadline = self.started + args.deadline_s
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.report = Report(config={k: v for k, v in vars(args).items()}, machine=machine())
+        self.report = Report(config={k: v for k, v in vars(args).items()}, machine=asdict(describe_machine()))
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -183,13 +150,11 @@ class DeviceBench:
                   "--graph-buckets", a.buckets)
         lm = ("--max-batch-size", str(a.max_batch), "--num-slots", str(a.max_batch),
               "--max-model-len", str(a.max_model_len))
-        windows = ",".join(map(str, sorted(set(chunk_windows(a.talker_tokens - 1)) | {4, 29, 50})))
+        windows = ",".join(map(str, DEFAULT_CHUNKS.windows(25, frames=a.talker_tokens - 1)))
         return (common + lm, common + lm + ("--first-chunk-frames", "4"),
                 common + ("--graph-windows", windows))
 
     def requests(self, n: int) -> list:
-        from services.tools.client import build_request
-
         return [build_request(PROMPTS[i % len(PROMPTS)], max_new_tokens=self.args.thinker_tokens,
                               talker_max_new_tokens=self.args.talker_tokens, request_id=f"bench-{i}")
                 for i in range(n)]
@@ -199,9 +164,6 @@ class DeviceBench:
         (self.out / "device_bench.json").write_text(json.dumps(asdict(self.report), indent=2) + "\n")
 
     def run_mode(self, graphs: str, modes_left: int) -> None:
-        from services.tools.client import connect
-        from services.tools.launcher import Stack, StackOptions
-
         mode = ModeResult(graphs)
         self.report.modes.append(mode)
         budget = self.left() / modes_left  # this mode's share of the time left

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# bench/device_check.sh: the full-size GPU benchmark of issue 10 in one prepared run.
+# bench/device_check.sh: the full-size GPU benchmark in one prepared run.
 #
-# On a machine with one NVIDIA GPU and nothing fetched from outside, in the repository root:
-#   1. installs the carried wheels (.whl/*.whl) into /tmp/site, as the device README says;
+# On any machine with one NVIDIA GPU, CUDA torch installed and no network, in the repository root:
+#   1. installs the wheels copied beside the checkout (.whl/*.whl, see below) into /tmp/site;
 #   2. checks capture and replay on the tiny checkpoint (tests/gpu/test_graphs_on_cuda.py, < 1 min;
 #      the result goes to pytest.txt; a failure is reported, the benchmark still runs: a stage whose
 #      capture fails serves eagerly and says so in stack.log);
@@ -12,12 +12,14 @@
 #      one GPU, random weights made on the device, bfloat16; concurrency 1, 16 and 64; CUDA graphs
 #      on, then off (a fresh stack each);
 #   5. leaves device_bench.json, device_bench.png, device_bench.md, stack.log, pytest.txt and
-#      env.txt in $RESULTS (default $OUT/device_check) and prints the table.
+#      env.txt in $RESULTS (default out/device_check) and prints the table.
 # Every phase has a timeout; the whole script ends within TOTAL_S (default 470 s < 8 minutes).
 #
-# What must travel: `.whl` (bench/fetch_device_wheels.sh) and `omni` (the protobuf code from
-# `make proto`; grpcio-tools is not on the device). Both are gitignored, so name them in carry:
-#   run(command="bash bench/device_check.sh", carry=[".whl", "omni"], timeout_s=560)
+# What must be copied beside the checkout first (both gitignored, both made on a machine with
+# network): `.whl/` (bench/fetch_device_wheels.sh: the Python packages the GPU machine may lack)
+# and `omni/` (the protobuf code from `make proto`; grpcio-tools need not be on the GPU machine).
+#   bash bench/device_check.sh                      # results in out/device_check
+#   RESULTS=/some/dir bash bench/device_check.sh    # results elsewhere
 #
 # CPU dry run of the same flow (tiny layout, random weights, graphs auto/off, 2-3 minutes):
 #   DEVICE=cpu SMALL=1 RESULTS=out/device_check bash bench/device_check.sh
@@ -28,7 +30,7 @@ START=$(date +%s)
 DEVICE=${DEVICE:-cuda}
 SMALL=${SMALL:-0}
 TOTAL_S=${TOTAL_S:-470}
-RESULTS=${RESULTS:-${OUT:-out}/device_check}
+RESULTS=${RESULTS:-out/device_check}
 if [ -z "${PY:-}" ]; then
   if [ "$DEVICE" = cpu ] && [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
@@ -59,10 +61,10 @@ if [ "$DEVICE" != cpu ] && compgen -G ".whl/*.whl" >/dev/null; then
     --target /tmp/site .whl/*.whl || { say "wheel install failed"; exit 2; }
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 elif [ "$DEVICE" != cpu ]; then
-  say "no .whl/*.whl: was .whl carried? (bench/fetch_device_wheels.sh, carry=[\".whl\", \"omni\"])"
+  say "no .whl/*.whl: copy the wheels from bench/fetch_device_wheels.sh beside the checkout (using what is installed)"
 fi
 if [ ! -f omni/v1/omni_pb2.py ]; then
-  say "omni/v1/omni_pb2.py missing: run 'make proto' here and carry \"omni\""; exit 2
+  say "omni/v1/omni_pb2.py missing: run 'make proto' where grpcio-tools is installed and copy omni/ here"; exit 2
 fi
 {
   date -u; uname -a; nvidia-smi 2>&1 | head -20

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# bench/fetch_device_wheels.sh: download, here, the wheels bench/device_check.sh installs on the GPU
-# machine (python 3.12, manylinux x86_64, no network there) into .whl/ (gitignored; carried).
+# bench/fetch_device_wheels.sh: download, on a machine with network, the wheels bench/device_check.sh
+# installs on a GPU machine without network (python 3.12, manylinux x86_64) into .whl/ (gitignored;
+# copy it beside the checkout there).
 #
-# Why each one (the device image's own list: /work/.library/device/KINDS.md):
+# Why each one, for a GPU image with CUDA torch 2.11, transformers 5.17 and hub 1.33 but no gRPC:
 #   grpcio 1.85.3            the generated omni/v1/*_grpc.py require grpcio >= 1.85.1 (its version is
 #                            not recorded for the image)
 #   grpcio-health-checking,  not on the image; every stage and the launcher import them
@@ -16,8 +17,7 @@
 # image lacks), numpy/pillow/matplotlib/prometheus-client (on the image), soundfile (only for audio
 # prompts; needs cffi, which the image lacks; the benchmark sends text).
 #
-# Usage: bash bench/fetch_device_wheels.sh   (prints the total; keep it well under the 64 MiB
-# that travels with the working tree)
+# Usage: bash bench/fetch_device_wheels.sh   (prints the total size)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}

@@ -30,11 +30,11 @@ from services.talker.engine import (
     Frame,
     TalkerDone,
     TalkerEngine,
-    TalkerJob,
     TextEnd,
     TextRow,
 )
 from services.thinker.engine import Prefilled, ThinkerEngine, ThinkerJob, Token
+from services.tools.inprocess import talker_job
 from services.tools.reference import ReferenceRunner
 
 TALKER_REPETITION_PENALTY = 1.05  # the talker service's default, as in generate
@@ -132,14 +132,9 @@ class FloorMeter:
             self.thinker.add(rid, ThinkerJob(inputs, SamplingConfig(max_new_tokens=self.max_new_tokens), True))
             events = timed("thinker_prefill", self.thinker.step)
             prefilled = next(e for _, e in events if isinstance(e, Prefilled))
-            self.talker.add(rid, TalkerJob(
-                prompt_token_ids=prefilled.prompt_token_ids, prompt_embeds=prefilled.prompt_embeds,
-                multimodal_positions=prefilled.multimodal_positions, multimodal_hidden=prefilled.multimodal_hidden,
-                tts_embeds=prefilled.tts_embeds, speaker_id=self.speaker_id,
-                sampling=SamplingConfig(max_new_tokens=self.talker_max_new_tokens,
-                                        repetition_penalty=TALKER_REPETITION_PENALTY),
-                image_grid_thw=inputs.image_grid_thw, audio_feature_lengths=inputs.audio_feature_lengths,
-            ))
+            self.talker.add(rid, talker_job(prefilled, inputs, self.speaker_id,
+                                            SamplingConfig(max_new_tokens=self.talker_max_new_tokens,
+                                                           repetition_penalty=TALKER_REPETITION_PENALTY)))
             feed(events, "talker_prefill")
             while len(frames) < self.first_chunk_frames and not talker_done:
                 if self.talker.has_work():

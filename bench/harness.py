@@ -21,8 +21,10 @@ from bench.config import BenchConfig, build_parser, config_from_args
 from bench.floor import FloorMeter, FloorSample, summarize_floor
 from bench.machine import describe_machine
 from bench.metrics import ratio, summarize
+from bench.plot import write_plot
 from bench.progress import Progress
 from bench.prompts import BenchPrompt, built_in_prompts, load_jsonl
+from bench.reference import Reference, load_reference
 from bench.report import (
     NOTES,
     BenchReport,
@@ -42,7 +44,9 @@ from bench.systems import (
     RequestRecord,
     System,
 )
+from services.runtime.checkpoint import check_folder
 from services.runtime.errors import UserError, run_cli
+from services.tools.launcher import Stack, StackOptions
 
 FLOOR_PROMPTS = 4  # the floor is sampled on the first prompts of the set
 
@@ -86,8 +90,6 @@ class Bench:
     def __init__(self, config: BenchConfig, progress_stream=None):
         import torch
 
-        from services.runtime.checkpoint import check_folder
-
         check_folder(config.checkpoint)
         quiet_libraries()
         torch.set_num_threads(config.threads)
@@ -116,8 +118,6 @@ class Bench:
 
     def setup(self, cleanup: contextlib.ExitStack) -> None:
         """Load the reference here, start the stack (unless --target); `cleanup` stops them."""
-        from bench.reference import Reference, load_reference
-        from services.tools.launcher import Stack, StackOptions
 
         cfg = self.config
         runner = self._step("load reference", lambda: load_reference(cfg.checkpoint, cfg.device, cfg.dtype))
@@ -138,7 +138,7 @@ class Bench:
                 stack = Stack(StackOptions(
                     checkpoint=cfg.checkpoint, port=0, threads=cfg.threads, thinker_args=cfg.stage_args() + batch,
                     talker_args=cfg.talker_args() + batch, code2wav_args=cfg.stage_args(), log_prefix=False))
-                self._step(f"start stack ({system.value})", lambda: cleanup.enter_context(stack))
+                self._step(f"start stack ({system.value})", lambda stack=stack: cleanup.enter_context(stack))
                 target = stack.target
             pipeline = PipelineSystem(target, cfg.voice, cfg.max_new_tokens, cfg.talker_max_new_tokens, cfg.timeout_s)
             cleanup.callback(pipeline.close)
@@ -209,7 +209,7 @@ class Bench:
             results.append(ResultRow(system, level, summary,
                                      ratio(summary.ttfp_ms.p50, floor.floor_ms if floor else None)))
         return BenchReport(
-            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             machine=self.machine, config=cfg, checkpoint_name=Path(cfg.checkpoint).resolve().name,
             prompts=[f"{p.label} ({p.modalities})" for p in self.prompts], notes=NOTES, floor=floor,
             results=results, ratios=ratios_for(results), skipped=self.skipped, requests=self.records,
@@ -230,8 +230,6 @@ def run(config: BenchConfig, progress_stream=None) -> BenchReport:
 
 
 def write_outputs(report: BenchReport, out: Path) -> tuple[Path, Path]:
-    from bench.plot import write_plot
-
     json_path, png_path = out / "bench.json", out / "bench.png"
     write_json(report, json_path)
     write_plot(report, png_path)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")

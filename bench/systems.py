@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
 
 import grpc
 
@@ -26,6 +26,7 @@ from bench.loop import closed_loop
 from bench.metrics import RequestTiming, whole_response
 from bench.prompts import BenchPrompt
 from bench.reference import Generated, Reference
+from services.tools.client import build_request, collect, connect
 
 
 class System(enum.Enum):
@@ -70,8 +71,6 @@ class PipelineSystem:
 
     def __init__(self, target: str, voice: str | None, max_new_tokens: int, talker_max_new_tokens: int,
                  timeout_s: float):
-        from services.tools.client import connect
-
         self.channel, self.stub = connect(target)
         self.voice = voice
         self.max_new_tokens = max_new_tokens
@@ -79,14 +78,10 @@ class PipelineSystem:
         self.timeout_s = timeout_s
 
     def request(self, prompt: BenchPrompt):
-        from services.tools.client import build_request
-
         return build_request(prompt.text, prompt.system, prompt.audio, prompt.image, self.voice,
                              max_new_tokens=self.max_new_tokens, talker_max_new_tokens=self.talker_max_new_tokens)
 
     def call(self, request) -> Outcome:
-        from services.tools.client import collect
-
         try:
             result = collect(self.stub, request, timeout=self.timeout_s)
         except grpc.RpcError as exc:

@@ -20,10 +20,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench.metrics import percentile
+from services.runtime.checkpoint import Stage, load_stage
 from services.runtime.errors import UserError, run_cli
-from services.runtime.prompt import ChatMessage, Part, Role
+from services.runtime.prompt import ChatMessage, Part, PromptBuilder, Role
 from services.runtime.sampling import SamplingConfig
-from services.thinker.engine import ThinkerJob, Token
+from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig, ThinkerJob, Token
+from services.tools.tiny_checkpoint import build
 
 PROMPTS = [
     "Hello! How are you today?",
@@ -67,11 +70,6 @@ def run_level(engine, jobs: list[ThinkerJob], concurrency: int, tag: str) -> tup
     return tokens / wall, [(first[r] - sent[r]) * 1000 for r in first]
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench.thinker_backends", description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", type=Path)
@@ -85,10 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
         import transformers
 
-        from services.runtime.checkpoint import Stage, load_stage
-        from services.runtime.prompt import PromptBuilder
         from services.thinker import vllm_backend
-        from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig
 
         ok, detail = vllm_backend.vllm_available()
         if not ok:
@@ -97,8 +92,6 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
         checkpoint = args.checkpoint
         if checkpoint is None:
-            from services.tools.tiny_checkpoint import build
-
             checkpoint = build(Path(tempfile.mkdtemp()) / "tiny-hd32", 0, layout=vllm_backend.TINY_LAYOUT_FOR_VLLM_CPU)
         levels = [int(x) for x in args.concurrency.split(",")]
         loaded = load_stage(checkpoint, Stage.THINKER)
@@ -122,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                     jobs = [ThinkerJob(builders[name](prompts, m), sampling, want_talker_inputs=False) for m in messages]
                     run_level(engine, jobs[:level], level, f"warm{level}")
                     rate, ttfts = run_level(engine, jobs, level, f"c{level}")
-                    rows.append(Row(name, level, len(jobs), rate, statistics.median(ttfts), percentile(ttfts, 0.9)))
+                    rows.append(Row(name, level, len(jobs), rate, statistics.median(ttfts), percentile(ttfts, 90)))
                     print(f"{name:12} c={level:<3} {rate:8.0f} tok/s  TTFT p50 {rows[-1].ttft_ms_p50:7.1f} ms  "
                           f"p90 {rows[-1].ttft_ms_p90:7.1f} ms", flush=True)
         finally:

@@ -59,7 +59,7 @@ class ReplicaSource:
     dns_port: int | None = None
 
     @classmethod
-    def parse(cls, spec: str, flag: str) -> "ReplicaSource":
+    def parse(cls, spec: str, flag: str) -> ReplicaSource:
         spec = spec.strip()
         if spec.startswith("dns:"):
             target = spec.removeprefix("dns:").lstrip("/")

@@ -24,7 +24,8 @@ from router.admission import Admission, AdmissionConfig, Rejected
 from router.metrics import RouterMetrics
 from router.replicas import Replica, ReplicaSet, ReplicaSource
 from services.runtime.errors import run_cli
-from services.serving.config import add_health_port_flag, env_default
+from services.runtime.settings import env_default
+from services.serving.config import add_health_port_flag
 from services.serving.grpc_server import (
     DEFAULT_MAX_MESSAGE_BYTES,
     ServerHandle,
@@ -33,6 +34,7 @@ from services.serving.grpc_server import (
     serve_until_signal,
     setup_logging,
     time_remaining,
+    write_port_file,
 )
 from services.serving.security import (
     BearerTokenInterceptor,
@@ -41,7 +43,6 @@ from services.serving.security import (
     load_tokens,
     tls_from_args,
 )
-from services.serving.stage_main import write_port_file
 from services.serving.status import (
     STAGE_UNAVAILABLE,
     Overloaded,

@@ -30,13 +30,9 @@ from services.code2wav.streaming import (
     forward_batch,
     measure_geometry,
 )
-from services.runtime.cuda_graphs import (
-    GraphRunner,
-    GraphSettings,
-    pad_rows,
-    plan_padding,
-)
+from services.runtime.cuda_graphs import GraphRunner, pad_rows, plan_padding
 from services.runtime.events import EngineEvent
+from services.runtime.settings import GraphSettings
 
 log = logging.getLogger(__name__)
 

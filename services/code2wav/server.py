@@ -18,13 +18,20 @@ from services.code2wav.engine import (
     CodecEnd,
     Decoded,
 )
-from services.runtime.cuda_graphs import parse_buckets
+from services.runtime.checkpoint import Stage, load_for_serving
+from services.runtime.chunking import DEFAULT_CHUNKS
 from services.runtime.errors import InvalidArgument, run_cli
-from services.serving.config import (
-    StageConfig,
-    add_stage_flags,
+from services.runtime.settings import (
+    ModelConfig,
+    add_model_flags,
     env_default,
-    stage_config_from_args,
+    model_config_from_args,
+    parse_buckets,
+)
+from services.serving.config import (
+    ServingConfig,
+    add_serving_flags,
+    serving_config_from_args,
 )
 from services.serving.engine_loop import (
     EngineLoop,
@@ -33,7 +40,7 @@ from services.serving.engine_loop import (
 )
 from services.serving.grpc_server import ServerHandle, build_server
 from services.serving.metrics import StageMetrics
-from services.serving.stage_main import load_and_prepare, serve_stage
+from services.serving.stage_main import serve_stage
 from services.serving.status import WireError, abort_for
 from services.serving.wire import audio_to_proto, frames_from_proto
 
@@ -43,12 +50,13 @@ SERVICE = stages_pb2.DESCRIPTOR.services_by_name["Code2Wav"].full_name
 
 @dataclass(frozen=True)
 class Code2WavConfig:
-    stage: StageConfig
+    serving: ServingConfig
+    model: ModelConfig
     left_context: int = 25  # --decoder window: frames of context decoded before each chunk
     decoder: str = "incremental"  # or "window" (see services/code2wav/engine.py)
-    # Window lengths captured as CUDA graphs at start-up (others on first use): the talker's
-    # default chunks of 4 then 25 frames with 25 of context give windows of 4, 4 + 25 and 25 + 25.
-    graph_windows: tuple[int, ...] = (4, 29, 50)
+    # Window lengths captured as CUDA graphs at start-up (others on first use): those of the
+    # talker's default chunks (services/runtime/chunking.py) with `left_context` frames of context.
+    graph_windows: tuple[int, ...] = DEFAULT_CHUNKS.windows(25)
 
 
 class Code2WavServicer(stages_pb2_grpc.Code2WavServicer):
@@ -62,7 +70,7 @@ class Code2WavServicer(stages_pb2_grpc.Code2WavServicer):
     async def Decode(self, request_iterator, context: grpc.aio.ServicerContext):
         first = await anext(aiter(request_iterator), None)
         if first is None or not first.HasField("start"):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "start: the first message must be start")
+            await abort_for(context, InvalidArgument("start", "the first message must be start"))
         request_id = first.start.request_id or "anonymous"
         key = engine_key(request_id)  # unique per stream, whatever ids callers reuse
         sink = EventSink(asyncio.get_running_loop())
@@ -119,39 +127,41 @@ class Code2WavServicer(stages_pb2_grpc.Code2WavServicer):
 
 
 async def create_server(config: Code2WavConfig) -> tuple[ServerHandle, EngineLoop]:
-    from services.runtime.checkpoint import Stage
-
-    loaded = load_and_prepare(config.stage, Stage.CODE2WAV)
+    loaded = load_for_serving(config.model, Stage.CODE2WAV)
     engine = Code2WavEngine(loaded.model, loaded.config, left_context=config.left_context, decoder=config.decoder,
-                            graphs=config.stage.graphs, graph_windows=config.graph_windows)
+                            graphs=config.model.graphs, graph_windows=config.graph_windows)
     metrics = StageMetrics("code2wav")
-    metrics.serve(config.stage.metrics_port)
+    metrics.serve(config.serving.metrics_port)
     loop = EngineLoop(engine, "code2wav", metrics)
     loop.start()
-    handle = build_server(config.stage.host, config.stage.port, (SERVICE,), config.stage.max_message_bytes,
-                          tls=config.stage.tls, health_port=config.stage.health_port)
-    stages_pb2_grpc.add_Code2WavServicer_to_server(Code2WavServicer(loop, engine, handle, config.stage.stream_idle_timeout_s), handle.server)
+    handle = build_server(config.serving.host, config.serving.port, (SERVICE,), config.serving.max_message_bytes,
+                          tls=config.serving.tls, health_port=config.serving.health_port)
+    servicer = Code2WavServicer(loop, engine, handle, config.serving.stream_idle_timeout_s)
+    stages_pb2_grpc.add_Code2WavServicer_to_server(servicer, handle.server)
     return handle, loop
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="omni-code2wav", description=__doc__)
-    add_stage_flags(parser, default_port=50063)
+    add_model_flags(parser)
+    add_serving_flags(parser, default_port=50063)
     parser.add_argument("--decoder", choices=["incremental", "window"], default=env_default("decoder", "incremental"),
                         help="incremental (default): the vocoder's transformer keeps a KV cache per request, exact "
                              "for any checkpoint; window: re-decode --left-context frames before each chunk, batched "
                              "across requests (exact only for short-reach vocoders such as the tiny checkpoint's)")
     parser.add_argument("--left-context", type=int, default=env_default("left_context", 25),
                         help="frames of left context decoded before each chunk (default 25)")
-    parser.add_argument("--graph-windows", default=env_default("graph_windows", "4,29,50"),
+    parser.add_argument("--graph-windows", default=env_default("graph_windows", ""),
                         help="chunk window lengths (context + chunk frames) captured as CUDA graphs at start-up; "
-                             "others are captured on first use (default %(default)s)")
+                             "others are captured on first use (default: those of the talker's default chunks, "
+                             "4, 8, 16, 25, ..., with --left-context frames of context)")
     args = parser.parse_args(argv)
 
     def run() -> None:
-        windows = parse_buckets(args.graph_windows, "--graph-windows")  # the same syntax: positive integers
-        config = Code2WavConfig(stage=stage_config_from_args(args), left_context=args.left_context, decoder=args.decoder,
-                                graph_windows=windows)
+        windows = (parse_buckets(args.graph_windows, "--graph-windows")  # the same syntax: positive integers
+                   if args.graph_windows else DEFAULT_CHUNKS.windows(args.left_context))
+        config = Code2WavConfig(serving=serving_config_from_args(args), model=model_config_from_args(args),
+                                left_context=args.left_context, decoder=args.decoder, graph_windows=windows)
         serve_stage("code2wav", create_server, config, args.port_file)
 
     return run_cli(run)

@@ -52,12 +52,16 @@ def _batch_invariant_linear(input: torch.Tensor, weight: torch.Tensor, bias: tor
     return out if input.ndim == 3 else out.squeeze(1)
 
 
-F.linear = _batch_invariant_linear  # inactive (plain F.linear) unless a thread enables it
-
-
 @contextlib.contextmanager
 def batch_invariant(enabled: bool = True):
-    """Within this block, on this thread, linear layers compute each request separately."""
+    """Within this block, on this thread, linear layers compute each request separately.
+
+    NOTE: transformers' modules call `F.linear` directly (nn.Linear, the MoE routers), so the
+    first block that enables this puts `_batch_invariant_linear` in its place, for the process.
+    Outside an enabled block, on any thread, it is the plain `F.linear` plus one attribute read;
+    a process that never enables exact batching never replaces anything."""
+    if enabled and F.linear is not _batch_invariant_linear:
+        F.linear = _batch_invariant_linear
     previous = getattr(_local, "active", False)
     _local.active = enabled
     try:
@@ -128,7 +132,7 @@ class SlotKVCache:
         self.max_len = max_len
 
     @classmethod
-    def for_config(cls, text_config, slots: int, max_len: int, dtype, device) -> "SlotKVCache":
+    def for_config(cls, text_config, slots: int, max_len: int, dtype, device) -> SlotKVCache:
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
         return cls(text_config.num_hidden_layers, slots, text_config.num_key_value_heads, max_len, head_dim,
                    dtype, device)
@@ -150,7 +154,7 @@ class SlotKVCache:
     def reset(self, slot: int) -> None:
         self.lengths[slot] = 0
 
-    def batch(self, slots: list[int]) -> "BatchView":
+    def batch(self, slots: list[int]) -> BatchView:
         return BatchView(self, slots)
 
 

@@ -14,10 +14,26 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+import transformers
+from safetensors import safe_open
+from transformers import Qwen3OmniMoeConfig
+from transformers.conversion_mapping import (
+    get_checkpoint_conversion_mapping,
+    register_checkpoint_conversion_mapping,
+)
+from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as qm
+
 from services.runtime.errors import UserError
+from services.runtime.full_size import build_random_stage
+from services.runtime.settings import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 class Stage(enum.Enum):
@@ -45,15 +61,11 @@ def check_folder(folder: str | Path, need_weights: bool = True) -> Path:
 
 
 def load_config(folder: str | Path, need_weights: bool = True):
-    from transformers import Qwen3OmniMoeConfig
-
     return Qwen3OmniMoeConfig.from_pretrained(check_folder(folder, need_weights))
 
 
 def checkpoint_keys(folder: str | Path) -> list[str]:
     """Every tensor name in the checkpoint, read from the safetensors headers only."""
-    from safetensors import safe_open
-
     keys: list[str] = []
     for file in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
@@ -62,12 +74,6 @@ def checkpoint_keys(folder: str | Path) -> list[str]:
 
 
 def _stage_classes():
-    from transformers.conversion_mapping import (
-        get_checkpoint_conversion_mapping,
-        register_checkpoint_conversion_mapping,
-    )
-    from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as qm
-
     # NOTE: MoE experts are stored one per expert on disk and fused in memory. transformers
     # registers that conversion for the whole model and the thinker, not for the talker on its
     # own (its config has no model_type), so register the same mapping for the talker class.
@@ -99,18 +105,13 @@ def load_stage(folder: str | Path, stage: Stage, device: str = "cpu", dtype: str
                random_weights: bool = False, seed: int = 0) -> LoadedStage:
     """Load one stage's module on `device` in `dtype` without reading the other stages
     (or, with `random_weights`, build it there from config.json with seeded random weights)."""
-    import torch
-    import transformers
-
     config = load_config(folder, need_weights=not random_weights)
     cls, sub_name = _stage_classes()[stage]
     sub_config = getattr(config, sub_name)
     if stage is Stage.TALKER and not hasattr(sub_config, "audio_config"):
-        # transformers bug (NOTES): the talker's multimodal rope reads its config's audio config.
+        # transformers bug (docs/qwen3-omni.md): the talker's multimodal rope reads its config's audio config.
         sub_config.audio_config = config.thinker_config.audio_config
     if random_weights:
-        from services.runtime.full_size import build_random_stage
-
         model = build_random_stage(cls, sub_config, stage.value, device, getattr(torch, dtype), seed)
         return LoadedStage(stage=stage, model=model, config=config)
     verbosity = transformers.logging.get_verbosity()
@@ -126,3 +127,16 @@ def load_stage(folder: str | Path, stage: Stage, device: str = "cpu", dtype: str
         raise UserError(f"{folder}: {stage.value} weights missing from the checkpoint: {missing}")
     model.to(device).eval()
     return LoadedStage(stage=stage, model=model, config=config)
+
+
+def load_for_serving(config: ModelConfig, stage: Stage) -> LoadedStage:
+    """A stage's module as a service loads it: torch threads set, transformers' logging quiet."""
+    if config.threads > 0:
+        torch.set_num_threads(config.threads)
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", module="transformers")
+    log.info("loading %s from %s on %s (%s%s)", stage.value, config.checkpoint, config.device, config.dtype,
+             ", random weights" if config.random_weights else "")
+    return load_stage(config.checkpoint, stage, device=config.device, dtype=config.dtype,
+                      random_weights=config.random_weights, seed=config.random_seed)

@@ -18,44 +18,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Hashable
+from typing import TYPE_CHECKING
 
 from services.runtime.errors import UserError
 
-if TYPE_CHECKING:  # torch is imported where used: the router imports this module's settings only
+if TYPE_CHECKING:  # torch is imported where used: importing this module stays cheap
     import torch
 
 log = logging.getLogger(__name__)
-
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-
-
-@dataclass(frozen=True)
-class GraphSettings:
-    """Whether a stage captures CUDA graphs, and for which batch sizes."""
-
-    enabled: bool = False
-    buckets: tuple[int, ...] = DEFAULT_BUCKETS
-
-
-def parse_buckets(text: str, flag: str = "--graph-buckets") -> tuple[int, ...]:
-    """'1,2,4,8' -> (1, 2, 4, 8): sorted, unique, each >= 1."""
-    try:
-        buckets = {int(x) for x in text.split(",") if x.strip()}
-    except ValueError:
-        raise UserError(f"{flag} {text!r}: expected comma-separated integers like 1,2,4,8") from None
-    if not buckets or min(buckets) < 1:
-        raise UserError(f"{flag} {text!r}: need at least one value, each >= 1")
-    return tuple(sorted(buckets))
-
-
-def graphs_wanted(flag: str, device: str) -> bool:
-    """--cuda-graphs auto|on|off -> enabled. auto: on for cuda devices only."""
-    is_cuda = str(device).startswith("cuda")
-    if flag == "on" and not is_cuda:
-        raise UserError(f"--cuda-graphs on needs a cuda device, got --device {device}")
-    return flag == "on" or (flag == "auto" and is_cuda)
 
 
 def pick_bucket(batch: int, buckets: tuple[int, ...]) -> int | None:

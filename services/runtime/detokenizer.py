@@ -8,7 +8,7 @@ U+FFFD. Cost per token is O(window), not O(text).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 
 class IncrementalDetokenizer:

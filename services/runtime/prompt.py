@@ -48,14 +48,14 @@ class ChatMessage:
 
 @dataclass
 class PromptInputs:
-    input_ids: "torch.Tensor"  # [1, P] int64
-    attention_mask: "torch.Tensor"  # [1, P] int64
+    input_ids: torch.Tensor  # [1, P] int64
+    attention_mask: torch.Tensor  # [1, P] int64
     # Only present with audio: [n_audio, 128, T] mel features and [n_audio, T] mask.
-    input_features: "torch.Tensor | None" = None
-    feature_attention_mask: "torch.Tensor | None" = None
+    input_features: torch.Tensor | None = None
+    feature_attention_mask: torch.Tensor | None = None
     # Only present with images: [patches, C*t*p*p] and [n_images, 3] (t, h, w in patches).
-    pixel_values: "torch.Tensor | None" = None
-    image_grid_thw: "torch.Tensor | None" = None
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -74,7 +74,7 @@ class PromptInputs:
         return kw
 
     @property
-    def audio_feature_lengths(self) -> "torch.Tensor | None":
+    def audio_feature_lengths(self) -> torch.Tensor | None:
         if self.feature_attention_mask is None:
             return None
         return self.feature_attention_mask.sum(-1)

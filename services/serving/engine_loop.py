@@ -45,7 +45,7 @@ class Engine(Protocol):
 class Add:
     request_id: str
     payload: Any  # the engine's job for this request
-    sink: "EventSink"
+    sink: EventSink
 
 
 @dataclass(frozen=True)
@@ -153,12 +153,14 @@ class EngineLoop:
     def in_flight(self) -> int:
         return len(self._sinks)
 
-    def load_report(self, stage: str, cache_capacity: int = 0, draining: bool = False):
-        """omni.v1.LoadReport of this stage, read by the router to balance."""
+    def load_report(self, stage: str, cache_capacity: int = 0, draining: bool = False,
+                    limits: common_pb2.StageLimits | None = None) -> common_pb2.LoadReport:
+        """omni.v1.LoadReport of this stage, read by the router to balance (and, for `limits`, by
+        the stage before it)."""
         return common_pb2.LoadReport(
             stage=stage, queue_depth=self.engine.queue_depth, running=self.engine.running,
             step_ms=self.stats.step_ms_ewma, cache_used=self.engine.running if cache_capacity else 0,
-            cache_capacity=cache_capacity, draining=draining, in_flight=self.in_flight,
+            cache_capacity=cache_capacity, draining=draining, in_flight=self.in_flight, limits=limits,
         )
 
     def _observe(self, elapsed_ms: float, batch: int) -> None:

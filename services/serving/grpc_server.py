@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -128,3 +130,12 @@ def time_remaining(context: grpc.aio.ServicerContext) -> float | None:
 
 def setup_logging(name: str) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
+
+
+def write_port_file(path: str | None, port: int) -> None:
+    """Write the bound port atomically (the launcher and tests read it for port 0)."""
+    if not path:
+        return
+    tmp = Path(f"{path}.tmp{os.getpid()}")
+    tmp.write_text(f"{port}\n")
+    tmp.replace(path)

@@ -22,6 +22,7 @@ from pathlib import Path
 import grpc
 
 from services.runtime.errors import UserError
+from services.runtime.settings import env_default
 
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
@@ -54,8 +55,6 @@ class TLSConfig:
 
 
 def add_tls_flags(parser: argparse.ArgumentParser) -> None:
-    from services.serving.config import env_default
-
     parser.add_argument("--tls-cert", default=env_default("tls_cert", None),
                         help="PEM certificate this process serves with and presents to the next stage")
     parser.add_argument("--tls-key", default=env_default("tls_key", None), help="PEM private key of --tls-cert")

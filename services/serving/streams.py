@@ -11,7 +11,7 @@ whatever status follows it does not.
 from __future__ import annotations
 
 import asyncio
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 

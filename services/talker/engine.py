@@ -27,13 +27,15 @@ from services.runtime.batching import (
     batch_invariant,
     use_rowwise_attention,
 )
-from services.runtime.cuda_graphs import GraphSettings
 from services.runtime.events import EngineEvent
 from services.runtime.finish import FinishReason
 from services.runtime.lm_engine import SlotScheduledEngine
 from services.runtime.qwen3_omni import talker_prompt_len
 from services.runtime.sampling import SamplingConfig, select_token
 from services.runtime.scheduler import LMScheduler
+from services.runtime.settings import GraphSettings
+from services.runtime.static_decode import SlotDecodeGraphs
+from services.talker.graphs import PredictorGraphs, talker_step
 
 
 @dataclass(frozen=True)
@@ -127,9 +129,6 @@ class TalkerEngine(SlotScheduledEngine):
                                                       self.num_groups + 1, dtype, device)
         self.graphs = self.predictor_graphs = None
         if engine_config.graphs.enabled:
-            from services.runtime.static_decode import SlotDecodeGraphs
-            from services.talker.graphs import PredictorGraphs, talker_step
-
             hidden = model.config.text_config.hidden_size
             self.graphs = SlotDecodeGraphs(talker_step(model, self.cache), self.cache, engine_config.num_slots,
                                            engine_config.graphs, engine_config.exact_batching, "talker decode", device)

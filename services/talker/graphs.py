@@ -10,17 +10,13 @@ slot view and the exactness note.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from services.runtime.batching import SlotKVCache, batch_invariant
-from services.runtime.cuda_graphs import (
-    GraphRunner,
-    GraphSettings,
-    pad_rows,
-    plan_padding,
-)
+from services.runtime.cuda_graphs import GraphRunner, pad_rows, plan_padding
+from services.runtime.settings import GraphSettings
 from services.runtime.static_decode import StaticSlotView
 
 log = logging.getLogger(__name__)

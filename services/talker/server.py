@@ -12,18 +12,25 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from omni.v1 import stages_pb2, stages_pb2_grpc
+from omni.v1 import common_pb2, stages_pb2, stages_pb2_grpc
+from services.runtime.checkpoint import Stage, load_for_serving
+from services.runtime.chunking import DEFAULT_CHUNKS, ChunkPolicy, FrameChunker
 from services.runtime.errors import InvalidArgument, run_cli
 from services.runtime.prompt import resolve_voice
 from services.runtime.qwen3_omni import talker_prompt_len
-from services.serving.channels import ChannelPool
-from services.serving.config import (
-    StageConfig,
+from services.runtime.settings import (
+    ModelConfig,
     add_engine_flags,
-    add_stage_flags,
+    add_model_flags,
     env_default,
     exact_batching,
-    stage_config_from_args,
+    model_config_from_args,
+)
+from services.serving.channels import ChannelPool
+from services.serving.config import (
+    ServingConfig,
+    add_serving_flags,
+    serving_config_from_args,
 )
 from services.serving.convert import finish_reason_to_proto, sampling_from_proto
 from services.serving.engine_loop import (
@@ -37,7 +44,7 @@ from services.serving.grpc_server import (
     time_remaining,
 )
 from services.serving.metrics import StageMetrics
-from services.serving.stage_main import load_and_prepare, serve_stage
+from services.serving.stage_main import serve_stage
 from services.serving.status import WireError, abort_for
 from services.serving.streams import close_quietly, relay_responses, write_quietly
 from services.serving.wire import frames_to_proto, tensor_from_proto
@@ -57,41 +64,12 @@ SERVICE = stages_pb2.DESCRIPTOR.services_by_name["Talker"].full_name
 
 @dataclass(frozen=True)
 class TalkerConfig:
-    stage: StageConfig
+    serving: ServingConfig
+    model: ModelConfig
     engine: TalkerEngineConfig = TalkerEngineConfig()
-    first_chunk_frames: int = 4  # frames in the first chunk sent to code2wav (time to first audio)
-    chunk_frames: int = 25  # frames in every later chunk, once grown
-    chunk_growth: int = 2  # each chunk this many times the last until chunk_frames (1 = jump)
+    chunks: ChunkPolicy = DEFAULT_CHUNKS  # how frames are cut into chunks for code2wav
     default_max_new_tokens: int = 2048
     max_new_tokens_limit: int = 8192
-
-
-class FrameChunker:
-    """Groups frames into chunks: a small first one (early audio), then growing ones up to `rest`.
-
-    NOTE: growth. With 4 then 25 frames, the 25-frame chunk takes longer to make than the 0.32 s
-    the first one plays, so playback runs dry once per request (omni-bench's underrun figure).
-    Doubling (4, 8, 16, 25, 25, ...) keeps each chunk's production shorter than the audio already
-    queued, at a few more code2wav calls per request."""
-
-    def __init__(self, first: int, rest: int, growth: int = 2):
-        self.first, self.rest, self.growth = first, rest, max(growth, 1)
-        self.size = first  # size of the chunk being filled
-        self.frames: list[torch.Tensor] = []  # pending [num_code_groups] rows
-        self.sent = 0  # frames already handed out
-
-    def add(self, codes: torch.Tensor) -> torch.Tensor | None:
-        self.frames.append(codes)
-        return self.flush() if len(self.frames) >= self.size else None
-
-    def flush(self) -> torch.Tensor | None:
-        if not self.frames:
-            return None
-        chunk = torch.stack(self.frames)  # [n, num_code_groups]
-        self.sent += len(self.frames)
-        self.frames = []
-        self.size = self.rest if self.growth == 1 else min(self.size * self.growth, self.rest)
-        return chunk
 
 
 def talker_job_from_proto(start: stages_pb2.TalkerStart, model_config, config: TalkerConfig) -> TalkerJob:
@@ -135,19 +113,19 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
         self.engine = engine
         self.config = config
         self.model_config = model_config
-        self.channels = ChannelPool(config.stage.max_message_bytes, config.stage.tls)
+        self.channels = ChannelPool(config.serving.max_message_bytes, config.serving.tls)
 
     async def Speak(self, request_iterator, context: grpc.aio.ServicerContext):
         first = await anext(aiter(request_iterator), None)
         if first is None or not first.HasField("start"):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "start: the first message must be start")
+            await abort_for(context, InvalidArgument("start", "the first message must be start"))
         start = first.start
         try:
             job = talker_job_from_proto(start, self.model_config, self.config)
         except (InvalidArgument, WireError) as exc:
             await abort_for(context, exc)
         if not start.route.code2wav:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "route.code2wav: no code2wav replica given")
+            await abort_for(context, InvalidArgument("route.code2wav", "no code2wav replica given"))
         request_id = start.request_id or "anonymous"
         key = engine_key(request_id)  # unique per stream, whatever ids callers reuse
         sink = EventSink(asyncio.get_running_loop())
@@ -157,12 +135,12 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
         decode = stub.Decode(timeout=time_remaining(context))
         tasks.append(asyncio.create_task(relay_responses(
             decode, "code2wav", start.route.code2wav, sink, lambda out: out.HasField("final"))))
-        chunker = FrameChunker(self.config.first_chunk_frames, self.config.chunk_frames, self.config.chunk_growth)
+        chunker = FrameChunker(self.config.chunks)
         done: TalkerDone | None = None
         try:
             await write_quietly(decode, stages_pb2.Code2WavInput(start=stages_pb2.Code2WavStart(request_id=request_id)))
             while True:
-                match await sink.get(self.config.stage.stream_idle_timeout_s, "talker"):
+                match await sink.get(self.config.serving.stream_idle_timeout_s, "talker"):
                     case Frame(codes=codes):
                         chunk = chunker.add(codes)
                         if chunk is not None:
@@ -217,28 +195,34 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
             pass
 
     async def GetLoad(self, request, context):
-        return self.loop.load_report("talker", self.config.engine.num_slots, self.handle.draining)
+        return self.loop.load_report("talker", self.config.engine.num_slots, self.handle.draining, self.limits)
+
+    @property
+    def limits(self) -> common_pb2.StageLimits:
+        """The talker's own limits; the thinker learns them from here (one owner per setting)."""
+        return common_pb2.StageLimits(max_model_len=self.config.engine.max_model_len,
+                                      max_new_tokens_limit=self.config.max_new_tokens_limit,
+                                      default_max_new_tokens=self.config.default_max_new_tokens)
 
 
 async def create_server(config: TalkerConfig) -> tuple[ServerHandle, EngineLoop]:
-    from services.runtime.checkpoint import Stage
-
-    loaded = load_and_prepare(config.stage, Stage.TALKER)
-    engine = TalkerEngine(loaded.model, loaded.config, device=config.stage.device, engine_config=config.engine)
+    loaded = load_for_serving(config.model, Stage.TALKER)
+    engine = TalkerEngine(loaded.model, loaded.config, device=config.model.device, engine_config=config.engine)
     metrics = StageMetrics("talker")
     metrics.cache_capacity.set(config.engine.num_slots)
-    metrics.serve(config.stage.metrics_port)
+    metrics.serve(config.serving.metrics_port)
     loop = EngineLoop(engine, "talker", metrics)
     loop.start()
-    handle = build_server(config.stage.host, config.stage.port, (SERVICE,), config.stage.max_message_bytes,
-                          tls=config.stage.tls, health_port=config.stage.health_port)
+    handle = build_server(config.serving.host, config.serving.port, (SERVICE,), config.serving.max_message_bytes,
+                          tls=config.serving.tls, health_port=config.serving.health_port)
     stages_pb2_grpc.add_TalkerServicer_to_server(TalkerServicer(loop, engine, config, loaded.config, handle), handle.server)
     return handle, loop
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="omni-talker", description=__doc__)
-    add_stage_flags(parser, default_port=50062)
+    add_model_flags(parser)
+    add_serving_flags(parser, default_port=50062)
     add_engine_flags(parser)
     parser.add_argument("--first-chunk-frames", type=int, default=env_default("first_chunk_frames", 4),
                         help="frames in the first chunk sent to code2wav: time to first audio (default 4)")
@@ -252,14 +236,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def run() -> None:
-        stage = stage_config_from_args(args)
+        model = model_config_from_args(args)
         engine = TalkerEngineConfig(max_batch_size=args.max_batch_size, num_slots=args.num_slots,
                                     max_model_len=args.max_model_len, exact_batching=exact_batching(args),
-                                    graphs=stage.graphs)
+                                    graphs=model.graphs)
         config = TalkerConfig(
-            stage=stage, engine=engine, first_chunk_frames=args.first_chunk_frames,
-            chunk_frames=args.chunk_frames, chunk_growth=args.chunk_growth, default_max_new_tokens=args.default_max_new_tokens,
-            max_new_tokens_limit=args.max_new_tokens_limit,
+            serving=serving_config_from_args(args), model=model, engine=engine,
+            chunks=ChunkPolicy(args.first_chunk_frames, args.chunk_frames, args.chunk_growth),
+            default_max_new_tokens=args.default_max_new_tokens, max_new_tokens_limit=args.max_new_tokens_limit,
         )
         serve_stage("talker", create_server, config, args.port_file)
 

@@ -24,13 +24,15 @@ from services.runtime.batching import (
     batch_invariant,
     use_rowwise_attention,
 )
-from services.runtime.cuda_graphs import GraphSettings
 from services.runtime.events import EngineEvent
 from services.runtime.finish import FinishReason
 from services.runtime.lm_engine import SlotScheduledEngine
 from services.runtime.prompt import PromptInputs
 from services.runtime.sampling import SamplingConfig, select_token
 from services.runtime.scheduler import LMScheduler
+from services.runtime.settings import GraphSettings
+from services.runtime.static_decode import SlotDecodeGraphs
+from services.thinker.graphs import thinker_step
 
 
 @dataclass(frozen=True)
@@ -103,9 +105,6 @@ class ThinkerEngine(SlotScheduledEngine):
                                             engine_config.max_model_len, dtype, device)
         self.graphs = None
         if engine_config.graphs.enabled:
-            from services.runtime.static_decode import SlotDecodeGraphs
-            from services.thinker.graphs import thinker_step
-
             self.graphs = SlotDecodeGraphs(thinker_step(model, self.cache), self.cache, engine_config.num_slots,
                                            engine_config.graphs, engine_config.exact_batching, "thinker decode", device)
             self.graphs.capture_all(torch.zeros((1, 1), dtype=torch.long))

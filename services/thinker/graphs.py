@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from services.runtime.batching import SlotKVCache
 from services.runtime.static_decode import StaticSlotView

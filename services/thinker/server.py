@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from omni.v1 import omni_pb2, stages_pb2, stages_pb2_grpc
+from omni.v1 import common_pb2, omni_pb2, stages_pb2, stages_pb2_grpc
+from services.runtime.checkpoint import Stage, load_for_serving
 from services.runtime.detokenizer import IncrementalDetokenizer
 from services.runtime.errors import InvalidArgument, run_cli
 from services.runtime.prompt import (
@@ -24,14 +25,19 @@ from services.runtime.prompt import (
     resolve_voice,
 )
 from services.runtime.qwen3_omni import talker_prompt_len
-from services.serving.channels import ChannelPool
-from services.serving.config import (
-    StageConfig,
+from services.runtime.settings import (
+    ModelConfig,
     add_engine_flags,
-    add_stage_flags,
+    add_model_flags,
     env_default,
     exact_batching,
-    stage_config_from_args,
+    model_config_from_args,
+)
+from services.serving.channels import ChannelPool
+from services.serving.config import (
+    ServingConfig,
+    add_serving_flags,
+    serving_config_from_args,
 )
 from services.serving.convert import finish_reason_to_proto, sampling_from_proto
 from services.serving.engine_loop import (
@@ -45,8 +51,8 @@ from services.serving.grpc_server import (
     time_remaining,
 )
 from services.serving.metrics import StageMetrics
-from services.serving.stage_main import load_and_prepare, serve_stage
-from services.serving.status import abort_for
+from services.serving.stage_main import serve_stage
+from services.serving.status import StageUnavailable, abort_for
 from services.serving.streams import close_quietly, relay_responses, write_quietly
 from services.serving.wire import tensor_to_proto
 from services.thinker.engine import (
@@ -66,14 +72,12 @@ _ROLES = {omni_pb2.ROLE_SYSTEM: Role.SYSTEM, omni_pb2.ROLE_USER: Role.USER, omni
 
 @dataclass(frozen=True)
 class ThinkerConfig:
-    stage: StageConfig
+    serving: ServingConfig
+    model: ModelConfig
     engine: ThinkerEngineConfig = ThinkerEngineConfig()
     default_max_new_tokens: int = 512
     max_new_tokens_limit: int = 4096
     limits: PromptLimits = PromptLimits()
-    # The talker's own limits, checked here so that a bad talker setting fails before any output.
-    talker_max_new_tokens_limit: int = 8192
-    talker_max_model_len: int = 4096
     backend: str = "transformers"  # or "vllm" (services/thinker/vllm_backend.py; optional install)
     vllm_kv_cache_bytes: int | None = None  # vLLM's KV cache; None: its own sizing (GPU memory fraction)
     vllm_gpu_memory_utilization: float = 0.9
@@ -111,6 +115,32 @@ class Prepared:
     audio: bool
 
 
+class PeerLimits:
+    """The limits of each replica of the next stage, learnt from its load report and kept for
+    `ttl_s` (a replica restarted with other flags is seen within that time)."""
+
+    def __init__(self, stage: str, channels: ChannelPool, ttl_s: float = 30.0, timeout_s: float = 2.0):
+        self.stage = stage
+        self.channels = channels
+        self.ttl_s = ttl_s
+        self.timeout_s = timeout_s
+        self._known: dict[str, tuple[float, common_pb2.StageLimits]] = {}  # address -> (fetched at, limits)
+
+    async def get(self, address: str) -> common_pb2.StageLimits:
+        known = self._known.get(address)
+        if known is not None and time.monotonic() - known[0] < self.ttl_s:
+            return known[1]
+        try:
+            report = await stages_pb2_grpc.TalkerStub(self.channels.get(address)).GetLoad(
+                common_pb2.LoadRequest(), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise StageUnavailable(self.stage, address, f"cannot read its limits: {exc.details() or exc.code().name}") from None
+        if not report.HasField("limits"):
+            raise StageUnavailable(self.stage, address, "its load report carries no limits")
+        self._known[address] = (time.monotonic(), report.limits)
+        return report.limits
+
+
 class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
     def __init__(self, loop: EngineLoop, engine: ThinkerEngine, prompts: PromptBuilder, config: ThinkerConfig,
                  handle: ServerHandle, build_prompt=PromptBuilder.build):
@@ -120,17 +150,19 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         self.engine = engine
         self.prompts = prompts
         self.config = config
-        self.channels = ChannelPool(config.stage.max_message_bytes, config.stage.tls)
+        self.channels = ChannelPool(config.serving.max_message_bytes, config.serving.tls)
+        self.talker_limits = PeerLimits("talker", self.channels)
 
-    def prepare(self, request: omni_pb2.GenerateRequest) -> Prepared:
-        """Validate and convert a request; runs in a worker thread (decodes audio and images)."""
+    def prepare(self, request: omni_pb2.GenerateRequest, talker: common_pb2.StageLimits | None) -> Prepared:
+        """Validate and convert a request; runs in a worker thread (decodes audio and images).
+        `talker`: the limits of the talker replica in the route (None: text only)."""
         audio = wants_audio(request)
         talker_sampling = None
         if audio:
             resolve_voice(self.engine.config, request.voice if request.HasField("voice") else None)
-            # Validated here too, so a bad talker setting fails before any output.
+            # The talker's own limits, checked here so that a bad talker setting fails before any output.
             talker_sampling = sampling_from_proto(request.talker_sampling, "talker_sampling", 1,
-                                                  self.config.talker_max_new_tokens_limit)
+                                                  talker.max_new_tokens_limit)
         sampling = sampling_from_proto(request.thinker_sampling, "thinker_sampling",
                                        self.config.default_max_new_tokens, self.config.max_new_tokens_limit)
         prompt = self.build_prompt(self.prompts, messages_from_proto(request))
@@ -141,20 +173,23 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
                                   f"exceeds the thinker's per-request cache ({capacity})")
         if talker_sampling is not None and request.talker_sampling.HasField("max_new_tokens"):
             needed = talker_prompt_len(prompt.input_ids[0].tolist(), self.engine.config) + talker_sampling.max_new_tokens
-            if needed > self.config.talker_max_model_len:
+            if needed > talker.max_model_len:
                 raise InvalidArgument("talker_sampling.max_new_tokens",
                                       f"talker prompt + max_new_tokens ({needed}) exceeds the talker's per-request "
-                                      f"cache ({self.config.talker_max_model_len})")
+                                      f"cache ({talker.max_model_len})")
         return Prepared(ThinkerJob(prompt, sampling, want_talker_inputs=audio), audio)
 
     async def Generate(self, request: stages_pb2.ThinkerRequest, context: grpc.aio.ServicerContext):
         received = time.perf_counter()
         req = request.request
         try:
-            prepared = await asyncio.to_thread(self.prepare, req)
-            if prepared.audio and not request.route.talker:
-                raise InvalidArgument("route.talker", "audio output needs a talker replica in the route")
-        except InvalidArgument as exc:
+            talker = None
+            if wants_audio(req):
+                if not request.route.talker:
+                    raise InvalidArgument("route.talker", "audio output needs a talker replica in the route")
+                talker = await self.talker_limits.get(request.route.talker)
+            prepared = await asyncio.to_thread(self.prepare, req, talker)
+        except (InvalidArgument, StageUnavailable) as exc:
             await abort_for(context, exc)
         request_id = req.request_id or "anonymous"
         key = engine_key(request_id)  # unique per stream, whatever ids callers reuse
@@ -168,7 +203,7 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         ttft = ttfp = None
         try:
             while True:
-                match await sink.get(self.config.stage.stream_idle_timeout_s, "thinker"):
+                match await sink.get(self.config.serving.stream_idle_timeout_s, "thinker"):
                     case Prefilled() as prefilled:
                         speak = stages_pb2_grpc.TalkerStub(self.channels.get(request.route.talker)).Speak(
                             timeout=time_remaining(context))
@@ -250,30 +285,28 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
 
 
 async def create_server(config: ThinkerConfig) -> tuple[ServerHandle, EngineLoop]:
-    from services.runtime.checkpoint import Stage
-
     build_prompt = PromptBuilder.build
     if config.backend == "vllm":
         from services.thinker import vllm_backend
 
         engine = vllm_backend.VllmThinkerEngine(vllm_backend.VllmThinkerConfig(
-            checkpoint=config.stage.checkpoint, dtype=config.stage.dtype, max_num_seqs=config.engine.max_batch_size,
-            max_model_len=config.engine.max_model_len, talker_inputs_device=config.stage.device,
+            checkpoint=config.model.checkpoint, dtype=config.model.dtype, max_num_seqs=config.engine.max_batch_size,
+            max_model_len=config.engine.max_model_len, talker_inputs_device=config.model.device,
             kv_cache_bytes=config.vllm_kv_cache_bytes, gpu_memory_utilization=config.vllm_gpu_memory_utilization,
         ))
         model_config, build_prompt = engine.config, vllm_backend.build_prompt
     else:
-        loaded = load_and_prepare(config.stage, Stage.THINKER)
-        engine = ThinkerEngine(loaded.model, loaded.config, device=config.stage.device, engine_config=config.engine)
+        loaded = load_for_serving(config.model, Stage.THINKER)
+        engine = ThinkerEngine(loaded.model, loaded.config, device=config.model.device, engine_config=config.engine)
         model_config = loaded.config
-    prompts = PromptBuilder(config.stage.checkpoint, model_config, config.limits)
+    prompts = PromptBuilder(config.model.checkpoint, model_config, config.limits)
     metrics = StageMetrics("thinker")
     metrics.cache_capacity.set(config.engine.num_slots)
-    metrics.serve(config.stage.metrics_port)
+    metrics.serve(config.serving.metrics_port)
     loop = EngineLoop(engine, "thinker", metrics)
     loop.start()
-    handle = build_server(config.stage.host, config.stage.port, (SERVICE,), config.stage.max_message_bytes,
-                          tls=config.stage.tls, health_port=config.stage.health_port)
+    handle = build_server(config.serving.host, config.serving.port, (SERVICE,), config.serving.max_message_bytes,
+                          tls=config.serving.tls, health_port=config.serving.health_port)
     servicer = ThinkerServicer(loop, engine, prompts, config, handle, build_prompt)
     stages_pb2_grpc.add_ThinkerServicer_to_server(servicer, handle.server)
     return handle, loop
@@ -281,15 +314,11 @@ async def create_server(config: ThinkerConfig) -> tuple[ServerHandle, EngineLoop
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="omni-thinker", description=__doc__)
-    add_stage_flags(parser, default_port=50061)
+    add_model_flags(parser)
+    add_serving_flags(parser, default_port=50061)
     add_engine_flags(parser)
     parser.add_argument("--default-max-new-tokens", type=int, default=env_default("thinker_default_max_new_tokens", 512))
     parser.add_argument("--max-new-tokens-limit", type=int, default=env_default("thinker_max_new_tokens_limit", 4096))
-    parser.add_argument("--talker-max-new-tokens-limit", type=int,
-                        default=env_default("talker_max_new_tokens_limit", 8192),
-                        help="the talker's --max-new-tokens-limit, checked before any output (default 8192)")
-    parser.add_argument("--talker-max-model-len", type=int, default=env_default("talker_max_model_len", 4096),
-                        help="the talker's --max-model-len, checked before any output (default 4096)")
     parser.add_argument("--backend", choices=["transformers", "vllm"], default=env_default("thinker_backend", "transformers"),
                         help="thinker engine: transformers (default) or vllm (make setup-vllm)")
     parser.add_argument("--vllm-kv-cache-mb", type=int, default=env_default("vllm_kv_cache_mb", 0),
@@ -307,17 +336,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def run() -> None:
-        stage = stage_config_from_args(args)
+        model = model_config_from_args(args)
         engine = ThinkerEngineConfig(max_batch_size=args.max_batch_size, num_slots=args.num_slots,
                                      max_model_len=args.max_model_len, exact_batching=exact_batching(args),
-                                     graphs=stage.graphs)
-        config = ThinkerConfig(stage=stage, engine=engine,
+                                     graphs=model.graphs)
+        config = ThinkerConfig(serving=serving_config_from_args(args), model=model, engine=engine,
                                default_max_new_tokens=args.default_max_new_tokens,
                                max_new_tokens_limit=args.max_new_tokens_limit,
                                limits=PromptLimits(args.max_prompt_tokens or None, args.max_audio_seconds,
                                                    args.max_image_pixels),
-                               talker_max_new_tokens_limit=args.talker_max_new_tokens_limit,
-                               talker_max_model_len=args.talker_max_model_len, backend=args.backend,
+                               backend=args.backend,
                                vllm_kv_cache_bytes=(args.vllm_kv_cache_mb or (512 if args.device == "cpu" else 0)) << 20
                                or None,
                                vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization)

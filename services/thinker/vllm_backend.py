@@ -79,6 +79,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from services.runtime.checkpoint import load_config
 from services.runtime.events import RequestFailed
 from services.runtime.finish import FinishReason
 from services.runtime.prompt import (
@@ -271,8 +272,6 @@ def load_prefill_model(checkpoint: str | Path, layers: int, dtype: torch.dtype, 
         Qwen3OmniMoeThinkerForConditionalGeneration,
     )
 
-    from services.runtime.checkpoint import load_config
-
     thinker = load_config(checkpoint).thinker_config
     text = thinker.text_config
     text.num_hidden_layers = layers
@@ -336,8 +335,6 @@ class _Request:
 
 class VllmThinkerEngine:
     def __init__(self, engine_config: VllmThinkerConfig):
-        from services.runtime.checkpoint import load_config
-
         self.engine_config = engine_config
         self.config = load_config(engine_config.checkpoint)  # the full Qwen3OmniMoeConfig, as ThinkerEngine's
         self.eos_ids = [int(self.config.im_end_token_id)]

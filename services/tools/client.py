@@ -28,6 +28,7 @@ from services.serving.security import (
     tls_from_args,
 )
 from services.serving.wire import audio_from_proto
+from services.tools.reference import write_wav
 
 
 def build_request(
@@ -194,8 +195,6 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             channel.close()
         if args.out is not None and result.audio_chunks:
-            from services.tools.reference import write_wav
-
             write_wav(args.out, result.audio, result.sample_rate)
         if args.json:
             print(json.dumps(result.summary()))

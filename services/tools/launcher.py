@@ -22,8 +22,11 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.runtime.checkpoint import check_folder
 from services.runtime.errors import UserError, run_cli
 from services.serving.security import TLSConfig, secure_or_insecure_channel
+from services.tools.client import build_request, collect, connect
+from services.tools.reference import write_wav
 
 STAGE_MODULES = {
     "code2wav": "services.code2wav.server",
@@ -107,7 +110,7 @@ class Stack:
         self._launch(process)
         return process
 
-    def start(self) -> "Stack":
+    def start(self) -> Stack:
         o = self.options
         threads = o.threads or max(1, (os.cpu_count() or 1) // 3)
         common = ["--checkpoint", o.checkpoint, "--host", o.host, "--threads", str(threads)]
@@ -171,7 +174,7 @@ class Stack:
                 process.popen.kill()
                 process.popen.wait()
 
-    def __enter__(self) -> "Stack":
+    def __enter__(self) -> Stack:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -206,8 +209,6 @@ def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _options(args) -> StackOptions:
-    from services.runtime.checkpoint import check_folder
-
     check_folder(args.checkpoint, need_weights=not args.random_weights)
     every = (("--device", args.device) if args.device else ()) + (("--dtype", args.dtype) if args.dtype else ()) + (
         ("--random-weights",) if args.random_weights else ())
@@ -242,9 +243,6 @@ def up(args) -> None:
 
 
 def demo(args) -> None:
-    from services.tools.client import build_request, collect, connect
-    from services.tools.reference import write_wav
-
     with Stack(_options(args)) as stack:
         channel, stub = connect(stack.target)
         request = build_request(args.prompt, voice=args.voice, max_new_tokens=args.max_new_tokens,

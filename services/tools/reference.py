@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from services.runtime.errors import UserError, run_cli
+from services.runtime.checkpoint import check_folder
+from services.runtime.errors import InvalidArgument, UserError, run_cli
 from services.runtime.prompt import (
     ChatMessage,
     Part,
@@ -53,8 +54,6 @@ class ReferenceRunner:
         import torch
         import transformers
         from transformers import Qwen3OmniMoeForConditionalGeneration
-
-        from services.runtime.checkpoint import check_folder
 
         folder = check_folder(checkpoint)
         verbosity = transformers.logging.get_verbosity()
@@ -167,8 +166,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def run() -> None:
-        from services.runtime.errors import InvalidArgument
-
         messages = messages_from_args(args.prompt, args.system, args.audio, args.image)  # files first
         runner = ReferenceRunner(args.checkpoint)
         try:

@@ -25,9 +25,9 @@ import threading
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Callable
 
 import grpc
 
@@ -35,6 +35,7 @@ from omni.v1 import common_pb2, omni_pb2, stages_pb2_grpc
 from services.runtime.errors import UserError, run_cli
 from services.serving.grpc_server import channel_options
 from services.tools.client import build_request
+from services.tools.launcher import Stack, StackOptions, free_port
 
 STAGES = ("thinker", "talker", "code2wav")
 GENERATE = "/omni.v1.Omni/Generate"
@@ -60,7 +61,7 @@ class CancelPoint:
     count: int = 1
     delay_s: float = 0.0
 
-    def reached(self, call: "Call") -> bool:
+    def reached(self, call: Call) -> bool:
         if self.when is CancelWhen.AFTER_TEXT:
             return call.texts >= self.count
         if self.when is CancelWhen.AFTER_AUDIO:
@@ -89,7 +90,7 @@ class Call:
         self._call = None
         self._lock = threading.Lock()
 
-    def run(self) -> "Call":
+    def run(self) -> Call:
         self.started = time.perf_counter()
         try:
             with self._lock:
@@ -292,7 +293,8 @@ class Settled:
 
     def busy(self) -> dict[str, tuple[int, int, int]]:
         """'stage address' -> (in_flight, running, queue_depth) of every replica not idle."""
-        return {f"{l.stage} {l.address}": (l.in_flight, l.running, l.queue_depth) for l in self.loads if not l.idle}
+        return {f"{load.stage} {load.address}": (load.in_flight, load.running, load.queue_depth)
+                for load in self.loads if not load.idle}
 
 
 def wait_settled(replicas: dict[str, tuple[str, ...]], metrics_url: str | None = None,
@@ -490,7 +492,7 @@ def summarize(outcomes: list[Outcome], stuck_workers: int, settled: Settled, dur
         unexpected=dict(Counter(key for key, _ in unexpected)),
         examples={key: details for key, details in reversed(unexpected)},
         hung=sum(o.hung for o in outcomes) + stuck_workers, leaked=settled.leaked, busy=settled.busy(),
-        unreachable=[f"{l.stage} {l.address}" for l in settled.loads if not l.reachable], settle_s=settled.seconds,
+        unreachable=[f"{load.stage} {load.address}" for load in settled.loads if not load.reachable], settle_s=settled.seconds,
     )
 
 
@@ -508,8 +510,6 @@ def _stage_addresses(specs: list[str]) -> dict[str, tuple[str, ...]]:
 
 
 def soak(args, log: Callable[[str], None]) -> Summary:
-    from services.tools.launcher import Stack, StackOptions, free_port
-
     stack = None
     metrics_url = args.router_metrics
     if args.target is None:

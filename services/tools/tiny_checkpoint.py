@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from services.runtime.errors import UserError, run_cli
+from services.runtime.full_size import REAL_LAYOUT, check_layout, merge_layout
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -176,8 +177,6 @@ def build_config(ids: dict[str, int], layout: dict | None = None):
     it, while every special token id stays the tiny tokenizer's."""
     from transformers import Qwen3OmniMoeConfig
 
-    from services.runtime.full_size import check_layout, merge_layout
-
     layout = layout or {}
     codebook = layout.get("code2wav_config", {}).get("codebook_size", CODEBOOK_SIZE)
     vocab = ids["vocab_size"]  # every id the thinker can emit decodes
@@ -322,8 +321,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def run() -> None:
-        from services.runtime.full_size import REAL_LAYOUT
-
         if args.out.exists() and not args.out.is_dir():
             raise UserError(f"--out {args.out}: exists and is not a folder")
         if args.full_size and not args.no_weights:

@@ -301,7 +301,7 @@ def test_random_engine_loop_keeps_slot_invariants_and_every_request_ends(seed):
     limits: dict[str, int] = {}  # request_id -> max_new_tokens
     ended: dict[str, str] = {}  # request_id -> how it ended
     n_requests = 60
-    for t in range(2000):
+    for _t in range(2000):
         adding = len(admitted) < n_requests
         if adding and rng.random() < 0.4:
             rid = f"r{len(admitted)}"

@@ -5,14 +5,13 @@ from __future__ import annotations
 import pytest
 
 from services.tools.client import connect
-from services.tools.launcher import Stack, StackOptions
+from tests.stacks import stack_of
 
 
 @pytest.fixture(scope="session")
 def stack(tiny_checkpoint):
     """code2wav, talker, thinker and router as four processes on loopback ports."""
-    options = StackOptions(checkpoint=str(tiny_checkpoint), port=0, threads=1, log_prefix=False)
-    with Stack(options) as running:
+    with stack_of(tiny_checkpoint) as running:
         yield running
 
 

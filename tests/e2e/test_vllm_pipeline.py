@@ -12,7 +12,7 @@ import pytest
 from services.runtime.prompt import ChatMessage, Part, Role
 from services.thinker.vllm_backend import TINY_LAYOUT_FOR_VLLM_CPU, vllm_available
 from services.tools.client import build_request, collect, connect
-from services.tools.launcher import Stack, StackOptions
+from tests.stacks import stack_of
 
 VLLM_OK, VLLM_DETAIL = vllm_available()
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(
@@ -24,9 +24,7 @@ def vllm_stack(tmp_path_factory):
     from services.tools.tiny_checkpoint import build
 
     checkpoint = build(tmp_path_factory.mktemp("ckpt") / "tiny-hd32", seed=0, layout=TINY_LAYOUT_FOR_VLLM_CPU)
-    options = StackOptions(checkpoint=str(checkpoint), port=0, threads=1, log_prefix=False,
-                           thinker_args=("--backend", "vllm"))
-    with Stack(options) as stack:
+    with stack_of(checkpoint, thinker_args=("--backend", "vllm")) as stack:
         yield stack, checkpoint
 
 

@@ -8,16 +8,15 @@ from collections import defaultdict
 import torch
 
 from services.runtime.batching import SlotKVCache
-from services.runtime.cuda_graphs import GraphSettings
 from services.runtime.prompt import resolve_voice
 from services.runtime.sampling import SamplingConfig
+from services.runtime.settings import GraphSettings
 from services.runtime.static_decode import SlotDecodeGraphs
 from services.talker.engine import (
     Frame,
     TalkerDone,
     TalkerEngine,
     TalkerEngineConfig,
-    TalkerJob,
     TextEnd,
     TextRow,
 )
@@ -31,6 +30,7 @@ from services.thinker.engine import (
     Token,
 )
 from services.thinker.graphs import thinker_step
+from services.tools.inprocess import talker_job
 
 BUCKETS = (1, 2, 4, 8)  # 3 requests run padded to 4
 SLOTS = 4
@@ -44,7 +44,7 @@ def run_pipeline(thinker, talker, builder, config, requests: dict, voice: str = 
     frames: dict[str, list[torch.Tensor]] = defaultdict(list)  # request_id -> [num_code_groups] codes
     done: dict[str, TalkerDone] = {}  # request_id -> the talker's end
     prompts = {}
-    for rid, (messages, max_new, talker_max) in requests.items():
+    for rid, (messages, max_new, _talker_max) in requests.items():
         prompts[rid] = prompt = builder.build(messages)
         thinker.add(rid, ThinkerJob(prompt, SamplingConfig(max_new_tokens=max_new), True))
     for _ in range(max_steps):
@@ -54,12 +54,8 @@ def run_pipeline(thinker, talker, builder, config, requests: dict, voice: str = 
             for rid, event in thinker.step():
                 if isinstance(event, Prefilled):
                     prompt = prompts[rid]
-                    talker.add(rid, TalkerJob(
-                        prompt_token_ids=event.prompt_token_ids, prompt_embeds=event.prompt_embeds,
-                        multimodal_positions=event.multimodal_positions, multimodal_hidden=event.multimodal_hidden,
-                        tts_embeds=event.tts_embeds, speaker_id=resolve_voice(config, voice)[1],
-                        sampling=SamplingConfig(max_new_tokens=requests[rid][2], repetition_penalty=1.05),
-                        image_grid_thw=prompt.image_grid_thw, audio_feature_lengths=prompt.audio_feature_lengths))
+                    talker.add(rid, talker_job(event, prompt, resolve_voice(config, voice)[1],
+                                               SamplingConfig(max_new_tokens=requests[rid][2], repetition_penalty=1.05)))
                 elif isinstance(event, Token):
                     tokens[rid].append(event.token_id)
                     talker.add_input(rid, TextEnd() if event.last else TextRow(event.embedding))

@@ -9,18 +9,21 @@ import pytest
 import torch
 
 from services.runtime.cuda_graphs import (
-    DEFAULT_BUCKETS,
     GraphRunner,
-    GraphSettings,
     PaddingPlan,
-    graphs_wanted,
     pad_rows,
-    parse_buckets,
     pick_bucket,
     plan_padding,
 )
 from services.runtime.errors import UserError
-from services.serving.config import add_stage_flags, stage_config_from_args
+from services.runtime.settings import (
+    DEFAULT_BUCKETS,
+    GraphSettings,
+    add_model_flags,
+    graphs_wanted,
+    model_config_from_args,
+    parse_buckets,
+)
 
 
 @pytest.mark.parametrize("batch, bucket", [(1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (17, 32), (33, 64), (64, 64)])
@@ -78,15 +81,15 @@ def test_graphs_on_for_cpu_is_refused():
         graphs_wanted("on", "cpu")
 
 
-def test_stage_flags_reach_the_stage_config():
+def test_model_flags_reach_the_model_config():
     parser = argparse.ArgumentParser()
-    add_stage_flags(parser, default_port=0)
-    cpu = stage_config_from_args(parser.parse_args(["--checkpoint", "x"]))
+    add_model_flags(parser)
+    cpu = model_config_from_args(parser.parse_args(["--checkpoint", "x"]))
     assert cpu.graphs == GraphSettings(False, DEFAULT_BUCKETS) and not cpu.random_weights
-    cuda = stage_config_from_args(parser.parse_args(
+    cuda = model_config_from_args(parser.parse_args(
         ["--checkpoint", "x", "--device", "cuda", "--graph-buckets", "1,8", "--random-weights", "--random-seed", "3"]))
     assert cuda.graphs == GraphSettings(True, (1, 8)) and cuda.random_weights and cuda.random_seed == 3
-    off = stage_config_from_args(parser.parse_args(["--checkpoint", "x", "--device", "cuda", "--cuda-graphs", "off"]))
+    off = model_config_from_args(parser.parse_args(["--checkpoint", "x", "--device", "cuda", "--cuda-graphs", "off"]))
     assert not off.graphs.enabled
 
 

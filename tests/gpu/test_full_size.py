@@ -13,12 +13,17 @@ import numpy as np
 import pytest
 import torch
 
-from services.runtime.checkpoint import Stage, _stage_classes, load_config, load_stage
+from services.runtime.checkpoint import (
+    Stage,
+    _stage_classes,
+    load_config,
+    load_for_serving,
+    load_stage,
+)
 from services.runtime.errors import UserError
 from services.runtime.full_size import REAL_LAYOUT, check_layout
 from services.runtime.prompt import PromptBuilder
-from services.serving.config import StageConfig
-from services.serving.stage_main import load_and_prepare
+from services.runtime.settings import ModelConfig
 from services.talker.engine import TalkerEngine, TalkerEngineConfig
 from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig
 from services.tools.reference import messages_from_args
@@ -114,7 +119,7 @@ def test_full_size_cli_writes_no_weights_and_loading_needs_random_weights(tmp_pa
 
 @pytest.mark.parametrize("stage", list(Stage), ids=lambda s: s.value)
 def test_random_weights_build_every_stage_on_the_device_in_its_dtype(small_folder, stage):
-    loaded = load_and_prepare(StageConfig(checkpoint=str(small_folder), dtype="bfloat16", random_weights=True), stage)
+    loaded = load_for_serving(ModelConfig(checkpoint=str(small_folder), dtype="bfloat16", random_weights=True), stage)
     model = loaded.model
     cls, sub = _stage_classes()[stage]
     with torch.device("meta"):

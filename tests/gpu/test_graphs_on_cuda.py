@@ -14,8 +14,8 @@ import torch
 from services.code2wav.engine import Code2WavGraphs
 from services.code2wav.streaming import forward_batch
 from services.runtime.checkpoint import Stage, load_stage
-from services.runtime.cuda_graphs import GraphSettings
 from services.runtime.prompt import PromptBuilder
+from services.runtime.settings import GraphSettings
 from services.talker.engine import TalkerEngine, TalkerEngineConfig
 from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig
 from services.tools.reference import messages_from_args

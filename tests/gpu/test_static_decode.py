@@ -19,9 +19,9 @@ import torch
 
 from services.runtime.batching import SlotKVCache, use_rowwise_attention
 from services.runtime.checkpoint import Stage, _stage_classes, load_stage
-from services.runtime.cuda_graphs import GraphSettings
 from services.runtime.full_size import REAL_LAYOUT
 from services.runtime.prompt import PromptBuilder
+from services.runtime.settings import GraphSettings
 from services.talker.engine import TalkerEngine, TalkerEngineConfig
 from services.talker.graphs import PredictorGraphs, talker_step
 from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig

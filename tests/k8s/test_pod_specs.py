@@ -40,7 +40,7 @@ def test_every_container_has_resources_and_a_locked_down_security_context(render
         # Service links would add OMNI_ROUTER_PORT=tcp://... and the like: the OMNI_* namespace
         # is the services' configuration.
         assert spec.get("enableServiceLinks") is False, name
-        for role, container in all_containers(workload):
+        for _role, container in all_containers(workload):
             where = f"{name}/{container['name']}"
             security = container.get("securityContext", {})
             assert security.get("allowPrivilegeEscalation") is False, where
@@ -102,7 +102,7 @@ def test_every_container_has_startup_readiness_and_liveness_probes_on_its_grpc_p
 def test_only_the_gpu_overlay_requests_gpus_one_per_stage_pod(overlays, rendered):
     for component in COMPONENTS:
         for name, objects in [("base", rendered["base"]), ("dev-cpu", overlays["dev-cpu"])]:
-            for role, container in all_containers(objects.deployment(component)):
+            for _role, container in all_containers(objects.deployment(component)):
                 resources = container["resources"]
                 assert GPU not in resources.get("requests", {}) and GPU not in resources.get("limits", {}), (
                     f"{name} {component}/{container['name']}")

@@ -48,7 +48,7 @@ def every_container(objects):
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
 def test_every_container_command_args_and_env_parse_with_its_services_own_parser(rendered, kustomization):
     objects = rendered[kustomization]
-    for workload, container in every_container(objects):
+    for _workload, container in every_container(objects):
         # Raises with the service's own argparse message on an unknown flag or a bad value.
         parse_with_service(entry_point(container), argv_of(container), container_env(objects, container))
 

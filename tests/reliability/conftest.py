@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 
 from services.tools.client import connect
-from services.tools.launcher import Stack, StackOptions, free_port
+from services.tools.launcher import free_port
 from services.tools.soak import wait_settled
+from tests.stacks import stack_of
 
 from .support import (
     MAX_IN_FLIGHT,
@@ -27,14 +28,13 @@ from .support import (
 @pytest.fixture(scope="package")
 def reliable(tiny_checkpoint):
     metrics_port = free_port()
-    options = StackOptions(
-        checkpoint=str(tiny_checkpoint), port=0, threads=1, talker_replicas=2, code2wav_replicas=1,
+    stack = stack_of(
+        tiny_checkpoint, talker_replicas=2, code2wav_replicas=1,
         talker_args=("--grace-s", str(TALKER_GRACE_S)),
         router_args=("--max-in-flight", str(MAX_IN_FLIGHT), "--max-queue", str(MAX_QUEUE),
                      "--queue-timeout-s", str(QUEUE_TIMEOUT_S), "--metrics-port", str(metrics_port)),
-        log_prefix=False,
     )
-    with Stack(options) as stack:
+    with stack:
         yield Reliable(stack, f"http://127.0.0.1:{metrics_port}/metrics")
 
 

@@ -33,7 +33,7 @@ class PeakLoad:
             self.thinker = max(self.thinker, read_load("thinker", thinker).in_flight)
             time.sleep(0.02)
 
-    def __enter__(self) -> "PeakLoad":
+    def __enter__(self) -> PeakLoad:
         self._thread.start()
         return self
 

@@ -17,7 +17,8 @@ import pytest
 from omni.v1 import common_pb2, stages_pb2_grpc
 from services.serving.security import TLSConfig, secure_or_insecure_channel
 from services.tools.client import build_request, collect, connect
-from services.tools.launcher import Stack, StackOptions, free_port, health_status
+from services.tools.launcher import free_port, health_status
+from tests.stacks import stack_of
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 
@@ -63,15 +64,14 @@ def secure_stack(tiny_checkpoint, certs, tmp_path_factory):
     tls_flags = ("--tls-cert", str(certs / "pipeline.pem"), "--tls-key", str(certs / "pipeline.key"),
                  "--tls-ca", str(certs / "ca.pem"))
     health_port = free_port()
-    options = StackOptions(
-        checkpoint=str(tiny_checkpoint), port=0, threads=1, log_prefix=False,
-        extra_args=tls_flags, tls=tls_of(certs, "pipeline"),
+    stack = stack_of(
+        tiny_checkpoint, extra_args=tls_flags, tls=tls_of(certs, "pipeline"),
         thinker_args=("--max-prompt-tokens", "200", "--max-audio-seconds", "0.5", "--max-image-pixels", "1000",
                       "--max-new-tokens-limit", "64"),
         talker_args=("--health-port", str(health_port)),
         router_args=("--auth-token-file", str(tokens), "--max-message-mb", "1"),
     )
-    with Stack(options) as stack:
+    with stack:
         stack.talker_health_port = health_port
         yield stack
 

@@ -24,7 +24,6 @@ from services.talker.engine import (
     TalkerDone,
     TalkerEngine,
     TalkerEngineConfig,
-    TalkerJob,
     TextEnd,
     TextRow,
 )
@@ -36,6 +35,7 @@ from services.thinker.engine import (
     ThinkerJob,
     Token,
 )
+from services.tools.inprocess import talker_job
 from services.tools.reference import ReferenceRunner, messages_from_args
 
 # transformers warns on every talker generate that the penalty skips the prompt; expected here.
@@ -187,21 +187,16 @@ class Pipeline:
         case = self.cases[rid]
         if isinstance(event, Prefilled):
             prompt = self.prompts[rid]
-            self.talker.add(rid, TalkerJob(
-                prompt_token_ids=event.prompt_token_ids, prompt_embeds=event.prompt_embeds,
-                multimodal_positions=event.multimodal_positions, multimodal_hidden=event.multimodal_hidden,
-                tts_embeds=event.tts_embeds, speaker_id=resolve_voice(self.config, case.voice)[1],
-                sampling=SamplingConfig(max_new_tokens=case.talker_max_new_tokens,
-                                        repetition_penalty=TALKER_REPETITION_PENALTY),
-                image_grid_thw=prompt.image_grid_thw, audio_feature_lengths=prompt.audio_feature_lengths,
-            ))
+            self.talker.add(rid, talker_job(event, prompt, resolve_voice(self.config, case.voice)[1],
+                                            SamplingConfig(max_new_tokens=case.talker_max_new_tokens,
+                                                           repetition_penalty=TALKER_REPETITION_PENALTY)))
         elif isinstance(event, Token):
             self.tokens[rid].append(event.token_id)
             self.text[rid].append(TextEnd() if event.last else TextRow(event.embedding))
         elif isinstance(event, Finished):
             self.finished[rid] = event
 
-    def run(self, cases, messages, max_steps: int = 400) -> "Pipeline":
+    def run(self, cases, messages, max_steps: int = 400) -> Pipeline:
         pending = sorted(cases, key=lambda c: c.join_step)
         while pending or self.busy():
             while pending and pending[0].join_step <= self.steps:

@@ -1,0 +1,122 @@
+"""Model-side settings of a stage, filled from flags once at start-up: which checkpoint, on which
+device in which dtype, CUDA graphs, batching capacity. Standard library only, so every process
+(the router too) can read the OMNI_* environment the same way.
+
+Every flag also reads an environment variable (OMNI_<FLAG>, e.g. OMNI_CHECKPOINT), so the
+Kubernetes ConfigMap can set them; flags win over the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from services.runtime.errors import UserError
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def env_default(name: str, default):
+    value = os.environ.get("OMNI_" + name.upper().replace("-", "_"))
+    if value is None:
+        return default
+    return type(default)(value) if default is not None and not isinstance(default, bool) else value
+
+
+def env_flag(name: str) -> bool:
+    """A boolean flag's default from OMNI_<NAME>: 1/true/yes/on."""
+    return str(env_default(name, "")).lower() in ("1", "true", "yes", "on")
+
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class GraphSettings:
+    """Whether a stage captures CUDA graphs, and for which batch sizes."""
+
+    enabled: bool = False
+    buckets: tuple[int, ...] = DEFAULT_BUCKETS
+
+
+def parse_buckets(text: str, flag: str = "--graph-buckets") -> tuple[int, ...]:
+    """'1,2,4,8' -> (1, 2, 4, 8): sorted, unique, each >= 1."""
+    try:
+        buckets = {int(x) for x in text.split(",") if x.strip()}
+    except ValueError:
+        raise UserError(f"{flag} {text!r}: expected comma-separated integers like 1,2,4,8") from None
+    if not buckets or min(buckets) < 1:
+        raise UserError(f"{flag} {text!r}: need at least one value, each >= 1")
+    return tuple(sorted(buckets))
+
+
+def graphs_wanted(flag: str, device: str) -> bool:
+    """--cuda-graphs auto|on|off -> enabled. auto: on for cuda devices only."""
+    is_cuda = str(device).startswith("cuda")
+    if flag == "on" and not is_cuda:
+        raise UserError(f"--cuda-graphs on needs a cuda device, got --device {device}")
+    return flag == "on" or (flag == "auto" and is_cuda)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What a stage loads and where it runs it."""
+
+    checkpoint: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    threads: int = 0  # torch intra-op threads; 0 = torch's default
+    graphs: GraphSettings = GraphSettings()  # CUDA graph capture of the decode steps (cuda only)
+    random_weights: bool = False  # build the stage from config.json with seeded random weights
+    random_seed: int = 0
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", default=env_default("checkpoint", None),
+                        help="Qwen3-Omni checkpoint folder [OMNI_CHECKPOINT]")
+    parser.add_argument("--device", default=env_default("device", "cpu"), help="cpu, cuda, cuda:1, ...")
+    parser.add_argument("--dtype", default=env_default("dtype", "float32"), choices=list(DTYPES))
+    parser.add_argument("--threads", type=int, default=env_default("threads", 0), help="torch threads (0 = default)")
+    parser.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default=env_default("cuda_graphs", "auto"),
+                        help="capture the decode steps as CUDA graphs per batch bucket (auto: on for cuda, off for cpu)")
+    parser.add_argument("--graph-buckets", default=env_default("graph_buckets", ",".join(map(str, DEFAULT_BUCKETS))),
+                        help="batch sizes captured; a batch is padded to the next one, above the largest it runs "
+                             "eagerly (default %(default)s)")
+    parser.add_argument("--random-weights", action="store_true", default=env_flag("random_weights"),
+                        help="no weights: build the stage from the folder's config.json on --device in --dtype with "
+                             "seeded random weights (for benchmarks at full size; see omni-tiny-checkpoint --full-size)")
+    parser.add_argument("--random-seed", type=int, default=env_default("random_seed", 0),
+                        help="seed of --random-weights (default 0)")
+
+
+def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
+    if not args.checkpoint:
+        raise UserError("--checkpoint is required (or set OMNI_CHECKPOINT)")
+    # argparse checks `choices` on the command line only, not on defaults read from OMNI_* variables.
+    if args.dtype not in DTYPES:
+        raise UserError(f"--dtype / OMNI_DTYPE: {args.dtype!r} is not one of {', '.join(DTYPES)}")
+    if getattr(args, "exact_batching", "auto") not in ("auto", "on", "off"):
+        raise UserError(f"--exact-batching / OMNI_EXACT_BATCHING: {args.exact_batching!r} is not auto, on or off")
+    return ModelConfig(
+        checkpoint=args.checkpoint, device=args.device, dtype=args.dtype, threads=args.threads,
+        graphs=GraphSettings(graphs_wanted(args.cuda_graphs, args.device), parse_buckets(args.graph_buckets)),
+        random_weights=bool(args.random_weights), random_seed=args.random_seed,
+    )
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """Batching and KV cache capacity of an LM stage (thinker, talker)."""
+    parser.add_argument("--max-batch-size", type=int, default=env_default("max_batch_size", 32),
+                        help="requests decoded together in one step (default 32)")
+    parser.add_argument("--num-slots", type=int, default=env_default("num_slots", 32),
+                        help="KV cache slots allocated at start-up: requests holding cache at once (default 32)")
+    parser.add_argument("--max-model-len", type=int, default=env_default("max_model_len", 4096),
+                        help="cache positions per slot; prompt + max_new_tokens must fit (default 4096)")
+    parser.add_argument("--exact-batching", choices=["auto", "on", "off"], default=env_default("exact_batching", "auto"),
+                        help="batch-invariant kernels: greedy output independent of the batch "
+                             "(auto: on for cpu, off for cuda)")
+
+
+def exact_batching(args: argparse.Namespace) -> bool:
+    return args.exact_batching == "on" or (args.exact_batching == "auto" and not args.device.startswith("cuda"))

@@ -1,0 +1,1 @@
+"""Tests of services/serving: error mapping, engine loop, stream relay, proto converters, servers in-process."""

@@ -1,0 +1,39 @@
+"""Proto <-> runtime conversions shared by the stages (services/serving/convert.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from omni.v1 import common_pb2
+from services.runtime.errors import InvalidArgument
+from services.runtime.finish import FinishReason
+from services.runtime.sampling import SamplingConfig
+from services.serving.convert import finish_reason_to_proto, sampling_from_proto
+
+
+def test_every_finish_reason_has_its_proto_value():
+    assert {finish_reason_to_proto(r) for r in FinishReason} == {
+        common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_CANCELLED}
+    assert finish_reason_to_proto(FinishReason.LENGTH) == common_pb2.FINISH_REASON_LENGTH
+
+
+def test_unset_sampling_fields_take_the_stage_defaults():
+    config = sampling_from_proto(common_pb2.SamplingParams(), "talker_sampling", 256, 8192,
+                                 default_repetition_penalty=1.05)
+    assert config == SamplingConfig(max_new_tokens=256, repetition_penalty=1.05)
+
+
+def test_set_fields_are_kept_exactly():
+    p = common_pb2.SamplingParams(temperature=0.5, top_k=20, top_p=0.75, repetition_penalty=1.25,
+                                  max_new_tokens=12, seed=7)
+    assert sampling_from_proto(p, "thinker_sampling", 64, 100) == SamplingConfig(
+        temperature=0.5, top_k=20, top_p=0.75, repetition_penalty=1.25, max_new_tokens=12, seed=7)
+
+
+@pytest.mark.parametrize("field, value", [("temperature", -0.1), ("temperature", 10.5), ("top_k", -1),
+                                          ("top_p", 0.0), ("top_p", 1.01), ("repetition_penalty", 0.0),
+                                          ("max_new_tokens", 0), ("max_new_tokens", 101)])
+def test_out_of_range_fields_are_refused_naming_the_field(field, value):
+    with pytest.raises(InvalidArgument) as raised:
+        sampling_from_proto(common_pb2.SamplingParams(**{field: value}), "thinker_sampling", 64, 100)
+    assert raised.value.field == f"thinker_sampling.{field}"
