@@ -189,6 +189,8 @@ class BatchView:
         return max(self.starts, default=0)
 
     def commit(self) -> None:
-        """After the forward: the step's tokens are now part of each slot."""
+        """After the forward: the step's tokens are now part of each slot (the view can serve
+        the next step of the same rows)."""
+        self.starts = [start + self.new_tokens for start in self.starts]
         for slot, start in zip(self.slots, self.starts):
-            self.cache.lengths[slot] = start + self.new_tokens
+            self.cache.lengths[slot] = start

@@ -35,6 +35,7 @@ from services.runtime.sampling import SamplingConfig, select_token
 from services.runtime.scheduler import LMScheduler
 from services.runtime.settings import GraphSettings
 from services.runtime.static_decode import SlotDecodeGraphs
+from services.talker.code_predictor import predict_frame
 from services.talker.graphs import PredictorGraphs, talker_step
 
 
@@ -288,10 +289,7 @@ class TalkerEngine(SlotScheduledEngine):
     def predict_residuals(self, states: list[_State], past_hidden: torch.Tensor):
         """Code predictor for a batch of frames: fresh cache, prefill [talker hidden, layer-0 code
         embedding], then num_code_groups - 2 single steps. Returns (codes [B, 16], embed sums [B, 1, H])."""
-        predictor = self.model.code_predictor
-        embeddings = predictor.get_input_embeddings()  # ModuleList of num_code_groups - 1
-        batch = len(states)
-        rows = list(range(batch))
+        rows = list(range(len(states)))
         for row in rows:
             self.predictor_cache.reset(row)
         codes0 = torch.tensor([[s.codes[-1]] for s in states], device=self.device)  # [B, 1]
@@ -300,26 +298,11 @@ class TalkerEngine(SlotScheduledEngine):
             if replayed is not None:
                 codes, codec_embed = replayed
                 return codes.to(torch.int64).cpu(), codec_embed
-        first = self.model.get_input_embeddings()(codes0)  # [B, 1, H]
-        columns, hiddens = [codes0[:, 0]], [first]
-        exact = self.engine_config.exact_batching
-        view = self.predictor_cache.batch(rows)
-        with batch_invariant(exact):
-            out = predictor(inputs_embeds=torch.cat((past_hidden, first), dim=1), past_key_values=view, use_cache=True)
-        view.commit()
-        for step in range(1, self.num_groups):
-            logits = out.logits[:, -1].cpu()  # [B, vocab]; picked on the host (a no-op on CPU)
-            picked = torch.tensor([self._pick_residual(logits[i], s) for i, s in enumerate(states)], device=self.device)
-            columns.append(picked)
-            ids = picked.view(batch, 1)
-            hiddens.append(embeddings[step - 1](ids))
-            if step < self.num_groups - 1:
-                view = self.predictor_cache.batch(rows)
-                with batch_invariant(exact):
-                    out = predictor(input_ids=ids, past_key_values=view, use_cache=True, generation_steps=step)
-                view.commit()
-        codec_embed = torch.cat(hiddens, dim=1).sum(1, keepdim=True)  # [B, 1, H]
-        return torch.stack(columns, dim=1).to(torch.int64).cpu(), codec_embed
+        pick = lambda logits: torch.tensor(  # noqa: E731  (rows picked on the host: a no-op on CPU)
+            [self._pick_residual(row, s) for row, s in zip(logits.cpu(), states)], device=self.device)
+        codes, codec_embed = predict_frame(self.model, past_hidden, codes0, self.predictor_cache.batch(rows),
+                                           pick, self.engine_config.exact_batching)
+        return codes.to(torch.int64).cpu(), codec_embed
 
     @staticmethod
     def _pick_residual(logits: torch.Tensor, state: _State) -> int:

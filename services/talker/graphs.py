@@ -14,10 +14,11 @@ from collections.abc import Callable
 
 import torch
 
-from services.runtime.batching import SlotKVCache, batch_invariant
+from services.runtime.batching import SlotKVCache
 from services.runtime.cuda_graphs import GraphRunner, pad_rows, plan_padding
 from services.runtime.settings import GraphSettings
 from services.runtime.static_decode import StaticSlotView
+from services.talker.code_predictor import predict_frame
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +42,11 @@ class UniformView:
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], batch: int):
         self.keys = [k[:batch] for k in keys]  # per layer [B, kv_heads, positions, head_dim]
         self.values = [v[:batch] for v in values]
-        self.length = 0  # positions written
+        self.length = 0  # positions committed
+        self.written = 0  # positions after the forward in progress
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs=None):
-        end = self.length + key_states.shape[2]
+        end = self.written = self.length + key_states.shape[2]
         self.keys[layer_idx][:, :, self.length:end] = key_states
         self.values[layer_idx][:, :, self.length:end] = value_states
         return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
@@ -52,8 +54,9 @@ class UniformView:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
 
-    def commit(self, tokens: int) -> None:
-        self.length += tokens
+    def commit(self) -> None:
+        """After the forward: the positions it wrote are now part of the cache."""
+        self.length = self.written
 
 
 class PredictorGraphs:
@@ -78,22 +81,9 @@ class PredictorGraphs:
     def _frame(self, past_hidden: torch.Tensor, codes0: torch.Tensor):
         # past_hidden [B, 1, H] talker hidden; codes0 [B, 1] layer-0 codes
         # -> (codes [B, num_groups] long, sum of the codes' embeddings [B, 1, H])
-        embeddings = self.predictor.get_input_embeddings()  # num_groups - 1 tables
-        first = self.talker.get_input_embeddings()(codes0)  # [B, 1, H]
         view = UniformView(self.keys, self.values, codes0.shape[0])
-        columns, hiddens = [codes0[:, 0]], [first]
-        with batch_invariant(self.exact):
-            out = self.predictor(inputs_embeds=torch.cat((past_hidden, first), dim=1), past_key_values=view,
-                                 use_cache=True)
-            view.commit(2)
-            for step in range(1, self.num_groups):
-                ids = torch.argmax(out.logits[:, -1], dim=-1, keepdim=True)  # [B, 1]
-                columns.append(ids[:, 0])
-                hiddens.append(embeddings[step - 1](ids))
-                if step < self.num_groups - 1:
-                    out = self.predictor(input_ids=ids, past_key_values=view, use_cache=True, generation_steps=step)
-                    view.commit(1)
-        return torch.stack(columns, dim=1), torch.cat(hiddens, dim=1).sum(1, keepdim=True)
+        return predict_frame(self.talker, past_hidden, codes0, view, lambda logits: torch.argmax(logits, dim=-1),
+                             self.exact)
 
     @torch.inference_mode()
     def capture_all(self, hidden_size: int, dtype) -> None:
