@@ -28,6 +28,11 @@ class RouterMetrics:
                              buckets=RTF_BUCKETS, registry=r)
         self.replica_in_flight = Gauge("omni_router_replica_in_flight", "This router's requests per replica",
                                        ["stage", "replica"], registry=r)
+        self.migrations = Counter("omni_router_migrations", "Requests moved off a dead thinker replica",
+                                  ["stage", "outcome"], registry=r)
+        self.migration_pause = Histogram("omni_router_migration_pause_seconds",
+                                         "From a thinker replica's failure to the first new output after the move",
+                                         ["stage"], buckets=LATENCY_BUCKETS, registry=r)
         self.replica_healthy = Gauge("omni_router_replica_healthy", "1 if the replica is SERVING and not draining",
                                      ["stage", "replica"], registry=r)
 

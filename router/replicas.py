@@ -102,12 +102,15 @@ class ReplicaSet:
         for channel in self._channels.values():
             await channel.close()
 
-    def pick(self) -> Replica | None:
-        candidates = [r for r in self.replicas.values() if r.healthy and not r.draining]
-        if not candidates:
-            return None
-        best = min(r.score for r in candidates)
-        return random.choice([r for r in candidates if r.score == best])
+    def ranked(self, exclude: set[str] = frozenset()) -> list[Replica]:
+        """Healthy replicas that are not draining, least loaded first (ties in random order)."""
+        candidates = [r for r in self.replicas.values() if r.healthy and not r.draining and r.address not in exclude]
+        random.shuffle(candidates)
+        return sorted(candidates, key=lambda r: r.score)
+
+    def pick(self, exclude: set[str] = frozenset()) -> Replica | None:
+        ranked = self.ranked(exclude)
+        return ranked[0] if ranked else None
 
     def mark_failed(self, address: str) -> None:
         replica = self.replicas.get(address)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import secrets
 import sys
 import time
 import uuid
@@ -36,6 +37,7 @@ from services.serving.grpc_server import (
     time_remaining,
     write_port_file,
 )
+from services.serving.migration import Passed, Resume
 from services.serving.security import (
     BearerTokenInterceptor,
     TLSConfig,
@@ -46,6 +48,7 @@ from services.serving.security import (
 from services.serving.status import (
     STAGE_UNAVAILABLE,
     Overloaded,
+    ReplayDiverged,
     StageUnavailable,
     abort_for,
     error_info,
@@ -73,6 +76,15 @@ class RouterConfig:
     tls: TLSConfig = TLSConfig()  # client -> router and router -> thinker (and the stages' health/load)
     auth_tokens: tuple[bytes, ...] = ()  # bearer tokens callers must present; empty = no authentication
     health_port: int = 0  # a plaintext grpc.health.v1-only port (probes when TLS is on); 0 = none
+    max_migrations: int = 2  # moves to another replica per request and hop when one dies mid-stream
+
+
+def fix_seeds(request: omni_pb2.GenerateRequest) -> None:
+    """A sampled request without a seed gets one now, so a replay after a replica failure draws
+    the same tokens (greedy requests need none)."""
+    for sampling in (request.thinker_sampling, request.talker_sampling):
+        if sampling.temperature > 0 and not sampling.HasField("seed"):
+            sampling.seed = secrets.randbits(63)
 
 
 def _outcome(code: grpc.StatusCode) -> str:
@@ -80,6 +92,7 @@ def _outcome(code: grpc.StatusCode) -> str:
         grpc.StatusCode.OK: "ok", grpc.StatusCode.INVALID_ARGUMENT: "invalid_argument",
         grpc.StatusCode.RESOURCE_EXHAUSTED: "rejected", grpc.StatusCode.UNAVAILABLE: "unavailable",
         grpc.StatusCode.CANCELLED: "cancelled", grpc.StatusCode.DEADLINE_EXCEEDED: "deadline_exceeded",
+        grpc.StatusCode.ABORTED: "diverged",
     }.get(code, "error")
 
 
@@ -90,14 +103,21 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         self.admission = Admission(config.admission)
         self.metrics = metrics
 
-    def _route(self) -> dict[str, Replica]:
-        route = {}
+    def _route(self) -> tuple[dict[str, Replica], stages_pb2.Route]:
+        """The least-loaded healthy replica of each stage, and the route the thinker gets: those
+        for the talker and code2wav plus every other healthy one of theirs as fallbacks, least
+        loaded first."""
+        route, ranked = {}, {}
         for stage in STAGES:
-            replica = self.stages[stage].pick()
-            if replica is None:
+            ranked[stage] = self.stages[stage].ranked()
+            if not ranked[stage]:
                 raise StageUnavailable(stage, "no replica", "no healthy replica")
-            route[stage] = replica
-        return route
+            route[stage] = ranked[stage][0]
+        return route, stages_pb2.Route(
+            talker=route["talker"].address, code2wav=route["code2wav"].address,
+            talker_fallbacks=[r.address for r in ranked["talker"][1:]],
+            code2wav_fallbacks=[r.address for r in ranked["code2wav"][1:]],
+            max_migrations=self.config.max_migrations)
 
     def _track(self, route: dict[str, Replica], delta: int) -> None:
         for stage, replica in route.items():
@@ -120,11 +140,16 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         try:
             if not request.request_id:
                 request.request_id = uuid.uuid4().hex
-            route = self._route()
+            fix_seeds(request)
+            route, stage_route = self._route()
             self._track(route, +1)
-            async for response in self._stream(request, route, context, received):
+            async for response in self._stream(request, route, stage_route, context, received):
                 yield response
             outcome = grpc.StatusCode.OK
+        except ReplayDiverged as exc:
+            outcome = grpc.StatusCode.ABORTED
+            self.metrics.migrations.labels("thinker", "diverged").inc()
+            await abort_for(context, exc)
         except StageUnavailable as exc:
             outcome = grpc.StatusCode.UNAVAILABLE
             await abort_for(context, exc)
@@ -141,33 +166,80 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
             self.admission.release()
             self.metrics.in_flight.set(self.admission.in_flight)
 
-    async def _stream(self, request, route: dict[str, Replica], context, received: float):
-        thinker = route["thinker"]
-        stub = stages_pb2_grpc.ThinkerStub(self.stages["thinker"].channel(thinker.address))
-        call = stub.Generate(
-            stages_pb2.ThinkerRequest(request=request, route=stages_pb2.Route(
-                talker=route["talker"].address, code2wav=route["code2wav"].address)),
-            timeout=time_remaining(context),
-        )
+    async def _stream(self, request, route: dict[str, Replica], stage_route: stages_pb2.Route, context,
+                      received: float):
+        """Relay the thinker's stream. When the thinker replica dies mid-stream, re-send the request
+        to the next healthy one (at most --max-migrations times) and pass up only what the client
+        does not have yet: text tokens, audio samples and codec frames past those delivered."""
+        thinker_request = stages_pb2.ThinkerRequest(request=request, route=stage_route)
+        text, resume = Passed("thinker", "text"), Resume("thinker")
+        tried, moves, moved_at = {route["thinker"].address}, 0, None
         first_text = first_audio = last_audio = None
         audio_samples, sample_rate = 0, 24000
-        try:
-            async for response in call:
-                now = time.perf_counter()
-                kind = response.WhichOneof("event")
-                if kind == "text" and first_text is None:
-                    first_text = now
-                    self.metrics.ttft.observe(now - received)
-                elif kind == "audio":
-                    if first_audio is None:
-                        first_audio = now
-                        self.metrics.ttfp.observe(now - received)
-                    last_audio = now
-                    audio_samples += response.audio.num_samples
-                    sample_rate = response.audio.sample_rate or sample_rate
-                yield response
-        finally:
-            call.cancel()  # no-op when finished; frees every stage when the client went away
+        while True:
+            thinker = route["thinker"]
+            call = stages_pb2_grpc.ThinkerStub(self.stages["thinker"].channel(thinker.address)).Generate(
+                thinker_request, timeout=time_remaining(context))
+            try:
+                async for response in call:
+                    kind = response.WhichOneof("event")
+                    if kind == "text":
+                        ids = response.text.token_ids
+                        if text.admit(b"".join(i.to_bytes(4, "little", signed=True) for i in ids), len(ids)):
+                            continue  # a replay's repetition of text the client has
+                    elif kind == "audio":
+                        chunk = resume.audio_chunk(response.audio)
+                        if chunk is None:
+                            continue
+                        response = omni_pb2.GenerateResponse(request_id=response.request_id, audio=chunk)
+                    elif kind == "codec_frames":
+                        frames = resume.codec_frames(response.codec_frames)
+                        if frames is None:
+                            continue
+                        response = omni_pb2.GenerateResponse(request_id=response.request_id, codec_frames=frames)
+                    elif kind == "final":
+                        text.check_complete()
+                        resume.finish()
+                        response.final.migrations += moves
+                    now = time.perf_counter()
+                    if moved_at is not None:
+                        self.metrics.migration_pause.labels("thinker").observe(now - moved_at)
+                        moved_at = None
+                    if kind == "text" and first_text is None:
+                        first_text = now
+                        self.metrics.ttft.observe(now - received)
+                    elif kind == "audio":
+                        if first_audio is None:
+                            first_audio = now
+                            self.metrics.ttfp.observe(now - received)
+                        last_audio = now
+                        audio_samples += response.audio.num_samples
+                        sample_rate = response.audio.sample_rate or sample_rate
+                    yield response
+                break
+            except grpc.aio.AioRpcError as exc:
+                failure = failure_of_call("thinker", thinker.address, exc)
+                if not (isinstance(failure, StageUnavailable) and failure.stage == "thinker"):
+                    raise
+                self.stages["thinker"].mark_failed(thinker.address)
+                fallback = self.stages["thinker"].pick(exclude=tried)
+                if fallback is None or moves >= self.config.max_migrations:
+                    self.metrics.migrations.labels("thinker", "failed").inc()
+                    raise
+                log.warning("thinker replica %s failed mid-stream (%s); moved request %s to %s (move %d of at most %d)",
+                            thinker.address, failure.detail, request.request_id, fallback.address, moves + 1,
+                            self.config.max_migrations)
+                self.metrics.migrations.labels("thinker", "moved").inc()
+                self._track({"thinker": thinker}, -1)
+                self._track({"thinker": fallback}, +1)
+                route["thinker"] = fallback
+                tried.add(fallback.address)
+                moves += 1
+                moved_at = time.perf_counter()
+                text.begin_replay()
+                resume.begin_replay()
+            finally:
+                call.cancel()  # no-op when finished; frees every stage when the client went away
         if audio_samples:
             self.metrics.rtf.observe((last_audio - received) / (audio_samples / sample_rate))
 
@@ -256,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--auth-token-file", default=env_default("auth_token_file", None),
                         help="bearer tokens callers must present, one per line (also OMNI_AUTH_TOKENS, "
                              "comma-separated); none given = no authentication")
+    parser.add_argument("--max-migrations", type=int, default=env_default("max_migrations", 2),
+                        help="times a request may move to another replica of a stage whose replica dies "
+                             "mid-stream, per hop (default 2; 0 = fail the request instead)")
     parser.add_argument("--port-file")
     add_tls_flags(parser)
     add_health_port_flag(parser)
@@ -271,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             poll_interval_s=args.poll_interval_s, dns_refresh_s=args.dns_refresh_s,
             max_message_bytes=args.max_message_mb << 20, grace_s=args.grace_s, metrics_port=args.metrics_port,
             tls=tls_from_args(args), auth_tokens=load_tokens(args.auth_token_file), health_port=args.health_port,
+            max_migrations=args.max_migrations,
         )
         setup_logging("router")
 

@@ -5,8 +5,9 @@ Each service serves them over HTTP on `--metrics-port` (0 = off) at /metrics.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+PAUSE_BUCKETS = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 
 
@@ -29,6 +30,14 @@ class StageMetrics:
                                     registry=r).labels(**labels)
         self.in_flight = Gauge("omni_stage_in_flight", "Streams open on this stage", ["stage"],
                                registry=r).labels(**labels)
+        # Moves of a request to another replica of the next stage (services/serving/migration.py):
+        # outcome moved (replayed there), failed (no fallback or moves left), diverged (the replay
+        # parted from what was delivered).
+        self.migrations = Counter("omni_stage_migrations", "Requests moved off a dead replica of the next stage",
+                                  ["stage", "peer", "outcome"], registry=r)
+        self.migration_pause = Histogram("omni_stage_migration_pause_seconds",
+                                         "From a replica's failure to the first new output after the move",
+                                         ["stage", "peer"], registry=r, buckets=PAUSE_BUCKETS)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int | None:
         if not port:

@@ -26,6 +26,7 @@ from services.runtime.errors import InvalidArgument
 DOMAIN = "omni-serve"
 STAGE_UNAVAILABLE = "STAGE_UNAVAILABLE"  # ErrorInfo.reason: a stage could not be reached or died
 STREAM_IDLE = "STREAM_IDLE"  # ErrorInfo.reason: a peer made no progress for the idle timeout
+REPLAY_DIVERGED = "REPLAY_DIVERGED"  # ErrorInfo.reason: a replayed stage parted from what was delivered
 _DETAILS_KEY = "grpc-status-details-bin"
 
 
@@ -50,6 +51,18 @@ class StreamIdle(Exception):
     def __init__(self, stage: str, idle_timeout_s: float):
         super().__init__(f"{stage}: no progress on this stream for {idle_timeout_s:g} s")
         self.stage = stage
+
+
+class ReplayDiverged(Exception):
+    """After a move to another replica, the replay's repetition of what was already passed up
+    differs from it (batching that is not bit-exact): splicing would be audible."""
+
+    def __init__(self, stage: str, kind: str):
+        super().__init__(f"stage {stage}: the replay after a replica failure parted from the {kind} already "
+                         f"delivered (batching is not bit-exact: --exact-batching off?); ending the request "
+                         f"rather than splicing")
+        self.stage = stage
+        self.kind = kind
 
 
 @dataclass(frozen=True)
@@ -99,6 +112,8 @@ def status_for(exc: BaseException) -> tuple[status_pb2.Status, tuple]:
     if isinstance(exc, StageUnavailable):
         return _pack(grpc.StatusCode.UNAVAILABLE, str(exc),
                      _error_info(STAGE_UNAVAILABLE, stage=exc.stage, replica=exc.replica)), ()
+    if isinstance(exc, ReplayDiverged):
+        return _pack(grpc.StatusCode.ABORTED, str(exc), _error_info(REPLAY_DIVERGED, stage=exc.stage, output=exc.kind)), ()
     if isinstance(exc, StreamIdle):
         return _pack(grpc.StatusCode.UNAVAILABLE, str(exc), _error_info(STREAM_IDLE, stage=exc.stage)), ()
     if isinstance(exc, Overloaded):

@@ -44,9 +44,9 @@ from services.serving.grpc_server import (
     time_remaining,
 )
 from services.serving.metrics import StageMetrics
+from services.serving.migration import Downstream, Resume
 from services.serving.stage_main import serve_stage
-from services.serving.status import WireError, abort_for
-from services.serving.streams import close_quietly, relay_responses, write_quietly
+from services.serving.status import ReplayDiverged, StageUnavailable, WireError, abort_for
 from services.serving.wire import frames_to_proto, tensor_from_proto
 from services.talker.engine import (
     Frame,
@@ -114,6 +114,7 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
         self.config = config
         self.model_config = model_config
         self.channels = ChannelPool(config.serving.max_message_bytes, config.serving.tls)
+        self.metrics: StageMetrics = loop.metrics
 
     async def Speak(self, request_iterator, context: grpc.aio.ServicerContext):
         first = await anext(aiter(request_iterator), None)
@@ -130,17 +131,27 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
         key = engine_key(request_id)  # unique per stream, whatever ids callers reuse
         sink = EventSink(asyncio.get_running_loop())
         self.loop.add(key, job, sink)
-        tasks = [asyncio.create_task(self._read_text(key, request_iterator, sink))]
-        stub = stages_pb2_grpc.Code2WavStub(self.channels.get(start.route.code2wav))
-        decode = stub.Decode(timeout=time_remaining(context))
-        tasks.append(asyncio.create_task(relay_responses(
-            decode, "code2wav", start.route.code2wav, sink, lambda out: out.HasField("final"))))
+        reader = asyncio.create_task(self._read_text(key, request_iterator, sink))
+        route = start.route
+        decode = Downstream(
+            "talker", "code2wav", [route.code2wav, *route.code2wav_fallbacks],
+            lambda address: stages_pb2_grpc.Code2WavStub(self.channels.get(address)).Decode(timeout=time_remaining(context)),
+            sink, lambda out: out.HasField("final"), route.max_migrations, self.metrics)
+        decode.open()
+        resume = Resume("code2wav")  # what went up from code2wav, across moves
         chunker = FrameChunker(self.config.chunks)
         done: TalkerDone | None = None
         try:
-            await write_quietly(decode, stages_pb2.Code2WavInput(start=stages_pb2.Code2WavStart(request_id=request_id)))
+            await decode.write(stages_pb2.Code2WavInput(start=stages_pb2.Code2WavStart(request_id=request_id)))
             while True:
-                match await sink.get(self.config.serving.stream_idle_timeout_s, "talker"):
+                try:
+                    item = await sink.get(self.config.serving.stream_idle_timeout_s, "talker")
+                except StageUnavailable as exc:
+                    if not await decode.recover(exc):
+                        raise
+                    resume.begin_replay()
+                    continue
+                match item:
                     case Frame(codes=codes):
                         chunk = chunker.add(codes)
                         if chunk is not None:
@@ -152,29 +163,34 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
                         if chunk is not None:
                             async for out in self._send_chunk(decode, chunk, chunker, start.return_codec_frames):
                                 yield out
-                        if await write_quietly(decode, stages_pb2.Code2WavInput(end=stages_pb2.CodecEnd())):
-                            await close_quietly(decode)
+                        if await decode.write(stages_pb2.Code2WavInput(end=stages_pb2.CodecEnd())):
+                            await decode.close()
                     case stages_pb2.Code2WavOutput() as out if out.HasField("audio"):
-                        yield stages_pb2.TalkerOutput(audio=out.audio)
+                        audio = resume.audio_chunk(out.audio)
+                        if audio is not None:
+                            decode.output()
+                            yield stages_pb2.TalkerOutput(audio=audio)
                     case stages_pb2.Code2WavOutput() as out:
+                        resume.finish()
                         yield stages_pb2.TalkerOutput(final=stages_pb2.TalkerFinal(
                             finish_reason=finish_reason_to_proto(done.reason), codec_frames=done.frames,
-                            audio_samples=out.final.audio_samples))
+                            audio_samples=out.final.audio_samples, migrations=decode.moves))
                         return
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # a failed engine, code2wav or text stream: one status for the caller
+            if isinstance(exc, ReplayDiverged):
+                decode.diverged()
             await abort_for(context, exc)
         finally:
-            for task in tasks:
-                task.cancel()
+            reader.cancel()
             decode.cancel()
             self.loop.abort(key)
 
     @staticmethod
-    async def _send_chunk(decode, chunk: torch.Tensor, chunker: FrameChunker, return_frames: bool):
+    async def _send_chunk(decode: Downstream, chunk: torch.Tensor, chunker: FrameChunker, return_frames: bool):
         message = frames_to_proto(chunk, first_frame=chunker.sent - chunk.shape[0])
-        await write_quietly(decode, stages_pb2.Code2WavInput(frames=message))
+        await decode.write(stages_pb2.Code2WavInput(frames=message))
         if return_frames:
             yield stages_pb2.TalkerOutput(codec_frames=message)
 

@@ -51,9 +51,9 @@ from services.serving.grpc_server import (
     time_remaining,
 )
 from services.serving.metrics import StageMetrics
+from services.serving.migration import Downstream, Resume
 from services.serving.stage_main import serve_stage
-from services.serving.status import StageUnavailable, abort_for
-from services.serving.streams import close_quietly, relay_responses, write_quietly
+from services.serving.status import ReplayDiverged, StageUnavailable, abort_for
 from services.serving.wire import tensor_to_proto
 from services.thinker.engine import (
     Finished,
@@ -152,6 +152,7 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         self.config = config
         self.channels = ChannelPool(config.serving.max_message_bytes, config.serving.tls)
         self.talker_limits = PeerLimits("talker", self.channels)
+        self.metrics: StageMetrics = loop.metrics
 
     def prepare(self, request: omni_pb2.GenerateRequest, talker: common_pb2.StageLimits | None) -> Prepared:
         """Validate and convert a request; runs in a worker thread (decodes audio and images).
@@ -196,20 +197,24 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         sink = EventSink(asyncio.get_running_loop())
         self.loop.add(key, prepared.job, sink)
         detok = IncrementalDetokenizer(self.prompts.decode)
-        speak = None  # the talker stream, opened after prefill
-        tasks: list[asyncio.Task] = []
+        speak: Downstream | None = None  # the talker stream, opened after prefill; moves if its replica dies
+        resume = Resume("talker")  # what went up from the talker, across moves
         text_done: Finished | None = None
         talker_done: stages_pb2.TalkerFinal | None = None
         ttft = ttfp = None
         try:
             while True:
-                match await sink.get(self.config.serving.stream_idle_timeout_s, "thinker"):
+                try:
+                    item = await sink.get(self.config.serving.stream_idle_timeout_s, "thinker")
+                except StageUnavailable as exc:
+                    if speak is None or not await speak.recover(exc):
+                        raise
+                    resume.begin_replay()
+                    continue
+                match item:
                     case Prefilled() as prefilled:
-                        speak = stages_pb2_grpc.TalkerStub(self.channels.get(request.route.talker)).Speak(
-                            timeout=time_remaining(context))
-                        tasks.append(asyncio.create_task(relay_responses(
-                            speak, "talker", request.route.talker, sink, lambda out: out.HasField("final"))))
-                        await write_quietly(speak, stages_pb2.TalkerInput(
+                        speak = self._open_talker(request.route, sink, context)
+                        await speak.write(stages_pb2.TalkerInput(
                             start=self._talker_start(req, request.route, prefilled, prepared)))
                     case Token() as token:
                         ttft = ttft if ttft is not None else (time.perf_counter() - received) * 1000
@@ -220,35 +225,50 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
                     case Finished() as finished:
                         text_done = finished
                     case stages_pb2.TalkerOutput() as out if out.HasField("audio"):
-                        ttfp = ttfp if ttfp is not None else (time.perf_counter() - received) * 1000
-                        yield omni_pb2.GenerateResponse(request_id=request_id, audio=out.audio)
+                        chunk = resume.audio_chunk(out.audio)
+                        if chunk is not None:
+                            speak.output()
+                            ttfp = ttfp if ttfp is not None else (time.perf_counter() - received) * 1000
+                            yield omni_pb2.GenerateResponse(request_id=request_id, audio=chunk)
                     case stages_pb2.TalkerOutput() as out if out.HasField("codec_frames"):
-                        yield omni_pb2.GenerateResponse(request_id=request_id, codec_frames=out.codec_frames)
+                        frames = resume.codec_frames(out.codec_frames)
+                        if frames is not None:
+                            yield omni_pb2.GenerateResponse(request_id=request_id, codec_frames=frames)
                     case stages_pb2.TalkerOutput() as out:
+                        resume.finish()
                         talker_done = out.final  # the talker may finish before the text does
                 if text_done is not None and (talker_done is not None or not prepared.audio):
-                    yield self._final(request_id, text_done, talker_done, received, ttft, ttfp)
+                    migrations = (speak.moves if speak is not None else 0) + (talker_done.migrations if talker_done else 0)
+                    yield self._final(request_id, text_done, talker_done, received, ttft, ttfp, migrations)
                     return
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # a failed engine, talker or stream: one status for the caller
+            if isinstance(exc, ReplayDiverged) and speak is not None:
+                speak.diverged()
             await abort_for(context, exc)
         finally:
-            for task in tasks:
-                task.cancel()
             if speak is not None:
                 speak.cancel()
             self.loop.abort(key)
 
+    def _open_talker(self, route: stages_pb2.Route, sink: EventSink, context) -> Downstream:
+        speak = Downstream(
+            "thinker", "talker", [route.talker, *route.talker_fallbacks],
+            lambda address: stages_pb2_grpc.TalkerStub(self.channels.get(address)).Speak(timeout=time_remaining(context)),
+            sink, lambda out: out.HasField("final"), route.max_migrations, self.metrics)
+        speak.open()
+        return speak
+
     @staticmethod
-    async def _feed_talker(speak, event: Token) -> None:
+    async def _feed_talker(speak: Downstream, event: Token) -> None:
         """One text row per generated token except the last; then the text-finished mark. The
         talker may have ended already (its own max tokens or EOS): the relay says how."""
         if not event.last:
-            await write_quietly(speak, stages_pb2.TalkerInput(token=stages_pb2.TextToken(
+            await speak.write(stages_pb2.TalkerInput(token=stages_pb2.TextToken(
                 token_id=event.token_id, embedding=tensor_to_proto(event.embedding))))
-        elif await write_quietly(speak, stages_pb2.TalkerInput(finished=stages_pb2.TextFinished())):
-            await close_quietly(speak)
+        elif await speak.write(stages_pb2.TalkerInput(finished=stages_pb2.TextFinished())):
+            await speak.close()
 
     def _talker_start(self, req, route, event: Prefilled, prepared: Prepared) -> stages_pb2.TalkerStart:
         prompt = prepared.job.prompt
@@ -267,8 +287,9 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         return start
 
     @staticmethod
-    def _final(request_id, text: Finished, talker: stages_pb2.TalkerFinal | None, received, ttft, ttfp):
-        final = omni_pb2.Final(text_finish_reason=finish_reason_to_proto(text.reason))
+    def _final(request_id, text: Finished, talker: stages_pb2.TalkerFinal | None, received, ttft, ttfp,
+               migrations: int):
+        final = omni_pb2.Final(text_finish_reason=finish_reason_to_proto(text.reason), migrations=migrations)
         final.usage.prompt_tokens = text.prompt_tokens
         final.usage.text_tokens = text.generated
         if talker is not None:

@@ -2,14 +2,18 @@
 
 `omni-serve up --checkpoint DIR [--port P]` starts code2wav, talker, thinker and the router,
 each its own process on its own port, waits until every one reports SERVING on grpc.health.v1,
-prefixes their logs, and stops them all on Ctrl-C or SIGTERM. `omni-serve demo` does the same,
-turns one prompt into a .wav through the router, and stops.
+prefixes their logs, and stops them all on Ctrl-C or SIGTERM. On one machine the launcher is the
+deployment, so it supervises as Kubernetes would: a process that exits is restarted on its port
+with backoff while the rest keep serving (the router takes a replica back once it is SERVING);
+only Ctrl-C / SIGTERM or a crash loop stops the stack. `omni-serve demo` starts the stack, turns
+one prompt into a .wav through the router, and stops.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -24,7 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.runtime.checkpoint import check_folder
 from services.runtime.errors import UserError, run_cli
-from services.serving.security import TLSConfig, secure_or_insecure_channel
+from services.serving.security import TLSConfig, secure_or_insecure_channel, tls_from_args
 from services.tools.client import build_request, collect, connect
 from services.tools.reference import write_wav
 
@@ -65,6 +69,7 @@ class StackOptions:
     code2wav_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     extra_args: tuple[str, ...] = ()  # appended to every process (e.g. TLS flags)
+    metrics_base_port: int = 0  # Prometheus ports: the router this one, each other process the next; 0 = off
     tls: TLSConfig = TLSConfig()  # how the launcher itself reaches the processes (health checks)
     startup_timeout_s: float = 180.0
     log_prefix: bool = True
@@ -105,6 +110,10 @@ class Stack:
                 sys.stderr.write(f"[{name:10}] {line}")
 
     def _add(self, name: str, stage: str, args: list[str], port: int | None = None) -> Process:
+        base = self.options.metrics_base_port
+        if base:  # distinct ports: one OMNI_METRICS_PORT would give every process the same one
+            offset = 0 if stage == "router" else 1 + sum(p.stage != "router" for p in self.processes.values())
+            args = args + ["--metrics-port", str(base + offset)]
         process = Process(name, stage, args, port or free_port(self.options.host))
         self.processes[name] = process
         self._launch(process)
@@ -158,6 +167,34 @@ class Stack:
         self._launch(process)
         self.wait_ready(name)
 
+    def supervise(self, stopping: threading.Event, max_restarts: int = 5, window_s: float = 60.0,
+                  log=lambda message: print(f"omni-serve: {message}", file=sys.stderr)) -> None:
+        """Until `stopping` is set: restart every process that exits, on its port, after a backoff
+        (0.5 s doubling to 8 s per recent restart); more than `max_restarts` exits of one process
+        within `window_s` is a crash loop: UserError, and the caller stops the stack."""
+        exits: dict[str, list[float]] = {name: [] for name in self.processes}  # name -> recent exit times
+        while not stopping.is_set():
+            for process in self.processes.values():
+                code = process.popen.poll() if process.popen is not None else None
+                if code is None:
+                    continue
+                now = time.monotonic()
+                recent = exits[process.name] = [t for t in exits[process.name] if now - t < window_s] + [now]
+                if len(recent) > max_restarts:
+                    raise UserError(f"{process.name} exited {len(recent)} times within {window_s:.0f} s "
+                                    f"(last code {code}): a crash loop; stopping the stack")
+                delay = min(0.5 * 2 ** (len(recent) - 1), 8.0)
+                log(f"{process.name} exited with code {code}; restarting it on port {process.port} in {delay:.1f} s "
+                    f"(the other processes keep serving)")
+                if stopping.wait(delay):
+                    return
+                try:
+                    self.restart(process.name)
+                    log(f"{process.name} is SERVING again")
+                except UserError as exc:
+                    log(f"{process.name} did not come back: {exc}")
+            stopping.wait(0.5)
+
     def stop(self, grace_s: float = 10.0) -> None:
         # The router first, so no new work reaches the stages.
         order = sorted(self.processes.values(), key=lambda p: p.stage != "router")
@@ -206,6 +243,16 @@ def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--thinker-replicas", type=int, default=1)
     parser.add_argument("--talker-replicas", type=int, default=1)
     parser.add_argument("--code2wav-replicas", type=int, default=1)
+    for service in ("router", "thinker", "talker", "code2wav"):
+        parser.add_argument(f"--{service}-args", default="", metavar="'FLAGS'",
+                            help=f"more flags for every {service} process, as one shell-quoted string "
+                                 f"(e.g. --{service}-args '--grace-s 60'); see omni-{service} --help")
+    parser.add_argument("--metrics-base-port", type=int, default=0,
+                        help="serve Prometheus metrics: the router on this port, each stage process on the "
+                             "next ones in start order (code2wav, talker, thinker replicas); 0 = off")
+    parser.add_argument("--tls-cert", help="every process serves with this certificate (and presents it onward)")
+    parser.add_argument("--tls-key", help="private key of --tls-cert")
+    parser.add_argument("--tls-ca", help="CA of the pipeline: mutual TLS on every hop")
 
 
 def _options(args) -> StackOptions:
@@ -214,10 +261,18 @@ def _options(args) -> StackOptions:
         ("--random-weights",) if args.random_weights else ())
     thinker = ("--default-max-new-tokens", str(args.thinker_max_new_tokens)) if args.thinker_max_new_tokens else ()
     talker = ("--default-max-new-tokens", str(args.talker_max_new_tokens)) if args.talker_max_new_tokens else ()
+    tls_flags = tuple(part for flag in ("tls_cert", "tls_key", "tls_ca") if getattr(args, flag)
+                      for part in (f"--{flag.replace('_', '-')}", getattr(args, flag)))
+    tls = tls_from_args(argparse.Namespace(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+                                           tls_server_name=None))
+    more = {service: tuple(shlex.split(getattr(args, f"{service}_args")))
+            for service in ("router", "thinker", "talker", "code2wav")}
     return StackOptions(checkpoint=args.checkpoint, port=args.port, host=args.host, threads=args.threads,
                         thinker_replicas=args.thinker_replicas, talker_replicas=args.talker_replicas,
-                        code2wav_replicas=args.code2wav_replicas, thinker_args=every + thinker,
-                        talker_args=every + talker, code2wav_args=every)
+                        code2wav_replicas=args.code2wav_replicas, thinker_args=every + thinker + more["thinker"],
+                        talker_args=every + talker + more["talker"], code2wav_args=every + more["code2wav"],
+                        router_args=more["router"], extra_args=tls_flags, tls=tls,
+                        metrics_base_port=args.metrics_base_port)
 
 
 def up(args) -> None:
@@ -232,11 +287,7 @@ def up(args) -> None:
     print(f"omni-serve: ready on {stack.target} ({stages}). Try:\n  .venv/bin/omni-client --target {stack.target} "
           f"--prompt 'Hello!' --out out/hello.wav\nCtrl-C stops everything.", file=sys.stderr)
     try:
-        while not stopping.is_set():
-            dead = [p.name for p in stack.processes.values() if p.popen is not None and p.popen.poll() is not None]
-            if dead:
-                raise UserError(f"{', '.join(dead)} exited; stopping the stack")
-            stopping.wait(0.5)
+        stack.supervise(stopping)
     finally:
         print("omni-serve: stopping", file=sys.stderr)
         stack.stop()

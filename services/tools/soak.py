@@ -333,8 +333,9 @@ class Planned:
 
 
 def plan(rng: random.Random, kind: Kind, hang_timeout_s: float, chaos: bool) -> Planned:
-    """One request of a kind, sized for a tiny checkpoint (tens of milliseconds per token)."""
-    # Anything may meet a full router; with --chaos, a request may be on the replica that dies.
+    """One request of a kind, sized for a tiny checkpoint (tens of milliseconds per token).
+    `chaos`: a request may be on a replica that dies with no survivor to move to."""
+    # Anything may meet a full router; with chaos and no survivor, a request may be on the replica that dies.
     anywhere = {Code.RESOURCE_EXHAUSTED} | ({Code.UNAVAILABLE} if chaos else set())
     prompt = f"soak request {rng.randrange(10**6)}: tell me about {rng.choice(['robots', 'rivers', 'bread'])}"
     if kind is Kind.NORMAL:
@@ -368,13 +369,14 @@ class Outcome:
     seconds: float
     details: str = ""  # the status details
     what: str = ""  # which malformed case, for a malformed request
+    migrated: bool = False  # completed after moving off a replica that died
 
 
 def run_planned(channel: grpc.Channel, planned: Planned) -> Outcome:
     call = Call(method_for(channel, planned.request), planned.request, planned.timeout, planned.cancel_at).run()
     hung = call.code is Code.DEADLINE_EXCEEDED and planned.kind is not Kind.DEADLINE
     return Outcome(planned.kind, call.code.name, call.code in planned.expected and not hung, hung, call.seconds,
-                   call.details, planned.what)
+                   call.details, planned.what, bool(call.final is not None and call.final.migrations))
 
 
 @dataclass
@@ -443,6 +445,7 @@ class Summary:
     duration_s: float
     requests: int
     completed: int  # OK
+    migrated: int  # of those, requests that moved off a replica that died (a pause, nothing lost)
     rejected: int  # RESOURCE_EXHAUSTED
     cancelled: int  # CANCELLED: this client cancelled
     failed: dict  # status code name -> count, every other non-OK end (expected ones included)
@@ -469,7 +472,7 @@ class Summary:
         examples = [f"    {what}: {details}" for what, details in sorted(self.examples.items())]
         return [
             f"omni-soak: {self.requests} requests in {self.duration_s:.1f} s",
-            f"  completed   {self.completed}",
+            f"  completed   {self.completed} ({self.migrated} after moving off a dead replica)",
             f"  rejected    {self.rejected}",
             f"  cancelled   {self.cancelled}",
             f"  failed      {failed}",
@@ -487,7 +490,8 @@ def summarize(outcomes: list[Outcome], stuck_workers: int, settled: Settled, dur
                   for o in outcomes if not o.expected and not o.hung]
     skip = {"OK", "RESOURCE_EXHAUSTED", "CANCELLED"}
     return Summary(
-        duration_s=duration_s, requests=len(outcomes), completed=codes["OK"], rejected=codes["RESOURCE_EXHAUSTED"],
+        duration_s=duration_s, requests=len(outcomes), completed=codes["OK"], migrated=sum(o.migrated for o in outcomes),
+        rejected=codes["RESOURCE_EXHAUSTED"],
         cancelled=codes["CANCELLED"], failed={c: n for c, n in sorted(codes.items()) if c not in skip},
         unexpected=dict(Counter(key for key, _ in unexpected)),
         examples={key: details for key, details in reversed(unexpected)},
@@ -534,7 +538,9 @@ def soak(args, log: Callable[[str], None]) -> Summary:
         log(f"omni-soak: {args.workers} workers for {args.duration_s:g} s against {target}"
             f"{' with chaos' if args.chaos else ''}")
         channel = grpc.insecure_channel(target, options=channel_options())
-        run = Soak(channel, args.duration_s, args.workers, args.seed, args.hang_timeout_s, args.chaos)
+        # With a surviving talker replica, chaos's victims move to it and complete: UNAVAILABLE is a failure.
+        run = Soak(channel, args.duration_s, args.workers, args.seed, args.hang_timeout_s,
+                   args.chaos and args.talker_replicas < 2)
         chaos = []
         started = time.monotonic()
         stuck = run.run(on_started=lambda end: chaos.append(chaos_monkey(stack, end, log)) if args.chaos else None)

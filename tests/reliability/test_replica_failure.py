@@ -1,6 +1,6 @@
-"""A talker replica killed (-9) under load: its requests end at once with UNAVAILABLE naming it,
-the other replica's finish, new requests go to the survivor, and the restarted replica is used
-again."""
+"""A talker replica killed (-9) under load: its requests move to the other replica and complete
+(tests/migration checks their audio equals the fault-free run), new requests go to the survivor,
+and the restarted replica is used again."""
 
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ from services.tools.client import build_request
 from services.tools.soak import Call, read_load
 
 from .support import MAX_IN_FLIGHT, assert_recovered
-
-FAILURE_REPORTED_S = 2.0  # the issue's bound: kill -> UNAVAILABLE at the client
 
 
 def start_all(calls: list[Call]) -> list[threading.Thread]:
@@ -31,7 +29,7 @@ def wait_streaming_audio(calls: list[Call], timeout_s: float = 60.0) -> None:
         time.sleep(0.01)
 
 
-def test_a_killed_talker_fails_only_its_requests_at_once_and_the_survivor_takes_new_ones(stack, omni):
+def test_a_killed_talker_s_requests_move_to_the_survivor_which_takes_new_ones(stack, omni):
     victim, survivor = stack.address("talker-0"), stack.address("talker-1")
     # 200 codec frames: several seconds of streaming, long after the kill.
     calls = [Call(omni.Generate, build_request(f"under load {i}", max_new_tokens=8, talker_max_new_tokens=200), 120)
@@ -41,20 +39,12 @@ def test_a_killed_talker_fails_only_its_requests_at_once_and_the_survivor_takes_
     on_victim, on_survivor = read_load("talker", victim).in_flight, read_load("talker", survivor).in_flight
     assert on_victim >= 1 and on_survivor >= 1 and on_victim + on_survivor == len(calls), (on_victim, on_survivor)
 
-    killed = stack.kill("talker-0")
+    stack.kill("talker-0")
     for thread in threads:
         thread.join(timeout=120)
-    failed = [call for call in calls if call.code.name != "OK"]
-    assert len(failed) == on_victim, [(call.code, call.details) for call in calls]
-    for call in failed:
-        assert call.code.name == "UNAVAILABLE", (call.code, call.details)
-        assert call.details.startswith(f"stage talker ({victim}) unavailable"), call.details
-        assert call.ended - killed < FAILURE_REPORTED_S, f"UNAVAILABLE only {call.ended - killed:.2f} s after the kill"
-    for call in calls:
-        if call.code.name == "OK":
-            assert call.final is not None and call.final.usage.codec_frames == 199
-    print(f"kill -9 -> UNAVAILABLE at the client: {max(c.ended - killed for c in failed) * 1000:.0f} ms "
-          f"({len(failed)} requests); survivors finished {len(calls) - len(failed)}")
+    assert [call.code.name for call in calls] == ["OK"] * len(calls), [(c.code, c.details) for c in calls]
+    assert all(call.final.usage.codec_frames == 199 for call in calls)
+    assert sorted(call.final.migrations for call in calls) == [0] * on_survivor + [1] * on_victim
 
     # New requests: only the survivor is left, and the router knows it.
     fresh = [Call(omni.Generate, build_request(f"after the kill {i}", max_new_tokens=4, talker_max_new_tokens=20), 60)

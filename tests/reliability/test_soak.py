@@ -36,7 +36,5 @@ def test_omni_soak_with_its_own_stack_and_chaos_leaks_nothing(tiny_checkpoint):
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     assert summary["leaked"] == 0 and summary["hung"] == 0 and not summary["busy"], summary
     assert "chaos: killed talker-0" in run.stderr and "serving again" in run.stderr, run.stderr
-    # NOTE: a kill racing the thinker's write to the talker ends that request INTERNAL "Internal error from
-    # Core" instead of UNAVAILABLE (grpc aio overwrites the status of a call whose write failed); nothing
-    # else may be unexpected.
-    assert all("Internal error from Core" in details for details in summary["examples"].values()), summary
+    # A survivor existed (2 talker replicas): the victim's requests moved to it and none failed.
+    assert summary["migrated"] >= 1 and summary["unexpected"] == {}, summary

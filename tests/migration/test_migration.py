@@ -1,0 +1,203 @@
+"""A stage replica dies (kill -9) mid-stream; its requests move to a healthy replica and complete,
+and each client hears exactly the audio it would have heard without the fault.
+
+One stack with two replicas of every stage. For each stage: 8 concurrent greedy requests with
+audio run once without a fault (the expected results), then again with one replica of that stage
+killed at a seeded random moment while every request streams audio. Every request must complete
+with the same text ids, codec frames and audio (same length, SNR >= 100 dB: in fact bit-equal on
+CPU with exact batching), the killed replica's requests must report a migration, and every
+surviving replica must hold nothing afterwards.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.serving.status import error_info
+from services.tools.client import ClientResult, build_request, collect, connect
+from services.tools.launcher import free_port
+from services.tools.soak import read_load, wait_settled
+from tests.stacks import stack_of
+
+REQUESTS = 8
+TALKER_FRAMES = 100  # several seconds of streaming on 2 cores: the kill lands mid-stream
+SEED = 20261201
+SETTLE_S = 15.0
+
+
+@pytest.fixture(scope="module")
+def migrating(tiny_checkpoint):
+    metrics_port = free_port()
+    stack = stack_of(tiny_checkpoint, thinker_replicas=2, talker_replicas=2, code2wav_replicas=2,
+                     router_args=("--metrics-port", str(metrics_port), "--max-migrations", "2",
+                                  "--max-in-flight", "16"))
+    with stack:
+        stack.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        yield stack
+
+
+def requests() -> list:
+    return [build_request(f"conversation {i}: tell me about the sea", max_new_tokens=8,
+                          talker_max_new_tokens=TALKER_FRAMES, return_codec_frames=True)
+            for i in range(REQUESTS)]
+
+
+class Running:
+    """REQUESTS calls in threads; their results or errors, and how far each has streamed."""
+
+    def __init__(self, stub):
+        self.results: list[ClientResult | None] = [None] * REQUESTS
+        self.errors: list[grpc.RpcError | None] = [None] * REQUESTS
+        self.audio_chunks = [0] * REQUESTS
+        self.threads = [threading.Thread(target=self._run, args=(stub, i, r), daemon=True)
+                        for i, r in enumerate(requests())]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, stub, i, request) -> None:
+        def progress(kind, response, result):
+            if kind == "audio":
+                self.audio_chunks[i] += 1
+
+        try:
+            self.results[i] = collect(stub, request, timeout=180, on_event=progress)
+        except grpc.RpcError as exc:
+            self.errors[i] = exc
+
+    def wait_all_streaming(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while min(self.audio_chunks) < 1:
+            assert not any(self.errors), [e.details() for e in self.errors if e is not None]
+            assert all(t.is_alive() for t in self.threads), "a request ended before the fault"
+            assert time.monotonic() < deadline, "the requests never streamed audio"
+            time.sleep(0.01)
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join(timeout=240)
+            assert not thread.is_alive(), "a request hangs"
+
+
+def run_all(stub) -> list[ClientResult]:
+    running = Running(stub)
+    running.join()
+    assert not any(running.errors), [e.details() for e in running.errors if e is not None]
+    return running.results
+
+
+@pytest.fixture(scope="module")
+def expected(migrating):
+    channel, stub = connect(migrating.target)
+    with channel:
+        return run_all(stub)
+
+
+def router_in_flight(stack, stage: str) -> dict[str, float]:
+    """replica -> this router's requests on it now (omni_router_replica_in_flight)."""
+    text = urllib.request.urlopen(stack.metrics_url, timeout=5).read().decode()
+    return {sample.labels["replica"]: sample.value
+            for family in text_string_to_metric_families(text) if family.name == "omni_router_replica_in_flight"
+            for sample in family.samples if sample.labels["stage"] == stage}
+
+
+def replicas(stack) -> dict[str, tuple[str, ...]]:
+    return {stage: tuple(stack.addresses(stage)) for stage in ("thinker", "talker", "code2wav")}
+
+
+def snr_db(truth: np.ndarray, got: np.ndarray) -> float:
+    noise = float(np.sum((truth.astype(np.float64) - got) ** 2))
+    return float("inf") if noise == 0 else 10 * np.log10(float(np.sum(truth.astype(np.float64) ** 2)) / noise)
+
+
+def assert_same_as_without_fault(results: list[ClientResult], expected: list[ClientResult]) -> None:
+    for got, want in zip(results, expected):
+        assert got.thinker_token_ids == want.thinker_token_ids
+        assert got.codec_frames == want.codec_frames
+        assert len(got.audio) == len(want.audio) == round(want.final.usage.audio_seconds * 24000) > 0
+        assert snr_db(want.audio, got.audio) >= 100.0
+        assert got.final.usage == want.final.usage
+
+
+def victim_of(stack, stage: str) -> str:
+    """The process name of the replica of `stage` that holds the most of the requests now."""
+    if stage == "thinker":
+        loads = router_in_flight(stack, "thinker")
+    else:
+        loads = {address: read_load(stage, address).in_flight for address in stack.addresses(stage)}
+    address = max(loads, key=loads.get)
+    assert loads[address] >= 1, loads
+    return next(name for name, p in stack.processes.items()
+                if p.stage == stage and f"{stack.options.host}:{p.port}" == address)
+
+
+@pytest.mark.parametrize("stage", ["talker", "code2wav", "thinker"])
+def test_a_killed_replica_s_requests_move_and_complete_with_the_same_audio(migrating, expected, stage):
+    rng = random.Random(f"{SEED}-{stage}")
+    channel, stub = connect(migrating.target)
+    with channel:
+        running = Running(stub)
+        running.wait_all_streaming()
+        time.sleep(rng.uniform(0.0, 0.3))  # a seeded moment inside the stream
+        victim = victim_of(migrating, stage)
+        migrating.kill(victim)
+        running.join()
+    try:
+        assert not any(running.errors), [(e.code(), e.details()) for e in running.errors if e is not None]
+        assert_same_as_without_fault(running.results, expected)
+        moved = [r.final.migrations for r in running.results]
+        assert sum(moved) >= 1 and max(moved) == 1, moved
+        pauses = sorted(max(np.diff(r.audio_times)) for r in running.results if r.final.migrations)
+        print(f"\n{stage} killed: {sum(moved)} of {REQUESTS} requests moved; longest gap between audio chunks "
+              f"of a moved request: p50 {pauses[len(pauses) // 2] * 1000:.0f} ms, max {pauses[-1] * 1000:.0f} ms")
+        alive = {s: tuple(a for a in addresses if a != f"127.0.0.1:{migrating.port(victim)}")
+                 for s, addresses in replicas(migrating).items()}
+        settled = wait_settled(alive, migrating.metrics_url, SETTLE_S)
+        assert settled.idle, f"left behind: {settled.busy()}, router {settled.router}"
+    finally:
+        migrating.restart(victim)
+        wait_router_uses_all(migrating)
+
+
+def wait_router_uses_all(stack, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    text = ""
+    while time.monotonic() < deadline:
+        text = urllib.request.urlopen(stack.metrics_url, timeout=5).read().decode()
+        healthy = [sample.value for family in text_string_to_metric_families(text)
+                   if family.name == "omni_router_replica_healthy" for sample in family.samples]
+        if len(healthy) == 6 and all(healthy):
+            return
+        time.sleep(0.2)
+    raise AssertionError("the router does not use every replica again")
+
+
+def test_when_every_replica_of_a_stage_dies_the_request_ends_unavailable_naming_it(migrating, expected):
+    channel, stub = connect(migrating.target)
+    talkers = [name for name, p in migrating.processes.items() if p.stage == "talker"]
+    with channel:
+        running = Running(stub)
+        running.wait_all_streaming()
+        for name in talkers:
+            migrating.kill(name)
+        running.join()
+    try:
+        assert all(e is not None for e in running.errors), "a request completed with no talker left"
+        for err in running.errors:
+            assert err.code() is grpc.StatusCode.UNAVAILABLE, (err.code(), err.details())
+            assert err.details().startswith("stage talker ("), err.details()
+            assert error_info(err).metadata["stage"] == "talker"
+        alive = {s: a for s, a in replicas(migrating).items() if s != "talker"}
+        settled = wait_settled(alive, migrating.metrics_url, SETTLE_S)
+        assert settled.idle, f"left behind: {settled.busy()}, router {settled.router}"
+    finally:
+        for name in talkers:
+            migrating.restart(name)
+        wait_router_uses_all(migrating)
