@@ -23,7 +23,9 @@ class RotatingChannels:
 
     def __init__(self, tls: TLSConfig, options: list):
         self.tls = tls
-        self.options = options
+        # A channel of its own connections: a new channel after a rotation must handshake with the
+        # new certificate, not share an old connection from gRPC's global subchannel pool.
+        self.options = list(options) + [("grpc.use_local_subchannel_pool", 1)]
         self._channels: dict[str, tuple[grpc.aio.Channel, int]] = {}
         self._retiring: set[asyncio.Task] = set()
 
