@@ -38,6 +38,9 @@ MTLS = "overlays/gpu"  # the overlay that ships the component
 PLAINTEXT = ("base", "overlays/dev-cpu")
 # Who calls whom on the work port, and with which name in mind (the router: its dns:/// targets).
 NEXT_STAGE = {"thinker": "talker", "talker": "code2wav"}
+# Codec frames the rotation test's stream asks for: long enough to stay open in every stage while
+# its client pauses (flow control holds the stages back) and the certificates rotate.
+LONG_STREAM_FRAMES = 200
 STUBS = {"thinker": stages_pb2_grpc.ThinkerStub, "talker": stages_pb2_grpc.TalkerStub,
          "code2wav": stages_pb2_grpc.Code2WavStub}
 
@@ -275,9 +278,78 @@ def served_certificate(address: str, tls: TLSConfig) -> bytes:
             return wrapped.getpeercert(binary_form=True)
 
 
-def stage_in_flight(cluster: LoopbackCluster, tls: TLSConfig) -> dict[str, int]:
+def stage_in_flight(cluster: LoopbackCluster) -> dict[str, int]:
+    """Streams open in each stage (GetLoad), asked with the client certificate in the files now."""
     loads = {}
     for stage in STAGES:
+        tls = client_tls(cluster, server_name=f"omni-{stage}")
         with secure_or_insecure_channel(work_port(cluster, stage), tls, [], aio=False) as channel:
             loads[stage] = STUBS[stage](channel).GetLoad(common_pb2.LoadRequest(), timeout=10).in_flight
     return loads
+
+
+def test_rotated_certificates_are_taken_without_a_restart_and_a_stream_in_flight_completes(running):
+    """A stream starts, its client pauses after the first audio chunk, and every Secret rotates
+    (files swapped the way the kubelet does) to a new CA in the three steps a CA change takes
+    (trust both CAs; new leaves; trust only the new CA). Then the servers present the new
+    certificates and refuse the old ones, a new request goes through every hop (only the new CA is
+    trusted anywhere now, so every hop handshook with the new certificates), and the paused stream,
+    on connections made before the rotation, completes. No process restarts."""
+    cluster, pki = running
+    pids = {c: p.popen.pid for c, p in cluster.pods.items()}
+    old_client = client_tls(cluster)
+    old_stage_client = {s: client_tls(cluster, server_name=f"omni-{s}") for s in STAGES}
+    old_leaves = {c: ssl.PEM_cert_to_DER_cert(pki.leaves[f"omni-{c}", "ca1"][0].decode()) for c in COMPONENTS}
+    channel, stub = connect(work_port(cluster, "router"), old_client)
+    call = stub.Generate(build_request("hello", max_new_tokens=6, talker_max_new_tokens=LONG_STREAM_FRAMES),
+                         timeout=300)
+    events = iter(call)
+    seen = []
+    while not any(e.WhichOneof("event") == "audio" for e in seen):
+        seen.append(next(events))
+    in_flight_before = stage_in_flight(cluster)
+
+    pki.new_ca("ca2")
+    pki.issue_all("ca2")
+    pki.write(cluster, "ca1", ("ca1", "ca2"))
+    pki.write(cluster, "ca2", ("ca1", "ca2"))
+    pki.write(cluster, "ca2", ("ca2",))
+
+    new_client = client_tls(cluster)
+    for component in COMPONENTS:
+        tls = client_tls(cluster, server_name=f"omni-{component}")
+        served = served_certificate(work_port(cluster, component), tls)
+        assert served == ssl.PEM_cert_to_DER_cert(pki.leaves[f"omni-{component}", "ca2"][0].decode()), component
+        assert served != old_leaves[component]
+        old = old_client if component == "router" else old_stage_client[component]
+        assert health_over_tls(work_port(cluster, component), old) == "UNAVAILABLE", component
+    in_flight_during = stage_in_flight(cluster)
+    second_channel, second_stub = connect(work_port(cluster, "router"), new_client)
+    with second_channel:
+        second = collect(second_stub, build_request("again", max_new_tokens=4, talker_max_new_tokens=6),
+                         timeout=120)
+    assert len(second.thinker_token_ids) == 4 and second.audio_chunks
+
+    seen += list(events)
+    channel.close()
+    assert call.code() is grpc.StatusCode.OK
+    kinds = [e.WhichOneof("event") for e in seen]
+    assert kinds[-1] == "final" and kinds.count("audio") >= 2, kinds
+    assert {c: p.popen.pid for c, p in cluster.pods.items()} == pids
+    assert all(p.popen.poll() is None for p in cluster.pods.values())
+    # The stream was still being worked on while the files rotated: the talker was generating its
+    # frames and code2wav decoding them (the thinker, done with its few text tokens, only relays
+    # the audio back to the router by then, on its connections from before the rotation).
+    for loads in (in_flight_before, in_flight_during):
+        assert loads["talker"] >= 1 and loads["code2wav"] >= 1, loads
+
+
+def health_over_tls(address: str, tls: TLSConfig) -> str:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with secure_or_insecure_channel(address, tls, [], aio=False) as channel:
+        try:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        except grpc.RpcError as exc:
+            return exc.code().name
+    return "SERVING"
