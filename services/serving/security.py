@@ -30,6 +30,7 @@ import logging
 import os
 import ssl
 import threading
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -107,11 +108,16 @@ class TLSFiles:
         self.paths = {"--tls-cert": cert, "--tls-key": key, "--tls-ca": ca}
         self._lock = threading.Lock()  # the server's fetcher runs on gRPC's threads
         self.generation = 0
-        self._stamp = self._stat()
+        # A stat per use finds a swapped file at once (a Secret volume: new inode); the bytes are
+        # also compared at most every recheck_s, for a file rewritten in place within one tick of
+        # the filesystem's clock at the same size.
+        self.recheck_s = 1.0
+        self._seen = self._stat()
+        self._compared = time.monotonic()
         material = self._read()
         _check(self.paths, material)
         self._material = material
-        self._rejected_stamp = None
+        self._rejected: object = None  # the last set of files refused, to warn once about it
 
     def _stat(self) -> tuple:
         stamp = []
@@ -120,8 +126,8 @@ class TLSFiles:
                 stamp.append(None)
                 continue
             try:
-                st = os.stat(path)  # follows symlinks: a Secret volume's swap shows as a new inode
-                stamp.append((st.st_ino, st.st_dev, st.st_mtime_ns, st.st_size))
+                st = os.stat(path)  # follows symlinks
+                stamp.append((st.st_ino, st.st_dev, st.st_mtime_ns, st.st_ctime_ns, st.st_size))
             except OSError:
                 stamp.append("missing")
         return tuple(stamp)
@@ -139,27 +145,28 @@ class TLSFiles:
         return TLSConfig(cert=read("--tls-cert"), key=read("--tls-key"), ca=read("--tls-ca"))
 
     def current(self) -> tuple[int, TLSConfig]:
-        stamp = self._stat()
-        if stamp == self._stamp or stamp == self._rejected_stamp:
+        """(generation, material): the files' contents once they are consistent, else the previous."""
+        stamp, now = self._stat(), time.monotonic()
+        if stamp == self._seen and now - self._compared < self.recheck_s:
             return self.generation, self._material
         with self._lock:
-            if stamp != self._stamp:
-                try:
-                    before = self._read()
-                    _check(self.paths, before)
-                    if self._read() != before or self._stat() != stamp:
-                        raise UserError("the files changed while being read")
-                except UserError as exc:  # mid-update or broken: keep serving the previous material
-                    if stamp != self._rejected_stamp:
-                        log.warning("certificate files changed but cannot be used yet (%s); keeping the "
-                                    "previous ones", exc)
-                    self._rejected_stamp = stamp
+            self._seen, self._compared = stamp, now
+            try:
+                material = self._read()
+                if material == self._material:
                     return self.generation, self._material
-                self._stamp = stamp
-                if before != self._material:
-                    self._material = before
-                    self.generation += 1
-                    log.info("certificate files changed: loaded generation %d", self.generation)
+                _check(self.paths, material)
+                if self._read() != material:
+                    raise UserError("the files changed while being read")
+            except UserError as exc:  # mid-update or broken: keep using the previous material
+                if str(exc) != self._rejected:
+                    self._rejected = str(exc)
+                    log.warning("certificate files changed but cannot be used (yet): %s; keeping the previous "
+                                "ones", exc)
+                return self.generation, self._material
+            self._material, self._rejected = material, None
+            self.generation += 1
+            log.info("certificate files changed: loaded generation %d", self.generation)
             return self.generation, self._material
 
 
