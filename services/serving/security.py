@@ -49,13 +49,13 @@ class TLSConfig:
     ca: bytes | None = None  # PEM CA bundle that signs peers (enables mutual TLS on the server side)
     server_name: str | None = None  # override the name checked in the server's certificate
     # The files the material came from (flags): watched for rotation. None: fixed bytes (tests).
-    files: "TLSFiles | None" = field(default=None, compare=False, repr=False)
+    files: TLSFiles | None = field(default=None, compare=False, repr=False)
 
     @property
     def enabled(self) -> bool:
         return self.cert is not None or self.ca is not None
 
-    def latest(self) -> tuple[int, "TLSConfig"]:
+    def latest(self) -> tuple[int, TLSConfig]:
         """(generation, material now): the generation moves each time the files change."""
         if self.files is None:
             return 0, self

@@ -14,7 +14,6 @@ environment. What is rewritten, and nothing else:
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -154,7 +153,8 @@ class LoopbackCluster:
         for stage in ("thinker", "talker", "code2wav"):  # the router's dns:///omni-<stage>:<port>
             key = f"OMNI_{stage.upper()}"
             if key in env and stage in self.pods:
-                env[key] = re.sub(r":(\d+)$", lambda m: f":{self.service_port(stage, int(m.group(1)))}", env[key])
+                host, _, port = env[key].rpartition(":")
+                env[key] = f"{host}:{self.service_port(stage, int(port))}"
         probe = container["readinessProbe"]["grpc"]
         assert probe["port"] in own, f"{component}: readiness probe on a port the container does not declare"
         pod = PodProcess(component, argv, env, named, probe.get("service", ""),

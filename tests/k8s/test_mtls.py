@@ -7,12 +7,15 @@ refused, and a certificate rotation under a running stack (tests/k8s/pods.py say
 from __future__ import annotations
 
 import itertools
+import os
 import shutil
 import socket
 import ssl
 
 import grpc
 import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omni.v1 import common_pb2, omni_pb2_grpc, stages_pb2_grpc
 from router.replicas import ReplicaSource
@@ -21,6 +24,7 @@ from services.tools.client import build_request, collect, connect
 
 from .manifests import (
     COMPONENTS,
+    K8S,
     STAGES,
     Peer,
     argv_of,
@@ -31,6 +35,7 @@ from .manifests import (
     main_container,
     parse_with_service,
     pod_spec,
+    render,
 )
 from .pods import LoopbackCluster, issue, make_ca, probe, write_secret_volume
 
@@ -273,9 +278,9 @@ def served_certificate(address: str, tls: TLSConfig) -> bytes:
     context = ssl.create_default_context(cadata=tls.ca.decode())
     context.set_alpn_protocols(["h2"])
     host, port = address.rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=10) as raw:
-        with context.wrap_socket(raw, server_hostname=tls.server_name) as wrapped:
-            return wrapped.getpeercert(binary_form=True)
+    with socket.create_connection((host, int(port)), timeout=10) as raw, \
+            context.wrap_socket(raw, server_hostname=tls.server_name) as wrapped:
+        return wrapped.getpeercert(binary_form=True)
 
 
 def stage_in_flight(cluster: LoopbackCluster) -> dict[str, int]:
@@ -345,11 +350,35 @@ def test_rotated_certificates_are_taken_without_a_restart_and_a_stream_in_flight
 
 
 def health_over_tls(address: str, tls: TLSConfig) -> str:
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     with secure_or_insecure_channel(address, tls, [], aio=False) as channel:
         try:
             health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         except grpc.RpcError as exc:
             return exc.code().name
     return "SERVING"
+
+
+def test_the_component_mounts_the_gateway_certificate_where_a_gateway_exists(kubectl, tmp_path):
+    """The gateway (k8s/base/gateway*.yaml, added separately) is not needed for the component to
+    render (the gpu overlay has none); where one exists, its pod gets Secret omni-gateway-tls at
+    /etc/omni/tls like every other pod. Rendered here with a stand-in gateway Deployment."""
+    (tmp_path / "gateway.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "omni-gateway", "labels": {"app.kubernetes.io/name": "omni-gateway",
+                                                        "app.kubernetes.io/component": "gateway"}},
+        "spec": {"selector": {"matchLabels": {"app.kubernetes.io/name": "omni-gateway"}},
+                 "template": {"metadata": {"labels": {"app.kubernetes.io/name": "omni-gateway",
+                                                      "app.kubernetes.io/component": "gateway"}},
+                              "spec": {"containers": [{"name": "gateway", "image": "omni-serve",
+                                                       "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}]}],
+                                       "volumes": [{"name": "tmp", "emptyDir": {}}]}}}}))
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(K8S / "base", tmp_path), "gateway.yaml"],
+        "components": [os.path.relpath(K8S / "components" / "mtls", tmp_path)]}))
+    objects = {(o["kind"], o["metadata"]["name"]): o for o in render(kubectl, str(tmp_path))}
+    gateway = objects["Deployment", "omni-gateway"]
+    secret, key = mounted(gateway, "/etc/omni/tls/tls.crt")
+    assert secret == objects["Certificate", "omni-gateway"]["spec"]["secretName"] and key == "tls.crt"
+    # The pipeline's pods are unchanged by the gateway's presence.
+    assert mounted(objects["Deployment", "omni-router"], "/etc/omni/tls/ca.crt") == ("omni-router-tls", "ca.crt")
