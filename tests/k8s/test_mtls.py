@@ -43,9 +43,12 @@ MTLS = "overlays/gpu"  # the overlay that ships the component
 PLAINTEXT = ("base", "overlays/dev-cpu")
 # Who calls whom on the work port, and with which name in mind (the router: its dns:/// targets).
 NEXT_STAGE = {"thinker": "talker", "talker": "code2wav"}
-# Codec frames the rotation test's stream asks for: long enough to stay open in every stage while
-# its client pauses (flow control holds the stages back) and the certificates rotate.
-LONG_STREAM_FRAMES = 200
+# Codec frames the rotation test's stream asks for: the talker and code2wav must still be working on
+# it while the certificates rotate (measured: 400 frames take the tiny talker about 7 s on 2 busy
+# cores, the rotation and its checks about 0.5 s). Flow control does not hold the stages back:
+# the hops buffer a short stream whole (200 frames, 1.5 MB, finished upstream while the client read
+# nothing), so only the length keeps it in flight.
+LONG_STREAM_FRAMES = 400
 STUBS = {"thinker": stages_pb2_grpc.ThinkerStub, "talker": stages_pb2_grpc.TalkerStub,
          "code2wav": stages_pb2_grpc.Code2WavStub}
 
@@ -294,7 +297,7 @@ def stage_in_flight(cluster: LoopbackCluster) -> dict[str, int]:
 
 
 def test_rotated_certificates_are_taken_without_a_restart_and_a_stream_in_flight_completes(running):
-    """A stream starts, its client pauses after the first audio chunk, and every Secret rotates
+    """A stream starts, its client stops reading at the first audio chunk, and every Secret rotates
     (files swapped the way the kubelet does) to a new CA in the three steps a CA change takes
     (trust both CAs; new leaves; trust only the new CA). Then the servers present the new
     certificates and refuse the old ones, a new request goes through every hop (only the new CA is
@@ -346,7 +349,8 @@ def test_rotated_certificates_are_taken_without_a_restart_and_a_stream_in_flight
     # frames and code2wav decoding them (the thinker, done with its few text tokens, only relays
     # the audio back to the router by then, on its connections from before the rotation).
     for loads in (in_flight_before, in_flight_during):
-        assert loads["talker"] >= 1 and loads["code2wav"] >= 1, loads
+        assert loads["talker"] >= 1 and loads["code2wav"] >= 1, (
+            f"{loads}: the stream was done upstream before the rotation; raise LONG_STREAM_FRAMES")
 
 
 def health_over_tls(address: str, tls: TLSConfig) -> str:
