@@ -43,7 +43,11 @@ class RotatingChannels:
         return channel
 
     def _retire(self, channel: grpc.aio.Channel) -> None:
-        task = asyncio.get_running_loop().create_task(channel.close(grace=RETIRE_GRACE_S))
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop (not how the services use it): the channel goes with its last call
+            return
+        task = loop.create_task(channel.close(grace=RETIRE_GRACE_S))
         self._retiring.add(task)
         task.add_done_callback(self._retiring.discard)
 
