@@ -94,6 +94,7 @@ class PodProcess:
     readiness_service: str
     log: Path
     probe_port: int = 0  # the readiness probe's port, rewritten
+    port_map: dict[int, int] = field(default_factory=dict)  # container port -> loopback port
     popen: subprocess.Popen | None = None
 
 
@@ -160,6 +161,7 @@ class LoopbackCluster:
         pod = PodProcess(component, argv, env, named, probe.get("service", ""),
                          self.root / "logs" / f"{component}.log")
         pod.probe_port = own[probe["port"]]
+        pod.port_map = own
         self.pods[component] = pod
         return pod
 

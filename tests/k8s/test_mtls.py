@@ -250,9 +250,13 @@ def test_a_request_goes_through_the_pod_specs_with_mutual_tls_on_every_hop(runni
         result = collect(stub, build_request("hello", max_new_tokens=4, talker_max_new_tokens=6), timeout=120)
     assert len(result.thinker_token_ids) == 4 and result.audio_chunks
     for component in COMPONENTS:
-        # The probes' port answers in plaintext; the work port wants TLS and a client certificate.
+        # Every probe of the pod spec passes, in plaintext; the work port wants TLS and a client
+        # certificate.
         pod = cluster.pods[component]
-        assert probe(pod.ports["health"], pod.readiness_service) == "SERVING", component
+        container = main_container(cluster.objects.deployment(component))
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            spec = container[kind]["grpc"]
+            assert probe(pod.port_map[spec["port"]], spec.get("service", "")) == "SERVING", f"{component} {kind}"
         assert probe(pod.ports["grpc"]) == "UNAVAILABLE", component
 
 

@@ -9,9 +9,11 @@ import asyncio
 import os
 import shutil
 import subprocess
+from dataclasses import replace
 
 import pytest
 
+from services.runtime.errors import UserError
 from services.serving.channels import RotatingChannels
 from services.serving.security import TLSFiles
 
@@ -79,8 +81,6 @@ def test_a_client_channel_is_replaced_after_a_rotation_and_the_old_one_closed_on
     swap(folder, cert, key, cert, "..v1")
     files = TLSFiles(str(folder / "tls.crt"), str(folder / "tls.key"), str(folder / "ca.crt"))
     _, material = files.current()
-    from dataclasses import replace
-
     tls = replace(material, files=files)
 
     async def run() -> None:
@@ -96,3 +96,10 @@ def test_a_client_channel_is_replaced_after_a_rotation_and_the_old_one_closed_on
         await channels.close()
 
     asyncio.run(run())
+
+
+def test_a_key_that_does_not_match_its_certificate_fails_at_start_up(tmp_path, pairs):
+    (tmp_path / "one.pem").write_bytes(pairs["one"][0])
+    (tmp_path / "two.key").write_bytes(pairs["two"][1])
+    with pytest.raises(UserError, match="TLS files"):
+        TLSFiles(str(tmp_path / "one.pem"), str(tmp_path / "two.key"), None)
