@@ -41,7 +41,8 @@ from .pods import LoopbackCluster, issue, make_ca, probe, write_secret_volume
 
 MTLS = "overlays/gpu"  # the overlay that ships the component
 PLAINTEXT = ("base", "overlays/dev-cpu")
-# Who calls whom on the work port, and with which name in mind (the router: its dns:/// targets).
+# The stage each stage calls, at the pod IP the router's route names (the router itself dials
+# every stage: its dns:/// targets).
 NEXT_STAGE = {"thinker": "talker", "talker": "code2wav"}
 # Codec frames the rotation test's stream asks for: the talker and code2wav must still be working on
 # it while the certificates rotate (measured: 400 frames take the tiny talker about 7 s on 2 busy
