@@ -8,6 +8,11 @@ draining, scoring each by its reported queue and running batch plus what this ro
 flight on it (which moves between polls). A call that fails with UNAVAILABLE marks its replica
 unhealthy at once, so new requests avoid a dead pod before the next poll; a restarted replica
 comes back when its health says SERVING again.
+
+TLS names: replicas are dialled at their pod IPs, so the name checked in a replica's certificate
+is the DNS name it was found under (`omni-talker` for `dns:///omni-talker:50062`; the
+certificate of every pod behind a headless Service carries that name), unless `--tls-server-name`
+sets one for every stage. Static `host:port` replicas are checked against their host.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omni.v1 import common_pb2, stages_pb2_grpc
 from services.runtime.errors import UserError
-from services.serving.security import TLSConfig, secure_or_insecure_channel
+from services.serving.channels import RotatingChannels
+from services.serving.security import TLSConfig
 
 log = logging.getLogger("router.replicas")
 
@@ -89,9 +95,12 @@ class ReplicaSet:
     dns_refresh_s: float = 5.0
     tls: TLSConfig = TLSConfig()
     replicas: dict[str, Replica] = field(default_factory=dict)  # address -> replica
-    _channels: dict[str, grpc.aio.Channel] = field(default_factory=dict)  # address -> channel
+    _channels: RotatingChannels | None = None  # address -> channel, new ones after a TLS rotation
     _task: asyncio.Task | None = None
     _last_resolve: float = -1e9
+
+    def __post_init__(self) -> None:
+        self._channels = RotatingChannels(self.tls, self.channel_options)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._poll_forever(), name=f"replicas-{self.stage}")
@@ -99,8 +108,7 @@ class ReplicaSet:
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
-        for channel in self._channels.values():
-            await channel.close()
+        await self._channels.close()
 
     def ranked(self, exclude: set[str] = frozenset()) -> list[Replica]:
         """Healthy replicas that are not draining, least loaded first (ties in random order)."""
@@ -132,9 +140,7 @@ class ReplicaSet:
                 self.replicas.setdefault(address, Replica(address))
             for gone in set(self.replicas) - set(addresses):
                 self.replicas.pop(gone)
-                channel = self._channels.pop(gone, None)
-                if channel is not None:
-                    await channel.close()
+                await self._channels.drop(gone)
         await asyncio.gather(*(self._poll(r) for r in list(self.replicas.values())))
 
     async def _poll_forever(self) -> None:
@@ -146,11 +152,8 @@ class ReplicaSet:
             await asyncio.sleep(self.poll_interval_s)
 
     def channel(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = secure_or_insecure_channel(address, self.tls, self.channel_options)
-            self._channels[address] = channel
-        return channel
+        """The channel to one replica; a new one once the TLS files have rotated."""
+        return self._channels.get(address, server_name=self.source.dns_host)
 
     async def _poll(self, replica: Replica) -> None:
         channel = self.channel(replica.address)

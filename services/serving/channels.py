@@ -1,27 +1,70 @@
-"""Client channels to other stages, one per target address, reused across requests."""
+"""Client channels to other stages, one per target address, reused across requests.
+
+When the TLS files rotate (security.TLSFiles), the next `get` opens a new channel with the new
+certificate; the old one is closed once the calls on it have finished (at most RETIRE_GRACE_S),
+so a stream that was running through the rotation is not cut."""
 
 from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
 
 import grpc
 
 from services.serving.grpc_server import DEFAULT_MAX_MESSAGE_BYTES, channel_options
 from services.serving.security import TLSConfig, secure_or_insecure_channel
 
+# Longer than any stream (the stages' 300 s drain bound), so retiring a channel never cancels one.
+RETIRE_GRACE_S = 900.0
 
-class ChannelPool:
-    def __init__(self, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls: TLSConfig = TLSConfig()):
-        self.max_message_bytes = max_message_bytes
+
+class RotatingChannels:
+    """target -> channel, rebuilt when the TLS material's generation moves."""
+
+    def __init__(self, tls: TLSConfig, options: list):
         self.tls = tls
-        self._channels: dict[str, grpc.aio.Channel] = {}  # "host:port" -> channel
+        # A channel of its own connections: a new channel after a rotation must handshake with the
+        # new certificate, not share an old connection from gRPC's global subchannel pool.
+        self.options = list(options) + [("grpc.use_local_subchannel_pool", 1)]
+        self._channels: dict[str, tuple[grpc.aio.Channel, int]] = {}
+        self._retiring: set[asyncio.Task] = set()
 
-    def get(self, target: str) -> grpc.aio.Channel:
-        channel = self._channels.get(target)
-        if channel is None:
-            channel = secure_or_insecure_channel(target, self.tls, channel_options(self.max_message_bytes))
-            self._channels[target] = channel
+    def get(self, target: str, server_name: str | None = None) -> grpc.aio.Channel:
+        generation, material = self.tls.latest()
+        entry = self._channels.get(target)
+        if entry is not None and entry[1] == generation:
+            return entry[0]
+        if entry is not None:
+            self._retire(entry[0])
+        if server_name and not material.server_name:
+            material = replace(material, server_name=server_name)
+        channel = secure_or_insecure_channel(target, material, self.options)
+        self._channels[target] = (channel, generation)
         return channel
 
+    def _retire(self, channel: grpc.aio.Channel) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop (not how the services use it): the channel goes with its last call
+            return
+        task = loop.create_task(channel.close(grace=RETIRE_GRACE_S))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def drop(self, target: str) -> None:
+        entry = self._channels.pop(target, None)
+        if entry is not None:
+            await entry[0].close()
+
     async def close(self) -> None:
-        for channel in self._channels.values():
+        for channel, _ in self._channels.values():
             await channel.close()
         self._channels.clear()
+        for task in list(self._retiring):
+            task.cancel()
+
+
+class ChannelPool(RotatingChannels):
+    def __init__(self, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls: TLSConfig = TLSConfig()):
+        super().__init__(tls, channel_options(max_message_bytes))
+        self.max_message_bytes = max_message_bytes

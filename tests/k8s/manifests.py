@@ -301,6 +301,49 @@ def _rule_peers_match(rule: dict, policy_namespace: str, source: Peer) -> bool:
     return False
 
 
+# ---- custom resources (cert-manager) ----
+
+SCHEMAS = Path(__file__).resolve().parent / "schemas"
+# apiVersion, kind -> the vendored openAPIV3Schema (tests/k8s/schemas/README.md: source, version).
+CUSTOM_SCHEMAS = {
+    ("cert-manager.io/v1", "Certificate"): SCHEMAS / "certificate.cert-manager.io_v1.yaml",
+    ("cert-manager.io/v1", "Issuer"): SCHEMAS / "issuer.cert-manager.io_v1.yaml",
+}
+
+
+def _strict(schema: dict) -> dict:
+    """The schema as `kubectl apply --validate=strict` applies it: a field it does not list is an
+    error (unless x-kubernetes-preserve-unknown-fields), and x-kubernetes-* keys mean nothing to
+    jsonschema."""
+    out = {k: v for k, v in schema.items() if not k.startswith("x-kubernetes-")}
+    if "properties" in out:
+        out["properties"] = {k: _strict(v) for k, v in out["properties"].items()}
+        if "additionalProperties" not in out and not schema.get("x-kubernetes-preserve-unknown-fields"):
+            out["additionalProperties"] = False
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = _strict(out["additionalProperties"])
+    if "items" in out:
+        out["items"] = _strict(out["items"])
+    return out
+
+
+def custom_resource_errors(obj: dict) -> list[str] | None:
+    """Strict validation of a custom resource against its vendored schema: the errors (empty when
+    valid), or None when no schema is vendored for its kind."""
+    import jsonschema
+
+    path = CUSTOM_SCHEMAS.get((obj.get("apiVersion"), obj.get("kind")))
+    if path is None:
+        return None
+    schema = _strict(yaml.safe_load(path.read_text()))
+    validator = jsonschema.Draft7Validator(schema)
+    errors = [f"{'.'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}" for e in validator.iter_errors(obj)]
+    metadata = obj.get("metadata", {})
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", metadata.get("name", "")):
+        errors.append(f"metadata.name {metadata.get('name')!r} is not a DNS label")
+    return errors
+
+
 # ---- the image ----
 
 def dockerfile_final_stage() -> list[str]:

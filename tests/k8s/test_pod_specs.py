@@ -73,13 +73,16 @@ def test_every_volume_has_exactly_one_source(rendered, kustomization):
 
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
 def test_every_container_has_startup_readiness_and_liveness_probes_on_its_grpc_port(rendered, kustomization):
+    """On the gRPC port, or with mutual TLS (k8s/components/mtls) on the plaintext health-only port
+    `health` (--health-port, checked in tests/k8s/test_mtls.py): the kubelet speaks no TLS."""
     for workload in rendered[kustomization].workloads():
         for role, container in all_containers(workload):
             where = f"{workload['metadata']['name']}/{container['name']}"
             if role == "init":
                 assert not {"startupProbe", "readinessProbe", "livenessProbe"} & set(container), where
                 continue
-            port = container_port(container, "grpc")
+            names = {p["name"] for p in container.get("ports", [])}
+            port = container_port(container, "health" if "health" in names else "grpc")
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 assert probe in container, f"{where}: no {probe}"
             # Readiness is grpc.health.v1 itself: model loaded and taking work (stages), every

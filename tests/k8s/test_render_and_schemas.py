@@ -12,7 +12,7 @@ import kubernetes_validate.utils
 import pytest
 import yaml
 
-from .manifests import COMPONENTS, K8S, KUSTOMIZATIONS, STAGES
+from .manifests import COMPONENTS, K8S, KUSTOMIZATIONS, STAGES, custom_resource_errors
 
 # The oldest Kubernetes these manifests are for (native gRPC probes GA in 1.27; 1.29 is the oldest
 # still maintained by the big providers) and the version of the kubectl they are rendered with.
@@ -41,11 +41,16 @@ def test_kustomization_renders_the_whole_pipeline(rendered, kustomization):
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_every_object_is_valid_against_the_kubernetes_schemas_in_strict_mode(rendered, validate, kustomization,
                                                                              version):
-    # No CustomResourceDefinition kinds are rendered (the autoscalers are autoscaling/v2 HPAs), so
-    # every object has a schema: a missing one fails here instead of being skipped.
+    # Every object has a schema: a missing one fails here instead of being skipped. The only
+    # custom resources are cert-manager's (k8s/components/mtls), checked against the vendored
+    # schemas (tests/k8s/schemas), strictly as well.
     failures = []
     for obj in rendered[kustomization].objects:
         where = f"{obj['kind']}/{obj['metadata']['name']}"
+        custom = custom_resource_errors(obj)
+        if custom is not None:
+            failures += [f"{where}: {error}" for error in custom]
+            continue
         try:
             validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
@@ -61,6 +66,20 @@ def test_strict_validation_rejects_an_unknown_field(rendered, validate):
     deployment["spec"]["template"]["spec"]["containers"][0]["grpcProbe"] = {"port": 50062}
     with pytest.raises(kubernetes_validate.ValidationError):
         validate(deployment, K8S_VERSIONS[-1], strict=True)
+
+
+def test_custom_resource_validation_rejects_unknown_fields_bad_values_and_missing_required_ones(rendered):
+    """Guards the cert-manager part of the strict check above."""
+    certificate = rendered["overlays/gpu"].get("Certificate", "omni-talker")
+    assert custom_resource_errors(certificate) == []
+    broken = copy.deepcopy(certificate)
+    broken["spec"]["dnsName"] = ["omni-talker"]  # misspelt dnsNames
+    broken["spec"]["usages"].append("server-auth")  # not one of the usages
+    broken["spec"]["privateKey"]["rotationPolicy"] = "Sometimes"
+    del broken["spec"]["issuerRef"]["name"]
+    errors = "\n".join(custom_resource_errors(broken))
+    for expected in ("dnsName", "server-auth", "Sometimes", "'name' is a required property"):
+        assert expected in errors, errors
 
 
 @pytest.mark.parametrize("overlay", ["dev-cpu", "gpu"])
