@@ -1,12 +1,14 @@
 """A stage replica dies (kill -9) mid-stream; its requests move to a healthy replica and complete,
 and each client hears exactly the audio it would have heard without the fault.
 
-One stack with two replicas of every stage. For each stage: 8 concurrent greedy requests with
-audio run once without a fault (the expected results), then again with one replica of that stage
-killed at a seeded random moment while every request streams audio. Every request must complete
-with the same text ids, codec frames and audio (same length, SNR >= 100 dB: in fact bit-equal on
-CPU with exact batching), the killed replica's requests must report a migration, and every
-surviving replica must hold nothing afterwards.
+One stack with two replicas of every stage. For each stage: 8 concurrent requests with audio run
+once without a fault (the expected results), then again with one replica of that stage killed at
+a seeded random moment while every request streams audio. Every request must complete; the greedy
+ones (even indices) with the same text ids, codec frames and audio (same length, SNR >= 100 dB:
+in fact bit-equal on CPU with exact batching); the sampled ones (odd, no seed given: the router
+fixes one at admission) without a diverged replay, which the moving stage's hash check would end
+with ABORTED. The killed replica's requests must report a migration, and every surviving replica
+must hold nothing afterwards.
 """
 
 from __future__ import annotations
@@ -45,9 +47,12 @@ def migrating(tiny_checkpoint):
 
 
 def requests() -> list:
-    return [build_request(f"conversation {i}: tell me about the sea", max_new_tokens=8,
-                          talker_max_new_tokens=TALKER_FRAMES, return_codec_frames=True)
-            for i in range(REQUESTS)]
+    batch = [build_request(f"conversation {i}: tell me about the sea", max_new_tokens=8,
+                           talker_max_new_tokens=TALKER_FRAMES, return_codec_frames=True)
+             for i in range(REQUESTS)]
+    for sampled in batch[1::2]:
+        sampled.thinker_sampling.temperature = sampled.talker_sampling.temperature = 0.9
+    return batch
 
 
 class Running:
@@ -73,10 +78,11 @@ class Running:
             self.errors[i] = exc
 
     def wait_all_streaming(self, timeout_s: float = 120.0) -> None:
+        """Until every request streams audio (a sampled one may also have ended: it can draw EOS)."""
         deadline = time.monotonic() + timeout_s
-        while min(self.audio_chunks) < 1:
+        while any(chunks < 1 and thread.is_alive() for chunks, thread in zip(self.audio_chunks, self.threads)):
             assert not any(self.errors), [e.details() for e in self.errors if e is not None]
-            assert all(t.is_alive() for t in self.threads), "a request ended before the fault"
+            assert all(t.is_alive() for t in self.threads[::2]), "a greedy request ended before the fault"
             assert time.monotonic() < deadline, "the requests never streamed audio"
             time.sleep(0.01)
 
@@ -118,12 +124,15 @@ def snr_db(truth: np.ndarray, got: np.ndarray) -> float:
 
 
 def assert_same_as_without_fault(results: list[ClientResult], expected: list[ClientResult]) -> None:
-    for got, want in zip(results, expected):
+    for got, want in zip(results[::2], expected[::2]):  # the greedy ones
         assert got.thinker_token_ids == want.thinker_token_ids
         assert got.codec_frames == want.codec_frames
         assert len(got.audio) == len(want.audio) == round(want.final.usage.audio_seconds * 24000) > 0
         assert snr_db(want.audio, got.audio) >= 100.0
         assert got.final.usage == want.final.usage
+    for got in results[1::2]:  # sampled: complete, every frame decoded
+        assert len(got.codec_frames) == got.final.usage.codec_frames
+        assert len(got.audio) == round(got.final.usage.audio_seconds * 24000) > 0
 
 
 def victim_of(stack, stage: str) -> str:
@@ -189,8 +198,10 @@ def test_when_every_replica_of_a_stage_dies_the_request_ends_unavailable_naming_
             migrating.kill(name)
         running.join()
     try:
-        assert all(e is not None for e in running.errors), "a request completed with no talker left"
+        assert all(e is not None for e in running.errors[::2]), "a request completed with no talker left"
         for err in running.errors:
+            if err is None:  # a sampled request that drew its end before the kill
+                continue
             assert err.code() is grpc.StatusCode.UNAVAILABLE, (err.code(), err.details())
             assert err.details().startswith("stage talker ("), err.details()
             assert error_info(err).metadata["stage"] == "talker"
