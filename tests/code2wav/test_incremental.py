@@ -1,11 +1,11 @@
 """The incremental vocoder decoder is exact for any reach: the tiny layout and the real window.
 
 The real Qwen3-Omni vocoder (8 transformer layers, sliding window 72) looks back ~580 frames; a
-25-frame left context cannot cover it (docs/qwen3-omni.md, "The vocoder"). Measured here on
-random-weight vocoders, 160 frames, against the float64 forward (tests/audio_checks.py): tiny
-layout: float32 forward 103.6 dB, incremental 103.0-104.0 dB at chunks 1, 4, 25; tiny widths with
-the real reach: float32 forward 101.7 dB, incremental 101.1-101.9 dB, left-context re-decoding
-3.4-4.3 dB. The real widths: test_real_width.py.
+25-frame left context cannot cover it (docs/qwen3-omni.md, "The vocoder"). Measured here (160
+frames, generator seed 1) against the float64 forward (tests/audio_checks.py): tiny layout:
+float32 forward 103.6 dB, incremental 103.3-104.1 dB at chunks 1, 4, 25; tiny widths with the
+real reach: float32 forward 102.8 dB, incremental 102.2-103.3 dB, left-context re-decoding
+4.8 dB (chunk 25). The real widths: test_real_width.py.
 """
 
 from __future__ import annotations
