@@ -106,7 +106,8 @@ def load_stage(folder: str | Path, stage: Stage, device: str = "cpu", dtype: str
     cls, sub_name = _stage_classes()[stage]
     sub_config = getattr(config, sub_name)
     if stage is Stage.TALKER and not hasattr(sub_config, "audio_config"):
-        # transformers bug (NOTES): the talker's multimodal rope reads its config's audio config.
+        # transformers bug: the talker's multimodal rope reads its config's audio config
+        # (docs/qwen3-omni.md, section "transformers quirks").
         sub_config.audio_config = config.thinker_config.audio_config
     if random_weights:
         from services.runtime.full_size import build_random_stage
