@@ -6,8 +6,9 @@ chunk is decoded, and the concatenated stream must equal one vocoder forward ove
 
 NOTE: algorithm. `Qwen3OmniMoeCode2Wav` is causal: a causal sliding-window transformer, then
 left-padded convolutions and transposed convolutions that trim the samples still waiting for the
-next frame's overlap-add (docs/qwen3-omni.md, section "The vocoder": geometry and reach). So a forward over frames [a, b) returns the samples of the true answer
-at global positions [a*U, b*U - L), exactly, provided frame a has enough frames before it:
+next frame's overlap-add (docs/qwen3-omni.md, section "The vocoder": geometry and reach). So a
+forward over frames [a, b) returns the samples of the true answer at global positions
+[a*U, b*U - L), exactly, provided frame a has enough frames before it:
 
     U = samples_per_frame  (model.total_upsample, 1920 for the real layout)
     L = lookahead_samples  (555 for upsample_rates (8, 5, 4, 3): sum of each transposed conv's
