@@ -5,7 +5,8 @@ NOTE: why. `StreamingDecoder` re-decodes `left_context` frames before every chun
 only while the context covers the vocoder's whole reach back: the transformer's
 layers x (window - 1) frames plus the convolutions' ~10 frames. The tiny checkpoint (2 layers,
 window 8) is covered by 25 frames; the real layout (8 layers, window 72) reaches ~580 frames back,
-and with 25 frames of context the SNR against one forward was about 41 dB (NOTES-qwen3-omni.md).
+and with 25 frames of context the SNR against one forward is 3-4 dB (docs/qwen3-omni.md, section
+"The vocoder"; figures in section "Float32 and float64").
 Here the pre-transformer keeps its KV cache across chunks (its sliding window bounds the cache),
 so its outputs for new frames are those of one forward over everything; the convolution stack,
 which has no cache, is re-run over the last `conv_context` transformer frames plus the new ones.
@@ -22,7 +23,7 @@ import torch
 from services.code2wav.streaming import EMPTY, VocoderGeometry
 
 # The convolutions (upsampling ConvNeXt blocks + decoder residual units) reach about 10.1 frames
-# back (NOTES); 12 leaves a margin.
+# back (docs/qwen3-omni.md, section "The vocoder"); 12 leaves a margin.
 DEFAULT_CONV_CONTEXT = 12
 
 

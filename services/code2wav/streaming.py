@@ -6,8 +6,9 @@ chunk is decoded, and the concatenated stream must equal one vocoder forward ove
 
 NOTE: algorithm. `Qwen3OmniMoeCode2Wav` is causal: a causal sliding-window transformer, then
 left-padded convolutions and transposed convolutions that trim the samples still waiting for the
-next frame's overlap-add. So a forward over frames [a, b) returns the samples of the true answer
-at global positions [a*U, b*U - L), exactly, provided frame a has enough frames before it:
+next frame's overlap-add (docs/qwen3-omni.md, section "The vocoder": geometry and reach). So a
+forward over frames [a, b) returns the samples of the true answer at global positions
+[a*U, b*U - L), exactly, provided frame a has enough frames before it:
 
     U = samples_per_frame  (model.total_upsample, 1920 for the real layout)
     L = lookahead_samples  (555 for upsample_rates (8, 5, 4, 3): sum of each transposed conv's
@@ -21,10 +22,11 @@ c*U - L samples belong to the context and are dropped; they were emitted before.
 c >= ceil(L/U) = 1 frame is required. Only the last `left_context` frames are kept.
 
 The window start is a cut, so its first samples differ from the true answer (zero padding in
-the convolutions, attention without the earlier frames); 25 frames of context make the emitted
-part match on the tiny checkpoint (SNR > 100 dB, float noise). The real model's receptive field
-(sliding window 72 over 8 layers) reaches further back, so there 25 frames is the upstream
-`chunked_decode` default, close but not bit-exact.
+the convolutions, attention without the earlier frames); 25 frames of context cover the tiny
+checkpoint's reach (~24 frames), so the emitted part matches there within float32 rounding. The
+real vocoder (sliding window 72 over 8 layers) reaches ~580 frames back: 25 frames (the upstream
+`chunked_decode` default) give ~3 dB SNR there, which is why the engine's default decoder is
+incremental.py's (docs/qwen3-omni.md, sections "The vocoder" and "Float32 and float64").
 
 The vocoder's forward trims the L look-ahead samples itself, so nothing else is ever pending and
 `finish()` returns an empty array; after it, total emitted == n_total*U - L == len(decode_full).

@@ -109,7 +109,8 @@ def load_stage(folder: str | Path, stage: Stage, device: str = "cpu", dtype: str
     cls, sub_name = _stage_classes()[stage]
     sub_config = getattr(config, sub_name)
     if stage is Stage.TALKER and not hasattr(sub_config, "audio_config"):
-        # transformers bug (docs/qwen3-omni.md): the talker's multimodal rope reads its config's audio config.
+        # transformers bug: the talker's multimodal rope reads its config's audio config
+        # (docs/qwen3-omni.md, section "transformers quirks").
         sub_config.audio_config = config.thinker_config.audio_config
     if random_weights:
         model = build_random_stage(cls, sub_config, stage.value, device, getattr(torch, dtype), seed)

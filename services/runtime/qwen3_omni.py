@@ -7,7 +7,8 @@ from __future__ import annotations
 
 # Positions of the talker prefill after the user-turn positions: text rows <|im_start|>,
 # `assistant`, `\n`, 4 x tts_pad, tts_bos, the first generated token, summed with codec rows
-# [0, 0, 0, nothink, think_bos, think_eos, speaker, codec_pad, codec_bos] (docs/qwen3-omni.md).
+# [0, 0, 0, nothink, think_bos, think_eos, speaker, codec_pad, codec_bos] (docs/qwen3-omni.md,
+# section "The talker prefill").
 TALKER_ASSISTANT_PREFILL = 9
 
 

@@ -1,16 +1,19 @@
 """The talker engine: codec LM plus code predictor, one frame per step, fed by streamed text.
 
 Mirrors the talker part of `Qwen3OmniMoeForConditionalGeneration.generate` under greedy
-decoding (NOTES-qwen3-omni.md, "What the talker needs"):
+decoding (docs/qwen3-omni.md):
 
 - Prefill = user part + 9 assistant positions, built from the thinker's prompt hidden states
-  and the first generated text token (row 0). It runs as soon as row 0 is there.
+  and the first generated text token (row 0). It runs as soon as row 0 is there (section
+  "The talker prefill").
 - Decode step f feeds the sum of frame f's 16 codec embeddings plus text row f + 1. When that
   row has not arrived and the text is not finished, the request waits (never a pad: padding
-  early diverges from the reference). After the text ends: tts_eos once, then tts_pad.
+  early diverges from the reference). After the text ends: tts_eos once, then tts_pad (section
+  "The wait-for-row rule").
 - One frame = layer-0 code from the talker head (repetition penalty over generated codes,
   special range suppressed except codec EOS) + 15 residual codes from the code predictor
-  (fresh cache: prefill [talker hidden, code embedding], then 14 single steps).
+  (fresh cache: prefill [talker hidden, code embedding], then 14 single steps) (section
+  "One frame").
 - max_new_tokens N yields at most N - 1 frames, as in `generate`: the N-th token's residual
   codes are never computed.
 """

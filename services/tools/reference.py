@@ -68,7 +68,8 @@ class ReferenceRunner:
         self.model.to(device).eval()
         self.device = device
         self.config = self.model.config
-        # transformers bug (NOTES): audio + image in one prompt fails in the talker without this.
+        # transformers bug: audio + image in one prompt fails in the talker without this
+        # (docs/qwen3-omni.md, section "transformers quirks").
         if not hasattr(self.config.talker_config, "audio_config"):
             self.config.talker_config.audio_config = self.config.thinker_config.audio_config
         self.eos_id = self.config.im_end_token_id

@@ -266,8 +266,8 @@ def init_weights(model, seed: int) -> None:
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
         # Random weights would end the speech after a few frames or never; make the codec EOS
-        # logit 0 so greedy decoding runs to talker max tokens like the notes describe, which
-        # gives tests long, deterministic audio.
+        # logit 0 so greedy decoding runs to talker max tokens, which gives tests long,
+        # deterministic audio (docs/qwen3-omni.md, section "Random weights").
         eos = model.config.talker_config.codec_eos_token_id
         model.talker.codec_head.weight[eos].zero_()
         # Scale the vocoder's last (linear) convolution so that audio has an rms of about 0.2

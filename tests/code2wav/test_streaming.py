@@ -1,15 +1,17 @@
 """StreamingDecoder: chunked push()+finish() equals one vocoder forward over all frames.
 
-Measured on the tiny checkpoint (seed 0), 60 random frames (generator seed 1234), left_context 25,
-float32 on CPU: chunk 1 -> 103.2 dB, chunk 4 -> 103.2 dB, chunk 25 -> 107.0 dB, mixed 4/25/25/6 ->
-103.1 dB. The residual is float rounding, not the algorithm: a 59-frame prefix forward vs the
-60-frame one is already ~128 dB, and RoPE angles are computed in float32 at window-relative
-positions, so even the model cast to float64 streams at ~114 dB. Other frame seeds: 102.6-107.3 dB.
+The criterion (tests/audio_checks.py): exact length, and SNR against the float64 forward close
+to the float32 forward's. Measured on the tiny checkpoint (seed 0), 60 random frames (generator
+seed 1234), left_context 25, float32 on CPU: the float32 forward is 103.2 dB from float64;
+streamed at chunk 1, 4 and 25: 103.1 dB, mixed 4/25/25/6: 102.4 dB. The residual is float
+rounding, not the algorithm (a missing or misplaced sample gives < 10 dB). This decoder rotates
+by window-relative RoPE positions, exact in exact arithmetic but rounded differently from one
+forward's absolute ones, so it gets 2 dB of margin instead of 1 (160 frames: 101.6-102.0 dB
+against 103.6 dB); the incremental decoder (test_incremental.py) keeps absolute positions and
+is held to 1 dB.
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import pytest
@@ -23,9 +25,11 @@ from services.code2wav.streaming import (
 )
 from services.runtime.checkpoint import Stage, load_stage
 from services.tools.tiny_checkpoint import build
+from tests.audio_checks import check_streamed_audio, snr_db
 
 N_FRAMES = 60
-EXACT_SNR_DB = 100.0
+# See the module docstring: window-relative rotary positions round differently.
+WINDOW_MARGIN_DB = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -50,12 +54,6 @@ def frames(model) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def reference(model, frames) -> np.ndarray:
     return decode_full(model, frames)
-
-
-def snr_db(ref: np.ndarray, x: np.ndarray) -> float:
-    ref = ref.astype(np.float64)
-    err = np.sum((ref - x.astype(np.float64)) ** 2)
-    return math.inf if err == 0 else 10 * math.log10(np.sum(ref**2) / err)
 
 
 def stream(model, geometry, frames, schedule: list[int], left_context: int = 25) -> np.ndarray:
@@ -89,26 +87,27 @@ def test_chunked_stream_equals_one_full_forward(model, geometry, frames, referen
     out = stream(model, geometry, frames, even_schedule(chunk))
     assert out.dtype == np.float32 and out.ndim == 1
     assert len(out) == len(reference) == N_FRAMES * geometry.samples_per_frame - geometry.lookahead_samples
-    assert snr_db(reference, out) > EXACT_SNR_DB
+    check_streamed_audio(model, frames, out, margin_db=WINDOW_MARGIN_DB)
 
 
 def test_mixed_chunk_schedule_equals_one_full_forward(model, geometry, frames, reference):
     schedule = [4, 25, 25, N_FRAMES - 54]
     out = stream(model, geometry, frames, schedule)
     assert len(out) == len(reference)
-    assert snr_db(reference, out) > EXACT_SNR_DB
+    check_streamed_audio(model, frames, out, margin_db=WINDOW_MARGIN_DB)
 
 
-def test_first_push_of_four_frames_already_returns_audio(model, geometry, frames, reference):
+def test_first_push_of_four_frames_already_returns_audio(model, geometry, frames):
     U, L = geometry.samples_per_frame, geometry.lookahead_samples
     decoder = StreamingDecoder(model, geometry)
     first = decoder.push(frames[:4])
     assert len(first) == 4 * U - L
-    assert snr_db(reference[: len(first)], first) > EXACT_SNR_DB
+    # The vocoder is causal: the first 4*U - L samples of the whole answer are those of frames[:4].
+    check_streamed_audio(model, frames[:4], first, margin_db=WINDOW_MARGIN_DB)
     # The next chunk first releases the L samples held back at the boundary, then its own.
     second = decoder.push(frames[4:8])
     assert len(second) == 4 * U
-    assert snr_db(reference[len(first) : len(first) + len(second)], second) > EXACT_SNR_DB
+    check_streamed_audio(model, frames[:8], second, start=len(first), margin_db=WINDOW_MARGIN_DB)
 
 
 def test_context_window_stays_bounded(model, geometry, frames):
