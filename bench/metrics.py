@@ -1,4 +1,4 @@
-"""The figures users compare, computed from client-side timelines (DESIGN.md, Measures).
+"""The figures users compare, computed from client-side timelines (docs/architecture.md, Measures).
 
 Pure functions on plain numbers: no torch, gRPC or clocks, so every definition is unit-tested on
 made-up timelines.

@@ -19,7 +19,7 @@ SCHEMA = "omni-bench/1"
 
 NOTES = (
     "TTFT: request sent -> first text delta; TTFP: request sent -> first audio chunk; RTF: (last audio chunk - "
-    "request sent) / seconds of audio; all at the client (DESIGN.md, Measures).",
+    "request sent) / seconds of audio; all at the client (docs/architecture.md, Measures).",
     "reference and reference-batched: transformers' generate streams nothing, so TTFT = TTFP = the time to the "
     "whole response, and their continuity is perfect by construction (one chunk).",
     "reference at concurrency N: N clients in front of one generate at a time (latency includes the wait); "

@@ -1,7 +1,7 @@
 """Shared fixtures: the tiny checkpoint, built once per session, and small input files.
 
-Fixtures that start processes (stage servers, the router) belong here too, so every test area
-shares one copy of them (STYLE.md point 11).
+Processes (stage servers, the router) are started through tests/stacks.py only, so every test
+area shares one way of doing it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`omni-client`: call `omni.v1.Omni/Generate`, show text as it streams, write the audio.
 
 The library part (`build_request`, `collect`) is what tests and the benchmark use: it records
-when each text delta and audio chunk arrived, from which TTFT, TTFP and RTF follow (DESIGN.md,
+when each text delta and audio chunk arrived, from which TTFT, TTFP and RTF follow (docs/architecture.md,
 Measures).
 """
 

@@ -1,4 +1,4 @@
-"""Metric definitions (DESIGN.md, Measures) on synthetic timelines, seconds from the send."""
+"""Metric definitions (docs/architecture.md, Measures) on synthetic timelines, seconds from the send."""
 
 from __future__ import annotations
 

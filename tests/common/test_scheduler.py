@@ -1,4 +1,4 @@
-"""LMScheduler on made-up model outputs: plain Python, no torch, milliseconds (STYLE.md point 2).
+"""LMScheduler on made-up model outputs: plain Python, no torch, milliseconds.
 
 Each test drives `schedule() -> plan`, pretends the model ran the plan, then `update(plan,
 finished)`, and checks who joined, who left, who waited and which slots are held.
