@@ -27,8 +27,9 @@ import torch
 
 from services.code2wav.incremental import IncrementalDecoder
 from services.code2wav.streaming import StreamingDecoder, measure_geometry
+from services.runtime.chunking import FrameChunker
 from services.runtime.full_size import REAL_LAYOUT, build_random_stage
-from services.talker.server import FrameChunker, TalkerConfig
+from services.talker.server import TalkerConfig
 from tests.audio_checks import check_streamed_audio, decode_float64, snr_db
 
 
@@ -49,8 +50,7 @@ def real_vocoder(num_hidden_layers: int):
 
 def talker_chunk_sizes(n: int) -> list[int]:
     """The chunk sizes the talker sends code2wav for n frames, with its default flags."""
-    defaults = {f.name: f.default for f in fields(TalkerConfig)}
-    chunker = FrameChunker(defaults["first_chunk_frames"], defaults["chunk_frames"], defaults["chunk_growth"])
+    chunker = FrameChunker(next(f.default for f in fields(TalkerConfig) if f.name == "chunks"))
     chunks = [chunker.add(torch.zeros(16, dtype=torch.long)) for _ in range(n)] + [chunker.flush()]
     return [len(c) for c in chunks if c is not None]
 
