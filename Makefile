@@ -71,7 +71,7 @@ $(VLLM_STAMP): requirements.txt requirements-vllm.txt pyproject.toml | $(STAMP)
 	$(VENV_VLLM)/bin/pip install -q -r requirements.txt
 	$(VENV_VLLM)/bin/pip install -q --no-deps -r requirements-vllm.txt
 	$(VENV_VLLM)/bin/pip install -q --no-deps -e .
-	$(VENV_VLLM)/bin/python -m services.thinker.vllm_backend install-cpu-shim
+	$(VENV_VLLM)/bin/python -m services.thinker.vllm_cpu_shim
 	touch $(VLLM_STAMP)
 
 test-vllm: setup-vllm

@@ -57,7 +57,7 @@ libraries need libc10_cuda.so / libnvrtc.so.13; vLLM then fails at import ("oper
 torchvision::nms does not exist", torchcodec: "Could not load this library"). The pins
 (requirements-vllm.txt) leave torchaudio and torchcodec out (vLLM runs without them) and
 keep torchvision, whose Python parts transformers' Qwen2-VL image processor imports; `python -m
-services.thinker.vllm_backend install-cpu-shim` makes that import work (see `CPU_SHIM`). The
+services.thinker.vllm_cpu_shim` makes that import work (see its `CPU_SHIM`). The
 tiny checkpoint's head_dim of 16 is below vLLM's CPU attention kernels' smallest (32: "Unsupported
 CPU attention configuration: head_dim=16"), so the tests build a head_dim-32 variant.
 
@@ -72,7 +72,6 @@ import io
 import json
 import math
 import sys
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -446,76 +445,11 @@ def build_llm_engine(cfg: VllmThinkerConfig):
                      multiprocess_mode=cfg.multiprocess)
 
 
-# NOTE: written into the vLLM virtualenv's site-packages by `install-cpu-shim`, with a .pth file
-# that imports it at interpreter start (vLLM's child processes included). Costs nothing until
-# torchvision is imported.
-CPU_SHIM = '''"""omni-serve: let PyPI's CUDA-built torchvision import beside the CPU torch wheel.
-
-Its _C extension needs libc10_cuda.so, so on torch+cpu it does not load, and then
-torchvision/_meta_registrations.py fails on register_fake("torchvision::nms") ("operator
-torchvision::nms does not exist"). Declaring the two schemas first (no kernels) lets the
-pure-Python parts import (transforms.v2, which transformers' Qwen2-VL image processor needs);
-torchvision.ops.nms then raises when called. Does nothing when _C loads (a matching build).
-"""
-import importlib.abc
-import importlib.util
-import os
-import sys
-
-
-class _TorchvisionShim(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name != "torchvision":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec("torchvision")
-        if spec is None or not spec.submodule_search_locations:
-            return None
-        import torch
-
-        folder = list(spec.submodule_search_locations)[0]
-        libs = [f for f in os.listdir(folder) if f.startswith("_C") and f.endswith(".so")]
-        try:
-            for lib in libs:
-                torch.ops.load_library(os.path.join(folder, lib))
-            return None  # the extension loads: nothing to do
-        except OSError:
-            pass
-        lib = torch.library.Library("torchvision", "FRAGMENT")
-        lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        _KEEP.append(lib)
-        return None
-
-
-_KEEP = []
-sys.meta_path.insert(0, _TorchvisionShim())
-'''
-CPU_SHIM_MODULE = "_omni_torchvision_shim"
-
-
-def install_cpu_shim(site_packages: Path) -> list[Path]:
-    """Write CPU_SHIM and its .pth into this interpreter's site-packages; returns the paths."""
-    module = site_packages / f"{CPU_SHIM_MODULE}.py"
-    pth = site_packages / f"{CPU_SHIM_MODULE}.pth"
-    module.write_text(CPU_SHIM)
-    pth.write_text(f"import {CPU_SHIM_MODULE}\n")
-    return [module, pth]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.thinker.vllm_backend", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("install-cpu-shim", help="make PyPI's torchvision import beside torch+cpu (see CPU_SHIM)")
     sub.add_parser("check", help="say whether vLLM imports here")
-    args = parser.parse_args(argv)
-    if args.command == "install-cpu-shim":
-        if torch.version.cuda is not None:
-            print("torch is a CUDA build: no shim needed")
-            return 0
-        for path in install_cpu_shim(Path(sysconfig.get_paths()["purelib"])):
-            print(f"wrote {path}")
-        return 0
+    parser.parse_args(argv)
     ok, detail = vllm_available()
     print(f"vllm {detail}" if ok else f"vllm not usable: {detail}")
     return 0 if ok else 1
