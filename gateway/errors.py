@@ -89,8 +89,9 @@ def from_rpc(err: grpc.RpcError, speech: bool = False) -> APIError:
 
 
 def from_validation(errors: list[dict]) -> APIError:
-    """A pydantic validation failure -> 400 naming the first bad field (`messages[0].content`)."""
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    """A pydantic validation failure -> 400 naming the bad field (`messages[0].content[1].type`): the
+    deepest one, since a union (`content`: a string or a list of parts) reports every member."""
+    first = max(errors, key=lambda e: len(e.get("loc", ()))) if errors else {"loc": (), "msg": "invalid request"}
     loc = [p for p in first.get("loc", ()) if p != "body"]
     param = ""
     for part in loc:
