@@ -63,6 +63,8 @@ class GatewayConfig:
     timeout_s: float = 600.0  # deadline of every router call
     tls: TLSConfig = TLSConfig()  # gateway -> router
     max_message_bytes: int = 64 << 20
+    end_token_id: int = 151645  # <|im_end|>: its text is not part of an OpenAI reply
+    end_token_text: str = "<|im_end|>"
 
     @property
     def default_voice(self) -> str | None:
@@ -71,13 +73,17 @@ class GatewayConfig:
         return "ethan" if "ethan" in self.voices else self.voices[0]
 
 
-def voices_from_checkpoint(folder: str | Path) -> tuple[str, ...]:
-    """The speakers in a Qwen3-Omni checkpoint's config.json (read as JSON: no transformers)."""
+def read_checkpoint_config(folder: str | Path) -> dict:
+    """A Qwen3-Omni checkpoint's config.json, read as JSON (no transformers, no weights)."""
     path = Path(folder) / "config.json"
     try:
-        config = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise UserError(f"--checkpoint {folder}: cannot read config.json: {exc}") from None
+
+
+def voices_from_config(config: dict) -> tuple[str, ...]:
+    """The speakers (talker_config.speaker_id), as services/runtime/prompt.py speaker_names reads them."""
     return tuple(str(name).lower() for name in (config.get("talker_config") or {}).get("speaker_id", {}))
 
 
@@ -173,6 +179,13 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
+def reply_text(delta: omni_pb2.TextDelta, config: GatewayConfig) -> str:
+    """A text delta's text without the end token's (the pipeline streams `<|im_end|>` as text)."""
+    if delta.token_ids and delta.token_ids[-1] == config.end_token_id:
+        return delta.text.removesuffix(config.end_token_text)
+    return delta.text
+
+
 class Gateway:
     def __init__(self, config: GatewayConfig):
         self.config = config
@@ -224,7 +237,7 @@ class Gateway:
             async for response in _until_disconnect(call, http):
                 kind = response.WhichOneof("event")
                 if kind == "text":
-                    text.append(response.text.text)
+                    text.append(reply_text(response.text, self.config))
                 elif kind == "audio":
                     chunks.append(audio_codec.float_from_bytes(response.audio.pcm))
         except grpc.RpcError as err:
@@ -263,11 +276,12 @@ class Gateway:
             yield chunk({"role": "assistant", "content": "" if not audio else None})
             async for response in call.responses():
                 kind = response.WhichOneof("event")
-                if kind == "text" and response.text.text:
+                text = reply_text(response.text, self.config) if kind == "text" else ""
+                if text:
                     if audio:
-                        yield chunk({"audio": {"id": audio_id, "transcript": response.text.text}})
+                        yield chunk({"audio": {"id": audio_id, "transcript": text}})
                     else:
-                        yield chunk({"content": response.text.text})
+                        yield chunk({"content": text})
                 elif kind == "audio":
                     pcm = audio_codec.pcm16_bytes(audio_codec.float_from_bytes(response.audio.pcm))
                     yield chunk({"audio": {"id": audio_id, "data": base64.b64encode(pcm).decode(),
@@ -493,15 +507,15 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> None:
         import uvicorn
 
-        voices: tuple[str, ...] = ()
+        checkpoint = read_checkpoint_config(args.checkpoint) if args.checkpoint else {}
+        voices = voices_from_config(checkpoint)
         if args.voices:
             voices = tuple(v.strip().lower() for v in args.voices.split(",") if v.strip())
-        elif args.checkpoint:
-            voices = voices_from_checkpoint(args.checkpoint)
         name = args.model_name or (Path(args.checkpoint).name if args.checkpoint else "qwen3-omni")
         config = GatewayConfig(router=args.router, host=args.host, port=args.port, model=name, voices=voices,
                                timeout_s=args.timeout_s, tls=tls_from_args(args),
-                               max_message_bytes=args.max_message_mb << 20)
+                               max_message_bytes=args.max_message_mb << 20,
+                               end_token_id=int(checkpoint.get("im_end_token_id", GatewayConfig.end_token_id)))
         logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(message)s")
         sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from omni.v1 import omni_pb2, stages_pb2, stages_pb2_grpc
+from omni.v1 import common_pb2, omni_pb2, stages_pb2, stages_pb2_grpc
 from services.runtime.detokenizer import IncrementalDetokenizer
 from services.runtime.errors import InvalidArgument, run_cli
 from services.runtime.prompt import (
@@ -134,7 +134,7 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         forced: tuple[int, ...] = ()
         if request.HasField("forced_text"):
             forced = self._forced_ids(request)
-            sampling = sampling_from_proto(omni_pb2.SamplingParams(), "thinker_sampling", len(forced), len(forced))
+            sampling = sampling_from_proto(common_pb2.SamplingParams(), "thinker_sampling", len(forced), len(forced))
         else:
             sampling = sampling_from_proto(request.thinker_sampling, "thinker_sampling",
                                            self.config.default_max_new_tokens, self.config.max_new_tokens_limit)

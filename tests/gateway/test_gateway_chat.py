@@ -25,6 +25,11 @@ def grpc_result(omni, prompt: str, max_tokens: int, speak: bool, voice: str | No
                    timeout=120)
 
 
+def reply(result) -> str:
+    """The gRPC text as an OpenAI reply holds it: without the end token's `<|im_end|>`."""
+    return result.text.removesuffix("<|im_end|>")
+
+
 def pcm16_to_float(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype="<i2").astype(np.float64) / 32768
 
@@ -41,7 +46,7 @@ def test_text_only_equals_grpc(client, omni):
     choice = response.choices[0]
     assert response.object == "chat.completion" and len(response.choices) == 1
     assert choice.message.role == "assistant"
-    assert choice.message.content == want.text
+    assert choice.message.content == reply(want)
     assert choice.message.audio is None
     assert choice.finish_reason == ("length" if want.final.text_finish_reason == 2 else "stop")
     assert response.usage.prompt_tokens == want.final.usage.prompt_tokens
@@ -60,7 +65,7 @@ def test_system_and_history_roles_map_onto_the_proto_roles(client, omni):
     request.thinker_sampling.max_new_tokens = 6
     want = collect(omni, request, timeout=120)
     got = client.chat.completions.create(model="m", messages=messages, max_completion_tokens=6)
-    assert got.choices[0].message.content == want.text
+    assert got.choices[0].message.content == reply(want)
     assert got.usage.prompt_tokens == want.final.usage.prompt_tokens
 
 
@@ -71,7 +76,7 @@ def test_text_and_audio_non_streaming_equals_grpc(client, omni):
         modalities=["text", "audio"], audio={"voice": "chelsie", "format": "wav"})
     message = response.choices[0].message
     assert message.audio is not None and message.audio.id and message.audio.expires_at > 0
-    assert message.audio.transcript == want.text
+    assert message.audio.transcript == reply(want)
     samples, rate = sf.read(io.BytesIO(base64.b64decode(message.audio.data)), dtype="int16")
     assert rate == 24000 and samples.ndim == 1
     assert_within_lsb(samples.astype(np.float64) / 32768, want.audio)
@@ -107,7 +112,7 @@ def test_streaming_text_and_audio_equal_grpc_and_interleave(async_client, omni):
                 order.append("audio")
             assert not delta.get("content")  # with audio out, the text is the transcript
             finish = choice.finish_reason or finish
-    assert transcript == want.text
+    assert transcript == reply(want)
     assert_within_lsb(pcm16_to_float(pcm), want.audio)
     assert order.count("audio") == len(want.audio_chunks) and order.count("text") >= 1
     assert finish in ("stop", "length")
@@ -123,7 +128,7 @@ def test_streaming_text_only_uses_delta_content(client, omni):
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == want.text
+    assert text == reply(want)
     assert all(c.usage is None for c in chunks)  # include_usage not asked
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
@@ -134,7 +139,7 @@ def test_input_audio_and_data_url_image_parts(client, omni, wav_bytes, png_bytes
                {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png_bytes).decode()}},
                {"type": "text", "text": "What is this?"}]
     got = client.chat.completions.create(model="m", messages=[{"role": "user", "content": content}], max_tokens=6)
-    assert got.choices[0].message.content == want.text
+    assert got.choices[0].message.content == reply(want)
     assert got.usage.prompt_tokens == want.final.usage.prompt_tokens
 
 
