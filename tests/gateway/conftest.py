@@ -10,7 +10,7 @@ admission limits, a dead router, a tiny deadline) start where a test module need
 from __future__ import annotations
 
 import pytest
-from gateway_procs import start_gateway
+from gateway_procs import Gateway
 
 from services.tools.client import connect
 from services.tools.launcher import Stack, StackOptions, free_port
@@ -27,6 +27,7 @@ def gw_stack(tiny_checkpoint):
         thinker_args=("--default-max-new-tokens", str(THINKER_TOKENS)),
         talker_args=("--default-max-new-tokens", str(TALKER_FRAMES)),
         router_args=("--metrics-port", str(metrics_port)),
+        http_port=0, gateway_args=("--model-name", "tiny-qwen3-omni"),  # the launcher starts the gateway too
     )
     with Stack(options) as stack:
         stack.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
@@ -34,11 +35,10 @@ def gw_stack(tiny_checkpoint):
 
 
 @pytest.fixture(scope="session")
-def gateway(gw_stack, tiny_checkpoint, tmp_path_factory):
-    running = start_gateway(gw_stack.target, tmp_path_factory.mktemp("gateway"), "--checkpoint", str(tiny_checkpoint),
-                            "--model-name", "tiny-qwen3-omni")
-    yield running
-    running.stop()
+def gateway(gw_stack):
+    """The gateway `Stack` started (as `omni-serve up` does): --checkpoint gives it the voices."""
+    process = gw_stack.processes["gateway"]
+    return Gateway(process.popen, process.port, None)
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from services.tools.launcher import Stack, free_port
 class Gateway:
     popen: subprocess.Popen
     port: int
-    log: Path
+    log: Path | None  # its output (None: the launcher reads it)
 
     @property
     def url(self) -> str:
