@@ -453,6 +453,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
                            "model", "model_not_found")
         return gateway.model_card()
 
+    @app.get("/live")
+    async def live():
+        """Liveness: the process answers (it does not follow the router, so a router outage does not
+        restart every gateway)."""
+        return {"status": "ok"}
+
     @app.get("/health")
     async def health():
         if await gateway.ready():
@@ -500,6 +506,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=env_default("timeout_s", 600.0),
                         help="deadline of every router call (default 600)")
     parser.add_argument("--max-message-mb", type=int, default=env_default("max_message_mb", 64))
+    parser.add_argument("--metrics-port", type=int, default=env_default("metrics_port", 0),
+                        help="also serve Prometheus metrics on this port (0 = only /metrics on --port)")
+    parser.add_argument("--grace-s", type=float, default=env_default("grace_s", 30.0),
+                        help="on SIGTERM: stop accepting, give open streams this long (default 30)")
     parser.add_argument("--port-file", help="write the bound port here once listening")
     add_tls_flags(parser)
     args = parser.parse_args(argv)
@@ -524,8 +534,13 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as exc:
             raise UserError(f"cannot listen on {config.host}:{config.port}: {exc}") from None
         port = sock.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(create_app(config), log_level="warning", access_log=False,
-                                               timeout_graceful_shutdown=5))
+        app = create_app(config)
+        if args.metrics_port:
+            from prometheus_client import start_http_server
+
+            start_http_server(args.metrics_port, addr=config.host, registry=app.state.gateway.metrics.registry)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                               timeout_graceful_shutdown=args.grace_s))
         log.info("omni-gateway on %s:%d -> router %s (model %s, voices %s)", config.host, port, config.router,
                  config.model, ",".join(voices) or "?")
         if args.port_file:
