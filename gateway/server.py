@@ -491,6 +491,18 @@ def add_tls_flags(parser: argparse.ArgumentParser) -> None:
                         help="name to check in the router's certificate")
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The bound listening socket uvicorn serves on (port 0: any free one).
+
+    proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say they are TCP, and
+    accepted sockets inherit this one's proto. Without it every SSE event after the headers waits
+    for the client's delayed ACK (about 40 ms on Linux) once a kept-alive connection is reused."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="omni-gateway", description=__doc__.splitlines()[0])
     parser.add_argument("--router", default=env_default("router", "localhost:50051"), help="router host:port")
@@ -527,10 +539,8 @@ def main(argv: list[str] | None = None) -> int:
                                max_message_bytes=args.max_message_mb << 20,
                                end_token_id=int(checkpoint.get("im_end_token_id", GatewayConfig.end_token_id)))
         logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(message)s")
-        sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((config.host, config.port))
+            sock = listen_socket(config.host, config.port)
         except OSError as exc:
             raise UserError(f"cannot listen on {config.host}:{config.port}: {exc}") from None
         port = sock.getsockname()[1]
@@ -539,7 +549,8 @@ def main(argv: list[str] | None = None) -> int:
             from prometheus_client import start_http_server
 
             start_http_server(args.metrics_port, addr=config.host, registry=app.state.gateway.metrics.registry)
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+        # Keep-alive longer than the usual 60 s idle timeout of load balancers, so they close first.
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=75,
                                                timeout_graceful_shutdown=args.grace_s))
         log.info("omni-gateway on %s:%d -> router %s (model %s, voices %s)", config.host, port, config.router,
                  config.model, ",".join(voices) or "?")

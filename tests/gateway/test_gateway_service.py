@@ -105,3 +105,29 @@ def test_reply_text_drops_the_end_tokens_text():
     end = omni_pb2.TextDelta(text="!<|im_end|>", token_ids=[config.end_token_id])
     assert reply_text(end, config) == "!"
     assert reply_text(omni_pb2.TextDelta(text="<|im_end|>", token_ids=[5]), config) == "<|im_end|>"
+
+
+def test_accepted_connections_get_tcp_nodelay():
+    """Streamed events are small writes: without TCP_NODELAY each waits for the client's delayed
+    ACK (measured: +40 ms to the first delta on a kept-alive connection before the fix)."""
+    import asyncio
+    import socket
+
+    from gateway.server import listen_socket
+
+    async def run() -> int:
+        seen = asyncio.get_running_loop().create_future()
+
+        async def handle(reader, writer):
+            seen.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        sock = listen_socket("127.0.0.1", 0)
+        server = await asyncio.start_server(handle, sock=sock)
+        _, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+        value = await seen
+        writer.close()
+        server.close()
+        return value
+
+    assert asyncio.run(run()) != 0
