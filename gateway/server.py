@@ -63,6 +63,7 @@ class GatewayConfig:
     timeout_s: float = 600.0  # deadline of every router call
     tls: TLSConfig = TLSConfig()  # gateway -> router
     max_message_bytes: int = 64 << 20
+    max_body_bytes: int = 96 << 20  # HTTP request bodies (base64 makes a 64 MB message about 86 MB)
     end_token_id: int = 151645  # <|im_end|>: its text is not part of an OpenAI reply
     end_token_text: str = "<|im_end|>"
 
@@ -400,6 +401,58 @@ async def _until_disconnect(call: Call, http: Request):
         watcher.cancel()
 
 
+class CountAndLimit:
+    """Plain ASGI middleware (streamed responses pass straight through): counts responses per endpoint and
+    status, and refuses request bodies over the limit with 413 before they are read whole."""
+
+    ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/audio/speech": "speech"}
+
+    def __init__(self, app, metrics: Metrics, max_body_bytes: int):
+        self.app = app
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        endpoint = self.ENDPOINTS.get(scope["path"])
+        too_large = APIError(413, f"request body over {self.max_body_bytes >> 20} MB", "invalid_request_error",
+                             None, "request_too_large")
+        length = dict(scope.get("headers", ())).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            if endpoint is not None:
+                self.metrics.requests.labels(endpoint, "413").inc()
+            return await too_large.response()(scope, receive, send)
+        if length is None and scope.get("method") == "POST":
+            # A chunked body: read it here (FastAPI reads it whole anyway), up to the limit, then
+            # hand it on as one message.
+            chunks, size, more = [], 0, True
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return  # the client went away
+                chunks.append(message.get("body", b""))
+                size += len(chunks[-1])
+                more = message.get("more_body", False)
+                if size > self.max_body_bytes:
+                    if endpoint is not None:
+                        self.metrics.requests.labels(endpoint, "413").inc()
+                    return await too_large.response()(scope, receive, send)
+            replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+            async def replaying_receive():
+                return replay.pop() if replay else await receive()
+        else:
+            replaying_receive = receive
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start" and endpoint is not None:
+                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, replaying_receive, counting_send)
+
+
 def create_app(config: GatewayConfig) -> FastAPI:
     gateway = Gateway(config)
 
@@ -413,13 +466,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.state.gateway = gateway
     metrics = gateway.metrics
 
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        response = await call_next(request)
-        endpoint = {"/v1/chat/completions": "chat", "/v1/audio/speech": "speech"}.get(request.url.path)
-        if endpoint is not None:
-            metrics.requests.labels(endpoint, str(response.status_code)).inc()
-        return response
+    app.add_middleware(CountAndLimit, metrics=metrics, max_body_bytes=config.max_body_bytes)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -517,7 +564,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated voices (default: the checkpoint's speakers; none = the router checks)")
     parser.add_argument("--timeout-s", type=float, default=env_default("timeout_s", 600.0),
                         help="deadline of every router call (default 600)")
-    parser.add_argument("--max-message-mb", type=int, default=env_default("max_message_mb", 64))
+    parser.add_argument("--max-message-mb", type=int, default=env_default("max_message_mb", 64),
+                        help="largest gRPC message to or from the router (default 64)")
+    parser.add_argument("--max-body-mb", type=int, default=env_default("max_body_mb", 96),
+                        help="largest HTTP request body; over it: 413 (default 96)")
     parser.add_argument("--metrics-port", type=int, default=env_default("metrics_port", 0),
                         help="also serve Prometheus metrics on this port (0 = only /metrics on --port)")
     parser.add_argument("--grace-s", type=float, default=env_default("grace_s", 30.0),
@@ -537,6 +587,7 @@ def main(argv: list[str] | None = None) -> int:
         config = GatewayConfig(router=args.router, host=args.host, port=args.port, model=name, voices=voices,
                                timeout_s=args.timeout_s, tls=tls_from_args(args),
                                max_message_bytes=args.max_message_mb << 20,
+                               max_body_bytes=args.max_body_mb << 20,
                                end_token_id=int(checkpoint.get("im_end_token_id", GatewayConfig.end_token_id)))
         logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(message)s")
         try:

@@ -65,6 +65,15 @@ def deadline_gateway(gw_stack, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def short_gateway(gw_stack, tmp_path_factory):
+    """A 1 s router deadline (long answers fail mid-stream) and a 1 MB body limit."""
+    running = start_gateway(gw_stack.target, tmp_path_factory.mktemp("gw-short"), "--timeout-s", "1",
+                            "--max-body-mb", "1")
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
 def dead_gateway(tmp_path_factory):
     running = start_gateway(f"127.0.0.1:{free_port()}", tmp_path_factory.mktemp("gw-dead"))
     yield running
@@ -182,6 +191,33 @@ def test_504_when_the_deadline_passes(deadline_gateway):
     with pytest.raises(openai.APIStatusError) as caught:
         sdk(deadline_gateway).chat.completions.create(model="m", messages=USER, max_tokens=2)
     assert caught.value.status_code == 504 and error_of(caught.value)["type"] == "timeout_error"
+
+
+def test_a_failure_mid_stream_is_an_sse_error_event(short_gateway):
+    # "Write an essay." runs 3000 tokens (about 7 s here): the 1 s deadline passes mid-stream.
+    stream = sdk(short_gateway).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Write an essay."}], max_tokens=3000, stream=True)
+    received = 0
+    with pytest.raises(openai.APIError) as caught:
+        for chunk in stream:
+            received += 1
+    assert received > 1  # the 200 and some deltas came first
+    assert "deadline" in str(caught.value).lower() or "DEADLINE" in str(caught.value)
+
+
+def test_413_over_the_body_limit_declared_or_chunked(short_gateway):
+    import http.client
+
+    big = "x" * (2 << 20)
+    with pytest.raises(openai.APIStatusError) as caught:
+        sdk(short_gateway).chat.completions.create(model="m", messages=[{"role": "user", "content": big}])
+    assert caught.value.status_code == 413 and error_of(caught.value)["code"] == "request_too_large"
+    connection = http.client.HTTPConnection("127.0.0.1", short_gateway.port, timeout=30)
+    body = iter([b'{"model": "m", "messages": [{"role": "user", "content": "', big.encode(), b'"}]}'])
+    connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})  # chunked
+    response = connection.getresponse()
+    assert response.status == 413
+    connection.close()
 
 
 def test_unknown_route_is_openai_shaped(gateway):
