@@ -152,3 +152,19 @@ def test_mp3_input_audio_is_decoded(client):
                {"type": "text", "text": "Hear it?"}]
     got = client.chat.completions.create(model="m", messages=[{"role": "user", "content": content}], max_tokens=4)
     assert got.usage.prompt_tokens > 20  # the audio's tokens are in the prompt
+
+
+def test_streamed_audio_and_transcript_interleave_on_a_long_answer(client):
+    # ~600 thinker steps take a second or more; the first audio needs the talker prefill, 4 frames
+    # and one code2wav chunk (about 0.1 s here), so audio deltas come between transcript deltas.
+    stream = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Write an essay."}], max_tokens=600,
+        modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"}, stream=True)
+    kinds = []
+    for chunk in stream:
+        for choice in chunk.choices:
+            audio = choice.model_dump()["delta"].get("audio") or {}
+            kinds += ["text"] * bool(audio.get("transcript")) + ["audio"] * bool(audio.get("data"))
+    assert "audio" in kinds
+    last_text = len(kinds) - 1 - kinds[::-1].index("text")
+    assert kinds.index("audio") < last_text
