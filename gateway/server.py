@@ -30,7 +30,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import audio as audio_codec
@@ -46,7 +53,11 @@ from gateway.schemas import (
 from omni.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 from services.runtime.errors import UserError, run_cli
 from services.serving.grpc_server import channel_options
-from services.serving.security import TLSConfig, secure_or_insecure_channel, tls_from_args
+from services.serving.security import (
+    TLSConfig,
+    secure_or_insecure_channel,
+    tls_from_args,
+)
 
 log = logging.getLogger("gateway")
 OMNI_SERVICE = "omni.v1.Omni"
@@ -108,7 +119,7 @@ class Call:
     """One router Generate call: started, its first response awaited (so that a failure before any
     output is an HTTP status, not a broken stream), then iterated; `cancel()` frees the pipeline."""
 
-    def __init__(self, gateway: "Gateway", request: omni_pb2.GenerateRequest, http: Request, endpoint: str):
+    def __init__(self, gateway: Gateway, request: omni_pb2.GenerateRequest, http: Request, endpoint: str):
         self.gateway = gateway
         self.endpoint = endpoint
         self.received = time.perf_counter()

@@ -14,11 +14,10 @@ import urllib.request
 import grpc
 import openai
 import pytest
+from gateway_procs import start_gateway, start_router
 
 from services.tools.client import build_request, connect
 from services.tools.launcher import free_port, health_status
-
-from gateway_procs import start_gateway, start_router
 
 TOKEN = "s3cret-token"
 

@@ -45,7 +45,8 @@ def test_metrics_count_requests(gateway, client):
 
 
 def test_the_gateway_process_holds_no_model_code(gateway):
-    maps = open(f"/proc/{gateway.popen.pid}/maps").read()
+    with open(f"/proc/{gateway.popen.pid}/maps") as f:
+        maps = f.read()
     assert "libtorch" not in maps
     probe = ("import sys, gateway.server; bad = [m for m in sys.modules if m.split('.')[0] in "
              "('torch', 'transformers') or m.startswith(('services.thinker', 'services.talker', "

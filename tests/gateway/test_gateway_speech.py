@@ -101,7 +101,7 @@ def test_speech_every_format_decodes_back(client, grpc_speech, fmt):
         assert np.max(np.abs(samples - want)) <= LSB
     else:  # lossy: same length as libsndfile decodes it, same loudness roughly
         assert abs(samples.size - want.size) <= 2 * 1152, (samples.size, want.size)
-        rms = lambda x: float(np.sqrt(np.mean(np.square(x))))  # noqa: E731
+        rms = lambda x: float(np.sqrt(np.mean(np.square(x))))
         assert 0.5 < rms(samples) / rms(want) < 2.0
 
 

@@ -64,7 +64,7 @@ def test_gateway_deployment_service_and_budget(rendered, kustomization):
 
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
 def test_gateway_probes_are_http_readiness_follows_the_router_liveness_does_not(rendered, kustomization):
-    container, parsed = parsed_gateway(rendered[kustomization])
+    container, _ = parsed_gateway(rendered[kustomization])
     assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     for probe in ("startupProbe", "livenessProbe"):
         assert container[probe]["httpGet"] == {"path": "/live", "port": "http"}, probe
