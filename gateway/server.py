@@ -169,6 +169,21 @@ class Call:
             self.gateway.metrics.in_flight.dec()
 
 
+class CallStream(StreamingResponse):
+    """A streamed response tied to its router call: however the response ends (done, the client
+    gone before or during the body, an error), the call is cancelled, which frees every stage."""
+
+    def __init__(self, call: Call, content, **kwargs):
+        super().__init__(content, **kwargs)
+        self.router_call = call
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.router_call.cancel()
+
+
 def _finish_reason(final: omni_pb2.Final | None, audio: bool) -> str:
     if final is None:
         return "stop"
@@ -242,7 +257,7 @@ class Gateway:
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._chat_stream(call, completion_id, audio, include_usage),
+            return CallStream(call, self._chat_stream(call, completion_id, audio, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         text, chunks = [], []
         try:
@@ -325,10 +340,10 @@ class Gateway:
         call = Call(self, speech_to_proto(body), http, "speech")
         await call.start()
         if body.stream_format == "sse":
-            return StreamingResponse(self._speech_sse(call, fmt), media_type="text/event-stream",
+            return CallStream(call, self._speech_sse(call, fmt), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         if fmt == "pcm":
-            return StreamingResponse(self._speech_pcm(call), media_type=audio_codec.MIME[fmt])
+            return CallStream(call, self._speech_pcm(call), media_type=audio_codec.MIME[fmt])
         chunks = []
         try:
             async for response in _until_disconnect(call, http):
