@@ -44,6 +44,7 @@ COPY protos ./protos
 COPY services ./services
 COPY router ./router
 COPY bench ./bench
+COPY gateway ./gateway
 # The protobuf code (omni/v1, not in git): the Makefile's `proto` target, run here.
 RUN python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/omni/v1/*.proto \
     && touch omni/__init__.py omni/v1/__init__.py

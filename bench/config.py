@@ -41,6 +41,11 @@ class BenchConfig:
     first_chunk_frames: int  # the talker's first chunk (its --first-chunk-frames)
     prebuffer_ms: float  # the simulated player's start-up buffer
     timeout_s: float
+    gateway_url: str | None = None  # with --target: that stack's HTTP gateway (for the gateway system)
+
+    @property
+    def gateway(self) -> bool:
+        return System.GATEWAY in self.systems
 
     def requests_at(self, concurrency: int) -> int:
         return max(self.requests, concurrency)
@@ -94,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prebuffer-ms", type=float, default=0.0,
                    help="simulated player's buffer before it starts playing (default %(default)s)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request deadline in seconds")
+    p.add_argument("--gateway", action="store_true",
+                   help="also run the pipeline's requests through the OpenAI-compatible HTTP gateway (system "
+                        "`gateway`) and report what the gateway adds to TTFT/TTFP and costs in throughput")
+    p.add_argument("--gateway-url", help="with --target: that stack's gateway, http://host:port")
     return p
 
 
@@ -107,12 +116,14 @@ def _levels(text: str) -> tuple[int, ...]:
     return tuple(sorted(set(levels)))
 
 
-def _systems(skip: str) -> tuple[System, ...]:
+def _systems(skip: str, gateway: bool = False) -> tuple[System, ...]:
     names = {s.value: s for s in System}
     skipped = {x.strip() for x in skip.split(",") if x.strip()}
     unknown = skipped - set(names)
     if unknown:
         raise UserError(f"--skip: unknown systems {sorted(unknown)}; known: {', '.join(names)}")
+    if not gateway:
+        skipped.add(System.GATEWAY.value)  # opt-in
     systems = tuple(s for s in System if s.value not in skipped)
     if not systems:
         raise UserError("--skip: nothing left to run")
@@ -130,7 +141,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         checkpoint=str(args.checkpoint), out=args.out, prompts_file=args.prompts, concurrency=_levels(args.concurrency),
         requests=args.requests, rounds=args.rounds, max_new_tokens=args.max_new_tokens,
         talker_max_new_tokens=args.talker_max_new_tokens, voice=args.voice, target=args.target,
-        device=args.device, dtype=args.dtype, threads=resolved_threads(args.threads), systems=_systems(args.skip),
+        device=args.device, dtype=args.dtype, threads=resolved_threads(args.threads),
+        systems=_systems(args.skip, args.gateway),
         floor_repeats=args.floor_repeats, first_chunk_frames=args.first_chunk_frames,
-        prebuffer_ms=args.prebuffer_ms, timeout_s=args.timeout,
+        prebuffer_ms=args.prebuffer_ms, timeout_s=args.timeout, gateway_url=args.gateway_url,
     )

@@ -31,6 +31,7 @@ from bench.report import (
     BlockLog,
     ResultRow,
     Skipped,
+    gateway_cost_for,
     ratios_for,
     render_table,
     write_json,
@@ -38,6 +39,7 @@ from bench.report import (
 from bench.systems import (
     BatchedReferenceSystem,
     BlockResult,
+    GatewaySystem,
     Outcome,
     PipelineSystem,
     ReferenceSystem,
@@ -134,15 +136,31 @@ class Bench:
             if system is System.PIPELINE_UNBATCHED and cfg.target is not None:
                 self.skipped.append(Skipped(system, None, "--target given: no second stack started here"))
                 continue
+            gateway_url = cfg.gateway_url if system is System.PIPELINE else None
             if target is None:
+                # The gateway rides on the pipeline's stack; its requests cannot name the talker's
+                # length, so that stack's talker default is the benchmark's (gRPC requests set it anyway).
+                gateway = cfg.gateway and system is System.PIPELINE
+                talker_default = ("--default-max-new-tokens", str(cfg.talker_max_new_tokens)) if gateway else ()
                 stack = Stack(StackOptions(
                     checkpoint=cfg.checkpoint, port=0, threads=cfg.threads, thinker_args=cfg.stage_args() + batch,
-                    talker_args=cfg.talker_args() + batch, code2wav_args=cfg.stage_args(), log_prefix=False))
+                    talker_args=cfg.talker_args() + batch + talker_default, code2wav_args=cfg.stage_args(),
+                    log_prefix=False, http_port=0 if gateway else None))
                 self._step(f"start stack ({system.value})", lambda stack=stack: cleanup.enter_context(stack))
                 target = stack.target
+                gateway_url = stack.http_url
             pipeline = PipelineSystem(target, cfg.voice, cfg.max_new_tokens, cfg.talker_max_new_tokens, cfg.timeout_s)
             cleanup.callback(pipeline.close)
             self.systems[system] = pipeline
+            if system is System.PIPELINE and cfg.gateway:
+                if gateway_url is None:
+                    self.skipped.append(Skipped(System.GATEWAY, None, "--target given without --gateway-url"))
+                else:
+                    gateway_system = GatewaySystem(gateway_url, cfg.voice, cfg.max_new_tokens, cfg.timeout_s)
+                    cleanup.callback(gateway_system.close)
+                    self.systems[System.GATEWAY] = gateway_system
+        if cfg.gateway and System.PIPELINE not in cfg.systems:
+            self.skipped.append(Skipped(System.GATEWAY, None, "runs on the pipeline's stack: do not skip pipeline"))
 
     def warm_up(self) -> None:
         """One request per system and one floor pass, not counted: first-call costs (allocator,
@@ -151,9 +169,9 @@ class Bench:
 
     def _warm_up(self) -> None:
         first, cfg = self.prompts[0], self.config
-        for system in (System.PIPELINE, System.PIPELINE_UNBATCHED):
+        for system in (System.PIPELINE, System.PIPELINE_UNBATCHED, System.GATEWAY):
             if system in self.systems:
-                pipeline: PipelineSystem = self.systems[system]
+                pipeline: PipelineSystem | GatewaySystem = self.systems[system]
                 outcome: Outcome = pipeline.call(pipeline.request(first))
                 if outcome.timing is None:
                     raise UserError(f"{system.value} warm-up request failed: {outcome.error}")
@@ -212,7 +230,8 @@ class Bench:
             created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             machine=self.machine, config=cfg, checkpoint_name=Path(cfg.checkpoint).resolve().name,
             prompts=[f"{p.label} ({p.modalities})" for p in self.prompts], notes=NOTES, floor=floor,
-            results=results, ratios=ratios_for(results), skipped=self.skipped, requests=self.records,
+            results=results, ratios=ratios_for(results), gateway_cost=gateway_cost_for(results),
+            skipped=self.skipped, requests=self.records,
             blocks=self.block_log, setup_s=self.setup_s, wall_s=time.perf_counter() - self.started,
         )
 

@@ -88,6 +88,7 @@ class BenchReport:
     floor: FloorSummary | None
     results: list[ResultRow]
     ratios: list[RatioRow]
+    gateway_cost: list[GatewayCostRow]
     skipped: list[Skipped]
     requests: list[RequestRecord]
     blocks: list[BlockLog]  # in run order
@@ -98,10 +99,36 @@ class BenchReport:
         return next((r for r in self.results if r.system is system and r.concurrency == concurrency), None)
 
 
+@dataclass(frozen=True)
+class GatewayCostRow:
+    """What the HTTP gateway adds to the gRPC path, same stack, same requests, same run."""
+
+    concurrency: int
+    added_ttft_ms: float | None  # gateway p50 - pipeline p50
+    added_ttfp_ms: float | None
+    req_per_s: float | None  # gateway / pipeline
+    audio_s_per_s: float | None
+
+
+def gateway_cost_for(results: list[ResultRow]) -> list[GatewayCostRow]:
+    out = []
+    for gate in (r for r in results if r.system is System.GATEWAY):
+        pipe = next((r for r in results if r.system is System.PIPELINE and r.concurrency == gate.concurrency), None)
+        if pipe is None:
+            continue
+        g, p = gate.summary, pipe.summary
+        diff = lambda a, b: None if a is None or b is None else a - b  # noqa: E731
+        out.append(GatewayCostRow(gate.concurrency, diff(g.ttft_ms.p50, p.ttft_ms.p50),
+                                  diff(g.ttfp_ms.p50, p.ttfp_ms.p50), ratio(g.req_per_s, p.req_per_s),
+                                  ratio(g.audio_s_per_s, p.audio_s_per_s)))
+    return out
+
+
 def ratios_for(results: list[ResultRow]) -> list[RatioRow]:
     out = []
     for pipe in (r for r in results if r.system is System.PIPELINE):
-        for base in (r for r in results if r.system is not System.PIPELINE and r.concurrency == pipe.concurrency):
+        for base in (r for r in results if r.system not in (System.PIPELINE, System.GATEWAY)
+                     and r.concurrency == pipe.concurrency):
             # pipeline-unbatched is a baseline too: the batching gain of the same stack
             p, b = pipe.summary, base.summary
             out.append(RatioRow(
@@ -225,6 +252,11 @@ def render_table(report: BenchReport) -> str:
         lines += _grid(header, [(r.baseline.value, str(r.concurrency), _num(r.ttft_p50, 2), _num(r.ttfp_p50, 2),
                                  _num(r.rtf_p50, 2), _num(r.req_per_s, 2), _num(r.audio_s_per_s, 2))
                                 for r in report.ratios])
+    if report.gateway_cost:
+        lines.append("")
+        header = ("gateway vs pipeline", "conc", "+TTFT ms p50", "+TTFP ms p50", "req/s", "audio s/s")
+        lines += _grid(header, [("gateway", str(r.concurrency), _num(r.added_ttft_ms, 1), _num(r.added_ttfp_ms, 1),
+                                 _num(r.req_per_s, 2), _num(r.audio_s_per_s, 2)) for r in report.gateway_cost])
     for skip in report.skipped:
         where = "all levels" if skip.concurrency is None else f"concurrency {skip.concurrency}"
         lines.append(f"  skipped {skip.system.value} at {where}: {skip.reason}")

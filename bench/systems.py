@@ -7,6 +7,9 @@
   request's latency includes its wait for the requests ahead of it.
 - `reference-batched`: `generate` over batches of N requests sent together; every request of a
   batch gets its text and audio when the batch ends.
+- `gateway` (opt-in, `--gateway`): the same requests as `pipeline`, to the same stack, through the
+  OpenAI-compatible HTTP gateway (`POST /v1/chat/completions`, streamed SSE with pcm16 audio), N
+  client threads with a keep-alive connection each: the gateway's added latency and cost.
 
 Nothing is streamed by `generate`, so for both reference systems TTFT = TTFP = the time to the
 whole response.
@@ -34,6 +37,7 @@ class System(enum.Enum):
     REFERENCE_BATCHED = "reference-batched"
     PIPELINE = "pipeline"
     PIPELINE_UNBATCHED = "pipeline-unbatched"  # the same stack, thinker and talker at --max-batch-size 1
+    GATEWAY = "gateway"  # the pipeline's stack through the HTTP gateway (opt-in: --gateway)
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,124 @@ class PipelineSystem:
 
     def close(self) -> None:
         self.channel.close()
+
+
+class GatewaySystem:
+    """The pipeline's requests through the HTTP gateway: one streamed chat completion each (stdlib
+    http.client, so the client's own cost stays small). The talker's length is the stack's
+    `--default-max-new-tokens` (the OpenAI API has no field for it): the harness starts the stack
+    with the benchmark's talker limit, so both paths make the same audio."""
+
+    def __init__(self, url: str, voice: str | None, max_new_tokens: int, timeout_s: float):
+        import threading
+        import urllib.parse
+
+        parsed = urllib.parse.urlsplit(url)
+        self.host, self.port = parsed.hostname, parsed.port or 80
+        self.voice = voice or "ethan"
+        self.max_new_tokens = max_new_tokens
+        self.timeout_s = timeout_s
+        self.local = threading.local()  # one keep-alive connection per client thread
+        self.connections = []
+
+    def request(self, prompt: BenchPrompt) -> bytes:
+        import base64
+        import json
+
+        content = []
+        if prompt.audio is not None:
+            content.append({"type": "input_audio",
+                            "input_audio": {"data": base64.b64encode(prompt.audio).decode(), "format": "wav"}})
+        if prompt.image is not None:
+            content.append({"type": "image_url",
+                            "image_url": {"url": "data:image/png;base64," + base64.b64encode(prompt.image).decode()}})
+        content.append({"type": "text", "text": prompt.text})
+        messages = ([{"role": "system", "content": prompt.system}] if prompt.system else []) + [
+            {"role": "user", "content": content}]
+        return json.dumps({"model": "omni", "messages": messages, "max_tokens": self.max_new_tokens,
+                           "modalities": ["text", "audio"], "audio": {"voice": self.voice, "format": "pcm16"},
+                           "stream": True, "stream_options": {"include_usage": True}}).encode()
+
+    def _connection(self, fresh: bool = False):
+        import http.client
+        import socket
+
+        connection = getattr(self.local, "connection", None)
+        if connection is not None and fresh:
+            connection.close()
+            connection = None
+        if connection is None:
+            connection = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+            connection.connect()
+            # http.client sends the headers and the body in two writes: without this, Nagle's
+            # algorithm holds the body until the server's delayed ACK (~40 ms on Linux).
+            connection.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.local.connection = connection
+            self.connections.append(connection)
+        return connection
+
+    def _send(self, body: bytes, sent_box: list):
+        """POST on this thread's keep-alive connection; once more on a fresh one if the server had
+        closed the idle one (nothing was processed then)."""
+        import http.client
+
+        for attempt in (0, 1):
+            connection = self._connection(fresh=attempt == 1)
+            sent_box[0] = time.perf_counter()
+            try:
+                connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+                return connection.getresponse()
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+                if attempt == 1:
+                    raise
+
+    def call(self, body: bytes) -> Outcome:
+        import base64
+        import json
+
+        text_times, audio_times, durations, text_tokens = [], [], [], 0
+        sent_box = [time.perf_counter()]
+        try:
+            response = self._send(body, sent_box)
+            sent = sent_box[0]
+            if response.status != 200:
+                return Outcome(None, error=f"HTTP {response.status}: {response.read()[:300]!r}")
+            for line in response:
+                if not line.startswith(b"data: "):
+                    continue
+                data = line[6:].strip()
+                if data == b"[DONE]":
+                    break
+                event = json.loads(data)
+                now = time.perf_counter() - sent
+                if "error" in event:
+                    response.read()
+                    return Outcome(None, error=f"stream error: {event['error'].get('message')}")
+                if event.get("usage"):
+                    text_tokens = event["usage"]["completion_tokens_details"]["text_tokens"]
+                for choice in event.get("choices", ()):
+                    audio = choice.get("delta", {}).get("audio") or {}
+                    if audio.get("transcript"):
+                        text_times.append(now)
+                    if audio.get("data"):
+                        audio_times.append(now)
+                        durations.append(len(base64.b64decode(audio["data"])) / 2 / 24000)
+            response.read()  # the rest (nothing after [DONE]): the connection is reusable
+        except (OSError, ValueError) as exc:
+            if getattr(self.local, "connection", None) is not None:
+                self.local.connection.close()
+                self.local.connection = None
+            return Outcome(None, error=f"{type(exc).__name__}: {exc}")
+        timing = RequestTiming(text_times=tuple(text_times), audio_times=tuple(audio_times),
+                               audio_durations=tuple(durations), done=time.perf_counter() - sent)
+        return Outcome(timing, text_tokens=text_tokens)
+
+    def run(self, prompts: list[BenchPrompt], concurrency: int, on_done=lambda _: None) -> BlockResult:
+        return run_closed_loop([self.request(p) for p in prompts], concurrency, self.call, on_done)
+
+    def close(self) -> None:
+        for connection in self.connections:
+            connection.close()
 
 
 class ReferenceSystem:

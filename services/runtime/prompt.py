@@ -220,6 +220,11 @@ class PromptBuilder:
             out += token * count + piece
         return out
 
+    def encode_text(self, text: str) -> list[int]:
+        """Plain text -> token ids, no special tokens added (a reply's content)."""
+        with self._tokenizer_lock:
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
     def decode(self, ids: list[int]) -> str:
         with self._tokenizer_lock:
             return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)

@@ -9,7 +9,8 @@ model's own `_prepare_position_ids_for_generation` and advanced by one per step,
 does, and passed explicitly (no per-module `rope_deltas` state, so requests can interleave).
 
 Events per request: `Prefilled` (what the talker needs from the prompt), then `Token` per
-generated token, then `Finished`.
+generated token, then `Finished`. A job with `forced_ids` takes those ids in place of sampling
+(its `max_new_tokens` is their count): text-to-speech of a given text.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ class ThinkerJob:
     prompt: PromptInputs
     sampling: SamplingConfig
     want_talker_inputs: bool  # compute the prefill hidden states the talker needs
+    # Forced output (text-to-speech): these ids, the end token last, are the "generated" tokens.
+    # Each is fed through the model exactly as a sampled one would be (same cache, positions and
+    # embeddings), so everything downstream sees what `generate` gives had it produced these ids.
+    forced_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -184,7 +189,8 @@ class ThinkerEngine(SlotScheduledEngine):
     def _sample(self, request_id: str, request: _Request, logits: torch.Tensor) -> list[tuple[str, object]]:
         cfg = request.job.sampling
         history = request.job.prompt.input_ids[0].tolist() + request.generated if cfg.repetition_penalty != 1.0 else []
-        token = select_token(logits, cfg, history, request.generator)
+        forced = request.job.forced_ids
+        token = forced[len(request.generated)] if forced else select_token(logits, cfg, history, request.generator)
         request.generated.append(token)
         index = len(request.generated) - 1
         last = token in self.eos_ids or len(request.generated) >= cfg.max_new_tokens

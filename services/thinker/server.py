@@ -164,8 +164,13 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
             # The talker's own limits, checked here so that a bad talker setting fails before any output.
             talker_sampling = sampling_from_proto(request.talker_sampling, "talker_sampling", 1,
                                                   talker.max_new_tokens_limit)
-        sampling = sampling_from_proto(request.thinker_sampling, "thinker_sampling",
-                                       self.config.default_max_new_tokens, self.config.max_new_tokens_limit)
+        forced: tuple[int, ...] = ()
+        if request.HasField("forced_text"):
+            forced = self._forced_ids(request)
+            sampling = sampling_from_proto(common_pb2.SamplingParams(), "thinker_sampling", len(forced), len(forced))
+        else:
+            sampling = sampling_from_proto(request.thinker_sampling, "thinker_sampling",
+                                           self.config.default_max_new_tokens, self.config.max_new_tokens_limit)
         prompt = self.build_prompt(self.prompts, messages_from_proto(request))
         capacity = self.config.engine.max_model_len
         if prompt.num_tokens + sampling.max_new_tokens > capacity:
@@ -178,7 +183,22 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
                 raise InvalidArgument("talker_sampling.max_new_tokens",
                                       f"talker prompt + max_new_tokens ({needed}) exceeds the talker's per-request "
                                       f"cache ({talker.max_model_len})")
-        return Prepared(ThinkerJob(prompt, sampling, want_talker_inputs=audio), audio)
+        return Prepared(ThinkerJob(prompt, sampling, want_talker_inputs=audio, forced_ids=forced), audio)
+
+    def _forced_ids(self, request: omni_pb2.GenerateRequest) -> tuple[int, ...]:
+        """The reply's ids for `forced_text`: the text's tokens as the assistant turn holds them
+        (the prompt ends with the generation prompt's newline), then the end token."""
+        if self.config.backend != "transformers":
+            raise InvalidArgument("forced_text", f"not supported by the {self.config.backend} thinker backend")
+        if not request.forced_text:
+            raise InvalidArgument("forced_text", "must not be empty when set")
+        if request.thinker_sampling.ListFields():
+            raise InvalidArgument("thinker_sampling", "must be unset with forced_text: nothing is sampled")
+        ids = tuple(self.prompts.encode_text(request.forced_text)) + (int(self.engine.config.im_end_token_id),)
+        if len(ids) > self.config.max_new_tokens_limit:
+            raise InvalidArgument("forced_text", f"is {len(ids)} tokens with the end token, more than the limit of "
+                                                 f"{self.config.max_new_tokens_limit}")
+        return ids
 
     async def Generate(self, request: stages_pb2.ThinkerRequest, context: grpc.aio.ServicerContext):
         received = time.perf_counter()

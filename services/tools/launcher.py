@@ -1,12 +1,13 @@
 """`omni-serve`: run the whole stack locally as separate processes.
 
-`omni-serve up --checkpoint DIR [--port P]` starts code2wav, talker, thinker and the router,
-each its own process on its own port, waits until every one reports SERVING on grpc.health.v1,
-prefixes their logs, and stops them all on Ctrl-C or SIGTERM. On one machine the launcher is the
-deployment, so it supervises as Kubernetes would: a process that exits is restarted on its port
-with backoff while the rest keep serving (the router takes a replica back once it is SERVING);
-only Ctrl-C / SIGTERM or a crash loop stops the stack. `omni-serve demo` starts the stack, turns
-one prompt into a .wav through the router, and stops.
+`omni-serve up --checkpoint DIR [--port P] [--http-port H]` starts code2wav, talker, thinker, the
+router and the OpenAI-compatible HTTP gateway (on H, default 8000; 0 = no gateway), each its own
+process on its own port, waits until every one reports SERVING on grpc.health.v1 (the gateway:
+200 on /health), prefixes their logs, and stops them all on Ctrl-C or SIGTERM. On one machine
+the launcher is the deployment, so it supervises as Kubernetes would: a process that exits is
+restarted on its port with backoff while the rest keep serving (the router takes a replica back
+once it is SERVING); only Ctrl-C / SIGTERM or a crash loop stops the stack. `omni-serve demo`
+starts the stack (no gateway), turns one prompt into a .wav through the router, and stops.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ STAGE_MODULES = {
     "talker": "services.talker.server",
     "thinker": "services.thinker.server",
     "router": "router.server",
+    "gateway": "gateway.server",
 }
 
 
@@ -68,6 +70,8 @@ class StackOptions:
     talker_args: tuple[str, ...] = ()
     code2wav_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
+    http_port: int | None = None  # start the HTTP gateway on this port (0 = any free one); None = no gateway
+    gateway_args: tuple[str, ...] = ()
     extra_args: tuple[str, ...] = ()  # appended to every process (e.g. TLS flags)
     metrics_base_port: int = 0  # Prometheus ports: the router this one, each other process the next; 0 = off
     tls: TLSConfig = TLSConfig()  # how the launcher itself reaches the processes (health checks)
@@ -88,6 +92,12 @@ class Stack:
     @property
     def target(self) -> str:
         return f"{self.options.host}:{self.processes['router'].port}"
+
+    @property
+    def http_url(self) -> str | None:
+        """The gateway's base URL (`.../v1` is the OpenAI API), when one was started."""
+        gateway = self.processes.get("gateway")
+        return f"http://{self.options.host}:{gateway.port}" if gateway is not None else None
 
     def port(self, name: str) -> int:
         return self.processes[name if name in self.processes else f"{name}-0"].port
@@ -136,6 +146,10 @@ class Stack:
                 router += [f"--{stage}", ",".join(self.addresses(stage))]
             self._add("router", "router", router, port=o.port or free_port(o.host))
             self.wait_ready("router")
+            if o.http_port is not None:
+                self._add("gateway", "gateway", ["--router", self.target, "--host", o.host, "--checkpoint",
+                                                 o.checkpoint, *o.gateway_args], port=o.http_port or free_port(o.host))
+                self.wait_ready("gateway")
         except BaseException:
             self.stop()
             raise
@@ -150,7 +164,10 @@ class Stack:
         while time.monotonic() < deadline:
             if process.popen.poll() is not None:
                 raise UserError(f"{name} exited with code {process.popen.returncode} during start-up (see its log)")
-            if health_status(f"{self.options.host}:{process.port}", service, tls=self.options.tls) == "SERVING":
+            if process.stage == "gateway":
+                if http_ready(f"http://{self.options.host}:{process.port}/health"):
+                    return process.port
+            elif health_status(f"{self.options.host}:{process.port}", service, tls=self.options.tls) == "SERVING":
                 return process.port
             time.sleep(0.1)
         raise UserError(f"{name} did not become healthy within {self.options.startup_timeout_s:.0f} s")
@@ -196,8 +213,8 @@ class Stack:
             stopping.wait(0.5)
 
     def stop(self, grace_s: float = 10.0) -> None:
-        # The router first, so no new work reaches the stages.
-        order = sorted(self.processes.values(), key=lambda p: p.stage != "router")
+        # The gateway and the router first, so no new work reaches the stages.
+        order = sorted(self.processes.values(), key=lambda p: {"gateway": 0, "router": 1}.get(p.stage, 2))
         for process in order:
             if process.popen is not None and process.popen.poll() is None:
                 process.popen.send_signal(signal.SIGTERM)
@@ -226,6 +243,17 @@ def health_status(target: str, service: str = "", timeout: float = 1.0, tls: TLS
         except grpc.RpcError:
             return "UNREACHABLE"
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+
+def http_ready(url: str, timeout: float = 1.0) -> bool:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False
 
 
 def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
@@ -276,16 +304,21 @@ def _options(args) -> StackOptions:
 
 
 def up(args) -> None:
-    stack = Stack(_options(args))
+    import dataclasses
+
+    stack = Stack(dataclasses.replace(_options(args), http_port=args.http_port or None))
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
     print(f"omni-serve: starting code2wav x{args.code2wav_replicas}, talker x{args.talker_replicas}, "
-          f"thinker x{args.thinker_replicas}, router from {args.checkpoint}", file=sys.stderr)
+          f"thinker x{args.thinker_replicas}, router{', gateway' if args.http_port else ''} from {args.checkpoint}",
+          file=sys.stderr)
     stack.start()
     stages = ", ".join(f"{s} {' '.join(stack.addresses(s))}" for s in ("thinker", "talker", "code2wav"))
     print(f"omni-serve: ready on {stack.target} ({stages}). Try:\n  .venv/bin/omni-client --target {stack.target} "
-          f"--prompt 'Hello!' --out out/hello.wav\nCtrl-C stops everything.", file=sys.stderr)
+          f"--prompt 'Hello!' --out out/hello.wav\n" + (
+              f"OpenAI-compatible HTTP API on {stack.http_url}/v1 (docs/gateway.md)\n" if stack.http_url else "")
+          + "Ctrl-C stops everything.", file=sys.stderr)
     try:
         stack.supervise(stopping)
     finally:
@@ -311,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_up = sub.add_parser("up", help="start the stack and serve until Ctrl-C / SIGTERM")
     _add_stack_flags(p_up)
+    p_up.add_argument("--http-port", type=int, default=8000,
+                      help="OpenAI-compatible HTTP gateway port (default 8000; 0 = no gateway)")
     p_demo = sub.add_parser("demo", help="start the stack, make one .wav, stop")
     _add_stack_flags(p_demo)
     p_demo.add_argument("--prompt", default="Hello! Please tell me a short story about a small robot.")

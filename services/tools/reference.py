@@ -82,7 +82,11 @@ class ReferenceRunner:
         max_new_tokens: int = 64,
         talker_max_new_tokens: int = 256,
         return_audio: bool = True,
+        forced_ids: list[int] | None = None,
     ) -> ReferenceResult:
+        """`forced_ids`: make the thinker produce exactly these ids (text-to-speech oracle): a logits
+        processor leaves only the next forced id finite at each step, so greedy `generate` picks it and
+        the rest of `generate` (hidden states, talker, vocoder) runs unchanged on that output."""
         import torch
 
         name, _ = resolve_voice(self.config, voice)
@@ -95,6 +99,12 @@ class ReferenceRunner:
             captured.append(codes.detach().clone())
             return original(codes, *args, **kwargs)
 
+        forcing = {}
+        if forced_ids:
+            from transformers import LogitsProcessorList
+
+            forcing = {"thinker_logits_processor": LogitsProcessorList([_ForceIds(forced_ids, inputs.num_tokens)])}
+            max_new_tokens = len(forced_ids)
         start = time.perf_counter()
         with torch.inference_mode():
             if return_audio:
@@ -104,14 +114,14 @@ class ReferenceRunner:
                         **model_inputs, speaker=name, return_audio=True,
                         thinker_max_new_tokens=max_new_tokens, thinker_eos_token_id=self.eos_id,
                         thinker_do_sample=False, talker_max_new_tokens=talker_max_new_tokens,
-                        talker_do_sample=False,
+                        talker_do_sample=False, **forcing,
                     )
                 finally:
                     del self.model.code2wav.chunked_decode
             else:
                 sequences = self.model.generate(
                     **model_inputs, return_audio=False, thinker_max_new_tokens=max_new_tokens,
-                    thinker_eos_token_id=self.eos_id, thinker_do_sample=False,
+                    thinker_eos_token_id=self.eos_id, thinker_do_sample=False, **forcing,
                 )
                 wav = None
         wall = time.perf_counter() - start
@@ -122,6 +132,23 @@ class ReferenceRunner:
             text=self.prompts.decode(ids), thinker_token_ids=ids, codec_frames=frames, audio=audio,
             sample_rate=self.sample_rate, prompt_tokens=inputs.num_tokens, wall_s=wall,
         )
+
+
+class _ForceIds:
+    """A transformers logits processor: at step k only forced[k] stays finite."""
+
+    def __init__(self, forced: list[int], prompt_len: int):
+        self.forced = list(forced)
+        self.prompt_len = prompt_len
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        step = input_ids.shape[1] - self.prompt_len
+        keep = self.forced[min(step, len(self.forced) - 1)]
+        out = torch.full_like(scores, float("-inf"))
+        out[:, keep] = scores[:, keep]
+        return out
 
 
 def messages_from_args(prompt: str, system: str | None, audio: Path | None, image: Path | None) -> list[ChatMessage]:

@@ -76,6 +76,8 @@ def test_every_container_has_startup_readiness_and_liveness_probes_on_its_grpc_p
     """On the gRPC port, or with mutual TLS (k8s/components/mtls) on the plaintext health-only port
     `health` (--health-port, checked in tests/k8s/test_mtls.py): the kubelet speaks no TLS."""
     for workload in rendered[kustomization].workloads():
+        if workload["metadata"]["name"] == "omni-gateway":
+            continue  # HTTP, not gRPC: its probes are checked in test_gateway_manifests.py
         for role, container in all_containers(workload):
             where = f"{workload['metadata']['name']}/{container['name']}"
             if role == "init":
@@ -145,6 +147,7 @@ def test_replicas_dev_cpu_one_each_gpu_talker_and_code2wav_two(overlays):
 def test_each_stage_autoscales_on_its_own_queue_depth(rendered, kustomization):
     objects = rendered[kustomization]
     hpas = {h["spec"]["scaleTargetRef"]["name"]: h for h in objects.of_kind("HorizontalPodAutoscaler")}
+    hpas.pop("omni-gateway", None)  # on CPU, not a queue: test_gateway_manifests.py
     assert set(hpas) == {f"omni-{s}" for s in STAGES}, "one autoscaler per stage, none for the router"
     for stage in STAGES:
         hpa = hpas[f"omni-{stage}"]

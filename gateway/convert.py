@@ -1,0 +1,106 @@
+"""OpenAI requests -> omni.v1.GenerateRequest (no model, no torch: protobuf and base64 only)."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+
+from gateway.audio import input_audio_to_wire
+from gateway.errors import bad_request
+from gateway.schemas import ChatCompletionRequest, SpeechRequest
+from omni.v1 import omni_pb2
+
+_ROLES = {"system": omni_pb2.ROLE_SYSTEM, "developer": omni_pb2.ROLE_SYSTEM, "user": omni_pb2.ROLE_USER,
+          "assistant": omni_pb2.ROLE_ASSISTANT}
+_DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<data>.*)$", re.DOTALL)
+
+
+def _b64(data: str, param: str) -> bytes:
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise bad_request(param, f"{param}: not valid base64") from None
+
+
+def _content(message, i: int) -> list[omni_pb2.Content]:
+    where = f"messages[{i}].content"
+    if message.content is None or message.content == "" or message.content == []:
+        raise bad_request(where, f"{where}: a message needs content")
+    if isinstance(message.content, str):
+        return [omni_pb2.Content(text=message.content)]
+    parts = []
+    for j, part in enumerate(message.content):
+        at = f"{where}[{j}]"
+        if part.type == "text":
+            if part.text is None:
+                raise bad_request(f"{at}.text", f"{at}.text is required for a text part")
+            parts.append(omni_pb2.Content(text=part.text))
+        elif message.role == "assistant":
+            raise bad_request(at, f"{at}: assistant turns take text parts only")
+        elif part.type == "input_audio":
+            if part.input_audio is None:
+                raise bad_request(f"{at}.input_audio", f"{at}.input_audio is required for an input_audio part")
+            raw = _b64(part.input_audio.data, f"{at}.input_audio.data")
+            try:
+                parts.append(omni_pb2.Content(audio=input_audio_to_wire(raw, part.input_audio.format)))
+            except Exception as exc:  # libsndfile could not read it
+                raise bad_request(f"{at}.input_audio.data",
+                                  f"{at}.input_audio.data: unreadable {part.input_audio.format}: {exc}") from None
+        elif part.type == "image_url":
+            if part.image_url is None:
+                raise bad_request(f"{at}.image_url", f"{at}.image_url is required for an image_url part")
+            url = part.image_url.url
+            match = _DATA_URL.match(url)
+            if not match:
+                raise bad_request(f"{at}.image_url.url",
+                                  f"{at}.image_url.url: only data: URLs (base64) are accepted; the gateway "
+                                  f"fetches nothing from the network", code="unsupported_value")
+            parts.append(omni_pb2.Content(image=_b64(match["data"], f"{at}.image_url.url")))
+    return parts
+
+
+def chat_to_proto(req: ChatCompletionRequest, default_voice: str | None) -> tuple[omni_pb2.GenerateRequest, bool, str]:
+    """-> (request, audio wanted, audio format)."""
+    if req.n not in (None, 1):
+        raise bad_request("n", f"n: only 1 choice is supported, got {req.n}", code="unsupported_value")
+    modalities = req.modalities or ["text"]
+    if "text" not in modalities:
+        raise bad_request("modalities", 'modalities: text is always produced: use ["text"] or ["text", "audio"]')
+    audio = "audio" in modalities
+    if audio and req.audio is None:
+        raise bad_request("audio", 'audio: required when modalities include "audio" (voice and format)')
+    fmt = req.audio.format if req.audio is not None else "wav"
+    if audio and req.stream and fmt != "pcm16":
+        raise bad_request("audio.format", f"audio.format: streamed audio is pcm16 only, got {fmt}",
+                          code="unsupported_value")
+    out = omni_pb2.GenerateRequest()
+    for i, message in enumerate(req.messages):
+        out.messages.add(role=_ROLES[message.role]).content.extend(_content(message, i))
+    out.output_modalities.append(omni_pb2.MODALITY_TEXT)
+    if audio:
+        out.output_modalities.append(omni_pb2.MODALITY_AUDIO)
+        voice = (req.audio.voice if req.audio is not None else None) or default_voice
+        if voice:
+            out.voice = voice.lower()
+    if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
+        raise bad_request("max_completion_tokens", "max_tokens and max_completion_tokens disagree: set one")
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    if max_tokens is not None:
+        out.thinker_sampling.max_new_tokens = max_tokens
+    if req.temperature is not None:
+        out.thinker_sampling.temperature = req.temperature
+    if req.top_p is not None:
+        out.thinker_sampling.top_p = req.top_p
+    if req.seed is not None:
+        out.thinker_sampling.seed = req.seed
+    return out, audio, fmt
+
+
+def speech_to_proto(req: SpeechRequest) -> omni_pb2.GenerateRequest:
+    """Text to speech: the user turn holds the text and the assistant's reply is forced to exactly
+    that text (GenerateRequest.forced_text), which the talker then speaks."""
+    out = omni_pb2.GenerateRequest(voice=req.voice.lower(), forced_text=req.input)
+    out.messages.add(role=omni_pb2.ROLE_USER).content.add(text=req.input)
+    out.output_modalities.extend([omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO])
+    return out

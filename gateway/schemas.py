@@ -1,0 +1,116 @@
+"""Pydantic models of the OpenAI requests the gateway takes.
+
+Fields OpenAI defines that the pipeline cannot honour are declared too, so that a caller who sets
+them gets a 400 naming the field instead of a silent no-op (`refused_fields`); fields that do not
+change the output (`user`, `metadata`, `store`, ...) are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class InputAudio(_Open):
+    data: str  # base64
+    format: Literal["wav", "mp3", "flac"]
+
+
+class ImageURL(_Open):
+    url: str
+    detail: str | None = None
+
+
+class ContentPart(_Open):
+    type: Literal["text", "input_audio", "image_url"]
+    text: str | None = None
+    input_audio: InputAudio | None = None
+    image_url: ImageURL | None = None
+
+
+class ChatMessage(_Open):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class AudioParams(_Open):
+    voice: str | None = None
+    format: Literal["wav", "mp3", "flac", "opus", "pcm16"] = "wav"
+
+
+class StreamOptions(_Open):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Open):
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: AudioParams | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    seed: int | None = None
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Declared to be refused when set (see refused_fields).
+    tools: Any = None
+    functions: Any = None
+    tool_choice: Any = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    stop: Any = None
+    response_format: Any = None
+    logit_bias: Any = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    prediction: Any = None
+
+
+# field -> why it is refused (the 400's message).
+CHAT_REFUSED = {
+    "tools": "tool calling is not supported",
+    "functions": "function calling is not supported",
+    "tool_choice": "tool calling is not supported",
+    "logprobs": "log probabilities are not returned",
+    "top_logprobs": "log probabilities are not returned",
+    "stop": "stop sequences are not supported",
+    "response_format": "structured output is not supported",
+    "logit_bias": "logit bias is not supported",
+    "frequency_penalty": "frequency penalty is not supported",
+    "presence_penalty": "presence penalty is not supported",
+    "prediction": "predicted outputs are not supported",
+}
+
+
+def refused_fields(request: BaseModel, refused: dict[str, str]) -> tuple[str, str] | None:
+    """(field, reason) of the first refused field the caller set to something meaningful."""
+    for name, reason in refused.items():
+        value = getattr(request, name)
+        if value in (None, False, [], {}, 0, 0.0):
+            continue
+        return name, reason
+    return None
+
+
+class SpeechRequest(_Open):
+    model: str
+    input: str = Field(min_length=1, max_length=4096)
+    voice: str
+    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = "mp3"
+    speed: float = Field(default=1.0, ge=0.25, le=4.0)
+    stream_format: Literal["audio", "sse"] = "audio"
+    instructions: str | None = None
+
+
+SPEECH_REFUSED = {
+    "instructions": "voice instructions are not supported: Qwen3-Omni's talker does not read the system turn",
+}

@@ -1,0 +1,642 @@
+"""`omni-gateway`: an OpenAI-compatible HTTP API in front of the router.
+
+`POST /v1/chat/completions` (text, or text and audio, streamed as SSE or not), `POST
+/v1/audio/speech` (text to speech: the reply is forced to the given text), `GET /v1/models`,
+`GET /health` (ready while the router's omni.v1.Omni is SERVING) and Prometheus `/metrics`.
+It is a gRPC client of the router and nothing else: no model, no torch. The caller's
+`Authorization: Bearer` header is passed on as gRPC metadata; gRPC statuses become OpenAI-shaped
+errors (docs/gateway.md). A caller that goes away cancels its gRPC call, which frees the request
+in every stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import logging
+import os
+import socket
+import sys
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway import audio as audio_codec
+from gateway.convert import chat_to_proto, speech_to_proto
+from gateway.errors import APIError, bad_request, from_rpc, from_validation
+from gateway.schemas import (
+    CHAT_REFUSED,
+    SPEECH_REFUSED,
+    ChatCompletionRequest,
+    SpeechRequest,
+    refused_fields,
+)
+from omni.v1 import common_pb2, omni_pb2, omni_pb2_grpc
+from services.runtime.errors import UserError, run_cli
+from services.serving.grpc_server import channel_options
+from services.serving.security import (
+    TLSConfig,
+    secure_or_insecure_channel,
+    tls_from_args,
+)
+
+log = logging.getLogger("gateway")
+OMNI_SERVICE = "omni.v1.Omni"
+AUDIO_TTL_S = 3600  # `expires_at` of a returned audio: the gateway stores nothing, the id is informational
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    router: str = "localhost:50051"
+    host: str = "0.0.0.0"
+    port: int = 8000
+    model: str = "qwen3-omni"
+    voices: tuple[str, ...] = ()  # the checkpoint's speakers; empty = unknown (the router checks)
+    timeout_s: float = 600.0  # deadline of every router call
+    tls: TLSConfig = TLSConfig()  # gateway -> router
+    max_message_bytes: int = 64 << 20
+    max_body_bytes: int = 96 << 20  # HTTP request bodies (base64 makes a 64 MB message about 86 MB)
+    end_token_id: int = 151645  # <|im_end|>: its text is not part of an OpenAI reply
+    end_token_text: str = "<|im_end|>"
+
+    @property
+    def default_voice(self) -> str | None:
+        if not self.voices:
+            return None
+        return "ethan" if "ethan" in self.voices else self.voices[0]
+
+
+def read_checkpoint_config(folder: str | Path) -> dict:
+    """A Qwen3-Omni checkpoint's config.json, read as JSON (no transformers, no weights)."""
+    path = Path(folder) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"--checkpoint {folder}: cannot read config.json: {exc}") from None
+
+
+def voices_from_config(config: dict) -> tuple[str, ...]:
+    """The speakers (talker_config.speaker_id), as services/runtime/prompt.py speaker_names reads them."""
+    return tuple(str(name).lower() for name in (config.get("talker_config") or {}).get("speaker_id", {}))
+
+
+@dataclass
+class Metrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.requests = Counter("omni_gateway_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.in_flight = Gauge("omni_gateway_in_flight", "router calls in progress", registry=r)
+        self.ttfb = Histogram("omni_gateway_first_event_seconds",
+                              "request received to first router event (text or audio)", ["endpoint"], registry=r,
+                              buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
+        self.ttfp = Histogram("omni_gateway_ttfp_seconds", "request received to first audio chunk", ["endpoint"],
+                              registry=r, buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
+
+
+class Call:
+    """One router Generate call: started, its first response awaited (so that a failure before any
+    output is an HTTP status, not a broken stream), then iterated; `cancel()` frees the pipeline."""
+
+    def __init__(self, gateway: Gateway, request: omni_pb2.GenerateRequest, http: Request, endpoint: str):
+        self.gateway = gateway
+        self.endpoint = endpoint
+        self.received = time.perf_counter()
+        auth = http.headers.get("authorization")
+        metadata = (("authorization", auth),) if auth else None
+        self.call = gateway.stub.Generate(request, timeout=gateway.config.timeout_s, metadata=metadata)
+        self.first: omni_pb2.GenerateResponse | None = None
+        self.final: omni_pb2.Final | None = None
+        self._seen_audio = False
+        self._counted = False
+
+    async def start(self) -> None:
+        self.gateway.metrics.in_flight.inc()
+        try:
+            self.first = await self.call.read()
+        except grpc.RpcError as err:
+            self.done()
+            raise from_rpc(err, speech=self.endpoint == "speech") from None
+        except BaseException:
+            self.done()
+            raise
+        if self.first is grpc.aio.EOF:
+            self.done()
+            raise APIError(502, "the router ended the stream without a response", "server_error", None, "bad_gateway")
+        self.gateway.metrics.ttfb.labels(self.endpoint).observe(time.perf_counter() - self.received)
+
+    async def responses(self):
+        """Every response, the first included; raises grpc.RpcError if the call fails later."""
+        response = self.first
+        while response is not grpc.aio.EOF:
+            kind = response.WhichOneof("event")
+            if kind == "audio" and not self._seen_audio:
+                self._seen_audio = True
+                self.gateway.metrics.ttfp.labels(self.endpoint).observe(time.perf_counter() - self.received)
+            elif kind == "final":
+                self.final = response.final
+            yield response
+            response = await self.call.read()
+
+    def cancel(self) -> None:
+        self.call.cancel()  # a no-op once the call ended
+        self.done()
+
+    def done(self) -> None:
+        if not self._counted:
+            self._counted = True
+            self.gateway.metrics.in_flight.dec()
+
+
+class CallStream(StreamingResponse):
+    """A streamed response tied to its router call: however the response ends (done, the client
+    gone before or during the body, an error), the call is cancelled, which frees every stage."""
+
+    def __init__(self, call: Call, content, **kwargs):
+        super().__init__(content, **kwargs)
+        self.router_call = call
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.router_call.cancel()
+
+
+def _finish_reason(final: omni_pb2.Final | None, audio: bool) -> str:
+    if final is None:
+        return "stop"
+    reasons = [final.text_finish_reason] + ([final.audio_finish_reason] if audio else [])
+    return "length" if common_pb2.FINISH_REASON_LENGTH in reasons else "stop"
+
+
+def _usage(final: omni_pb2.Final | None) -> dict:
+    u = final.usage if final is not None else omni_pb2.Usage()
+    completion = u.text_tokens + u.codec_frames
+    return {
+        "prompt_tokens": u.prompt_tokens, "completion_tokens": completion,
+        "total_tokens": u.prompt_tokens + completion,
+        "completion_tokens_details": {"text_tokens": u.text_tokens, "audio_tokens": u.codec_frames},
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def reply_text(delta: omni_pb2.TextDelta, config: GatewayConfig) -> str:
+    """A text delta's text without the end token's (the pipeline streams `<|im_end|>` as text)."""
+    if delta.token_ids and delta.token_ids[-1] == config.end_token_id:
+        return delta.text.removesuffix(config.end_token_text)
+    return delta.text
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        self.metrics = Metrics()
+        self.channel: grpc.aio.Channel | None = None
+        self.stub: omni_pb2_grpc.OmniStub | None = None
+        self.created = int(time.time())
+
+    async def open(self) -> None:
+        self.channel = secure_or_insecure_channel(self.config.router, self.config.tls,
+                                                  channel_options(self.config.max_message_bytes), aio=True)
+        self.stub = omni_pb2_grpc.OmniStub(self.channel)
+
+    async def close(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+
+    def check_voice(self, voice: str | None, param: str) -> None:
+        if voice is None or not self.config.voices:
+            return
+        if voice.lower() not in self.config.voices:
+            raise bad_request(param, f"{param}: unknown voice {voice!r}; known: {', '.join(sorted(self.config.voices))}")
+
+    async def ready(self) -> bool:
+        try:
+            response = await health_pb2_grpc.HealthStub(self.channel).Check(
+                health_pb2.HealthCheckRequest(service=OMNI_SERVICE), timeout=2.0)
+        except grpc.RpcError:
+            return False
+        return response.status == health_pb2.HealthCheckResponse.SERVING
+
+    # POST /v1/chat/completions
+    async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
+        refused = refused_fields(body, CHAT_REFUSED)
+        if refused is not None:
+            raise bad_request(refused[0], f"{refused[0]}: {refused[1]}", code="unsupported_parameter")
+        request, audio, fmt = chat_to_proto(body, self.config.default_voice)
+        if audio:
+            self.check_voice(body.audio.voice, "audio.voice")
+        call = Call(self, request, http, "chat")
+        await call.start()
+        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return CallStream(call, self._chat_stream(call, completion_id, audio, include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        text, chunks = [], []
+        try:
+            async for response in _until_disconnect(call, http):
+                kind = response.WhichOneof("event")
+                if kind == "text":
+                    text.append(reply_text(response.text, self.config))
+                elif kind == "audio":
+                    chunks.append(audio_codec.float_from_bytes(response.audio.pcm))
+        except grpc.RpcError as err:
+            raise from_rpc(err) from None
+        finally:
+            call.cancel()
+        content = "".join(text)
+        message: dict = {"role": "assistant", "content": content, "refusal": None}
+        if audio:
+            import numpy as np
+
+            samples = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+            data = await asyncio.to_thread(audio_codec.encode, samples, fmt)
+            message["content"] = None  # OpenAI: with audio out, the text is the audio's transcript
+            message["audio"] = {"id": f"audio_{uuid.uuid4().hex}", "data": base64.b64encode(data).decode(),
+                                "expires_at": int(time.time()) + AUDIO_TTL_S, "transcript": content}
+        payload = {
+            "id": completion_id, "object": "chat.completion", "created": int(time.time()), "model": self.config.model,
+            "choices": [{"index": 0, "message": message, "finish_reason": _finish_reason(call.final, audio),
+                         "logprobs": None}],
+            "usage": _usage(call.final), "system_fingerprint": None,
+        }
+        return JSONResponse(payload)
+
+    async def _chat_stream(self, call: Call, completion_id: str, audio: bool, include_usage: bool):
+        created = int(time.time())
+        audio_id = f"audio_{uuid.uuid4().hex}"
+        expires = created + AUDIO_TTL_S
+
+        def chunk(delta: dict, finish: str | None = None) -> str:
+            return _sse({"id": completion_id, "object": "chat.completion.chunk", "created": created,
+                         "model": self.config.model, "system_fingerprint": None,
+                         "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]})
+
+        try:
+            yield chunk({"role": "assistant", "content": "" if not audio else None})
+            async for response in call.responses():
+                kind = response.WhichOneof("event")
+                text = reply_text(response.text, self.config) if kind == "text" else ""
+                if text:
+                    if audio:
+                        yield chunk({"audio": {"id": audio_id, "transcript": text}})
+                    else:
+                        yield chunk({"content": text})
+                elif kind == "audio":
+                    pcm = audio_codec.pcm16_bytes(audio_codec.float_from_bytes(response.audio.pcm))
+                    yield chunk({"audio": {"id": audio_id, "data": base64.b64encode(pcm).decode(),
+                                           "expires_at": expires}})
+            yield chunk({}, _finish_reason(call.final, audio))
+            if include_usage:
+                yield _sse({"id": completion_id, "object": "chat.completion.chunk", "created": created,
+                            "model": self.config.model, "choices": [], "usage": _usage(call.final)})
+            yield "data: [DONE]\n\n"
+        except grpc.RpcError as err:  # after the 200: the error travels as an SSE event
+            yield from_rpc(err).sse()
+        finally:
+            call.cancel()
+
+    # POST /v1/audio/speech
+    async def speech(self, body: SpeechRequest, http: Request) -> Response:
+        refused = refused_fields(body, SPEECH_REFUSED)
+        if refused is not None:
+            raise bad_request(refused[0], f"{refused[0]}: {refused[1]}", code="unsupported_parameter")
+        if body.speed != 1.0:
+            raise bad_request("speed", f"speed: only 1.0 is supported (no time-stretch), got {body.speed}",
+                              code="unsupported_value")
+        fmt = body.response_format
+        if not audio_codec.supported_output(fmt):
+            raise bad_request("response_format", f"response_format: {fmt} cannot be encoded here (libsndfile has "
+                                                 f"no {fmt} encoder); use mp3, opus, flac, wav or pcm",
+                              code="unsupported_value")
+        self.check_voice(body.voice, "voice")
+        call = Call(self, speech_to_proto(body), http, "speech")
+        await call.start()
+        if body.stream_format == "sse":
+            return CallStream(call, self._speech_sse(call, fmt), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        if fmt == "pcm":
+            return CallStream(call, self._speech_pcm(call), media_type=audio_codec.MIME[fmt])
+        chunks = []
+        try:
+            async for response in _until_disconnect(call, http):
+                if response.WhichOneof("event") == "audio":
+                    chunks.append(audio_codec.float_from_bytes(response.audio.pcm))
+        except grpc.RpcError as err:
+            raise from_rpc(err, speech=True) from None
+        finally:
+            call.cancel()
+        import numpy as np
+
+        samples = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+        data = await asyncio.to_thread(audio_codec.encode, samples, fmt)
+        return Response(data, media_type=audio_codec.MIME[fmt])
+
+    async def _speech_pcm(self, call: Call):
+        try:
+            async for response in call.responses():
+                if response.WhichOneof("event") == "audio":
+                    yield audio_codec.pcm16_bytes(audio_codec.float_from_bytes(response.audio.pcm))
+        except grpc.RpcError as err:
+            # Headers are sent: all a raw byte stream can do is end early (logged).
+            log.warning("speech stream failed after the response started: %s", from_rpc(err, speech=True).message)
+        finally:
+            call.cancel()
+
+    async def _speech_sse(self, call: Call, fmt: str):
+        chunks = []
+        try:
+            async for response in call.responses():
+                if response.WhichOneof("event") != "audio":
+                    continue
+                samples = audio_codec.float_from_bytes(response.audio.pcm)
+                if fmt == "pcm":
+                    yield _sse({"type": "speech.audio.delta",
+                                "audio": base64.b64encode(audio_codec.pcm16_bytes(samples)).decode()})
+                else:
+                    chunks.append(samples)
+            if fmt != "pcm":
+                import numpy as np
+
+                samples = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+                data = await asyncio.to_thread(audio_codec.encode, samples, fmt)
+                yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+            u = call.final.usage if call.final is not None else omni_pb2.Usage()
+            yield _sse({"type": "speech.audio.done", "usage": {
+                "input_tokens": u.prompt_tokens, "output_tokens": u.codec_frames,
+                "total_tokens": u.prompt_tokens + u.codec_frames}})
+        except grpc.RpcError as err:
+            yield from_rpc(err, speech=True).sse()
+        finally:
+            call.cancel()
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model_card(self) -> dict:
+        return {"id": self.config.model, "object": "model", "created": self.created, "owned_by": "omni-serve",
+                "voices": list(self.config.voices), "default_voice": self.config.default_voice,
+                "modalities": ["text", "audio"]}
+
+
+async def _until_disconnect(call: Call, http: Request):
+    """The call's responses; cancels it if the HTTP client goes away while we collect (non-streamed
+    responses have no body to fail on, so the disconnect is watched for)."""
+    stop = asyncio.Event()
+
+    async def watch() -> None:
+        while not stop.is_set():
+            message = await http.receive()
+            if message["type"] == "http.disconnect":
+                call.cancel()
+                return
+
+    watcher = asyncio.create_task(watch())
+    try:
+        async for response in call.responses():
+            yield response
+    finally:
+        stop.set()
+        watcher.cancel()
+
+
+class CountAndLimit:
+    """Plain ASGI middleware (streamed responses pass straight through): counts responses per endpoint and
+    status, and refuses request bodies over the limit with 413 before they are read whole."""
+
+    ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/audio/speech": "speech"}
+
+    def __init__(self, app, metrics: Metrics, max_body_bytes: int):
+        self.app = app
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        endpoint = self.ENDPOINTS.get(scope["path"])
+        too_large = APIError(413, f"request body over {self.max_body_bytes >> 20} MB", "invalid_request_error",
+                             None, "request_too_large")
+        length = dict(scope.get("headers", ())).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            if endpoint is not None:
+                self.metrics.requests.labels(endpoint, "413").inc()
+            return await too_large.response()(scope, receive, send)
+        if length is None and scope.get("method") == "POST":
+            # A chunked body: read it here (FastAPI reads it whole anyway), up to the limit, then
+            # hand it on as one message.
+            chunks, size, more = [], 0, True
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return  # the client went away
+                chunks.append(message.get("body", b""))
+                size += len(chunks[-1])
+                more = message.get("more_body", False)
+                if size > self.max_body_bytes:
+                    if endpoint is not None:
+                        self.metrics.requests.labels(endpoint, "413").inc()
+                    return await too_large.response()(scope, receive, send)
+            replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+            async def replaying_receive():
+                return replay.pop() if replay else await receive()
+        else:
+            replaying_receive = receive
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start" and endpoint is not None:
+                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, replaying_receive, counting_send)
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    gateway = Gateway(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await gateway.open()
+        yield
+        await gateway.close()
+
+    app = FastAPI(title="omni-gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.gateway = gateway
+    metrics = gateway.metrics
+
+    app.add_middleware(CountAndLimit, metrics=metrics, max_body_bytes=config.max_body_bytes)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        return from_validation(exc.errors()).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind).response()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await gateway.chat(body, request)
+
+    @app.post("/v1/audio/speech")
+    async def audio_speech(body: SpeechRequest, request: Request):
+        return await gateway.speech(body, request)
+
+    @app.get("/v1/models")
+    async def list_models():
+        return gateway.models()
+
+    @app.get("/v1/models/{model_id}")
+    async def get_model(model_id: str):
+        if model_id != config.model:
+            raise APIError(404, f"model {model_id!r} not found; served: {config.model}", "invalid_request_error",
+                           "model", "model_not_found")
+        return gateway.model_card()
+
+    @app.get("/live")
+    async def live():
+        """Liveness: the process answers (it does not follow the router, so a router outage does not
+        restart every gateway)."""
+        return {"status": "ok"}
+
+    @app.get("/health")
+    async def health():
+        if await gateway.ready():
+            return {"status": "ok"}
+        return JSONResponse({"status": "unavailable", "router": config.router}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def env_default(name: str, default):
+    """A flag's default from OMNI_<NAME> (the services' convention; flags win)."""
+    value = os.environ.get("OMNI_" + name.upper())
+    if value is None:
+        return default
+    return type(default)(value) if default is not None else value
+
+
+def add_tls_flags(parser: argparse.ArgumentParser) -> None:
+    """TLS towards the router (the gateway is its client; HTTPS in front of the gateway is the
+    ingress's job)."""
+    parser.add_argument("--tls-ca", default=env_default("tls_ca", None), help="PEM CA that signs the router's cert")
+    parser.add_argument("--tls-cert", default=env_default("tls_cert", None),
+                        help="PEM client certificate for mutual TLS with the router")
+    parser.add_argument("--tls-key", default=env_default("tls_key", None), help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-server-name", default=env_default("tls_server_name", None),
+                        help="name to check in the router's certificate")
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The bound listening socket uvicorn serves on (port 0: any free one).
+
+    proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say they are TCP, and
+    accepted sockets inherit this one's proto. Without it every SSE event after the headers waits
+    for the client's delayed ACK (about 40 ms on Linux) once a kept-alive connection is reused."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="omni-gateway", description=__doc__.splitlines()[0])
+    parser.add_argument("--router", default=env_default("router", "localhost:50051"), help="router host:port")
+    parser.add_argument("--host", default=env_default("host", "0.0.0.0"))
+    parser.add_argument("--port", type=int, default=env_default("http_port", 8000),
+                        help="HTTP port (default 8000; 0 = any free port, see --port-file)")
+    parser.add_argument("--checkpoint", default=env_default("checkpoint", None),
+                        help="read the model name and voices from this checkpoint's config.json (JSON only)")
+    parser.add_argument("--model-name", default=env_default("model_name", None),
+                        help="the model id /v1/models lists (default: the checkpoint folder's name, or qwen3-omni)")
+    parser.add_argument("--voices", default=env_default("voices", None),
+                        help="comma-separated voices (default: the checkpoint's speakers; none = the router checks)")
+    parser.add_argument("--timeout-s", type=float, default=env_default("timeout_s", 600.0),
+                        help="deadline of every router call (default 600)")
+    parser.add_argument("--max-message-mb", type=int, default=env_default("max_message_mb", 64),
+                        help="largest gRPC message to or from the router (default 64)")
+    parser.add_argument("--max-body-mb", type=int, default=env_default("max_body_mb", 96),
+                        help="largest HTTP request body; over it: 413 (default 96)")
+    parser.add_argument("--metrics-port", type=int, default=env_default("metrics_port", 0),
+                        help="also serve Prometheus metrics on this port (0 = only /metrics on --port)")
+    parser.add_argument("--grace-s", type=float, default=env_default("grace_s", 30.0),
+                        help="on SIGTERM: stop accepting, give open streams this long (default 30)")
+    parser.add_argument("--port-file", help="write the bound port here once listening")
+    add_tls_flags(parser)
+    args = parser.parse_args(argv)
+
+    def run() -> None:
+        import uvicorn
+
+        checkpoint = read_checkpoint_config(args.checkpoint) if args.checkpoint else {}
+        voices = voices_from_config(checkpoint)
+        if args.voices:
+            voices = tuple(v.strip().lower() for v in args.voices.split(",") if v.strip())
+        name = args.model_name or (Path(args.checkpoint).name if args.checkpoint else "qwen3-omni")
+        config = GatewayConfig(router=args.router, host=args.host, port=args.port, model=name, voices=voices,
+                               timeout_s=args.timeout_s, tls=tls_from_args(args),
+                               max_message_bytes=args.max_message_mb << 20,
+                               max_body_bytes=args.max_body_mb << 20,
+                               end_token_id=int(checkpoint.get("im_end_token_id", GatewayConfig.end_token_id)))
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(message)s")
+        try:
+            sock = listen_socket(config.host, config.port)
+        except OSError as exc:
+            raise UserError(f"cannot listen on {config.host}:{config.port}: {exc}") from None
+        port = sock.getsockname()[1]
+        app = create_app(config)
+        if args.metrics_port:
+            from prometheus_client import start_http_server
+
+            start_http_server(args.metrics_port, addr=config.host, registry=app.state.gateway.metrics.registry)
+        # Keep-alive longer than the usual 60 s idle timeout of load balancers, so they close first.
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=75,
+                                               timeout_graceful_shutdown=args.grace_s))
+        log.info("omni-gateway on %s:%d -> router %s (model %s, voices %s)", config.host, port, config.router,
+                 config.model, ",".join(voices) or "?")
+        if args.port_file:
+            Path(args.port_file).write_text(str(port))
+        server.run(sockets=[sock])
+
+    return run_cli(run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

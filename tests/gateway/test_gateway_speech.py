@@ -1,0 +1,147 @@
+"""Text to speech: `GenerateRequest.forced_text` in the pipeline against transformers, and
+`POST /v1/audio/speech` through the openai SDK in every format against the gRPC path."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from omni.v1 import omni_pb2
+from services.tools.client import collect
+
+TEXT = "Hello world, this is a test of the speech endpoint."
+VOICE = "aiden"
+LSB = 1 / 32768
+
+
+def forced_request(text: str, voice: str, talker_max_new_tokens: int | None = None,
+                   return_codec_frames: bool = False) -> omni_pb2.GenerateRequest:
+    """What the gateway sends for a speech request (gateway/convert.py speech_to_proto)."""
+    request = omni_pb2.GenerateRequest(voice=voice, forced_text=text, return_codec_frames=return_codec_frames)
+    request.messages.add(role=omni_pb2.ROLE_USER).content.add(text=text)
+    request.output_modalities.extend([omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO])
+    if talker_max_new_tokens is not None:
+        request.talker_sampling.max_new_tokens = talker_max_new_tokens
+    return request
+
+
+@pytest.fixture(scope="module")
+def grpc_speech(omni):
+    """The gRPC path's audio for TEXT (the stack's default talker length), once."""
+    return collect(omni, forced_request(TEXT, VOICE), timeout=120)
+
+
+def test_forced_text_equals_reference_talker(omni, tiny_checkpoint):
+    """The check: transformers' `Qwen3OmniMoeForConditionalGeneration.generate` on the same
+    checkpoint and prompt (the user turn holding TEXT), greedy, with a logits processor on the
+    thinker that leaves only the next forced id finite at each step (ReferenceRunner.generate
+    `forced_ids`), so its thinker "generates" exactly TEXT's tokens and <|im_end|>; everything
+    after that (the thinker's hidden states and embeddings of those tokens, the talker's prompt,
+    its codes, the vocoder) is generate's own code. The pipeline gets `forced_text=TEXT` and must
+    give the same thinker ids (TEXT's tokens then the end token), the text TEXT itself, and the
+    same codec frames, frame for frame."""
+    import transformers
+
+    from services.runtime.prompt import ChatMessage, Part, Role
+    from services.tools.reference import ReferenceRunner
+
+    frames = 20
+    got = collect(omni, forced_request(TEXT, VOICE, talker_max_new_tokens=frames, return_codec_frames=True),
+                  timeout=120)
+    transformers.logging.set_verbosity_error()
+    reference = ReferenceRunner(tiny_checkpoint)
+    expected_ids = reference.prompts.encode_text(TEXT) + [reference.eos_id]
+    expected = reference.generate([ChatMessage(Role.USER, (Part(text=TEXT),))], voice=VOICE,
+                                  talker_max_new_tokens=frames, forced_ids=expected_ids)
+
+    assert expected.thinker_token_ids == expected_ids  # the oracle did force its thinker
+    assert got.thinker_token_ids == expected_ids
+    assert got.text == TEXT + "<|im_end|>"
+    assert got.codec_frames == expected.codec_frames
+    assert len(got.codec_frames) == frames - 1
+    assert got.final.usage.text_tokens == len(expected_ids)
+
+
+def test_forced_text_refuses_sampling_and_empty_text(omni):
+    import grpc
+
+    from services.serving.status import field_violations
+
+    bad = forced_request(TEXT, VOICE)
+    bad.thinker_sampling.temperature = 0.7
+    empty = forced_request("", VOICE)
+    for request, field in ((bad, "thinker_sampling"), (empty, "forced_text")):
+        with pytest.raises(grpc.RpcError) as caught:
+            collect(omni, request, timeout=60)
+        assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert field_violations(caught.value)[0][0] == field
+
+
+def decoded(data: bytes) -> tuple[np.ndarray, int]:
+    samples, rate = sf.read(io.BytesIO(data), dtype="float64", always_2d=False)
+    return samples, rate
+
+
+@pytest.mark.parametrize("fmt", ["wav", "flac", "pcm", "mp3", "opus"])
+def test_speech_every_format_decodes_back(client, grpc_speech, fmt):
+    want = grpc_speech.audio
+    data = client.audio.speech.create(model="tiny-qwen3-omni", input=TEXT, voice=VOICE, response_format=fmt).content
+    if fmt == "pcm":
+        samples, rate = np.frombuffer(data, "<i2").astype(np.float64) / 32768, 24000
+    else:
+        samples, rate = decoded(data)
+    assert rate == 24000 and samples.ndim == 1
+    if fmt in ("wav", "flac", "pcm"):  # lossless 16-bit: the float audio rounded once
+        assert samples.shape == want.shape
+        assert np.max(np.abs(samples - want)) <= LSB
+    else:  # lossy: same length as libsndfile decodes it, same loudness roughly
+        assert abs(samples.size - want.size) <= 2 * 1152, (samples.size, want.size)
+        assert 0.5 < rms(samples) / rms(want) < 2.0
+
+
+def test_speech_streams_raw_pcm_as_it_comes(client, grpc_speech):
+    with client.audio.speech.with_streaming_response.create(
+            model="m", input=TEXT, voice=VOICE, response_format="pcm", stream_format="audio") as response:
+        assert response.headers["content-type"].startswith("audio/pcm")
+        pieces = list(response.iter_bytes())
+    samples = np.frombuffer(b"".join(pieces), "<i2").astype(np.float64) / 32768
+    assert samples.shape == grpc_speech.audio.shape
+    assert np.max(np.abs(samples - grpc_speech.audio)) <= LSB
+
+
+def sse_events(response) -> list[dict]:
+    return [json.loads(line[len("data: "):]) for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_speech_sse_deltas_then_done_with_usage(client, grpc_speech):
+    with client.audio.speech.with_streaming_response.create(
+            model="m", input=TEXT, voice=VOICE, response_format="pcm", stream_format="sse") as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(response)
+    deltas = [e for e in events if e["type"] == "speech.audio.delta"]
+    assert events[-1]["type"] == "speech.audio.done" and len(deltas) == len(events) - 1
+    assert len(deltas) == len(grpc_speech.audio_chunks)  # one delta per chunk the pipeline streamed
+    pcm = b"".join(base64.b64decode(e["audio"]) for e in deltas)
+    samples = np.frombuffer(pcm, "<i2").astype(np.float64) / 32768
+    assert np.max(np.abs(samples - grpc_speech.audio)) <= LSB
+    usage = events[-1]["usage"]
+    assert usage["output_tokens"] == grpc_speech.final.usage.codec_frames
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"] > 0
+
+
+def test_speech_sse_in_a_container_format(client, grpc_speech):
+    with client.audio.speech.with_streaming_response.create(
+            model="m", input=TEXT, voice=VOICE, response_format="flac", stream_format="sse") as response:
+        events = sse_events(response)
+    assert [e["type"] for e in events] == ["speech.audio.delta", "speech.audio.done"]
+    samples, rate = decoded(base64.b64decode(events[0]["audio"]))
+    assert rate == 24000 and np.max(np.abs(samples - grpc_speech.audio)) <= LSB
+
+
+def rms(x: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(np.square(x))))
