@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.serving.decode_guard import DecodeGuard
 from services.serving.security import TLSConfig
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,8 @@ def build_server(host: str, port: int, service_names: tuple[str, ...],
     TLS (mutual with a CA) when `tls` has a certificate. `health_port` adds a second, plaintext
     server with only grpc.health.v1 (the same statuses): Kubernetes' native gRPC probes cannot
     speak TLS."""
-    server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=interceptors)
+    # DecodeGuard first: a body that is not the method's message ends INVALID_ARGUMENT, not UNKNOWN.
+    server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=(DecodeGuard(),) + tuple(interceptors))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
