@@ -160,8 +160,8 @@ def _modalities(request: omni_pb2.GenerateRequest, *modalities: int) -> omni_pb2
 
 
 def malformed_requests() -> dict[str, Malformed]:
-    """Requests the stack must refuse, by name: INVALID_ARGUMENT naming the field, except bytes that
-    are no GenerateRequest at all, which grpc's aio server answers with UNKNOWN (its DecodeError)."""
+    """Requests the stack must refuse, by name: INVALID_ARGUMENT naming the field (`request` for bytes
+    that are no GenerateRequest at all)."""
     no_content = omni_pb2.GenerateRequest()
     no_content.messages.add(role=omni_pb2.ROLE_USER)
     empty_part = omni_pb2.GenerateRequest()
@@ -198,9 +198,9 @@ def malformed_requests() -> dict[str, Malformed]:
         "talker max_new_tokens over its cache": Malformed(
             _sampling(build_request("hi"), "talker", max_new_tokens=5000), bad, "talker_sampling.max_new_tokens"),
         "empty bytes": Malformed(b"", bad, "messages"),  # parses: an empty GenerateRequest
-        "garbage bytes": Malformed(b"\xff\xfe garbage \x00\x01", Code.UNKNOWN, "DecodeError"),
-        "truncated message": Malformed(build_request("hello there").SerializeToString()[:-3], Code.UNKNOWN,
-                                       "DecodeError"),
+        "garbage bytes": Malformed(b"\xff\xfe garbage \x00\x01", bad, "request: the body is not"),
+        "truncated message": Malformed(build_request("hello there").SerializeToString()[:-3], bad,
+                                       "request: the body is not"),
     }
 
 
