@@ -32,6 +32,7 @@ from .support import (
 # A truncated length-delimited field 1: no message of any of these methods parses it.
 NOT_A_MESSAGE = b"\x0a\x05ab"
 MB = 1 << 20
+MAX_PROMPT_TOKENS = 4096  # the tiny checkpoint's max_position_embeddings (no --max-prompt-tokens)
 
 
 def methods(stack) -> list[tuple[str, str, bool]]:
@@ -91,7 +92,7 @@ def test_audio_is_refused_by_the_length_its_header_declares_before_decoding(stac
     assert_still_serving(stack, omni)
 
 
-def test_limits_hold_exactly_at_the_bound(stack, omni):
+def test_limits_hold_exactly_at_the_bound(stack, omni, tiny_checkpoint):
     """An input exactly at a limit is served; one step beyond it is refused, naming the field."""
     side = int(MAX_IMAGE_PIXELS ** 0.5)
     at = Call(omni.Generate, build_request("look", image=png_declaring(side, side), text_only=True, max_new_tokens=2), 60).run()
@@ -101,6 +102,14 @@ def test_limits_hold_exactly_at_the_bound(stack, omni):
                                            max_new_tokens=2), 60).run()
     assert at.code is grpc.StatusCode.OK, (at.code, at.details)
     refused(omni, build_request("hear", audio=wav_of(MAX_AUDIO_SECONDS + 0.01)), "messages[0].content[0].audio")
+    # Text: one byte over what the prompt limit can hold is refused by its size, before tokenizing.
+    from transformers import AutoTokenizer
+
+    from services.runtime.input_limits import max_token_bytes, text_byte_limit
+
+    limit = text_byte_limit(MAX_PROMPT_TOKENS, max_token_bytes(AutoTokenizer.from_pretrained(str(tiny_checkpoint))))
+    details = refused(omni, build_request("z" * (limit + 1)), "messages")
+    assert f"{limit + 1} bytes" in details and str(limit) in details, details
     assert_still_serving(stack, omni)
 
 
