@@ -208,7 +208,9 @@ class PromptBuilder:
         factor = p.patch_size * p.merge_size
         size = getattr(p, "size", None)
         min_pixels = getattr(p, "min_pixels", None) or getattr(size, "shortest_edge", None) or factor * factor
-        max_pixels = getattr(p, "max_pixels", None) or getattr(size, "longest_edge", None) or 1 << 62
+        max_pixels = getattr(p, "max_pixels", None) or getattr(size, "longest_edge", None)
+        if max_pixels is None:  # a processor of another layout: count the least, one token
+            return 1
         h = max(factor, round(height / factor) * factor)
         w = max(factor, round(width / factor) * factor)
         if h * w > max_pixels:
