@@ -239,3 +239,38 @@ def test_every_invalid_argument_names_its_field_in_a_bad_request_detail(stack):
     one()
     channel.close()
     assert MAX_IMAGE_PIXELS  # the stack's limits are what the strategies go beyond
+
+
+STAGE_METHODS = (("thinker-0", "/omni.v1.Thinker/Generate", False), ("talker-0", "/omni.v1.Talker/Speak", True),
+                 ("code2wav-0", "/omni.v1.Code2Wav/Decode", True))
+
+
+def test_raw_bodies_on_every_stage_port_end_cleanly(stack):
+    """Random bytes straight to each stage's streaming method: a clean status, never UNKNOWN or
+    INTERNAL, and the stage keeps serving."""
+    channels = {name: raw_channel(stack.address(name)) for name, _, _ in STAGE_METHODS}
+
+    @settings(max_examples=60, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(st.sampled_from(STAGE_METHODS), st.lists(st.binary(max_size=200), min_size=1, max_size=3))
+    def one(target, messages) -> None:
+        name, method, streamed = target
+        channel = channels[name]
+        try:
+            if streamed:
+                call = channel.stream_stream(method)(iter(messages), timeout=30)
+            else:
+                call = channel.unary_stream(method)(messages[0], timeout=30)
+            for _ in call:
+                pass
+        except grpc.RpcError as err:
+            assert err.code() not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL), \
+                (name, err.code(), err.details(), messages)
+
+    with Probe([stack.address(name) for name in channels]) as probe:
+        one()
+    for channel in channels.values():
+        channel.close()
+    assert not probe.missed, probe.missed[:10]
+    assert all(p.popen.poll() is None for p in stack.stack.processes.values())
+    settled = wait_settled(stack.replicas, stack.metrics_url, SETTLE_S)
+    assert settled.idle, settled.busy()
