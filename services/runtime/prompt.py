@@ -119,7 +119,10 @@ def decode_audio(data: bytes, field_name: str, max_seconds: float | None = None,
     import soundfile as sf
 
     header = header or declared_audio(data, field_name, max_seconds)
-    limit = header.frames if max_seconds is None else min(header.frames, int(max_seconds * header.rate) + 1)
+    # A stream that does not declare its length (frames 0) is read up to the limit.
+    declared = header.frames if header.frames > 0 else None
+    cap = None if max_seconds is None else int(max_seconds * header.rate) + 1
+    limit = min(n for n in (declared, cap, 1 << 62) if n is not None)
     blocks, frames = [], 0
     try:
         with sf.SoundFile(io.BytesIO(data)) as f:
