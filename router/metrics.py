@@ -35,6 +35,10 @@ class RouterMetrics:
                                          ["stage"], buckets=LATENCY_BUCKETS, registry=r)
         self.replica_healthy = Gauge("omni_router_replica_healthy", "1 if the replica is SERVING and not draining",
                                      ["stage", "replica"], registry=r)
+        self.replica_state = Gauge("omni_router_replica_state",
+                                   "1 for the replica's state: up, suspect (polls missing their deadline, "
+                                   "still used) or down (refused, reset or not serving)",
+                                   ["stage", "replica", "state"], registry=r)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int | None:
         if not port:

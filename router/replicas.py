@@ -13,6 +13,12 @@ TLS names: replicas are dialled at their pod IPs, so the name checked in a repli
 is the DNS name it was found under (`omni-talker` for `dns:///omni-talker:50062`; the
 certificate of every pod behind a headless Service carries that name), unless `--tls-server-name`
 sets one for every stage. Static `host:port` replicas are checked against their host.
+
+A poll that fails is weighed by how it failed (`PollVerdict`): a refused or reset connection
+(UNAVAILABLE) or a NOT_SERVING answer takes the replica out at once; a poll that only ran past
+its deadline (a loaded machine, a paused process) makes it *suspect*: it keeps its requests and
+still takes new ones until `down_after_misses` polls in a row miss, so a replica that is merely
+slow is never dropped. The metrics show each replica's state (`omni_router_replica_state`).
 """
 
 from __future__ import annotations
@@ -41,6 +47,21 @@ _LOAD_STUBS = {
 }
 
 
+UP, SUSPECT, DOWN = "up", "suspect", "down"
+STATES = (UP, SUSPECT, DOWN)
+DOWN_AFTER_MISSES = 3  # polls in a row that run past their deadline before a replica counts as down
+
+
+def poll_verdict(code: grpc.StatusCode | None, serving: bool) -> str:
+    """What one poll says: UP (answered SERVING), DOWN (answered NOT_SERVING, or the connection
+    was refused or reset), or SUSPECT (no answer within the deadline: maybe just slow)."""
+    if code is None:
+        return UP if serving else DOWN
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return SUSPECT
+    return DOWN
+
+
 @dataclass
 class Replica:
     address: str  # host:port
@@ -49,6 +70,13 @@ class Replica:
     load: common_pb2.LoadReport | None = None
     in_flight: int = 0  # this router's requests on it now
     last_ok: float = 0.0  # monotonic time of the last successful poll
+    misses: int = 0  # polls in a row that ran past their deadline
+
+    @property
+    def state(self) -> str:
+        if not self.healthy:
+            return DOWN
+        return SUSPECT if self.misses else UP
 
     @property
     def score(self) -> float:
@@ -94,6 +122,7 @@ class ReplicaSet:
     poll_interval_s: float = 1.0
     dns_refresh_s: float = 5.0
     tls: TLSConfig = TLSConfig()
+    down_after_misses: int = DOWN_AFTER_MISSES
     replicas: dict[str, Replica] = field(default_factory=dict)  # address -> replica
     _channels: RotatingChannels | None = None  # address -> channel, new ones after a TLS rotation
     _task: asyncio.Task | None = None
@@ -157,17 +186,35 @@ class ReplicaSet:
 
     async def _poll(self, replica: Replica) -> None:
         channel = self.channel(replica.address)
+        code, load, serving = None, None, False
         try:
             health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
             serving = health.status == health_pb2.HealthCheckResponse.SERVING
             load = await _LOAD_STUBS[self.stage](channel).GetLoad(common_pb2.LoadRequest(), timeout=1.0) \
                 if serving else None
-        except grpc.aio.AioRpcError:
-            serving, load = False, None
-        if serving != replica.healthy:
-            log.info("%s replica %s is %s", self.stage, replica.address, "SERVING" if serving else "not serving")
-        replica.healthy = serving
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+        verdict = poll_verdict(code, serving)
+        if verdict == SUSPECT:
+            replica.misses += 1
+            if replica.misses < self.down_after_misses or not replica.healthy:
+                if replica.healthy:
+                    log.info("%s replica %s is suspect: %d poll(s) in a row missed their deadline", self.stage,
+                             replica.address, replica.misses)
+                return  # keep what it last reported
+            verdict = DOWN
+        if (verdict == UP) != replica.healthy:
+            log.info("%s replica %s is %s", self.stage, replica.address,
+                     "SERVING" if verdict == UP else f"down ({code.name if code else 'not serving'})")
+        replica.misses = 0
+        replica.healthy = verdict == UP
         replica.load = load
-        replica.draining = bool(load.draining) if load is not None else not serving
-        if serving:
+        replica.draining = bool(load.draining) if load is not None else not replica.healthy
+        if replica.healthy:
             replica.last_ok = time.monotonic()
+
+
+def publish_state(metrics, stage: str, replica: Replica) -> None:
+    """omni_router_replica_state{state=...}: 1 for the replica's state, 0 for the others."""
+    for state in STATES:
+        metrics.replica_state.labels(stage, replica.address, state).set(int(replica.state == state))

@@ -23,7 +23,7 @@ import grpc
 from omni.v1 import omni_pb2, omni_pb2_grpc, stages_pb2, stages_pb2_grpc
 from router.admission import Admission, AdmissionConfig, Rejected
 from router.metrics import RouterMetrics
-from router.replicas import Replica, ReplicaSet, ReplicaSource
+from router.replicas import Replica, ReplicaSet, ReplicaSource, publish_state
 from services.runtime.errors import run_cli
 from services.runtime.settings import env_default
 from services.serving.config import add_health_port_flag
@@ -286,6 +286,7 @@ class Router:
                 for replica in replica_set.replicas.values():
                     self.metrics.replica_healthy.labels(stage, replica.address).set(
                         int(replica.healthy and not replica.draining))
+                    publish_state(self.metrics, stage, replica)
             if self.ready != serving and not handle.draining:
                 serving = self.ready
                 await handle.set_serving(serving, services=(SERVICE,))

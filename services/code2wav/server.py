@@ -136,6 +136,7 @@ async def create_server(config: Code2WavConfig) -> tuple[ServerHandle, EngineLoo
     loop.start()
     handle = build_server(config.serving.host, config.serving.port, (SERVICE,), config.serving.max_message_bytes,
                           tls=config.serving.tls, health_port=config.serving.health_port)
+    loop.streams = handle.streams  # LoadReport.in_flight counts open streams
     servicer = Code2WavServicer(loop, engine, handle, config.serving.stream_idle_timeout_s)
     stages_pb2_grpc.add_Code2WavServicer_to_server(servicer, handle.server)
     return handle, loop

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import enum
 import io
+import math
 import threading
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,11 +22,20 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from services.runtime.errors import InvalidArgument
+from services.runtime.input_limits import (
+    AudioHeader,
+    check_image_size,
+    declared_audio,
+    declared_image_size,
+    max_token_bytes,
+    text_byte_limit,
+)
 
 if TYPE_CHECKING:
     import torch
 
 AUDIO_SAMPLE_RATE = 16000  # what the Whisper feature extractor expects
+_MEL_HOP = 160  # samples per mel frame of the Whisper feature extractor
 
 
 class Role(enum.Enum):
@@ -98,35 +109,59 @@ def resample(samples: np.ndarray, rate: int, target: int) -> np.ndarray:
     return out.astype(np.float32)
 
 
-def decode_audio(data: bytes, field_name: str, max_seconds: float | None = None) -> np.ndarray:
-    """wav/flac bytes -> mono float32 at 16 kHz; InvalidArgument naming the field otherwise."""
+def decode_audio(data: bytes, field_name: str, max_seconds: float | None = None,
+                 header: AudioHeader | None = None) -> np.ndarray:
+    """wav/flac bytes -> mono float32 at 16 kHz; InvalidArgument naming the field otherwise.
+
+    The header is checked first (`declared_audio`: length, rate, channels); then at most the
+    declared frames, and never more than `max_seconds`, are decoded, block by block, mixed down
+    to mono as they come (a file holding fewer samples than it declares yields what it holds)."""
     import soundfile as sf
 
+    header = header or declared_audio(data, field_name, max_seconds)
+    # A stream that does not declare its length (frames 0) is read up to the limit.
+    declared = header.frames if header.frames > 0 else None
+    cap = None if max_seconds is None else int(max_seconds * header.rate) + 1
+    limit = min(n for n in (declared, cap, 1 << 62) if n is not None)
+    blocks, frames = [], 0
     try:
-        samples, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
+        with sf.SoundFile(io.BytesIO(data)) as f:
+            while frames < limit:
+                block = f.read(min(_AUDIO_BLOCK_FRAMES, limit - frames), dtype="float32", always_2d=True)
+                if block.shape[0] == 0:
+                    break
+                blocks.append(block.mean(axis=1))
+                frames += block.shape[0]
     except Exception as exc:  # soundfile raises several types for garbage input
         raise InvalidArgument(field_name, f"not a readable wav/flac file ({type(exc).__name__})") from None
-    if samples.shape[0] == 0:
+    if frames == 0:
         raise InvalidArgument(field_name, "audio has no samples")
-    if max_seconds is not None and samples.shape[0] / rate > max_seconds:
-        raise InvalidArgument(field_name, f"audio is {samples.shape[0] / rate:.1f} s, longer than {max_seconds} s")
-    return resample(samples.mean(axis=1), rate, AUDIO_SAMPLE_RATE)
+    if max_seconds is not None and frames / header.rate > max_seconds:
+        raise InvalidArgument(field_name, f"audio is longer than {max_seconds} s")
+    return resample(np.concatenate(blocks), header.rate, AUDIO_SAMPLE_RATE)
+
+
+_AUDIO_BLOCK_FRAMES = 1 << 16
 
 
 def decode_image(data: bytes, field_name: str, max_pixels: int | None = None):
-    """png/jpeg bytes -> RGB PIL image; InvalidArgument naming the field otherwise."""
+    """png/jpeg bytes -> RGB PIL image; InvalidArgument naming the field otherwise. The size the
+    header declares is checked before a pixel is decoded."""
     from PIL import Image, UnidentifiedImageError
 
+    check_image_size(*declared_image_size(data, field_name), field_name, max_pixels)
     try:
-        image = Image.open(io.BytesIO(data))
-        if image.format not in ("PNG", "JPEG"):
-            raise InvalidArgument(field_name, f"image format {image.format} is not png or jpeg")
-        image.load()
-    except (UnidentifiedImageError, OSError, ValueError):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+            if image.format not in ("PNG", "JPEG"):
+                raise InvalidArgument(field_name, f"image format {image.format} is not png or jpeg")
+            check_image_size(image.width, image.height, field_name, max_pixels)  # what PIL will decode
+            image.load()
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError,
+            Image.DecompressionBombError, Image.DecompressionBombWarning):
         raise InvalidArgument(field_name, "not a readable png/jpeg image") from None
-    if max_pixels is not None and image.width * image.height > max_pixels:
-        raise InvalidArgument(field_name, f"image has {image.width * image.height} pixels, more than {max_pixels}")
-    return image.convert("RGB")
 
 
 @dataclass(frozen=True)
@@ -144,10 +179,14 @@ class PromptBuilder:
     def __init__(self, folder: str | Path, config, limits: PromptLimits = PromptLimits()):
         from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer
 
+        # Fast tokenizers are not safe to share between threads (RuntimeError: Already borrowed).
+        # Prompts are encoded in worker threads, deltas decoded on the event loop: each side has
+        # a tokenizer (and a lock) of its own, so a long prompt never holds up another stream's
+        # output (or anything else on the event loop, health checks included).
         self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
-        # Fast tokenizers are not safe to share between threads (RuntimeError: Already borrowed);
-        # prompts are built in worker threads while deltas are decoded on the event loop.
-        self._tokenizer_lock = threading.Lock()
+        self._encode_lock = threading.Lock()
+        self._decoder = AutoTokenizer.from_pretrained(str(folder))
+        self._decode_lock = threading.Lock()
         self.feature_extractor = AutoFeatureExtractor.from_pretrained(str(folder))
         self.image_processor = AutoImageProcessor.from_pretrained(str(folder))
         self.config = config
@@ -157,23 +196,84 @@ class PromptBuilder:
         model_max = config.thinker_config.text_config.max_position_embeddings
         self.max_prompt_tokens = min(limits.max_prompt_tokens or model_max, model_max)
         self.limits = limits
+        self.max_token_bytes = max_token_bytes(self.tokenizer)
+        # Text beyond this cannot fit the prompt limit: refused before it is tokenized.
+        self.max_text_bytes = text_byte_limit(self.max_prompt_tokens, self.max_token_bytes)
+
+    def audio_tokens_at_least(self, header: AudioHeader) -> int:
+        """Prompt tokens an audio part of this header yields, at least (whole encoder chunks)."""
+        mel_frames = header.frames * AUDIO_SAMPLE_RATE // header.rate // _MEL_HOP
+        return int(mel_frames // (self.n_window * 2)) * 13
+
+    def image_tokens(self, width: int, height: int) -> int:
+        """Prompt tokens of an image this size (Qwen2-VL's resize: patches / merge^2)."""
+        p = self.image_processor
+        factor = p.patch_size * p.merge_size
+        size = getattr(p, "size", None)
+        min_pixels = getattr(p, "min_pixels", None) or getattr(size, "shortest_edge", None) or factor * factor
+        max_pixels = getattr(p, "max_pixels", None) or getattr(size, "longest_edge", None)
+        if max_pixels is None:  # a processor of another layout: count the least, one token
+            return 1
+        h = max(factor, round(height / factor) * factor)
+        w = max(factor, round(width / factor) * factor)
+        if h * w > max_pixels:
+            beta = math.sqrt(height * width / max_pixels)
+            h = max(factor, math.floor(height / beta / factor) * factor)
+            w = max(factor, math.floor(width / beta / factor) * factor)
+        elif h * w < min_pixels:
+            beta = math.sqrt(min_pixels / (height * width))
+            h = math.ceil(height * beta / factor) * factor
+            w = math.ceil(width * beta / factor) * factor
+        return max(1, (h // p.patch_size) * (w // p.patch_size) // (p.merge_size ** 2))
+
+    def _check_declared(self, messages: list[ChatMessage], field_prefix: str) -> dict:
+        """Check every part's header against the limits and the prompt's least token count
+        against the prompt limit, before anything is decoded or tokenized; part -> its header."""
+        headers = {}
+        text_bytes, at_least = 0, 0
+        for i, message in enumerate(messages):
+            for j, part in enumerate(message.parts):
+                where = f"{field_prefix}[{i}].content[{j}]"
+                if part.text is not None:
+                    text_bytes += len(part.text.encode("utf-8", "surrogatepass"))
+                elif part.audio is not None:
+                    header = declared_audio(part.audio, f"{where}.audio", self.limits.max_audio_seconds)
+                    headers[(i, j)] = header
+                    at_least += self.audio_tokens_at_least(header)
+                elif part.image is not None:
+                    width, height = declared_image_size(part.image, f"{where}.image")
+                    check_image_size(width, height, f"{where}.image", self.limits.max_image_pixels)
+                    at_least += self.image_tokens(width, height)
+        if text_bytes > self.max_text_bytes:
+            raise InvalidArgument(field_prefix, f"prompt text is {text_bytes} bytes, more than the {self.max_text_bytes} "
+                                                f"that {self.max_prompt_tokens} tokens can hold (the limit)")
+        at_least += -(-text_bytes // self.max_token_bytes)
+        if at_least > self.max_prompt_tokens:
+            raise InvalidArgument(field_prefix, f"prompt is at least {at_least} tokens, longer than the limit of "
+                                                f"{self.max_prompt_tokens}")
+        return headers
 
     def build(self, messages: list[ChatMessage], field_prefix: str = "messages") -> PromptInputs:
         import torch
 
         if not messages:
             raise InvalidArgument(field_prefix, "at least one message is required")
-        chat, audios, images = [], [], []
         for i, message in enumerate(messages):
             if not message.parts:
                 raise InvalidArgument(f"{field_prefix}[{i}].content", "a message needs at least one part")
+        if not any(m.role is Role.USER for m in messages):
+            raise InvalidArgument(field_prefix, "at least one user message is required")
+        headers = self._check_declared(messages, field_prefix)
+        chat, audios, images = [], [], []
+        for i, message in enumerate(messages):
             content = []
             for j, part in enumerate(message.parts):
                 where = f"{field_prefix}[{i}].content[{j}]"
                 if part.text is not None:
                     content.append({"type": "text", "text": part.text})
                 elif part.audio is not None:
-                    audios.append(decode_audio(part.audio, f"{where}.audio", self.limits.max_audio_seconds))
+                    audios.append(decode_audio(part.audio, f"{where}.audio", self.limits.max_audio_seconds,
+                                               headers[(i, j)]))
                     content.append({"type": "audio"})
                 elif part.image is not None:
                     images.append(decode_image(part.image, f"{where}.image", self.limits.max_image_pixels))
@@ -181,9 +281,7 @@ class PromptBuilder:
                 else:
                     raise InvalidArgument(where, "empty content part")
             chat.append({"role": message.role.value, "content": content})
-        if not any(m.role is Role.USER for m in messages):
-            raise InvalidArgument(field_prefix, "at least one user message is required")
-        with self._tokenizer_lock:
+        with self._encode_lock:
             text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
 
         inputs = {}
@@ -202,7 +300,7 @@ class PromptBuilder:
             inputs["image_grid_thw"] = pix["image_grid_thw"]
             merge = self.image_processor.merge_size ** 2
             text = self._expand(text, self.image_token, [int(g.prod()) // merge for g in pix["image_grid_thw"]])
-        with self._tokenizer_lock:
+        with self._encode_lock:
             ids = self.tokenizer(text, return_tensors="pt")["input_ids"].to(torch.long)
         if ids.shape[1] > self.max_prompt_tokens:
             raise InvalidArgument(
@@ -226,8 +324,8 @@ class PromptBuilder:
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def decode(self, ids: list[int]) -> str:
-        with self._tokenizer_lock:
-            return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        with self._decode_lock:
+            return self._decoder.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
 def speaker_names(config) -> list[str]:

@@ -130,6 +130,7 @@ class EngineLoop:
         self._sinks: dict[str, EventSink] = {}  # request_id -> where its events go
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-engine", daemon=True)
+        self.streams = None  # the server's OpenStreams: its open streams count as in flight too
 
     def start(self) -> None:
         self._thread.start()
@@ -151,7 +152,9 @@ class EngineLoop:
 
     @property
     def in_flight(self) -> int:
-        return len(self._sinks)
+        """Requests the engine holds, or streams open on the server, whichever is more (a stream
+        outlives its engine request while it relays the next stage's output)."""
+        return max(len(self._sinks), self.streams.open if self.streams is not None else 0)
 
     def load_report(self, stage: str, cache_capacity: int = 0, draining: bool = False,
                     limits: common_pb2.StageLimits | None = None) -> common_pb2.LoadReport:
@@ -173,7 +176,7 @@ class EngineLoop:
         m.queue_depth.set(self.engine.queue_depth)
         m.running.set(self.engine.running)
         m.cache_used.set(self.engine.running)
-        m.in_flight.set(len(self._sinks))
+        m.in_flight.set(self.in_flight)
 
     # The loop thread.
     def _apply(self, command: Command) -> None:

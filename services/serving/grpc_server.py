@@ -18,6 +18,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.serving.decode_guard import DecodeGuard
+from services.serving.open_streams import OpenStreams
 from services.serving.security import TLSConfig
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,7 @@ class ServerHandle:
     draining: bool = False  # SIGTERM received: NOT_SERVING, finishing in-flight streams
     health_server: grpc.aio.Server | None = None  # plaintext, health only (--health-port)
     health_port: int | None = None
+    streams: OpenStreams | None = None  # the open streams of `service_names` (LoadReport.in_flight)
 
     async def set_serving(self, serving: bool, services: tuple[str, ...] | None = None) -> None:
         """Health of `services` (default: the overall status "" and every service of this server)."""
@@ -73,7 +76,10 @@ def build_server(host: str, port: int, service_names: tuple[str, ...],
     TLS (mutual with a CA) when `tls` has a certificate. `health_port` adds a second, plaintext
     server with only grpc.health.v1 (the same statuses): Kubernetes' native gRPC probes cannot
     speak TLS."""
-    server = grpc.aio.server(options=server_options(max_message_bytes), interceptors=interceptors)
+    # DecodeGuard first: a body that is not the method's message ends INVALID_ARGUMENT, not UNKNOWN.
+    streams = OpenStreams(service_names)
+    server = grpc.aio.server(options=server_options(max_message_bytes),
+                             interceptors=(DecodeGuard(), streams) + tuple(interceptors))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -85,7 +91,7 @@ def build_server(host: str, port: int, service_names: tuple[str, ...],
     bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
-    handle = ServerHandle(server=server, port=bound, health=health_servicer, service_names=service_names)
+    handle = ServerHandle(server=server, port=bound, health=health_servicer, service_names=service_names, streams=streams)
     if health_port:
         handle.health_server = grpc.aio.server()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, handle.health_server)
@@ -128,8 +134,23 @@ def time_remaining(context: grpc.aio.ServicerContext) -> float | None:
     return None if remaining is None or remaining > 1e8 else max(remaining, 0.001)
 
 
+class _PeerGone(logging.Filter):
+    """grpc aio logs ERROR with a traceback ("ExecuteBatchError raised in core by servicer
+    method [...]") when a handler's send races the caller's cancellation or deadline: the call
+    has ended, the send has nowhere to go. That is the normal way a cancelled stream ends, so it
+    becomes one debug line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith("ExecuteBatchError raised in core"):
+            log.debug("a send raced the end of the call (cancelled by its caller): %s", message.splitlines()[0])
+            return False
+        return True
+
+
 def setup_logging(name: str) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    logging.getLogger("grpc._cython.cygrpc").addFilter(_PeerGone())
 
 
 def write_port_file(path: str | None, port: int) -> None:

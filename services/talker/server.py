@@ -231,6 +231,7 @@ async def create_server(config: TalkerConfig) -> tuple[ServerHandle, EngineLoop]
     loop.start()
     handle = build_server(config.serving.host, config.serving.port, (SERVICE,), config.serving.max_message_bytes,
                           tls=config.serving.tls, health_port=config.serving.health_port)
+    loop.streams = handle.streams  # LoadReport.in_flight counts open streams
     stages_pb2_grpc.add_TalkerServicer_to_server(TalkerServicer(loop, engine, config, loaded.config, handle), handle.server)
     return handle, loop
 

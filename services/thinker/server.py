@@ -348,6 +348,7 @@ async def create_server(config: ThinkerConfig) -> tuple[ServerHandle, EngineLoop
     loop.start()
     handle = build_server(config.serving.host, config.serving.port, (SERVICE,), config.serving.max_message_bytes,
                           tls=config.serving.tls, health_port=config.serving.health_port)
+    loop.streams = handle.streams  # LoadReport.in_flight counts open streams
     servicer = ThinkerServicer(loop, engine, prompts, config, handle, build_prompt)
     stages_pb2_grpc.add_ThinkerServicer_to_server(servicer, handle.server)
     return handle, loop

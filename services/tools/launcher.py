@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,6 +50,7 @@ class Process:
     args: list[str]
     port: int
     popen: subprocess.Popen | None = None
+    output: deque = field(default_factory=lambda: deque(maxlen=5000))  # its last log lines
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -112,12 +114,13 @@ class Stack:
              "--port", str(process.port)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, start_new_session=True,
         )
-        threading.Thread(target=self._pump, args=(process.name, process.popen), daemon=True).start()
+        threading.Thread(target=self._pump, args=(process, process.popen), daemon=True).start()
 
-    def _pump(self, name: str, popen: subprocess.Popen) -> None:
+    def _pump(self, process: Process, popen: subprocess.Popen) -> None:
         for line in popen.stdout:
+            process.output.append(line)
             if self.options.log_prefix:
-                sys.stderr.write(f"[{name:10}] {line}")
+                sys.stderr.write(f"[{process.name:10}] {line}")
 
     def _add(self, name: str, stage: str, args: list[str], port: int | None = None) -> Process:
         base = self.options.metrics_base_port

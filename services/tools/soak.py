@@ -26,7 +26,7 @@ import time
 import urllib.request
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 
 import grpc
@@ -36,6 +36,7 @@ from services.runtime.errors import UserError, run_cli
 from services.serving.grpc_server import channel_options
 from services.tools.client import build_request
 from services.tools.launcher import Stack, StackOptions, free_port
+from services.tools.memory import MemoryWatch
 
 STAGES = ("thinker", "talker", "code2wav")
 GENERATE = "/omni.v1.Omni/Generate"
@@ -160,8 +161,8 @@ def _modalities(request: omni_pb2.GenerateRequest, *modalities: int) -> omni_pb2
 
 
 def malformed_requests() -> dict[str, Malformed]:
-    """Requests the stack must refuse, by name: INVALID_ARGUMENT naming the field, except bytes that
-    are no GenerateRequest at all, which grpc's aio server answers with UNKNOWN (its DecodeError)."""
+    """Requests the stack must refuse, by name: INVALID_ARGUMENT naming the field (`request` for bytes
+    that are no GenerateRequest at all)."""
     no_content = omni_pb2.GenerateRequest()
     no_content.messages.add(role=omni_pb2.ROLE_USER)
     empty_part = omni_pb2.GenerateRequest()
@@ -198,9 +199,9 @@ def malformed_requests() -> dict[str, Malformed]:
         "talker max_new_tokens over its cache": Malformed(
             _sampling(build_request("hi"), "talker", max_new_tokens=5000), bad, "talker_sampling.max_new_tokens"),
         "empty bytes": Malformed(b"", bad, "messages"),  # parses: an empty GenerateRequest
-        "garbage bytes": Malformed(b"\xff\xfe garbage \x00\x01", Code.UNKNOWN, "DecodeError"),
-        "truncated message": Malformed(build_request("hello there").SerializeToString()[:-3], Code.UNKNOWN,
-                                       "DecodeError"),
+        "garbage bytes": Malformed(b"\xff\xfe garbage \x00\x01", bad, "request: the body is not"),
+        "truncated message": Malformed(build_request("hello there").SerializeToString()[:-3], bad,
+                                       "request: the body is not"),
     }
 
 
@@ -456,6 +457,7 @@ class Summary:
     busy: dict  # "stage address" -> (in_flight, running, queue_depth) of replicas not idle at the end
     unreachable: list  # "stage address" of replicas whose load could not be read at the end
     settle_s: float
+    memory: dict = field(default_factory=dict)  # process -> RSS of the first vs the last window (MemoryWatch.report)
 
     @property
     def ok(self) -> bool:
@@ -480,6 +482,8 @@ class Summary:
             *examples,
             f"  hung        {self.hung}",
             f"  leaked      {self.leaked} (settled in {self.settle_s:.1f} s){busy}",
+            *[f"  memory      {name}: {m['first_mb']:.0f} -> {m['last_mb']:.0f} MB ({m['growth_mb']:+.1f} MB, "
+              f"first vs last {m['window_s']:.0f} s; peak {m['peak_mb']:.0f} MB)" for name, m in sorted(self.memory.items())],
             f"  result      {'OK' if self.ok else 'FAILED'}",
         ]
 
@@ -513,6 +517,20 @@ def _stage_addresses(specs: list[str]) -> dict[str, tuple[str, ...]]:
     return {stage: tuple(addresses) for stage, addresses in replicas.items()}
 
 
+def _pids(stack, specs: list[str]) -> dict:
+    """name -> pid (or a callable giving the current pid of a process the soak may restart)."""
+    pids = {}
+    if stack is not None:
+        for name, process in stack.processes.items():
+            pids[name] = lambda process=process: process.popen.pid
+    for spec in specs:
+        name, _, pid = spec.partition("=")
+        if not pid.isdigit():
+            raise UserError(f"--watch-pid: expected name=PID, got {spec!r}")
+        pids[name] = int(pid)
+    return pids
+
+
 def soak(args, log: Callable[[str], None]) -> Summary:
     stack = None
     metrics_url = args.router_metrics
@@ -538,6 +556,7 @@ def soak(args, log: Callable[[str], None]) -> Summary:
         log(f"omni-soak: {args.workers} workers for {args.duration_s:g} s against {target}"
             f"{' with chaos' if args.chaos else ''}")
         channel = grpc.insecure_channel(target, options=channel_options())
+        watch = MemoryWatch(_pids(stack, args.watch_pid), args.memory_interval_s).start()
         # With a surviving talker replica, chaos's victims move to it and complete: UNAVAILABLE is a failure.
         run = Soak(channel, args.duration_s, args.workers, args.seed, args.hang_timeout_s,
                    args.chaos and args.talker_replicas < 2)
@@ -548,8 +567,10 @@ def soak(args, log: Callable[[str], None]) -> Summary:
             thread.join(timeout=120)
         elapsed = time.monotonic() - started
         settled = wait_settled(replicas, metrics_url, args.settle_s)
+        watch.stop()
         channel.close()
-        return summarize(list(run.outcomes), stuck, settled, elapsed)
+        summary = summarize(list(run.outcomes), stuck, settled, elapsed)
+        return replace(summary, memory=watch.report(args.memory_window_s))
     finally:
         if stack is not None:
             stack.stop()
@@ -575,6 +596,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-in-flight", type=int, default=4, help="router admission limit of its own stack")
     parser.add_argument("--max-queue", type=int, default=4)
     parser.add_argument("--queue-timeout-s", type=float, default=2.0)
+    parser.add_argument("--watch-pid", action="append", default=[],
+                        help="with --target: name=PID of a local process whose memory to report (repeatable)")
+    parser.add_argument("--memory-interval-s", type=float, default=5.0, help="RSS sampling interval (default 5)")
+    parser.add_argument("--memory-window-s", type=float, default=600.0,
+                        help="memory growth compares the mean RSS of the first and the last window (default 600 s; "
+                             "a third of the run when it is shorter)")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     parser.add_argument("--verbose", action="store_true", help="show the stack's logs")
     args = parser.parse_args(argv)

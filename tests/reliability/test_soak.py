@@ -14,13 +14,19 @@ from .support import assert_recovered
 
 
 def test_a_short_soak_reports_nothing_leaked_or_hung(stack, omni, capsys):
+    watch = [arg for name in ("thinker-0", "talker-0", "code2wav-0", "router")
+             for arg in ("--watch-pid", f"{name}={stack.popen(name).pid}")]
     code = main(["--target", stack.target, "--router-metrics", stack.metrics_url, "--duration-s", "10",
-                 "--workers", "4", "--seed", "7", "--settle-s", "5", "--json"])
+                 "--workers", "4", "--seed", "7", "--settle-s", "5", "--memory-interval-s", "0.5", "--json", *watch])
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0, summary
     assert summary["ok"] and summary["leaked"] == 0 and summary["hung"] == 0, summary
     assert summary["unexpected"] == {}, summary["examples"]
     assert summary["completed"] > 0 and summary["cancelled"] > 0, summary
+    # Memory per process, first vs last window (a third of this short run).
+    assert set(summary["memory"]) == {"thinker-0", "talker-0", "code2wav-0", "router"}, summary["memory"]
+    for name, memory in summary["memory"].items():
+        assert 0 < memory["first_mb"] <= memory["peak_mb"] and memory["window_s"] > 0, (name, memory)
     assert summary["requests"] == (summary["completed"] + summary["rejected"] + summary["cancelled"]
                                    + sum(summary["failed"].values()))
     assert_recovered(stack, omni)

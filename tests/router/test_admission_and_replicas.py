@@ -82,3 +82,14 @@ def test_pick_takes_the_least_loaded_healthy_replica_that_is_not_draining():
     replicas.mark_failed("a:1")
     replicas.mark_failed("b:1")
     assert replicas.pick() is None
+
+
+def test_a_missed_poll_is_suspect_and_a_refused_one_down():
+    import grpc
+
+    from router.replicas import DOWN, SUSPECT, UP, poll_verdict
+
+    assert poll_verdict(None, serving=True) == UP
+    assert poll_verdict(None, serving=False) == DOWN  # NOT_SERVING
+    assert poll_verdict(grpc.StatusCode.DEADLINE_EXCEEDED, serving=False) == SUSPECT
+    assert poll_verdict(grpc.StatusCode.UNAVAILABLE, serving=False) == DOWN  # refused or reset

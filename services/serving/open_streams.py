@@ -1,0 +1,45 @@
+"""Every open stream of a stage's own service, counted where gRPC hands it to the servicer.
+
+The engine loop knows the requests its engine holds; a stream lives longer (the thinker relays
+the talker's audio after its text is done; a stream waits for its first input). `LoadReport.
+in_flight` is "streams open on this replica", so it is counted here, from the moment the
+handler starts to the moment it returns, whatever way it ends: a leaked stream shows.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import grpc
+
+
+class OpenStreams(grpc.aio.ServerInterceptor):
+    """Counts the open streaming calls of `service_names` (health and reflection not included)."""
+
+    def __init__(self, service_names: tuple[str, ...]):
+        self.prefixes = tuple(f"/{name}/" for name in service_names)
+        self.open = 0
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if (handler is None or not hasattr(handler, "_replace") or not handler.response_streaming
+                or not handler_call_details.method.startswith(self.prefixes)):
+            return handler
+        kind = "stream_stream" if handler.request_streaming else "unary_stream"
+        inner = getattr(handler, kind)
+        if inspect.isasyncgenfunction(inner):
+            async def counted(request, context):
+                self.open += 1
+                try:
+                    async for response in inner(request, context):
+                        yield response
+                finally:
+                    self.open -= 1
+        else:
+            async def counted(request, context):
+                self.open += 1
+                try:
+                    return await inner(request, context)
+                finally:
+                    self.open -= 1
+        return handler._replace(**{kind: counted})
