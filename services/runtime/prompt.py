@@ -320,7 +320,7 @@ class PromptBuilder:
 
     def encode_text(self, text: str) -> list[int]:
         """Plain text -> token ids, no special tokens added (a reply's content)."""
-        with self._tokenizer_lock:
+        with self._encode_lock:
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def decode(self, ids: list[int]) -> str:

@@ -367,27 +367,20 @@ def health_over_tls(address: str, tls: TLSConfig) -> str:
     return "SERVING"
 
 
-def test_the_component_mounts_the_gateway_certificate_where_a_gateway_exists(kubectl, tmp_path):
-    """The gateway (k8s/base/gateway*.yaml, added separately) is not needed for the component to
-    render (the gpu overlay has none); where one exists, its pod gets Secret omni-gateway-tls at
-    /etc/omni/tls like every other pod. Rendered here with a stand-in gateway Deployment."""
-    (tmp_path / "gateway.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": {"name": "omni-gateway", "labels": {"app.kubernetes.io/name": "omni-gateway",
-                                                        "app.kubernetes.io/component": "gateway"}},
-        "spec": {"selector": {"matchLabels": {"app.kubernetes.io/name": "omni-gateway"}},
-                 "template": {"metadata": {"labels": {"app.kubernetes.io/name": "omni-gateway",
-                                                      "app.kubernetes.io/component": "gateway"}},
-                              "spec": {"containers": [{"name": "gateway", "image": "omni-serve",
-                                                       "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}]}],
-                                       "volumes": [{"name": "tmp", "emptyDir": {}}]}}}}))
+def test_the_component_mounts_the_gateway_certificate_and_points_its_router_calls_at_it(kubectl, tmp_path):
+    """The gateway (k8s/base/gateway.yaml) gets Secret omni-gateway-tls at /etc/omni/tls like every
+    other pod, and its OMNI_TLS_* name those files, so its calls to the router use mutual TLS."""
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-        "resources": [os.path.relpath(K8S / "base", tmp_path), "gateway.yaml"],
+        "resources": [os.path.relpath(K8S / "base", tmp_path)],
         "components": [os.path.relpath(K8S / "components" / "mtls", tmp_path)]}))
     objects = {(o["kind"], o["metadata"]["name"]): o for o in render(kubectl, str(tmp_path))}
     gateway = objects["Deployment", "omni-gateway"]
     secret, key = mounted(gateway, "/etc/omni/tls/tls.crt")
     assert secret == objects["Certificate", "omni-gateway"]["spec"]["secretName"] and key == "tls.crt"
-    # The pipeline's pods are unchanged by the gateway's presence.
+    config_name = gateway["spec"]["template"]["spec"]["containers"][0]["envFrom"][0]["configMapRef"]["name"]
+    config = next(o for (kind, name), o in objects.items() if kind == "ConfigMap" and name == config_name)
+    assert {k: config["data"][k] for k in ("OMNI_TLS_CERT", "OMNI_TLS_KEY", "OMNI_TLS_CA")} == {
+        "OMNI_TLS_CERT": "/etc/omni/tls/tls.crt", "OMNI_TLS_KEY": "/etc/omni/tls/tls.key",
+        "OMNI_TLS_CA": "/etc/omni/tls/ca.crt"}
     assert mounted(objects["Deployment", "omni-router"], "/etc/omni/tls/ca.crt") == ("omni-router-tls", "ca.crt")

@@ -130,9 +130,9 @@ def assert_same_as_without_fault(results: list[ClientResult], expected: list[Cli
         assert len(got.audio) == len(want.audio) == round(want.final.usage.audio_seconds * 24000) > 0
         assert snr_db(want.audio, got.audio) >= 100.0
         assert got.final.usage == want.final.usage
-    for got in results[1::2]:  # sampled: complete, every frame decoded
+    for got in results[1::2]:  # sampled (may draw the codec EOS at once): complete, every frame decoded
         assert len(got.codec_frames) == got.final.usage.codec_frames
-        assert len(got.audio) == round(got.final.usage.audio_seconds * 24000) > 0
+        assert len(got.audio) == round(got.final.usage.audio_seconds * 24000)
 
 
 def victim_of(stack, stage: str) -> str:
