@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.prompts import BenchPrompt
-from services.runtime.prompt import PromptInputs, resolve_voice
+from services.runtime.prompt import PromptBuilder, PromptInputs, resolve_voice
 from services.tools.reference import ReferenceRunner
 
 
@@ -67,12 +67,15 @@ class Reference:
         self.speaker, _ = resolve_voice(runner.config, voice)
         self.max_new_tokens = max_new_tokens
         self.talker_max_new_tokens = talker_max_new_tokens
-        tokenizer = runner.prompts.tokenizer
+        # The pipeline's prompt builder: the benchmark times the path a served request takes (the
+        # oracle's processor inputs are equal: tests/e2e/test_independent_oracle.py).
+        self.prompts = PromptBuilder(runner.folder, runner.config)
+        tokenizer = self.prompts.tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(runner.eos_id)
 
     def generate(self, prompts: list[BenchPrompt]) -> list[Generated]:
         """One generate call over all `prompts` (a batch when more than one), prompt building included."""
-        inputs = [self.runner.prompts.build(p.messages()) for p in prompts]
+        inputs = [self.prompts.build(p.messages()) for p in prompts]
         batch = {k: v.to(self.device) for k, v in collate(inputs, self.pad_id).items()}
         with torch.inference_mode():
             sequences, wav = self.runner.model.generate(

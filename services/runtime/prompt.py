@@ -4,8 +4,9 @@
 beside the CPU torch wheel), so this drives the checkpoint's tokenizer, Whisper feature
 extractor and Qwen2-VL image processor directly, exactly as the processor does for audio and
 images: render the chat template, then expand each audio/image placeholder to one token per
-encoder output position. The reference runner and the thinker service share this code, so both
-see identical inputs.
+encoder output position. The reference runner does not use this code: it builds its inputs with
+transformers' own processor (services/tools/reference.py), and tests/e2e/test_independent_oracle.py
+checks that both give identical inputs.
 """
 
 from __future__ import annotations
@@ -142,9 +143,15 @@ class PromptBuilder:
     """Loads the checkpoint's tokenizer and processors once; builds inputs per request."""
 
     def __init__(self, folder: str | Path, config, limits: PromptLimits = PromptLimits()):
-        from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer
+        from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer, Qwen3OmniMoeProcessor
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        # The processor's chat template (chat_template.jinja, or the legacy chat_template.json) wins over
+        # the tokenizer's, as in transformers' processor: a checkpoint may carry only that one.
+        processor_dict, _ = Qwen3OmniMoeProcessor.get_processor_dict(str(folder))
+        template = processor_dict.get("chat_template")
+        template = template.get("default") if isinstance(template, dict) else template
+        self.chat_template = template or self.tokenizer.chat_template
         # Fast tokenizers are not safe to share between threads (RuntimeError: Already borrowed);
         # prompts are built in worker threads while deltas are decoded on the event loop.
         self._tokenizer_lock = threading.Lock()
@@ -184,7 +191,8 @@ class PromptBuilder:
         if not any(m.role is Role.USER for m in messages):
             raise InvalidArgument(field_prefix, "at least one user message is required")
         with self._tokenizer_lock:
-            text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(chat, chat_template=self.chat_template,
+                                                      add_generation_prompt=True, tokenize=False)
 
         inputs = {}
         if audios:
