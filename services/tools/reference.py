@@ -164,7 +164,13 @@ class ReferenceRunner:
         max_new_tokens: int = 64,
         talker_max_new_tokens: int = 256,
         return_audio: bool = True,
+        thinker_sampling: dict | None = None,
+        talker_sampling: dict | None = None,
+        seed: int | None = None,
     ) -> ReferenceResult:
+        """Greedy unless `thinker_sampling` / `talker_sampling` (generate's temperature, top_k, top_p,
+        repetition_penalty) are given: then that stage samples, from torch's global generator seeded
+        with `seed` just before generate."""
         import torch
 
         name = (voice or "ethan").lower()
@@ -181,7 +187,11 @@ class ReferenceRunner:
             captured.append(codes.detach().clone())
             return original(codes, *args, **kwargs)
 
+        sampling = {"thinker_do_sample": thinker_sampling is not None, "talker_do_sample": talker_sampling is not None}
+        sampling.update({f"thinker_{k}": v for k, v in (thinker_sampling or {}).items()})
         start = time.perf_counter()
+        if seed is not None:
+            torch.manual_seed(seed)
         with torch.inference_mode():
             if return_audio:
                 self.model.code2wav.chunked_decode = capture
@@ -189,15 +199,16 @@ class ReferenceRunner:
                     sequences, wav = self.model.generate(
                         **model_inputs, speaker=name, return_audio=True,
                         thinker_max_new_tokens=max_new_tokens, thinker_eos_token_id=self.eos_id,
-                        thinker_do_sample=False, talker_max_new_tokens=talker_max_new_tokens,
-                        talker_do_sample=False,
+                        talker_max_new_tokens=talker_max_new_tokens, **sampling,
+                        **{f"talker_{k}": v for k, v in (talker_sampling or {}).items()},
                     )
                 finally:
                     del self.model.code2wav.chunked_decode
             else:
                 sequences = self.model.generate(
                     **model_inputs, return_audio=False, thinker_max_new_tokens=max_new_tokens,
-                    thinker_eos_token_id=self.eos_id, thinker_do_sample=False,
+                    thinker_eos_token_id=self.eos_id, thinker_do_sample=thinker_sampling is not None,
+                    **{k: v for k, v in sampling.items() if k.startswith("thinker_") and k != "thinker_do_sample"},
                 )
                 wav = None
         wall = time.perf_counter() - start
