@@ -1,9 +1,10 @@
 """The transformers reference for the benchmark: `Qwen3OmniMoeForConditionalGeneration.generate`,
 greedy, one request per call or a batch of them.
 
-The model is the one `services.tools.reference.ReferenceRunner` loads (the pipeline's prompt
-builder, whose inputs equal the runner's processor inputs, and the same greedy settings: thinker and talker `do_sample=False`, generate's talker repetition penalty 1.05,
-which the talker service uses too). The benchmark calls `generate` itself rather than
+The model is the one `services.tools.reference.ReferenceRunner` loads (with the pipeline's prompt
+builder, whose inputs equal the runner's processor inputs, and the same greedy settings: thinker
+and talker `do_sample=False`, generate's talker repetition penalty 1.05, which the talker service
+uses too). The benchmark calls `generate` itself rather than
 `ReferenceRunner.generate` because it needs a batch (left-padded, which `generate` supports for
 text, audio and image prompts in transformers 5.19) and inputs moved to the model's device.
 """

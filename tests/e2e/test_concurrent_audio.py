@@ -66,6 +66,7 @@ def window_omni(tiny_checkpoint):
             yield stub
 
 
+@pytest.mark.slow  # a stack of its own: ~30 s on 2 cores
 def test_the_batched_window_decoder_gives_each_of_sixteen_streams_one_vocoder_forward(
         window_omni, reference, wav_bytes, png_bytes):
     assert_every_stream_equals_one_forward(window_omni, reference.model.code2wav, requests(wav_bytes, png_bytes))

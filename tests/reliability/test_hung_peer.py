@@ -13,9 +13,10 @@ import signal
 import threading
 import time
 
+import grpc
 import pytest
 
-from services.tools.client import build_request, connect
+from services.tools.client import build_request, collect, connect
 from services.tools.launcher import free_port, health_status
 from services.tools.soak import Call, read_loads
 from tests.stacks import stack_of
@@ -78,4 +79,37 @@ def test_a_stopped_stage_ends_its_requests_unavailable_and_readiness_follows_it(
     ok = Call(omni.Generate, build_request("back again", max_new_tokens=4, talker_max_new_tokens=8), 120).run()
     assert ok.code.name == "OK", (ok.code, ok.details)
     assert ok.texts == 4 and ok.final is not None and ok.final.usage.codec_frames == 7
+    wait_for(lambda: all(load.idle for load in read_loads(replicas(stack))), "every stage idle")
+
+
+@pytest.mark.parametrize("killed", ["code2wav-0", "thinker-0"])
+def test_a_killed_code2wav_or_thinker_ends_its_requests_unavailable_naming_it(hung, killed):
+    # The reliability suite kills only talkers; these are the other two stages.
+    from services.serving.status import error_info
+
+    stack, omni = hung
+    call = Call(omni.Generate, build_request("keep talking", max_new_tokens=8, talker_max_new_tokens=1500), 600)
+    thread = threading.Thread(target=call.run, daemon=True)
+    thread.start()
+    wait_for(lambda: call.audios >= 1 or call.done.is_set(), "first audio")
+    assert not call.done.is_set(), (call.code, call.details)
+    stack.kill(killed)
+    try:
+        thread.join(WAIT_S)
+        assert call.done.is_set(), "the request hangs with its dead peer"
+        assert call.code.name == "UNAVAILABLE", (call.code, call.details)
+        stage = killed.split("-")[0]
+        assert stage in call.details, call.details
+        wait_for(lambda: readiness(stack) == "NOT_SERVING", "router readiness NOT_SERVING")
+        with pytest.raises(grpc.RpcError) as refused:
+            collect(omni, build_request("anyone?", max_new_tokens=2, talker_max_new_tokens=3), timeout=60)
+        assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+        info = error_info(refused.value)
+        assert info is not None and info.metadata["stage"] == stage, (info, refused.value.details())
+    finally:
+        stack.processes[killed].popen.wait(timeout=30)
+        stack.restart(killed)
+    wait_for(lambda: readiness(stack) == "SERVING", "router readiness SERVING again")
+    ok = Call(omni.Generate, build_request("back again", max_new_tokens=4, talker_max_new_tokens=8), 120).run()
+    assert ok.code.name == "OK", (ok.code, ok.details)
     wait_for(lambda: all(load.idle for load in read_loads(replicas(stack))), "every stage idle")
