@@ -160,6 +160,8 @@ class PromptBuilder:
         self.config = config
         self.audio_token = getattr(self.tokenizer, "audio_token", None) or "<|audio_pad|>"
         self.image_token = getattr(self.tokenizer, "image_token", None) or "<|image_pad|>"
+        video_token = getattr(self.tokenizer, "video_token", None) or "<|video_pad|>"
+        self.placeholders = (self.audio_token, self.image_token, video_token)
         self.n_window = config.thinker_config.audio_config.n_window
         model_max = config.thinker_config.text_config.max_position_embeddings
         self.max_prompt_tokens = min(limits.max_prompt_tokens or model_max, model_max)
@@ -178,6 +180,9 @@ class PromptBuilder:
             for j, part in enumerate(message.parts):
                 where = f"{field_prefix}[{i}].content[{j}]"
                 if part.text is not None:
+                    for token in self.placeholders:  # they would be expanded (or left) as media positions
+                        if token in part.text:
+                            raise InvalidArgument(f"{where}.text", f"contains the reserved token {token}")
                     content.append({"type": "text", "text": part.text})
                 elif part.audio is not None:
                     audios.append(decode_audio(part.audio, f"{where}.audio", self.limits.max_audio_seconds))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -20,7 +21,7 @@ import torch
 from omni.v1 import omni_pb2
 from services.code2wav.streaming import decode_full
 from services.runtime.prompt import ChatMessage, Part, PromptBuilder, Role
-from services.tools.client import collect
+from services.tools.client import build_request, collect
 
 MIN_SNR_DB = 90.0  # as tests/e2e/test_pipeline_equals_reference.py
 ROLES = {Role.SYSTEM: omni_pb2.ROLE_SYSTEM, Role.USER: omni_pb2.ROLE_USER, Role.ASSISTANT: omni_pb2.ROLE_ASSISTANT}
@@ -168,3 +169,21 @@ def test_a_processor_chat_template_wins_over_the_tokenizers_as_in_transformers(l
     built = PromptBuilder(folder, AutoConfig.from_pretrained(folder)).build(messages)
     assert "#MARK#" not in processor.tokenizer.decode(oracle["input_ids"][0])
     assert torch.equal(built.input_ids, oracle["input_ids"])
+
+
+@pytest.mark.parametrize("token", ["<|audio_pad|>", "<|image_pad|>"])
+def test_a_media_placeholder_typed_as_text_is_invalid_argument(token, omni, reference, wav_bytes):
+    # Found beside the oracle: transformers' processor cannot build such a prompt (it expands every
+    # placeholder it finds, text or not), while the pipeline served a text-only one (a media pad
+    # position with no media behind it) and failed with an AssertionError while expanding one
+    # beside real audio.
+    with pytest.raises(Exception):  # noqa: B017 - StopIteration or a shape error, transformers' choice
+        reference.inputs([ChatMessage(Role.USER, (Part(audio=wav_bytes), Part(text=f"and {token} here")))])
+    for request in (build_request(f"say {token} now", max_new_tokens=4, talker_max_new_tokens=5),
+                    build_request(f"and {token} here", audio=wav_bytes, max_new_tokens=4, talker_max_new_tokens=5)):
+        with pytest.raises(grpc.RpcError) as info:
+            collect(omni, request, timeout=60)
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        text_part = len(request.messages[0].content) - 1
+        assert f"messages[0].content[{text_part}].text" in info.value.details(), info.value.details()
+        assert token in info.value.details()
