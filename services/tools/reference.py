@@ -1,7 +1,8 @@
 """`omni-reference`: transformers' own `Qwen3OmniMoeForConditionalGeneration.generate`, greedy.
 
 The correctness oracle (the pipeline's text ids and codec frames must equal these) and the speed
-baseline (the stages run one after the other, nothing streamed).
+baseline (the stages run one after the other, nothing streamed). `ReferenceRunner.generate` can
+also sample, from torch's global generator seeded per call.
 
 The oracle shares no input code with the pipeline: it never uses services/runtime/prompt.py's
 `PromptBuilder`. Its inputs come from transformers' own `Qwen3OmniMoeProcessor.apply_chat_template
@@ -15,7 +16,9 @@ placeholder expansion) and raises if it is ever called; the subclass `ProcessorW
 overrides nothing but the type check of that one argument. The bytes of a request become what
 the processor takes the way a user of transformers would: soundfile reads wav/flac (channels
 averaged, as librosa's mono load does; 16 kHz only, so the pipeline's resampler is never used),
-PIL opens png/jpeg (the image processor converts to RGB itself).
+PIL opens png/jpeg (the image processor converts to RGB itself). The chat template is the one
+`from_pretrained` gives a processor (the folder's chat_template.jinja or chat_template.json);
+only a folder with neither falls back to the tokenizer's.
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ class NoVideo:
 def oracle_processor(folder: str | Path):
     """transformers' `Qwen3OmniMoeProcessor` on the checkpoint's tokenizer, feature extractor and
     image processor, with the chat template `from_pretrained` would give it (the folder's processor
-    template, else the tokenizer's)."""
+    template; the tokenizer's only if the folder has none)."""
     from transformers import (
         AutoFeatureExtractor,
         AutoImageProcessor,

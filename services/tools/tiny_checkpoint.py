@@ -135,6 +135,9 @@ def build_tokenizer(out: Path) -> dict[str, int]:
         },
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n")
+    # The processor's copy, where transformers' processors read it (ProcessorMixin.from_pretrained
+    # takes no template from the tokenizer).
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return ids
 
 
