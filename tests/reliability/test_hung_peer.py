@@ -113,3 +113,34 @@ def test_a_killed_code2wav_or_thinker_ends_its_requests_unavailable_naming_it(hu
     ok = Call(omni.Generate, build_request("back again", max_new_tokens=4, talker_max_new_tokens=8), 120).run()
     assert ok.code.name == "OK", (ok.code, ok.details)
     wait_for(lambda: all(load.idle for load in read_loads(replicas(stack))), "every stage idle")
+
+
+def test_a_peer_stopped_briefly_resumes_and_the_stream_completes_unchanged(hung):
+    # Stopped for a sixth of the idle timeout, then continued: the stream picks up where it was
+    # and gives exactly what an undisturbed run gives.
+    import numpy as np
+
+    from services.tools.client import collect
+
+    stack, omni = hung
+    request = build_request("pause and go on", max_new_tokens=6, talker_max_new_tokens=120, return_codec_frames=True)
+    undisturbed = collect(omni, request, timeout=120)
+    first_audio = threading.Event()
+    results = []
+    thread = threading.Thread(target=lambda: results.append(collect(
+        omni, request, timeout=120, on_event=lambda kind, _r, _res: kind == "audio" and first_audio.set())),
+        daemon=True)
+    thread.start()
+    assert first_audio.wait(WAIT_S), "no audio"
+    stack.kill("code2wav-0", signal.SIGSTOP)
+    try:
+        time.sleep(IDLE_TIMEOUT_S / 6)
+    finally:
+        stack.kill("code2wav-0", signal.SIGCONT)
+    thread.join(WAIT_S)
+    assert results, "the paused request failed or hangs"
+    got = results[0]
+    assert got.thinker_token_ids == undisturbed.thinker_token_ids
+    assert got.codec_frames == undisturbed.codec_frames and len(got.codec_frames) == 119
+    assert got.audio.shape == undisturbed.audio.shape
+    np.testing.assert_allclose(got.audio, undisturbed.audio, rtol=0, atol=1e-6)
