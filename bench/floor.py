@@ -24,7 +24,7 @@ import torch
 
 from bench.prompts import BenchPrompt
 from services.code2wav.streaming import StreamingDecoder, measure_geometry
-from services.runtime.prompt import resolve_voice
+from services.runtime.prompt import PromptBuilder, resolve_voice
 from services.runtime.sampling import SamplingConfig
 from services.talker.engine import (
     Frame,
@@ -78,7 +78,7 @@ class FloorMeter:
     def __init__(self, runner: ReferenceRunner, device: str, voice: str | None, max_new_tokens: int,
                  talker_max_new_tokens: int, first_chunk_frames: int = 4, left_context: int = 25):
         model, config = runner.model, runner.config
-        self.prompts = runner.prompts
+        self.prompts = PromptBuilder(runner.folder, config)
         self.device = device
         self.thinker = ThinkerEngine(model.thinker, config, device=device)
         self.talker = TalkerEngine(model.talker, config, device=device)

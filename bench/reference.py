@@ -1,9 +1,10 @@
 """The transformers reference for the benchmark: `Qwen3OmniMoeForConditionalGeneration.generate`,
 greedy, one request per call or a batch of them.
 
-The model is the one `services.tools.reference.ReferenceRunner` loads (same prompt builder, same
-greedy settings: thinker and talker `do_sample=False`, generate's talker repetition penalty 1.05,
-which the talker service uses too). The benchmark calls `generate` itself rather than
+The model is the one `services.tools.reference.ReferenceRunner` loads (with the pipeline's prompt
+builder, whose inputs equal the runner's processor inputs, and the same greedy settings: thinker
+and talker `do_sample=False`, generate's talker repetition penalty 1.05, which the talker service
+uses too). The benchmark calls `generate` itself rather than
 `ReferenceRunner.generate` because it needs a batch (left-padded, which `generate` supports for
 text, audio and image prompts in transformers 5.19) and inputs moved to the model's device.
 """
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.prompts import BenchPrompt
-from services.runtime.prompt import PromptInputs, resolve_voice
+from services.runtime.prompt import PromptBuilder, PromptInputs, resolve_voice
 from services.tools.reference import ReferenceRunner
 
 
@@ -67,12 +68,15 @@ class Reference:
         self.speaker, _ = resolve_voice(runner.config, voice)
         self.max_new_tokens = max_new_tokens
         self.talker_max_new_tokens = talker_max_new_tokens
-        tokenizer = runner.prompts.tokenizer
+        # The pipeline's prompt builder: the benchmark times the path a served request takes (the
+        # oracle's processor inputs are equal: tests/e2e/test_independent_oracle.py).
+        self.prompts = PromptBuilder(runner.folder, runner.config)
+        tokenizer = self.prompts.tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(runner.eos_id)
 
     def generate(self, prompts: list[BenchPrompt]) -> list[Generated]:
         """One generate call over all `prompts` (a batch when more than one), prompt building included."""
-        inputs = [self.runner.prompts.build(p.messages()) for p in prompts]
+        inputs = [self.prompts.build(p.messages()) for p in prompts]
         batch = {k: v.to(self.device) for k, v in collate(inputs, self.pad_id).items()}
         with torch.inference_mode():
             sequences, wav = self.runner.model.generate(

@@ -157,7 +157,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
             outcome = exc.code()
             self._note_failure(exc, route)
             await abort_for(context, failure_of_call("thinker", route["thinker"].address, exc))
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away (grpc closes the generator)
             outcome = grpc.StatusCode.CANCELLED
             raise
         finally:

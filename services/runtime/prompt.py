@@ -4,8 +4,9 @@
 beside the CPU torch wheel), so this drives the checkpoint's tokenizer, Whisper feature
 extractor and Qwen2-VL image processor directly, exactly as the processor does for audio and
 images: render the chat template, then expand each audio/image placeholder to one token per
-encoder output position. The reference runner and the thinker service share this code, so both
-see identical inputs.
+encoder output position. The reference runner does not use this code: it builds its inputs with
+transformers' own processor (services/tools/reference.py), and tests/e2e/test_independent_oracle.py
+checks that both give identical inputs.
 """
 
 from __future__ import annotations
@@ -177,13 +178,19 @@ class PromptBuilder:
     """Loads the checkpoint's tokenizer and processors once; builds inputs per request."""
 
     def __init__(self, folder: str | Path, config, limits: PromptLimits = PromptLimits()):
-        from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer
+        from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer, Qwen3OmniMoeProcessor
 
         # Fast tokenizers are not safe to share between threads (RuntimeError: Already borrowed).
         # Prompts are encoded in worker threads, deltas decoded on the event loop: each side has
         # a tokenizer (and a lock) of its own, so a long prompt never holds up another stream's
         # output (or anything else on the event loop, health checks included).
         self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        # The processor's chat template (chat_template.jinja, or the legacy chat_template.json) wins over
+        # the tokenizer's, as in transformers' processor: a checkpoint may carry only that one.
+        processor_dict, _ = Qwen3OmniMoeProcessor.get_processor_dict(str(folder))
+        template = processor_dict.get("chat_template")
+        template = template.get("default") if isinstance(template, dict) else template
+        self.chat_template = template or self.tokenizer.chat_template
         self._encode_lock = threading.Lock()
         self._decoder = AutoTokenizer.from_pretrained(str(folder))
         self._decode_lock = threading.Lock()
@@ -192,6 +199,8 @@ class PromptBuilder:
         self.config = config
         self.audio_token = getattr(self.tokenizer, "audio_token", None) or "<|audio_pad|>"
         self.image_token = getattr(self.tokenizer, "image_token", None) or "<|image_pad|>"
+        video_token = getattr(self.tokenizer, "video_token", None) or "<|video_pad|>"
+        self.placeholders = (self.audio_token, self.image_token, video_token)
         self.n_window = config.thinker_config.audio_config.n_window
         model_max = config.thinker_config.text_config.max_position_embeddings
         self.max_prompt_tokens = min(limits.max_prompt_tokens or model_max, model_max)
@@ -270,6 +279,9 @@ class PromptBuilder:
             for j, part in enumerate(message.parts):
                 where = f"{field_prefix}[{i}].content[{j}]"
                 if part.text is not None:
+                    for token in self.placeholders:  # they would be expanded (or left) as media positions
+                        if token in part.text:
+                            raise InvalidArgument(f"{where}.text", f"contains the reserved token {token}")
                     content.append({"type": "text", "text": part.text})
                 elif part.audio is not None:
                     audios.append(decode_audio(part.audio, f"{where}.audio", self.limits.max_audio_seconds,
@@ -281,8 +293,11 @@ class PromptBuilder:
                 else:
                     raise InvalidArgument(where, "empty content part")
             chat.append({"role": message.role.value, "content": content})
+        if not any(m.role is Role.USER for m in messages):
+            raise InvalidArgument(field_prefix, "at least one user message is required")
         with self._encode_lock:
-            text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(chat, chat_template=self.chat_template,
+                                                      add_generation_prompt=True, tokenize=False)
 
         inputs = {}
         if audios:

@@ -43,6 +43,36 @@ def apply_repetition_penalty(scores: torch.Tensor, history: list[int], penalty: 
     return scores.scatter(0, idx, picked)
 
 
+def process_scores(
+    logits: torch.Tensor,
+    cfg: SamplingConfig,
+    history: list[int],
+    suppress: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The scores a token is drawn from: [vocab] float32. Bit for bit what transformers' logits
+    processors give, in generate's order (tests/common/test_sampling_vs_transformers.py):
+    RepetitionPenalty, SuppressTokens, then for sampling Temperature, TopK, TopP."""
+    scores = apply_repetition_penalty(logits.float(), history, cfg.repetition_penalty)
+    if suppress is not None:
+        scores = scores.masked_fill(suppress, float("-inf"))
+    if cfg.greedy:
+        return scores
+    if cfg.temperature != 1.0:
+        scores = scores / cfg.temperature
+    if cfg.top_k > 0:
+        kth = torch.topk(scores, min(cfg.top_k, scores.numel())).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if cfg.top_p < 1.0:
+        # As TopPLogitsWarper: ascending sort, drop the tokens whose cumulative probability (from the
+        # least likely up) is at most 1 - top_p, always keeping the most likely one.
+        sorted_scores, order = torch.sort(scores, descending=False)
+        cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= (1 - cfg.top_p)
+        drop[-1:] = False
+        scores = scores.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+    return scores
+
+
 def select_token(
     logits: torch.Tensor,
     cfg: SamplingConfig,
@@ -51,19 +81,8 @@ def select_token(
     suppress: torch.Tensor | None = None,
 ) -> int:
     """logits: [vocab] for one position. suppress: [vocab] bool mask of forbidden ids."""
-    scores = apply_repetition_penalty(logits.float(), history, cfg.repetition_penalty)
-    if suppress is not None:
-        scores = scores.masked_fill(suppress, float("-inf"))
+    scores = process_scores(logits, cfg, history, suppress)
     if cfg.greedy:
         return int(torch.argmax(scores))
-    scores = scores / cfg.temperature
-    if cfg.top_k > 0:
-        kth = torch.topk(scores, min(cfg.top_k, scores.numel())).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if cfg.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=True)
-        cum = torch.softmax(sorted_scores, dim=-1).cumsum(-1)
-        drop = cum - torch.softmax(sorted_scores, dim=-1) > cfg.top_p  # keep the token that crosses top_p
-        scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
     probs = torch.softmax(scores, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -173,6 +173,13 @@ class EngineLoop:
         m.step_seconds.observe(elapsed_ms / 1000)
         if batch:
             m.batch_size.observe(batch)
+
+    def _set_gauges(self) -> None:
+        # After commands and after each step's events: a request that finished or was aborted
+        # leaves the gauges at once, not at the next step (which an idle stage never takes).
+        m = self.metrics
+        if m is None:
+            return
         m.queue_depth.set(self.engine.queue_depth)
         m.running.set(self.engine.running)
         m.cache_used.set(self.engine.running)
@@ -219,6 +226,7 @@ class EngineLoop:
                     self._apply(self._commands.get_nowait())
             except queue.Empty:
                 pass
+            self._set_gauges()
             if not self.engine.has_work():
                 continue
             start = time.perf_counter()
@@ -240,3 +248,4 @@ class EngineLoop:
                 if event.final:
                     del self._sinks[request_id]
                 sink.deliver(EngineFailed(self.name, event.message) if isinstance(event, RequestFailed) else event)
+            self._set_gauges()

@@ -122,6 +122,14 @@ class TalkerEngine(SlotScheduledEngine):
         self.suppress[self.eos] = False
         self.num_groups = int(self.tc.num_code_groups)
         predictor = model.code_predictor
+        # How generate samples the residuals of a sampled talker request: the talker mirrors its do_sample
+        # onto the code predictor (Qwen3OmniMoeTalkerForConditionalGeneration._prepare_generation_config),
+        # whose generate gets top_k 50 and top_p 0.8 and keeps the predictor's own temperature (1.0 unless
+        # its generation config sets one), not the talker's.
+        predictor_gen = getattr(predictor, "generation_config", None)
+        temperature = getattr(predictor_gen, "temperature", None)
+        self.predictor_sampling = SamplingConfig(temperature=float(temperature if temperature is not None else 1.0),
+                                                 top_k=50, top_p=0.8)
         use_rowwise_attention(model.config.text_config, predictor.config)
         self.dtype = dtype = next(model.parameters()).dtype
         # With graphs, one extra slot that no request owns takes the padded rows' writes.
@@ -307,10 +315,7 @@ class TalkerEngine(SlotScheduledEngine):
                                            pick, self.engine_config.exact_batching)
         return codes.to(torch.int64).cpu(), codec_embed
 
-    @staticmethod
-    def _pick_residual(logits: torch.Tensor, state: _State) -> int:
+    def _pick_residual(self, logits: torch.Tensor, state: _State) -> int:
         if state.job.sampling.greedy:
             return int(torch.argmax(logits))
-        # As generate samples the code predictor: top_k 50, top_p 0.8, the talker's temperature.
-        cfg = SamplingConfig(temperature=state.job.sampling.temperature, top_k=50, top_p=0.8)
-        return select_token(logits, cfg, [], state.generator)
+        return select_token(logits, self.predictor_sampling, [], state.generator)

@@ -1,12 +1,30 @@
 """`omni-reference`: transformers' own `Qwen3OmniMoeForConditionalGeneration.generate`, greedy.
 
 The correctness oracle (the pipeline's text ids and codec frames must equal these) and the speed
-baseline (the stages run one after the other, nothing streamed).
+baseline (the stages run one after the other, nothing streamed). `ReferenceRunner.generate` can
+also sample, from torch's global generator seeded per call.
+
+The oracle shares no input code with the pipeline: it never uses services/runtime/prompt.py's
+`PromptBuilder`. Its inputs come from transformers' own `Qwen3OmniMoeProcessor.apply_chat_template
+(tokenize=True, return_dict=True)`, which renders the chat template and calls the processor's
+`__call__`: the Whisper feature extractor, the Qwen2-VL image processor and the processor's own
+placeholder expansion (`replace_multimodal_special_tokens`, one pad per encoder position). Only
+the processor's construction is ours: its video processor needs torchvision, which does not
+import beside the CPU torch wheel, so `oracle_processor` builds the processor class with
+`video_processor` set to `NoVideo`, a stand-in that only carries `merge_size` (read by the
+placeholder expansion) and raises if it is ever called; the subclass `ProcessorWithoutVideo`
+overrides nothing but the type check of that one argument. The bytes of a request become what
+the processor takes the way a user of transformers would: soundfile reads wav/flac (channels
+averaged, as librosa's mono load does; 16 kHz only, so the pipeline's resampler is never used),
+PIL opens png/jpeg (the image processor converts to RGB itself). The chat template is the one
+`from_pretrained` gives a processor (the folder's chat_template.jinja or chat_template.json);
+only a folder with neither falls back to the tokenizer's.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 import time
@@ -17,13 +35,9 @@ import numpy as np
 
 from services.runtime.checkpoint import check_folder
 from services.runtime.errors import InvalidArgument, UserError, run_cli
-from services.runtime.prompt import (
-    ChatMessage,
-    Part,
-    PromptBuilder,
-    Role,
-    resolve_voice,
-)
+from services.runtime.prompt import ChatMessage, Part, Role  # plain data classes: the request's messages
+
+AUDIO_SAMPLE_RATE = 16000  # the Whisper feature extractor's rate; the oracle resamples nothing
 
 
 @dataclass(frozen=True)
@@ -47,6 +61,77 @@ class ReferenceResult:
         return out
 
 
+class NoVideo:
+    """Stands in for Qwen3-Omni's video processor (torchvision): never called, carries merge_size."""
+
+    def __init__(self, merge_size: int):
+        self.merge_size = merge_size
+        self.model_input_names = ["pixel_values_videos", "video_grid_thw"]
+
+    def __call__(self, *args, **kwargs):
+        raise AssertionError("the oracle takes no video")
+
+
+def oracle_processor(folder: str | Path):
+    """transformers' `Qwen3OmniMoeProcessor` on the checkpoint's tokenizer, feature extractor and
+    image processor, with the chat template `from_pretrained` would give it (the folder's processor
+    template; the tokenizer's only if the folder has none)."""
+    from transformers import (
+        AutoFeatureExtractor,
+        AutoImageProcessor,
+        AutoTokenizer,
+        Qwen3OmniMoeProcessor,
+    )
+
+    class ProcessorWithoutVideo(Qwen3OmniMoeProcessor):
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument_name == "video_processor":  # VIDEO_PROCESSOR_MAPPING is a dummy without torchvision
+                return type(argument)
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    image_processor = AutoImageProcessor.from_pretrained(str(folder))
+    processor_dict, _ = Qwen3OmniMoeProcessor.get_processor_dict(str(folder))
+    template = processor_dict.get("chat_template") or tokenizer.chat_template
+    return ProcessorWithoutVideo(
+        image_processor=image_processor, video_processor=NoVideo(image_processor.merge_size),
+        feature_extractor=AutoFeatureExtractor.from_pretrained(str(folder)), tokenizer=tokenizer,
+        chat_template=template,
+    )
+
+
+def oracle_audio(data: bytes, field_name: str) -> np.ndarray:
+    """wav/flac bytes -> mono float32 samples at 16 kHz (soundfile; no resampling)."""
+    import soundfile as sf
+
+    try:
+        samples, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    except Exception as exc:  # soundfile raises several types for garbage input
+        raise InvalidArgument(field_name, f"not a readable wav/flac file ({type(exc).__name__})") from None
+    if rate != AUDIO_SAMPLE_RATE:
+        raise InvalidArgument(field_name, f"the reference takes {AUDIO_SAMPLE_RATE} Hz audio only, got {rate} Hz")
+    return samples.mean(axis=1)
+
+
+def oracle_conversation(messages: list[ChatMessage]) -> list[dict]:
+    """Chat messages -> the conversation format of transformers' processors (content blocks of
+    type text, audio (samples), image (PIL))."""
+    from PIL import Image
+
+    conversation = []
+    for i, message in enumerate(messages):
+        content = []
+        for j, part in enumerate(message.parts):
+            if part.text is not None:
+                content.append({"type": "text", "text": part.text})
+            elif part.audio is not None:
+                content.append({"type": "audio", "audio": oracle_audio(part.audio, f"messages[{i}].content[{j}].audio")})
+            elif part.image is not None:
+                content.append({"type": "image", "image": Image.open(io.BytesIO(part.image))})
+        conversation.append({"role": message.role.value, "content": content})
+    return conversation
+
+
 class ReferenceRunner:
     """The full transformers model, loaded once; one greedy `generate` per call."""
 
@@ -62,11 +147,12 @@ class ReferenceRunner:
         try:
             # Loaded in `dtype` directly: a 30B checkpoint does not fit host memory as float32.
             self.model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(str(folder), dtype=getattr(torch, dtype))
-            self.prompts = PromptBuilder(folder, self.model.config)
+            self.processor = oracle_processor(folder)
         finally:
             transformers.logging.set_verbosity(verbosity)
         self.model.to(device).eval()
         self.device = device
+        self.folder = folder
         self.config = self.model.config
         # transformers bug: audio + image in one prompt fails in the talker without this
         # (docs/qwen3-omni.md, section "transformers quirks").
@@ -83,15 +169,25 @@ class ReferenceRunner:
         talker_max_new_tokens: int = 256,
         return_audio: bool = True,
         forced_ids: list[int] | None = None,
+        thinker_sampling: dict | None = None,
+        talker_sampling: dict | None = None,
+        seed: int | None = None,
     ) -> ReferenceResult:
-        """`forced_ids`: make the thinker produce exactly these ids (text-to-speech oracle): a logits
-        processor leaves only the next forced id finite at each step, so greedy `generate` picks it and
-        the rest of `generate` (hidden states, talker, vocoder) runs unchanged on that output."""
+        """Greedy unless `thinker_sampling` / `talker_sampling` (generate's temperature, top_k, top_p,
+        repetition_penalty) are given: then that stage samples, from torch's global generator seeded
+        with `seed` just before generate. `forced_ids`: make the thinker produce exactly these ids
+        (text-to-speech oracle): a logits processor leaves only the next forced id finite at each
+        step, so greedy `generate` picks it and the rest of `generate` (hidden states, talker,
+        vocoder) runs unchanged on that output."""
         import torch
 
-        name, _ = resolve_voice(self.config, voice)
-        inputs = self.prompts.build(messages)
-        model_inputs = {k: v.to(self.device) for k, v in inputs.model_kwargs().items()}
+        name = (voice or "ethan").lower()
+        if name not in self.config.talker_config.speaker_id:
+            known = ", ".join(sorted(self.config.talker_config.speaker_id))
+            raise InvalidArgument("voice", f"unknown voice {voice!r}; known: {known}")
+        inputs = self.inputs(messages)
+        prompt_tokens = int(inputs["input_ids"].shape[1])
+        model_inputs = {k: v.to(self.device) for k, v in inputs.items()}
         captured = []  # the codes generate hands to the vocoder, [1, Q, frames]
         original = self.model.code2wav.chunked_decode if return_audio else None
 
@@ -99,13 +195,16 @@ class ReferenceRunner:
             captured.append(codes.detach().clone())
             return original(codes, *args, **kwargs)
 
-        forcing = {}
+        sampling = {"thinker_do_sample": thinker_sampling is not None, "talker_do_sample": talker_sampling is not None}
+        sampling.update({f"thinker_{k}": v for k, v in (thinker_sampling or {}).items()})
         if forced_ids:
             from transformers import LogitsProcessorList
 
-            forcing = {"thinker_logits_processor": LogitsProcessorList([_ForceIds(forced_ids, inputs.num_tokens)])}
+            sampling["thinker_logits_processor"] = LogitsProcessorList([_ForceIds(forced_ids, prompt_tokens)])
             max_new_tokens = len(forced_ids)
         start = time.perf_counter()
+        if seed is not None:
+            torch.manual_seed(seed)
         with torch.inference_mode():
             if return_audio:
                 self.model.code2wav.chunked_decode = capture
@@ -113,25 +212,40 @@ class ReferenceRunner:
                     sequences, wav = self.model.generate(
                         **model_inputs, speaker=name, return_audio=True,
                         thinker_max_new_tokens=max_new_tokens, thinker_eos_token_id=self.eos_id,
-                        thinker_do_sample=False, talker_max_new_tokens=talker_max_new_tokens,
-                        talker_do_sample=False, **forcing,
+                        talker_max_new_tokens=talker_max_new_tokens, **sampling,
+                        **{f"talker_{k}": v for k, v in (talker_sampling or {}).items()},
                     )
                 finally:
                     del self.model.code2wav.chunked_decode
             else:
                 sequences = self.model.generate(
                     **model_inputs, return_audio=False, thinker_max_new_tokens=max_new_tokens,
-                    thinker_eos_token_id=self.eos_id, thinker_do_sample=False, **forcing,
+                    thinker_eos_token_id=self.eos_id, thinker_do_sample=thinker_sampling is not None,
+                    **{k: v for k, v in sampling.items() if k.startswith("thinker_") and k != "thinker_do_sample"},
                 )
                 wav = None
         wall = time.perf_counter() - start
-        ids = sequences[0, inputs.num_tokens:].cpu().tolist()
+        ids = sequences[0, prompt_tokens:].cpu().tolist()
         frames = captured[0][0].T.tolist() if captured else []
         audio = wav.reshape(-1).float().cpu().numpy() if wav is not None else np.zeros(0, np.float32)
         return ReferenceResult(
-            text=self.prompts.decode(ids), thinker_token_ids=ids, codec_frames=frames, audio=audio,
-            sample_rate=self.sample_rate, prompt_tokens=inputs.num_tokens, wall_s=wall,
+            text=self.decode(ids), thinker_token_ids=ids, codec_frames=frames, audio=audio,
+            sample_rate=self.sample_rate, prompt_tokens=prompt_tokens, wall_s=wall,
         )
+
+    def inputs(self, messages: list[ChatMessage]) -> dict:
+        """The model inputs transformers' processor makes of the messages (input_ids, attention_mask,
+        and input_features / feature_attention_mask, pixel_values / image_grid_thw when present)."""
+        if not messages:
+            raise InvalidArgument("messages", "at least one message is required")
+        out = self.processor.apply_chat_template(
+            oracle_conversation(messages), add_generation_prompt=True, tokenize=True, return_dict=True,
+            return_tensors="pt",
+        )
+        return dict(out)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.processor.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
 class _ForceIds:

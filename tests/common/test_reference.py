@@ -69,7 +69,7 @@ def test_text_prompt_gives_tokens_frames_and_audio(runner, text_result):
     groups = runner.config.talker_config.num_code_groups
 
     assert len(text_result.thinker_token_ids) == MAX_NEW_TOKENS
-    assert text_result.text == runner.prompts.decode(text_result.thinker_token_ids)
+    assert text_result.text == runner.decode(text_result.thinker_token_ids)
     assert len(text_result.codec_frames) == N_FRAMES
     for frame in text_result.codec_frames:
         assert len(frame) == groups == 16
@@ -129,7 +129,7 @@ def test_media_prompt_generates(runner, kind, wav_bytes, png_bytes):
     assert rms(result.audio) > 0.01
     # The placeholder became one pad token per encoder output position, more than one.
     pad = runner.config.thinker_config.audio_token_id if kind == "audio" else runner.config.thinker_config.image_token_id
-    ids = runner.prompts.build(messages).input_ids[0].tolist()
+    ids = runner.inputs(messages)["input_ids"][0].tolist()
     assert ids.count(pad) > 1
     assert result.prompt_tokens == len(ids)
 

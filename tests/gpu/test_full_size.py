@@ -110,7 +110,7 @@ def test_full_size_cli_writes_no_weights_and_loading_needs_random_weights(tmp_pa
     assert main(["--full-size", "--out", str(tmp_path / "x")]) != 0  # needs --no-weights
     out = tmp_path / "full"
     assert main(["--full-size", "--no-weights", "--out", str(out)]) == 0
-    assert {f.name for f in out.iterdir()} == {"config.json", "tokenizer.json", "tokenizer_config.json",
+    assert {f.name for f in out.iterdir()} == {"config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                                                "preprocessor_config.json"}
     assert load_config(out, need_weights=False).thinker_config.text_config.num_hidden_layers == 48
     with pytest.raises(UserError, match="--random-weights"):

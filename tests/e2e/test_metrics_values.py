@@ -1,0 +1,107 @@
+"""Metrics hold the values a known workload implies (not just that they exist).
+
+A stack of its own (fresh counters), every process serving /metrics. The workload runs one request
+at a time, so every engine step has a batch of one and the step counts follow from the lengths:
+the thinker makes one token per step (prefill included), the talker one code per step (its last
+code gets no frame), code2wav one step per chunk (4 frames, then what is left: 9 frames = 4 + 5)
+and one for the end of the stream (the samples held back for the frames after the last chunk).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from services.tools.client import build_request, collect, connect
+from services.tools.launcher import free_port
+from services.tools.soak import read_loads
+from tests.stacks import stack_of
+
+AUDIO_REQUESTS, TEXT_REQUESTS = 3, 2
+TEXT_TOKENS, TALKER_TOKENS = 4, 10  # 9 frames each: chunks of 4 and 5
+TEXT_ONLY_TOKENS = 5
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+@pytest.fixture(scope="module")
+def measured(tiny_checkpoint):
+    ports = {name: free_port() for name in ("router", "thinker", "talker", "code2wav")}
+    flag = lambda name: ("--metrics-port", str(ports[name]))  # noqa: E731
+    with stack_of(tiny_checkpoint, thinker_args=flag("thinker"), talker_args=flag("talker"),
+                  code2wav_args=flag("code2wav"), router_args=flag("router")) as stack:
+        channel, omni = connect(stack.target)
+        with channel:
+            for i in range(AUDIO_REQUESTS):
+                got = collect(omni, build_request(f"audio {i}", max_new_tokens=TEXT_TOKENS,
+                                                  talker_max_new_tokens=TALKER_TOKENS), timeout=120)
+                assert len(got.thinker_token_ids) == TEXT_TOKENS and got.final.usage.codec_frames == TALKER_TOKENS - 1
+            for i in range(TEXT_REQUESTS):
+                got = collect(omni, build_request(f"text {i}", text_only=True, max_new_tokens=TEXT_ONLY_TOKENS),
+                              timeout=120)
+                assert len(got.thinker_token_ids) == TEXT_ONLY_TOKENS
+            after_ok = {name: scrape(port) for name, port in ports.items() if name != "router"}
+            with pytest.raises(grpc.RpcError) as bad:
+                collect(omni, build_request("hi", voice="nobody"), timeout=60)
+            assert bad.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            cancelled = omni.Generate(build_request("cancel me", max_new_tokens=8, talker_max_new_tokens=500),
+                                      timeout=120)
+            next(iter(cancelled))  # started: the first response is here
+            cancelled.cancel()
+            replicas = {stage: tuple(stack.addresses(stage)) for stage in ("thinker", "talker", "code2wav")}
+            deadline = time.monotonic() + 60
+            while not all(load.idle for load in read_loads(replicas)):
+                assert time.monotonic() < deadline, "stages still busy"
+                time.sleep(0.05)
+            threading.Event().wait(0.6)  # one router poll interval: its gauges follow the stages
+            final = {name: scrape(port) for name, port in ports.items()}
+            yield after_ok, final
+
+
+def test_router_outcomes_and_latency_histograms_count_the_workload(measured):
+    router = measured[1]["router"]
+    assert value(router, "omni_router_requests_total", outcome="ok") == AUDIO_REQUESTS + TEXT_REQUESTS
+    assert value(router, "omni_router_requests_total", outcome="invalid_argument") == 1
+    assert value(router, "omni_router_requests_total", outcome="cancelled") == 1
+    assert value(router, "omni_router_requests_total", outcome="rejected") == 0
+    # Every request that produced text (the OK ones and the cancelled one) has a TTFT; audio ones a TTFP.
+    assert value(router, "omni_router_ttft_seconds_count") == AUDIO_REQUESTS + TEXT_REQUESTS + 1
+    assert value(router, "omni_router_ttfp_seconds_count") == AUDIO_REQUESTS
+    assert value(router, "omni_router_rtf_count") == AUDIO_REQUESTS  # the cancelled one never finished
+    assert value(router, "omni_router_rtf_sum") > 0
+    assert value(router, "omni_router_in_flight") == 0 and value(router, "omni_router_queue_depth") == 0
+
+
+def test_stage_batch_slot_and_queue_figures_follow_from_the_lengths(measured):
+    after_ok, final = measured
+    thinker, talker, code2wav = after_ok["thinker"], after_ok["talker"], after_ok["code2wav"]
+    thinker_steps = AUDIO_REQUESTS * TEXT_TOKENS + TEXT_REQUESTS * TEXT_ONLY_TOKENS
+    talker_steps = AUDIO_REQUESTS * TALKER_TOKENS
+    code2wav_steps = AUDIO_REQUESTS * 3  # chunks of 4 and 5 frames, then the end (the held-back tail)
+    for samples, stage, steps in ((thinker, "thinker", thinker_steps), (talker, "talker", talker_steps),
+                                  (code2wav, "code2wav", code2wav_steps)):
+        count = value(samples, "omni_stage_batch_size_count", stage=stage)
+        assert count == steps, (stage, count, steps)
+        assert value(samples, "omni_stage_batch_size_sum", stage=stage) == count, stage  # every batch was 1
+        assert value(samples, "omni_stage_batch_size_bucket", stage=stage, le="1.0") == count, stage
+        assert value(samples, "omni_stage_step_seconds_count", stage=stage) >= count, stage
+    for stage in ("thinker", "talker", "code2wav"):  # after the cancel too: nothing held anywhere
+        for gauge in ("omni_stage_queue_depth", "omni_stage_running_batch", "omni_stage_cache_slots_used",
+                      "omni_stage_in_flight"):
+            assert value(final[stage], gauge, stage=stage) == 0, (stage, gauge)
+    for stage in ("thinker", "talker"):
+        assert value(final[stage], "omni_stage_cache_slots", stage=stage) > 0, stage
