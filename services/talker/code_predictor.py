@@ -6,6 +6,22 @@ step per residual code but the last; each picked code's embedding is summed with
 the talker's next input. The same loop serves the eager step (per-row picks on the host, so
 sampling requests can share the batch) and the CUDA graph of a whole greedy frame
 (services/talker/graphs.py), so the two cannot drift apart.
+
+NOTE: lean loop. `generate` runs the predictor's whole transformers forward 15 times per frame
+(config-default merging, output capturing, mask creation, output dataclasses, a DynamicCache).
+`CodePredictor` runs the same tensor ops in the same order on the same shapes, straight on the
+modules' weights: RMSNorm as `Qwen3OmniMoeRMSNorm.forward`, the projections through `F.linear`
+(so `batch_invariant` still applies), rotary cos/sin computed once per position by the module's
+own `rotary_emb` (the same call on the same position ids each frame, so the same bits), SDPA as
+transformers' `sdpa_attention_forward` calls it (no mask, causal for the 2-token prefill, GQA in
+the kernel), lm heads over every position of the forward as the module does. Keys and values go
+into buffers allocated once, at [batch, kv_heads, position] slices: nothing is allocated or
+registered per step beyond the op results.
+
+All rows of a frame sit at the same position, so attention runs as one batched SDPA over
+[B, heads, T, head_dim]; on CPU that is bit-identical per row to B = 1 (checked for B 2..32,
+heads/kv 2/1 .. 16/8, head_dim 16 and 128, 1 and 2 threads: tests/common/test_batching.py). Other
+devices in exact mode keep one SDPA per row. `tests/talker` compares every frame with `generate`.
 """
 
 from __future__ import annotations
@@ -13,16 +29,130 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from services.runtime.batching import batch_invariant
 
 
+def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    # Qwen3OmniMoeRMSNorm.forward, op for op.
+    input_dtype = x.dtype
+    x = x.to(torch.float32)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + norm.variance_epsilon)
+    return norm.weight * x.to(input_dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class CodePredictor:
+    """The lean per-frame loop over preallocated keys and values for up to `capacity` rows."""
+
+    def __init__(self, talker, capacity: int, device, dtype, batched_attention: bool | None = None):
+        predictor = talker.code_predictor
+        self.talker = talker
+        self.model = predictor.model
+        self.lm_heads = [head.weight for head in predictor.lm_head]
+        self.embeddings = [e.weight for e in predictor.get_input_embeddings()]
+        self.layers = list(self.model.layers[: self.model.config.num_hidden_layers])
+        config = predictor.config
+        self.num_groups = int(talker.config.num_code_groups)
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.gqa = self.heads != self.kv_heads
+        if any(t != "full_attention" for t in config.layer_types) or config.attention_dropout:
+            raise ValueError("the lean code predictor covers full attention without dropout only")
+        # Batched SDPA in exact mode: on CPU (checked), or where the caller says (the CUDA graph of a
+        # frame has always run one batched SDPA).
+        self.batched_attention = torch.device(device).type == "cpu" if batched_attention is None else batched_attention
+        # [capacity, kv_heads, positions, head_dim] per layer: 1 hidden + num_groups - 1 fed codes.
+        shape = (capacity, self.kv_heads, self.num_groups + 1, self.head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
+        self.capacity = capacity
+        # cos/sin per forward of a frame, as the model computes them: prefill positions [[0, 1]],
+        # then [[step + 1]] (past_seen_tokens + arange(1)).
+        with torch.inference_mode():
+            probe = torch.zeros((1, 1, config.hidden_size), dtype=dtype, device=device)
+            positions = [torch.arange(2, device=device).unsqueeze(0)]
+            positions += [torch.tensor([[step + 1]], device=device) for step in range(1, self.num_groups - 1)]
+            self.rope = [self.model.rotary_emb(probe, p) for p in positions]
+
+    def _attention(self, layer, attn, x: torch.Tensor, cos, sin, start: int, exact_rows: bool) -> torch.Tensor:
+        # Qwen3OmniMoeTalkerCodePredictorAttention.forward + sdpa_attention_forward.
+        batch, tokens = x.shape[:2]
+        hidden_shape = (batch, tokens, -1, self.head_dim)
+        q = _rms_norm(attn.q_norm, F.linear(x, attn.q_proj.weight, attn.q_proj.bias).view(hidden_shape)).transpose(1, 2)
+        k = _rms_norm(attn.k_norm, F.linear(x, attn.k_proj.weight, attn.k_proj.bias).view(hidden_shape)).transpose(1, 2)
+        v = F.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(hidden_shape).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = (q * cos) + (_rotate_half(q) * sin)
+        k = (k * cos) + (_rotate_half(k) * sin)
+        end = start + tokens
+        keys, values = self.keys[layer][:batch], self.values[layer][:batch]
+        keys[:, :, start:end] = k
+        values[:, :, start:end] = v
+        keys, values = keys[:, :, :end], values[:, :, :end]
+        causal = tokens > 1
+        if not exact_rows or batch == 1:
+            out = F.scaled_dot_product_attention(q, keys, values, dropout_p=0.0, scale=attn.scaling,
+                                                 is_causal=causal, enable_gqa=self.gqa)
+        else:
+            out = torch.cat([F.scaled_dot_product_attention(q[i:i + 1], keys[i:i + 1], values[i:i + 1], dropout_p=0.0,
+                                                            scale=attn.scaling, is_causal=causal, enable_gqa=self.gqa)
+                             for i in range(batch)])
+        out = out.transpose(1, 2).contiguous().reshape(batch, tokens, -1).contiguous()
+        return F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
+
+    def _forward(self, hidden: torch.Tensor, step: int, start: int, exact_rows: bool) -> torch.Tensor:
+        """One forward of the predictor over hidden [B, T, H] at cache position `start`; the
+        logits of lm head `step` at the last position, [B, vocab]."""
+        cos, sin = self.rope[0 if start == 0 else step]
+        for index, layer in enumerate(self.layers):
+            residual = hidden
+            x = _rms_norm(layer.input_layernorm, hidden)
+            hidden = residual + self._attention(index, layer.self_attn, x, cos, sin, start, exact_rows)
+            residual = hidden
+            x = _rms_norm(layer.post_attention_layernorm, hidden)
+            mlp = layer.mlp
+            x = F.linear(mlp.act_fn(F.linear(x, mlp.gate_proj.weight)) * F.linear(x, mlp.up_proj.weight),
+                         mlp.down_proj.weight)
+            hidden = residual + x
+        hidden = _rms_norm(self.model.norm, hidden)
+        return F.linear(hidden, self.lm_heads[step])[:, -1]
+
+    def __call__(self, past_hidden: torch.Tensor, codes0: torch.Tensor,
+                 pick: Callable[[torch.Tensor], torch.Tensor], exact: bool):
+        """past_hidden [B, 1, H] talker hidden; codes0 [B, 1] layer-0 codes; `pick`: logits
+        [B, vocab] -> ids [B] on the model's device.
+        Returns (codes [B, num_code_groups], sum of the codes' embeddings [B, 1, H])."""
+        batch = codes0.shape[0]
+        if batch > self.capacity:
+            raise ValueError(f"{batch} rows exceed the code predictor's {self.capacity}")
+        exact_rows = exact and not self.batched_attention
+        first = self.talker.get_input_embeddings()(codes0)  # [B, 1, H]
+        columns, hiddens = [codes0[:, 0]], [first]
+        with batch_invariant(exact):
+            logits = self._forward(torch.cat((past_hidden, first), dim=1), 0, 0, exact_rows)
+            for step in range(1, self.num_groups):
+                ids = pick(logits).view(-1, 1)  # [B, 1]
+                columns.append(ids[:, 0])
+                embedded = F.embedding(ids, self.embeddings[step - 1])
+                hiddens.append(embedded)
+                if step < self.num_groups - 1:
+                    logits = self._forward(embedded, step, step + 1, exact_rows)
+        return torch.stack(columns, dim=1), torch.cat(hiddens, dim=1).sum(1, keepdim=True)
+
+
 def predict_frame(talker, past_hidden: torch.Tensor, codes0: torch.Tensor, cache,
                   pick: Callable[[torch.Tensor], torch.Tensor], exact: bool):
-    """past_hidden [B, 1, H] talker hidden; codes0 [B, 1] layer-0 codes; `cache` the
-    `past_key_values` of a fresh cache per row, advanced by `cache.commit()` after each forward;
-    `pick`: logits [B, vocab] -> ids [B] on the model's device.
-    Returns (codes [B, num_code_groups], sum of the codes' embeddings [B, 1, H])."""
+    """The same frame through transformers' own predictor forward (the slow path the lean loop
+    replaces; kept as the reference the tests compare `CodePredictor` with).
+    `cache`: `past_key_values` of a fresh cache per row, advanced by `cache.commit()`."""
     predictor = talker.code_predictor
     embeddings = predictor.get_input_embeddings()  # num_code_groups - 1 tables
     num_groups = int(talker.config.num_code_groups)

@@ -38,7 +38,7 @@ from services.runtime.sampling import SamplingConfig, select_token
 from services.runtime.scheduler import LMScheduler
 from services.runtime.settings import GraphSettings
 from services.runtime.static_decode import SlotDecodeGraphs
-from services.talker.code_predictor import predict_frame
+from services.talker.code_predictor import CodePredictor
 from services.talker.graphs import PredictorGraphs, talker_step
 
 
@@ -128,9 +128,8 @@ class TalkerEngine(SlotScheduledEngine):
         graph_slots = 1 if engine_config.graphs.enabled else 0
         self.cache = SlotKVCache.for_config(model.config.text_config, engine_config.num_slots + graph_slots,
                                             engine_config.max_model_len, dtype, device)
-        # The code predictor's cache lives for one frame: rows of the batch, 1 + num_code_groups positions.
-        self.predictor_cache = SlotKVCache.for_config(predictor.config, engine_config.max_batch_size,
-                                                      self.num_groups + 1, dtype, device)
+        # The code predictor (lean loop) and its keys and values for one frame of every row of a batch.
+        self.predictor_cache = CodePredictor(model, engine_config.max_batch_size, device, dtype)
         self.graphs = self.predictor_graphs = None
         if engine_config.graphs.enabled:
             hidden = model.config.text_config.hidden_size
@@ -292,19 +291,18 @@ class TalkerEngine(SlotScheduledEngine):
     def predict_residuals(self, states: list[_State], past_hidden: torch.Tensor):
         """Code predictor for a batch of frames: fresh cache, prefill [talker hidden, layer-0 code
         embedding], then num_code_groups - 2 single steps. Returns (codes [B, 16], embed sums [B, 1, H])."""
-        rows = list(range(len(states)))
-        for row in rows:
-            self.predictor_cache.reset(row)
         codes0 = torch.tensor([[s.codes[-1]] for s in states], device=self.device)  # [B, 1]
         if self.predictor_graphs is not None and all(s.job.sampling.greedy for s in states):
             replayed = self.predictor_graphs.predict(past_hidden, codes0)
             if replayed is not None:
                 codes, codec_embed = replayed
                 return codes.to(torch.int64).cpu(), codec_embed
-        pick = lambda logits: torch.tensor(  # noqa: E731  (rows picked on the host: a no-op on CPU)
-            [self._pick_residual(row, s) for row, s in zip(logits.cpu(), states)], device=self.device)
-        codes, codec_embed = predict_frame(self.model, past_hidden, codes0, self.predictor_cache.batch(rows),
-                                           pick, self.engine_config.exact_batching)
+        if all(s.job.sampling.greedy for s in states):
+            pick = _argmax_rows  # argmax is exact: a batch's rows pick what each picks alone
+        else:
+            pick = lambda logits: torch.tensor(  # noqa: E731  (rows picked on the host: a no-op on CPU)
+                [self._pick_residual(row, s) for row, s in zip(logits.cpu(), states)], device=self.device)
+        codes, codec_embed = self.predictor_cache(past_hidden, codes0, pick, self.engine_config.exact_batching)
         return codes.to(torch.int64).cpu(), codec_embed
 
     @staticmethod
@@ -314,3 +312,7 @@ class TalkerEngine(SlotScheduledEngine):
         # As generate samples the code predictor: top_k 50, top_p 0.8, the talker's temperature.
         cfg = SamplingConfig(temperature=state.job.sampling.temperature, top_k=50, top_p=0.8)
         return select_token(logits, cfg, [], state.generator)
+
+
+def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    return torch.argmax(logits, dim=-1)
