@@ -38,6 +38,7 @@ from services.runtime.sampling import SamplingConfig, select_token
 from services.runtime.scheduler import LMScheduler
 from services.runtime.settings import GraphSettings
 from services.runtime.static_decode import SlotDecodeGraphs
+from services.runtime.timing import ForwardTimer
 from services.talker.code_predictor import CodePredictor
 from services.talker.graphs import PredictorGraphs, talker_step
 
@@ -115,6 +116,7 @@ class TalkerEngine(SlotScheduledEngine):
         self.tc = config.talker_config
         self.device = device
         self.engine_config = engine_config
+        self.timer = ForwardTimer()  # seconds in model forwards (services/runtime/timing.py)
         vocab = self.tc.text_config.vocab_size
         self.eos = int(self.tc.codec_eos_token_id)
         self.suppress = torch.zeros(vocab, dtype=torch.bool)
@@ -226,10 +228,11 @@ class TalkerEngine(SlotScheduledEngine):
             model_kwargs["audio_feature_lengths"] = job.audio_feature_lengths.to(self.device)
         position_ids = talker._prepare_position_ids_for_generation(inputs_embeds, dict(model_kwargs))
         cache = DynamicCache(config=self.tc.text_config)
-        out = talker(
-            inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=cache, use_cache=True, output_hidden_states=True,
-        )
+        with self.timer:
+            out = talker(
+                inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
+                past_key_values=cache, use_cache=True, output_hidden_states=True,
+            )
         self.cache.load(slot, cache)
         state.last_position = position_ids[..., -1:].clone()
         state.started = True
@@ -244,11 +247,12 @@ class TalkerEngine(SlotScheduledEngine):
             state.last_position = state.last_position + 1
             inputs.append(state.next_codec_embed + self._text_for_next_step(state))
         inputs_embeds, position_ids = torch.cat(inputs, dim=0), torch.cat([s.last_position for s in states], dim=1)
-        replayed = self.graphs.decode(inputs_embeds, position_ids, slots) if self.graphs is not None else None
+        with self.timer:
+            replayed = self.graphs.decode(inputs_embeds, position_ids, slots) if self.graphs is not None else None
         if replayed is not None:
             return self._after_forward(request_ids, states, *replayed)
         view = self.cache.batch(slots)
-        with batch_invariant(self.engine_config.exact_batching):
+        with self.timer, batch_invariant(self.engine_config.exact_batching):
             out = self.model(
                 inputs_embeds=inputs_embeds, position_ids=position_ids,
                 past_key_values=view, use_cache=True, output_hidden_states=True,
@@ -280,7 +284,8 @@ class TalkerEngine(SlotScheduledEngine):
             else:
                 keep.append(row)
         if keep:
-            codes, embeds = self.predict_residuals([states[r] for r in keep], hidden[keep])
+            with self.timer:
+                codes, embeds = self.predict_residuals([states[r] for r in keep], hidden[keep])
             for i, row in enumerate(keep):
                 state = states[row]
                 state.next_codec_embed = embeds[i:i + 1]

@@ -32,6 +32,7 @@ from services.runtime.sampling import SamplingConfig, select_token
 from services.runtime.scheduler import LMScheduler
 from services.runtime.settings import GraphSettings
 from services.runtime.static_decode import SlotDecodeGraphs
+from services.runtime.timing import ForwardTimer
 from services.thinker.graphs import thinker_step
 
 
@@ -96,6 +97,7 @@ class ThinkerEngine(SlotScheduledEngine):
         self.multimodal_ids = torch.tensor([mm.audio_token_id, mm.image_token_id, mm.video_token_id])
         self.tts_ids = torch.tensor([[config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id]])
         self.embed = model.get_input_embeddings()
+        self.timer = ForwardTimer()  # seconds in model forwards (services/runtime/timing.py)
         text_config = model.config.text_config
         use_rowwise_attention(text_config)
         self.dtype = dtype = next(model.parameters()).dtype
@@ -133,10 +135,11 @@ class ThinkerEngine(SlotScheduledEngine):
                   for k, v in job.prompt.model_kwargs().items()}
         position_ids = self.model._prepare_position_ids_for_generation(kwargs["input_ids"], dict(kwargs))
         cache = DynamicCache(config=self.model.config.text_config)
-        out = self.model(
-            **kwargs, position_ids=position_ids, past_key_values=cache, use_cache=True,
-            output_hidden_states=job.want_talker_inputs,
-        )
+        with self.timer:
+            out = self.model(
+                **kwargs, position_ids=position_ids, past_key_values=cache, use_cache=True,
+                output_hidden_states=job.want_talker_inputs,
+            )
         self.cache.load(slot, cache)
         request.last_position = position_ids[..., -1:].clone()
         events: list[tuple[str, object]] = []
@@ -152,12 +155,13 @@ class ThinkerEngine(SlotScheduledEngine):
             request.last_position = request.last_position + 1
         ids = torch.tensor([[r.generated[-1]] for r in requests], device=self.device)  # [B, 1]
         positions = torch.cat([r.last_position for r in requests], dim=1)  # [4, B, 1]
-        replayed = self.graphs.decode(ids, positions, slots) if self.graphs is not None else None
+        with self.timer:
+            replayed = self.graphs.decode(ids, positions, slots) if self.graphs is not None else None
         if replayed is not None:
             logits = replayed[0]  # [B, vocab]
         else:
             view = self.cache.batch(slots)
-            with batch_invariant(self.engine_config.exact_batching):
+            with self.timer, batch_invariant(self.engine_config.exact_batching):
                 out = self.model(input_ids=ids, position_ids=positions, past_key_values=view, use_cache=True)
             view.commit()
             logits = out.logits[:, -1]
