@@ -27,11 +27,12 @@ devices in exact mode keep one SDPA per row. `tests/talker` compares every frame
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
-from services.runtime.batching import batch_invariant
+from services.runtime.batching import _BMM_KERNEL_MIN_SIZE, batch_invariant
 
 
 def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
@@ -64,8 +65,8 @@ class CodePredictor:
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.gqa = self.heads != self.kv_heads
-        if any(t != "full_attention" for t in config.layer_types) or config.attention_dropout:
-            raise ValueError("the lean code predictor covers full attention without dropout only")
+        if any(t != "full_attention" for t in config.layer_types) or config.attention_dropout or config.attention_bias:
+            raise ValueError("the lean code predictor covers full attention without dropout or biases only")
         # Batched SDPA in exact mode: on CPU (checked), or where the caller says (the CUDA graph of a
         # frame has always run one batched SDPA).
         self.batched_attention = torch.device(device).type == "cpu" if batched_attention is None else batched_attention
@@ -76,24 +77,49 @@ class CodePredictor:
         self.capacity = capacity
         # cos/sin per forward of a frame, as the model computes them: prefill positions [[0, 1]],
         # then [[step + 1]] (past_seen_tokens + arange(1)).
+        # Kept as [1, T, 1, head_dim]: they multiply q and k in their [B, T, heads, head_dim] layout.
         with torch.inference_mode():
             probe = torch.zeros((1, 1, config.hidden_size), dtype=dtype, device=device)
             positions = [torch.arange(2, device=device).unsqueeze(0)]
             positions += [torch.tensor([[step + 1]], device=device) for step in range(1, self.num_groups - 1)]
-            self.rope = [self.model.rotary_emb(probe, p) for p in positions]
+            self.rope = [tuple(t.unsqueeze(2) for t in self.model.rotary_emb(probe, p)) for p in positions]
+            # q_norm and k_norm as one RMSNorm over q's and k's heads side by side: the per-head
+            # reduction and the elementwise ops give each element what the two norms give it.
+            self.qk_norm = []
+            for layer in self.layers:
+                attn = layer.self_attn
+                if attn.q_norm.variance_epsilon != attn.k_norm.variance_epsilon:
+                    raise ValueError("q_norm and k_norm with different epsilons")
+                weight = torch.cat((attn.q_norm.weight.expand(self.heads, -1), attn.k_norm.weight.expand(self.kv_heads, -1)))
+                self.qk_norm.append(SimpleNamespace(weight=weight, variance_epsilon=attn.q_norm.variance_epsilon))
+        self._expanded: dict[tuple[int, int], torch.Tensor] = {}  # (id(weight), batch) -> [B, K, N] view
 
-    def _attention(self, layer, attn, x: torch.Tensor, cos, sin, start: int, exact_rows: bool) -> torch.Tensor:
-        # Qwen3OmniMoeTalkerCodePredictorAttention.forward + sdpa_attention_forward.
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, exact: bool) -> torch.Tensor:
+        """F.linear without bias; in exact mode over B > 1 rows the bmm `batch_invariant` runs
+        (services/runtime/batching.py), its expanded weight view made once per batch size."""
         batch, tokens = x.shape[:2]
-        hidden_shape = (batch, tokens, -1, self.head_dim)
-        q = _rms_norm(attn.q_norm, F.linear(x, attn.q_proj.weight, attn.q_proj.bias).view(hidden_shape)).transpose(1, 2)
-        k = _rms_norm(attn.k_norm, F.linear(x, attn.k_proj.weight, attn.k_proj.bias).view(hidden_shape)).transpose(1, 2)
-        v = F.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(hidden_shape).transpose(1, 2)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q = (q * cos) + (_rotate_half(q) * sin)
-        k = (k * cos) + (_rotate_half(k) * sin)
+        if not exact or batch == 1 or tokens * weight.shape[0] * weight.shape[1] < _BMM_KERNEL_MIN_SIZE:
+            return F.linear(x, weight)
+        key = (id(weight), batch)
+        expanded = self._expanded.get(key)
+        if expanded is None:
+            expanded = self._expanded[key] = weight.t().unsqueeze(0).expand(batch, -1, -1)
+        return torch.bmm(x, expanded)
+
+    def _attention(self, index: int, attn, x: torch.Tensor, cos, sin, start: int, exact: bool,
+                   exact_rows: bool) -> torch.Tensor:
+        # Qwen3OmniMoeTalkerCodePredictorAttention.forward + sdpa_attention_forward: q and k side
+        # by side along the heads for their norm and rotary (elementwise and per-head: the same bits).
+        batch, tokens = x.shape[:2]
+        heads, dim = self.heads, self.head_dim
+        qk = torch.cat((self._linear(x, attn.q_proj.weight, exact).view(batch, tokens, heads, dim),
+                        self._linear(x, attn.k_proj.weight, exact).view(batch, tokens, self.kv_heads, dim)), dim=2)
+        qk = _rms_norm(self.qk_norm[index], qk)
+        qk = (qk * cos) + (_rotate_half(qk) * sin)
+        q, k = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2)
+        v = self._linear(x, attn.v_proj.weight, exact).view(batch, tokens, self.kv_heads, dim).transpose(1, 2)
         end = start + tokens
-        keys, values = self.keys[layer][:batch], self.values[layer][:batch]
+        keys, values = self.keys[index][:batch], self.values[index][:batch]
         keys[:, :, start:end] = k
         values[:, :, start:end] = v
         keys, values = keys[:, :, :end], values[:, :, :end]
@@ -106,24 +132,24 @@ class CodePredictor:
                                                             scale=attn.scaling, is_causal=causal, enable_gqa=self.gqa)
                              for i in range(batch)])
         out = out.transpose(1, 2).contiguous().reshape(batch, tokens, -1).contiguous()
-        return F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
+        return self._linear(out, attn.o_proj.weight, exact)
 
-    def _forward(self, hidden: torch.Tensor, step: int, start: int, exact_rows: bool) -> torch.Tensor:
+    def _forward(self, hidden: torch.Tensor, step: int, start: int, exact: bool, exact_rows: bool) -> torch.Tensor:
         """One forward of the predictor over hidden [B, T, H] at cache position `start`; the
         logits of lm head `step` at the last position, [B, vocab]."""
         cos, sin = self.rope[0 if start == 0 else step]
         for index, layer in enumerate(self.layers):
             residual = hidden
             x = _rms_norm(layer.input_layernorm, hidden)
-            hidden = residual + self._attention(index, layer.self_attn, x, cos, sin, start, exact_rows)
+            hidden = residual + self._attention(index, layer.self_attn, x, cos, sin, start, exact, exact_rows)
             residual = hidden
             x = _rms_norm(layer.post_attention_layernorm, hidden)
             mlp = layer.mlp
-            x = F.linear(mlp.act_fn(F.linear(x, mlp.gate_proj.weight)) * F.linear(x, mlp.up_proj.weight),
-                         mlp.down_proj.weight)
+            x = self._linear(mlp.act_fn(self._linear(x, mlp.gate_proj.weight, exact))
+                             * self._linear(x, mlp.up_proj.weight, exact), mlp.down_proj.weight, exact)
             hidden = residual + x
         hidden = _rms_norm(self.model.norm, hidden)
-        return F.linear(hidden, self.lm_heads[step])[:, -1]
+        return self._linear(hidden, self.lm_heads[step], exact)[:, -1]
 
     def __call__(self, past_hidden: torch.Tensor, codes0: torch.Tensor,
                  pick: Callable[[torch.Tensor], torch.Tensor], exact: bool):
@@ -137,14 +163,14 @@ class CodePredictor:
         first = self.talker.get_input_embeddings()(codes0)  # [B, 1, H]
         columns, hiddens = [codes0[:, 0]], [first]
         with batch_invariant(exact):
-            logits = self._forward(torch.cat((past_hidden, first), dim=1), 0, 0, exact_rows)
+            logits = self._forward(torch.cat((past_hidden, first), dim=1), 0, 0, exact, exact_rows)
             for step in range(1, self.num_groups):
                 ids = pick(logits).view(-1, 1)  # [B, 1]
                 columns.append(ids[:, 0])
                 embedded = F.embedding(ids, self.embeddings[step - 1])
                 hiddens.append(embedded)
                 if step < self.num_groups - 1:
-                    logits = self._forward(embedded, step, step + 1, exact_rows)
+                    logits = self._forward(embedded, step, step + 1, exact, exact_rows)
         return torch.stack(columns, dim=1), torch.cat(hiddens, dim=1).sum(1, keepdim=True)
 
 

@@ -93,7 +93,7 @@ def test_short_real_run_writes_json_and_png_with_every_figure(bench_run):
         for name, t in stages.items():
             assert t["steps"] > 0 and t["forward_s"] > 0 and t["process_cpu_s"] > 0, name
             assert 0 < t["forward_s"] + t["engine_s"] <= entry["wall_s"] * 1.05, name  # the engine thread's wall
-            assert abs(sum(t["shares"].values()) - 1) < 1e-6, name
+            assert abs(sum(t["shares"].values()) - 1) < 1e-4, name  # rounded to 6 places in the JSON
         assert stages["talker-0"]["wire_s"] > 0  # text rows decoded, frames encoded
 
 
