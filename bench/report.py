@@ -266,7 +266,7 @@ def _grid(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
 def render_table(report: BenchReport) -> str:
     cfg = report.config
     lines = [
-        f"omni-bench  {report.checkpoint_name} on {report.machine.label} (torch {report.machine.torch}, "
+        f"omni-bench  {report.checkpoint_name} (preset {cfg.preset}) on {report.machine.label} (torch {report.machine.torch}, "
         f"{cfg.threads} thread(s) per process, device {cfg.device} {cfg.dtype})",
         f"  {len(report.prompts)} prompts, thinker {cfg.max_new_tokens} / talker {cfg.talker_max_new_tokens} max "
         f"new tokens, greedy; {cfg.rounds} round(s) per level; load average at start "
