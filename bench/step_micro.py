@@ -1,5 +1,6 @@
-"""In-process microbenchmark of one talker engine step (talker decode + code predictor) and of
-the code predictor alone, at several batch sizes, on a generated checkpoint.
+"""In-process microbenchmark of one talker engine step (talker decode + code predictor), of the
+code predictor alone and of one thinker decode step, at several batch sizes, on a generated
+checkpoint.
 
     python -m bench.step_micro --checkpoint models/tiny-qwen3-omni --batch 1 4 16 --steps 30
 
@@ -51,6 +52,30 @@ def fill(engine, batch: int, rows: int, seed: int = 0):
         engine.step()
 
 
+def build_thinker(checkpoint: str, batch: int, exact: bool = True):
+    from services.runtime.checkpoint import Stage, load_stage
+    from services.runtime.prompt import PromptBuilder
+    from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig
+
+    stage = load_stage(checkpoint, Stage.THINKER)
+    engine = ThinkerEngine(stage.model, stage.config, engine_config=ThinkerEngineConfig(
+        max_batch_size=batch, num_slots=batch, max_model_len=1024, exact_batching=exact))
+    return engine, PromptBuilder(checkpoint, stage.config)
+
+
+def fill_thinker(engine, builder, batch: int, tokens: int) -> None:
+    from services.runtime.sampling import SamplingConfig
+    from services.thinker.engine import ThinkerJob
+    from services.tools.reference import messages_from_args
+
+    prompts = ["Hello there!", "Tell me a story about a lighthouse.", "Hi", "What is the weather like?"]
+    for i in range(batch):
+        prompt = builder.build(messages_from_args(prompts[i % len(prompts)], None, None, None))
+        engine.add(f"t{i}", ThinkerJob(prompt, SamplingConfig(max_new_tokens=tokens), True))
+    while engine.scheduler.waiting:
+        engine.step()
+
+
 def time_steps(engine, steps: int) -> float:
     times = []
     for _ in range(steps):
@@ -85,14 +110,20 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     results = {}
     engines = {b: build_engine(args.checkpoint, b, not args.inexact) for b in args.batch}
+    thinkers = {b: build_thinker(args.checkpoint, b, not args.inexact) for b in args.batch}
     for rep in range(args.repeats):
+        for b, (thinker, builder) in thinkers.items():
+            fill_thinker(thinker, builder, b, tokens=args.steps + 4)
+            results.setdefault(b, {"step": [], "predictor": [], "thinker": []})
+            results[b]["thinker"].append(time_steps(thinker, args.steps))
+            for rid in list(thinker._requests):
+                thinker.abort(rid)
         for b, engine in engines.items():
             fill(engine, b, rows=args.steps + 4, seed=rep)
             step = time_steps(engine, args.steps)
             pred = time_predictor(engine, b, args.steps)
             for rid in list(engine._requests):
                 engine.abort(rid)
-            results.setdefault(b, {"step": [], "predictor": []})
             results[b]["step"].append(step)
             results[b]["predictor"].append(pred)
     out = {b: {k: statistics.median(v) * 1e3 for k, v in r.items()} for b, r in results.items()}
@@ -100,8 +131,8 @@ def main(argv=None) -> int:
         print(json.dumps(out))
     else:
         for b, r in out.items():
-            print(f"batch {b:3d}: step {r['step']:8.2f} ms ({r['step'] / b:6.2f} ms/frame)   "
-                  f"code predictor {r['predictor']:8.2f} ms")
+            print(f"batch {b:3d}: talker step {r['step']:8.2f} ms ({r['step'] / b:6.2f} ms/frame)   "
+                  f"code predictor {r['predictor']:8.2f} ms   thinker decode step {r['thinker']:7.2f} ms")
     return 0
 
 
