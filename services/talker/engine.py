@@ -100,6 +100,7 @@ class _State:
     next_codec_embed: torch.Tensor | None = None  # [1, 1, H] sum of the last frame's code embeddings
     tts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # projected bos, eos, pad, [1, 1, H]
     generator: torch.Generator | None = None
+    seen: torch.Tensor | None = None  # [vocab] bool: the layer-0 codes generated so far (the penalty's history)
 
     @property
     def ready(self) -> bool:
@@ -272,11 +273,16 @@ class TalkerEngine(SlotScheduledEngine):
     def _after_forward(self, request_ids, states, logits: torch.Tensor, hidden: torch.Tensor):
         # logits: [B, vocab]; hidden: [B, 1, H] last layer at the last position.
         logits = logits.cpu()  # sampling runs on the host (CPU generators and masks); a no-op on CPU
+        picked = self._greedy_codes(states, logits)
         events: list[tuple[str, object]] = []
         keep: list[int] = []  # rows that go on to make a frame
         for row, (request_id, state) in enumerate(zip(request_ids, states)):
-            code = select_token(logits[row], state.job.sampling, state.codes, state.generator, self.suppress)
+            code = picked[row] if row in picked else select_token(logits[row], state.job.sampling, state.codes,
+                                                                  state.generator, self.suppress)
             state.codes.append(code)
+            if state.seen is None:
+                state.seen = torch.zeros(logits.shape[-1], dtype=torch.bool)
+            state.seen[code] = True
             if code == self.eos:
                 events.append((request_id, TalkerDone(FinishReason.STOP, state.frames)))
             elif len(state.codes) >= state.job.sampling.max_new_tokens:
@@ -292,6 +298,25 @@ class TalkerEngine(SlotScheduledEngine):
                 events.append((request_ids[row], Frame(index=state.frames, codes=codes[i])))
                 state.frames += 1
         return events
+
+    def _greedy_codes(self, states: list[_State], logits: torch.Tensor) -> dict[int, int]:
+        """Layer-0 codes (row -> id) of the greedy rows, selected together: select_token's ops on a
+        [rows, vocab] batch. The repetition penalty divides positive and multiplies negative
+        scores of the codes already generated (a per-row mask instead of gather/scatter: the same
+        float32 products and quotients on the same elements), then the special range is
+        suppressed and one argmax takes each row's first maximum. Bit for bit select_token's."""
+        rows = [row for row, s in enumerate(states) if s.job.sampling.greedy]
+        if len(rows) < 2:
+            return {}
+        scores = logits[rows].float()  # [R, vocab]
+        vocab = scores.shape[-1]
+        seen = torch.stack([states[r].seen if states[r].seen is not None else torch.zeros(vocab, dtype=torch.bool)
+                            for r in rows])
+        penalty = torch.tensor([[states[r].job.sampling.repetition_penalty] for r in rows], dtype=scores.dtype)
+        penalized = torch.where(scores < 0, scores * penalty, scores / penalty)
+        scores = torch.where(seen & (penalty != 1.0), penalized, scores)
+        scores = scores.masked_fill(self.suppress, float("-inf"))
+        return dict(zip(rows, torch.argmax(scores, dim=-1).tolist()))
 
     def predict_residuals(self, states: list[_State], past_hidden: torch.Tensor):
         """Code predictor for a batch of frames: fresh cache, prefill [talker hidden, layer-0 code

@@ -166,10 +166,27 @@ class ThinkerEngine(SlotScheduledEngine):
             view.commit()
             logits = out.logits[:, -1]
         logits = logits.cpu()  # sampling runs on the host (CPU generators and masks); a no-op on CPU
+        picked, embeddings = self._greedy_rows(requests, logits)
         events: list[tuple[str, object]] = []
         for row, (request_id, request) in enumerate(zip(request_ids, requests)):
-            events += self._sample(request_id, request, logits[row])
+            events += self._sample(request_id, request, logits[row], picked.get(row), embeddings.get(row))
         return events
+
+    def _greedy_rows(self, requests, logits: torch.Tensor) -> tuple[dict, dict]:
+        """Tokens (row -> id) of the rows that are greedy without a repetition penalty, picked by one
+        argmax over their logits, and their embeddings (row -> [H] on the host) from one lookup.
+        Exact: argmax takes each row's first maximum as select_token's does, and a lookup copies."""
+        rows = [row for row, r in enumerate(requests)
+                if r.job.sampling.greedy and r.job.sampling.repetition_penalty == 1.0]
+        if len(rows) < 2:
+            return {}, {}
+        picked = dict(zip(rows, torch.argmax(logits[rows].float(), dim=-1).tolist()))
+        want = [row for row in rows if requests[row].job.want_talker_inputs]
+        embeddings = {}
+        if want:
+            table = self.embed(torch.tensor([picked[row] for row in want], device=self.device)).cpu()  # [n, H]
+            embeddings = {row: table[i].clone() for i, row in enumerate(want)}
+        return picked, embeddings
 
     def _prefilled(self, prompt_ids: torch.Tensor, hidden_states) -> Prefilled:
         # hidden_states[0]: [1, P, H] inputs of layer 0 (audio/image features merged in);
@@ -185,15 +202,18 @@ class ThinkerEngine(SlotScheduledEngine):
             tts_embeds=tts.cpu(),
         )
 
-    def _sample(self, request_id: str, request: _Request, logits: torch.Tensor) -> list[tuple[str, object]]:
+    def _sample(self, request_id: str, request: _Request, logits: torch.Tensor, token: int | None = None,
+                embedding: torch.Tensor | None = None) -> list[tuple[str, object]]:
+        """`token` / `embedding`: already picked / looked up for this row (`_greedy_rows`)."""
         cfg = request.job.sampling
-        history = request.job.prompt.input_ids[0].tolist() + request.generated if cfg.repetition_penalty != 1.0 else []
-        token = select_token(logits, cfg, history, request.generator)
+        if token is None:
+            history = (request.job.prompt.input_ids[0].tolist() + request.generated
+                       if cfg.repetition_penalty != 1.0 else [])
+            token = select_token(logits, cfg, history, request.generator)
         request.generated.append(token)
         index = len(request.generated) - 1
         last = token in self.eos_ids or len(request.generated) >= cfg.max_new_tokens
-        embedding = None
-        if request.job.want_talker_inputs:
+        if embedding is None and request.job.want_talker_inputs:
             embedding = self.embed(torch.tensor([token], device=self.device))[0].cpu()
         events: list[tuple[str, object]] = [(request_id, Token(token, index, embedding, last))]
         if last:

@@ -44,3 +44,33 @@ def test_lean_loop_refuses_more_rows_than_its_buffers(talker):
     with pytest.raises(ValueError, match="exceed"):
         lean(torch.zeros(3, 1, talker.config.text_config.hidden_size), torch.zeros(3, 1, dtype=torch.long),
              lambda logits: torch.argmax(logits, dim=-1), True)
+
+
+def test_batched_greedy_code_selection_equals_select_token_per_row():
+    # TalkerEngine._greedy_codes: the repetition penalty, the suppressed range and argmax over a
+    # batch, against select_token row by row (ties, negative scores, penalties 1 and 1.05).
+    from types import SimpleNamespace
+
+    from services.runtime.sampling import SamplingConfig, select_token
+    from services.talker.engine import TalkerEngine, _State
+
+    g = torch.Generator().manual_seed(0)
+    vocab = 96
+    suppress = torch.zeros(vocab, dtype=torch.bool)
+    suppress[64:] = True
+    suppress[66] = False
+    engine = SimpleNamespace(suppress=suppress)
+    states, logits = [], torch.randn(6, vocab, generator=g)
+    logits[1, 3] = logits[1, 7] = logits[1].max() + 1  # a tie: the first index wins
+    for row in range(6):
+        codes = torch.randint(0, 70, (row * 3,), generator=g).tolist()
+        sampling = SamplingConfig(repetition_penalty=1.0 if row == 2 else 1.05)
+        state = _State(job=SimpleNamespace(sampling=sampling), codes=codes)
+        if codes:
+            state.seen = torch.zeros(vocab, dtype=torch.bool)
+            state.seen[codes] = True
+        logits[row, codes[:2]] = -logits[row, codes[:2]].abs()  # some penalised scores negative
+        states.append(state)
+    picked = TalkerEngine._greedy_codes(engine, states, logits)
+    assert picked == {row: select_token(logits[row], s.job.sampling, s.codes, None, suppress)
+                      for row, s in enumerate(states)}
