@@ -214,21 +214,32 @@ class BatchView:
     def __post_init__(self):
         self.starts = [self.cache.lengths[s] for s in self.slots]  # lengths when the step began
         self.new_tokens = 0
+        self._index = None  # (slots, starts) as index tensors, for one-token steps
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs=None):
         # key_states: [B, kv_heads, T, head_dim] for this step's T new tokens per row.
         tokens = key_states.shape[2]
         self.new_tokens = tokens
-        keys, values = RowKV(), RowKV()
-        k_all, v_all = self.cache.keys[layer_idx], self.cache.values[layer_idx]
-        for row, (slot, start) in enumerate(zip(self.slots, self.starts)):
-            end = start + tokens
-            if end > self.cache.max_len:
+        for slot, start in zip(self.slots, self.starts):
+            if start + tokens > self.cache.max_len:
                 raise ValueError(f"slot {slot} is full ({self.cache.max_len} tokens)")
-            k_all[slot, :, start:end] = key_states[row]
-            v_all[slot, :, start:end] = value_states[row]
-            keys.append(k_all[slot:slot + 1, :, :end])
-            values.append(v_all[slot:slot + 1, :, :end])
+        k_all, v_all = self.cache.keys[layer_idx], self.cache.values[layer_idx]
+        if tokens == 1 and len(self.slots) > 1:
+            # Every row's one new position in two indexed copies (the same values as row-by-row writes).
+            if self._index is None:
+                device = k_all.device
+                self._index = (torch.tensor(self.slots, device=device), torch.tensor(self.starts, device=device))
+            slots, starts = self._index
+            k_all[slots, :, starts] = key_states[:, :, 0]
+            v_all[slots, :, starts] = value_states[:, :, 0]
+        else:
+            for row, (slot, start) in enumerate(zip(self.slots, self.starts)):
+                k_all[slot, :, start:start + tokens] = key_states[row]
+                v_all[slot, :, start:start + tokens] = value_states[row]
+        keys, values = RowKV(), RowKV()
+        for slot, start in zip(self.slots, self.starts):
+            keys.append(k_all[slot:slot + 1, :, :start + tokens])
+            values.append(v_all[slot:slot + 1, :, :start + tokens])
         return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -238,5 +249,6 @@ class BatchView:
         """After the forward: the step's tokens are now part of each slot (the view can serve
         the next step of the same rows)."""
         self.starts = [start + self.new_tokens for start in self.starts]
+        self._index = None
         for slot, start in zip(self.slots, self.starts):
             self.cache.lengths[slot] = start
