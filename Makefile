@@ -7,7 +7,7 @@ PORT ?= 50051
 PROTO_SRC := $(wildcard protos/omni/v1/*.proto)
 STAMP := $(VENV)/.installed
 
-.PHONY: setup proto proto-gen checkpoint run demo lint test test-all bench clean setup-vllm test-vllm
+.PHONY: setup proto proto-gen checkpoint run demo lint test test-all bench bench-wide clean setup-vllm test-vllm
 
 setup: $(STAMP)
 
@@ -54,6 +54,9 @@ test-all: setup lint
 
 bench: setup checkpoint
 	$(VENV)/bin/omni-bench --checkpoint $(CHECKPOINT) --out out
+
+bench-wide: setup  # the wide preset: a ~58 M-parameter generated checkpoint (models/wide-qwen3-omni)
+	$(VENV)/bin/omni-bench --preset wide --out out/wide
 
 clean:
 	rm -rf $(VENV) $(VENV_VLLM) omni models out

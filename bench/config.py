@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.presets import PRESETS, ensure_checkpoint
 from bench.systems import System
 from services.runtime.errors import UserError
 
@@ -41,6 +42,7 @@ class BenchConfig:
     first_chunk_frames: int  # the talker's first chunk (its --first-chunk-frames)
     prebuffer_ms: float  # the simulated player's start-up buffer
     timeout_s: float
+    preset: str = "tiny"  # bench/presets.py
     gateway_url: str | None = None  # with --target: that stack's HTTP gateway (for the gateway system)
 
     @property
@@ -69,19 +71,27 @@ def build_parser() -> argparse.ArgumentParser:
         prog="omni-bench",
         description="Benchmark the streaming pipeline against the transformers reference (TTFT, TTFP, RTF, "
                     "throughput, first-chunk floor, playback continuity).")
-    p.add_argument("--checkpoint", required=True, help="Qwen3-Omni checkpoint folder")
+    p.add_argument("--checkpoint", help="Qwen3-Omni checkpoint folder (required with --preset tiny; with --preset "
+                                        "wide: default models/wide-qwen3-omni, generated when missing)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                   help="tiny: per-step overhead dominates (make bench); wide: a generated ~58 M-parameter "
+                        "checkpoint where compute dominates, with fewer tokens per request (default %(default)s)")
     p.add_argument("--out", type=Path, default=Path("out"), help="writes bench.json and bench.png here (default out)")
     p.add_argument("--prompts", type=Path, help="JSONL prompt set: {prompt, system?, audio?, image?} per line "
                                                 "(default: 8 built-in text prompts)")
     p.add_argument("--concurrency", default=",".join(map(str, DEFAULT_CONCURRENCY)),
                    help="comma-separated concurrency levels (default %(default)s)")
-    p.add_argument("--requests", type=int, default=DEFAULT_REQUESTS,
-                   help="requests per system, level and round; at least the level (default %(default)s)")
-    p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
-                   help="times the systems alternate within each level (default %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="thinker (default %(default)s)")
-    p.add_argument("--talker-max-new-tokens", type=int, default=DEFAULT_TALKER_MAX_NEW_TOKENS,
-                   help="talker; N tokens give at most N - 1 frames (default %(default)s)")
+    p.add_argument("--requests", type=int,
+                   help=f"requests per system, level and round; at least the level (default {DEFAULT_REQUESTS}; "
+                        f"wide {PRESETS['wide'].requests})")
+    p.add_argument("--rounds", type=int,
+                   help=f"times the systems alternate within each level (default {DEFAULT_ROUNDS}; "
+                        f"wide {PRESETS['wide'].rounds})")
+    p.add_argument("--max-new-tokens", type=int,
+                   help=f"thinker (default {DEFAULT_MAX_NEW_TOKENS}; wide {PRESETS['wide'].max_new_tokens})")
+    p.add_argument("--talker-max-new-tokens", type=int,
+                   help=f"talker; N tokens give at most N - 1 frames (default {DEFAULT_TALKER_MAX_NEW_TOKENS}; "
+                        f"wide {PRESETS['wide'].talker_max_new_tokens})")
     p.add_argument("--voice", help="speaker (default: the checkpoint's default)")
     p.add_argument("--target", help="router host:port of a running stack (default: start one here)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ... for the reference, the floor and every "
@@ -131,6 +141,14 @@ def _systems(skip: str, gateway: bool = False) -> tuple[System, ...]:
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    preset = PRESETS[getattr(args, "preset", None) or "tiny"]
+    for name in ("requests", "rounds", "max_new_tokens", "talker_max_new_tokens"):  # unset: the preset's
+        if getattr(args, name, None) is None:
+            setattr(args, name, getattr(preset, name))
+    if args.checkpoint is None:
+        if preset.checkpoint is None:
+            raise UserError("--checkpoint is required (or --preset wide, which generates its own)")
+        args.checkpoint = str(ensure_checkpoint(preset))
     for name in ("requests", "rounds", "max_new_tokens", "talker_max_new_tokens", "floor_repeats",
                  "first_chunk_frames"):
         if getattr(args, name) < 1:
@@ -144,5 +162,5 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         device=args.device, dtype=args.dtype, threads=resolved_threads(args.threads),
         systems=_systems(args.skip, args.gateway),
         floor_repeats=args.floor_repeats, first_chunk_frames=args.first_chunk_frames,
-        prebuffer_ms=args.prebuffer_ms, timeout_s=args.timeout, gateway_url=args.gateway_url,
+        prebuffer_ms=args.prebuffer_ms, timeout_s=args.timeout, gateway_url=args.gateway_url, preset=preset.name,
     )

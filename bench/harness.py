@@ -36,6 +36,7 @@ from bench.report import (
     render_table,
     write_json,
 )
+from bench.stage_metrics import StageScraper, StageTimes, free_port_block, interval
 from bench.systems import (
     BatchedReferenceSystem,
     BlockResult,
@@ -110,6 +111,8 @@ class Bench:
         self.records: list[RequestRecord] = []
         self.block_log: list[BlockLog] = []
         self.walls: dict[tuple[System, int], float] = {}  # (system, level) -> block walls summed over rounds
+        self.scrapers: dict[System, StageScraper] = {}  # stacks started here: their stages' metrics
+        self.stage_times: dict[tuple[System, int], dict[str, StageTimes]] = {}
 
     def _step(self, name: str, fn):
         self.progress.note(f"omni-bench: {name} ...")
@@ -145,10 +148,11 @@ class Bench:
                 stack = Stack(StackOptions(
                     checkpoint=cfg.checkpoint, port=0, threads=cfg.threads, thinker_args=cfg.stage_args() + batch,
                     talker_args=cfg.talker_args() + batch + talker_default, code2wav_args=cfg.stage_args(),
-                    log_prefix=False, http_port=0 if gateway else None))
+                    log_prefix=False, http_port=0 if gateway else None, metrics_base_port=free_port_block()))
                 self._step(f"start stack ({system.value})", lambda stack=stack: cleanup.enter_context(stack))
                 target = stack.target
                 gateway_url = stack.http_url
+                self.scrapers[system] = StageScraper.for_stack(stack)
             pipeline = PipelineSystem(target, cfg.voice, cfg.max_new_tokens, cfg.talker_max_new_tokens, cfg.timeout_s)
             cleanup.callback(pipeline.close)
             self.systems[system] = pipeline
@@ -200,8 +204,14 @@ class Bench:
                 progress.advance(len(block.prompt_indices))
                 continue
             progress.begin(f"{block.system.value} c={block.concurrency} round {block.round + 1}/{cfg.rounds}")
+            scraper = self.scrapers.get(block.system)
+            before = scraper.snapshot() if scraper else None
             result: BlockResult = self.systems[block.system].run(
                 [self.prompts[i] for i in block.prompt_indices], block.concurrency, lambda _: progress.advance())
+            if scraper:
+                totals = self.stage_times.setdefault((block.system, block.concurrency), {})
+                for name, times in interval(before, scraper.snapshot()).items():
+                    totals[name] = totals[name].plus(times) if name in totals else times
             progress.end_block()
             load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
             self.block_log.append(BlockLog(block.system, block.concurrency, block.round, len(result.outcomes),
@@ -233,6 +243,7 @@ class Bench:
             results=results, ratios=ratios_for(results), gateway_cost=gateway_cost_for(results),
             skipped=self.skipped, requests=self.records,
             blocks=self.block_log, setup_s=self.setup_s, wall_s=time.perf_counter() - self.started,
+            stage_times=self.stage_times,
         )
 
 

@@ -13,6 +13,7 @@ from bench.config import BenchConfig
 from bench.floor import FloorSummary
 from bench.machine import Machine
 from bench.metrics import BlockSummary, Percentiles, ratio, simulate_playback
+from bench.stage_metrics import StageTimes
 from bench.systems import RequestRecord, System
 
 SCHEMA = "omni-bench/1"
@@ -94,9 +95,15 @@ class BenchReport:
     blocks: list[BlockLog]  # in run order
     setup_s: dict[str, float]  # step -> seconds: reference load, stack start, warm-up, floor
     wall_s: float
+    # (system, concurrency) -> stage process name -> its time over that level's blocks (the stages'
+    # own metrics; empty with --target)
+    stage_times: dict[tuple[System, int], dict[str, StageTimes]] = dataclasses.field(default_factory=dict)
 
     def row(self, system: System, concurrency: int) -> ResultRow | None:
         return next((r for r in self.results if r.system is system and r.concurrency == concurrency), None)
+
+    def level_wall_s(self, system: System, concurrency: int) -> float:
+        return sum(b.wall_s for b in self.blocks if b.system is system and b.concurrency == concurrency)
 
 
 @dataclass(frozen=True)
@@ -178,9 +185,13 @@ def _request_json(record: RequestRecord, prebuffer_s: float) -> dict:
 def to_json(report: BenchReport) -> dict:
     out = {"schema": SCHEMA}
     for f in dataclasses.fields(report):
-        if f.name == "requests":
+        if f.name in ("requests", "stage_times"):
             continue
         out[f.name] = _jsonable(getattr(report, f.name))
+    out["stage_times"] = [
+        {"system": system.value, "concurrency": level, "wall_s": report.level_wall_s(system, level),
+         "stages": {name: _jsonable(times.to_json()) for name, times in stages.items()}}
+        for (system, level), stages in report.stage_times.items()]
     out["machine"]["label"] = report.machine.label
     if report.floor is not None:
         for sample, raw in zip(report.floor.samples, out["floor"]["samples"]):
@@ -196,6 +207,58 @@ def write_json(report: BenchReport, path: Path) -> None:
 
 
 # Terminal table.
+
+STAGE_COLUMNS = ("stage", "conc", "steps", "batch", "step ms", "busy %wall", "forward", "engine py", "commands",
+                 "wire", "grpc+handlers")
+
+
+def _stage_cells(name: str, level: int, times: StageTimes, wall_s: float) -> tuple[str, ...]:
+    shares = times.shares()
+    pct = lambda key: f"{100 * shares[key]:.0f}%"  # noqa: E731
+    batch = times.batch_sum / times.batch_steps if times.batch_steps else None
+    step_ms = 1000 * times.step_s / times.steps if times.steps else None
+    return (name, str(level), f"{times.steps:.0f}", _num(batch, 1), _num(step_ms, 1),
+            _num(100 * times.busy_s / wall_s if wall_s else None, 0), pct("model forward"), pct("engine python"),
+            pct("commands"), pct("wire (de)serialization"), pct("grpc + handlers"))
+
+
+def bottleneck(report: BenchReport, system: System = System.PIPELINE) -> tuple[str, int, StageTimes, float] | None:
+    """The stage whose engine thread was busiest (share of the wall) at the highest concurrency."""
+    levels = sorted(level for s, level in report.stage_times if s is system)
+    if not levels:
+        return None
+    level = levels[-1]
+    wall = report.level_wall_s(system, level)
+    stages = report.stage_times[(system, level)]
+    if not stages or not wall:
+        return None
+    name = max(stages, key=lambda n: stages[n].busy_s + stages[n].wire_s + stages[n].handlers_cpu_s)
+    return name, level, stages[name], wall
+
+
+def render_stage_times(report: BenchReport) -> list[str]:
+    rows = []
+    for (system, level), stages in sorted(report.stage_times.items(), key=lambda kv: (kv[0][1], kv[0][0].value)):
+        if system is not System.PIPELINE:
+            continue
+        wall = report.level_wall_s(system, level)
+        rows += [_stage_cells(name, level, times, wall) for name, times in sorted(stages.items())]
+    if not rows:
+        return []
+    lines = ["", "pipeline stages: where the time goes (stage metrics; shares of engine-thread busy time plus "
+                 "off-thread CPU)"]
+    lines += _grid(STAGE_COLUMNS, rows)
+    found = bottleneck(report)
+    if found is not None:
+        name, level, times, wall = found
+        shares = times.shares()
+        top = max(shares, key=shares.get)
+        lines.append(f"  bottleneck at concurrency {level}: {name}, busy {100 * times.busy_s / wall:.0f}% of the "
+                     f"wall; its largest part: {top} ({100 * shares[top]:.0f}%)")
+    lines.append("  forward = model forwards incl. their module dispatch; engine py = scheduling, sampling, "
+                 "bookkeeping; commands = handler inputs applied on the engine thread; wire = tensor/audio "
+                 "encoding; grpc+handlers = the rest of the process's CPU")
+    return lines
 
 def _num(value: float | None, digits: int = 0) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
@@ -230,7 +293,7 @@ def _grid(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
 def render_table(report: BenchReport) -> str:
     cfg = report.config
     lines = [
-        f"omni-bench  {report.checkpoint_name} on {report.machine.label} (torch {report.machine.torch}, "
+        f"omni-bench  {report.checkpoint_name} (preset {cfg.preset}) on {report.machine.label} (torch {report.machine.torch}, "
         f"{cfg.threads} thread(s) per process, device {cfg.device} {cfg.dtype})",
         f"  {len(report.prompts)} prompts, thinker {cfg.max_new_tokens} / talker {cfg.talker_max_new_tokens} max "
         f"new tokens, greedy; {cfg.rounds} round(s) per level; load average at start "
@@ -257,6 +320,7 @@ def render_table(report: BenchReport) -> str:
         header = ("gateway vs pipeline", "conc", "+TTFT ms p50", "+TTFP ms p50", "req/s", "audio s/s")
         lines += _grid(header, [("gateway", str(r.concurrency), _num(r.added_ttft_ms, 1), _num(r.added_ttfp_ms, 1),
                                  _num(r.req_per_s, 2), _num(r.audio_s_per_s, 2)) for r in report.gateway_cost])
+    lines += render_stage_times(report)
     for skip in report.skipped:
         where = "all levels" if skip.concurrency is None else f"concurrency {skip.concurrency}"
         lines.append(f"  skipped {skip.system.value} at {where}: {skip.reason}")

@@ -33,6 +33,7 @@ from services.code2wav.streaming import (
 from services.runtime.cuda_graphs import GraphRunner, pad_rows, plan_padding
 from services.runtime.events import EngineEvent
 from services.runtime.settings import GraphSettings
+from services.runtime.timing import ForwardTimer
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,7 @@ class Code2WavEngine:
             raise ValueError(f"decoder must be incremental or window, got {decoder!r}")
         self.model = model
         self.config = config
+        self.timer = ForwardTimer()  # seconds in vocoder forwards (services/runtime/timing.py)
         self.left_context = left_context
         self.decoder = decoder
         self.conv_context = conv_context
@@ -163,7 +165,8 @@ class Code2WavEngine:
             item = state.pending.popleft()
             if isinstance(item, CodecEnd):
                 first = state.decoder.samples_emitted
-                tail = state.decoder.finish()
+                with self.timer:
+                    tail = state.decoder.finish()
                 if tail.size:
                     events.append((request_id, Audio(tail, first)))
                 events.append((request_id, Decoded(state.decoder.samples_emitted, state.decoder.frames_seen)))
@@ -172,7 +175,8 @@ class Code2WavEngine:
                 continue
             elif isinstance(state.decoder, IncrementalDecoder):
                 first = state.decoder.samples_emitted
-                samples = state.decoder.push(item.frames)
+                with self.timer:
+                    samples = state.decoder.push(item.frames)
                 if samples.size:
                     events.append((request_id, Audio(samples, first)))
             else:
@@ -180,7 +184,8 @@ class Code2WavEngine:
                 windows.setdefault(window.shape[0], []).append((request_id, window))
         for group in windows.values():
             stacked = torch.stack([w for _, w in group])  # [G, n, Q]
-            wavs = self.graphs.decode(stacked) if self.graphs is not None else forward_batch(self.model, stacked)
+            with self.timer:
+                wavs = self.graphs.decode(stacked) if self.graphs is not None else forward_batch(self.model, stacked)
             for (request_id, window), wav in zip(group, wavs):
                 decoder = self._states[request_id].decoder
                 first = decoder.samples_emitted

@@ -91,16 +91,62 @@ ROWWISE_EXPERTS = "omni_rowwise_experts"
 
 
 def _rowwise_experts(module, hidden_states, top_k_index, top_k_weights):
-    """MoE experts that, in batch-invariant mode, run each token row alone. transformers groups a
-    batch's tokens by expert into one matmul per expert (its `grouped_mm`), whose rounding depends
-    on how many tokens share the expert; one row at a time is exactly the single-request decode."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    """MoE experts that, in batch-invariant mode, compute each token row as it is computed alone.
+    transformers groups a batch's tokens by expert into one matmul per expert (its `grouped_mm`),
+    whose rounding depends on how many tokens share the expert. On CPU `_batched_experts` gives
+    every (token, expert) pair its own bmm item (per expert: one bmm over its pairs), which is
+    bit-identical to the single-token grouped_mm (tests/common/test_batching.py); elsewhere, or
+    for an experts layout it does not cover, one row at a time."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward
 
     base = ALL_EXPERTS_FUNCTIONS.get_interface(module.config._omni_base_experts, type(module).forward.__wrapped__)
     if not getattr(_local, "active", False) or hidden_states.shape[0] <= 1:
         return base(module, hidden_states, top_k_index, top_k_weights)
+    if base is grouped_mm_experts_forward and _batched_experts_cover(module, hidden_states):
+        return _batched_experts(module, hidden_states, top_k_index, top_k_weights)
     return torch.cat([base(module, hidden_states[i:i + 1], top_k_index[i:i + 1], top_k_weights[i:i + 1])
                       for i in range(hidden_states.shape[0])])
+
+
+def _batched_experts_cover(module, hidden_states) -> bool:
+    if hidden_states.device.type != "cpu" or getattr(module, "_is_expert_parallel", False):
+        return False
+    if not getattr(module, "has_gate", False) or getattr(module, "has_bias", True) or getattr(module, "is_transposed", True):
+        return False
+    two_inter, hidden = module.gate_up_proj.shape[1:]
+    # Below the bmm kernel size bmm rounds differently (see _BMM_KERNEL_MIN_SIZE).
+    return min(two_inter * hidden, hidden * two_inter // 2) >= _BMM_KERNEL_MIN_SIZE
+
+
+def _batched_experts(module, hidden_states, top_k_index, top_k_weights):
+    """grouped_mm_experts_forward of every row alone, in one pass: hidden_states [N, H],
+    top_k_index / top_k_weights [N, k] -> [N, H]. Per expert, its pairs' rows go through one bmm
+    with one item per pair (the weight expanded, not copied); the gate as the module applies it;
+    the routing weight multiplied per pair; each row's k results summed over the k axis in its
+    top-k order, as the single-row forward sums them."""
+    tokens, top_k = top_k_index.shape
+    hidden = hidden_states.shape[-1]
+    flat = top_k_index.reshape(-1)
+    weights = top_k_weights.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=module.num_experts)[: module.num_experts].tolist()
+    pairs = None  # [N * k, H] in the dtype of the weighted products (the sum's dtype in the module)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        chosen = order[start:start + n]
+        start += n
+        rows = hidden_states[chosen // top_k].to(module.gate_up_proj.dtype).unsqueeze(1)  # [n, 1, H]
+        gate_up = torch.bmm(rows, module.gate_up_proj[expert].t().unsqueeze(0).expand(n, -1, -1))[:, 0]
+        projected = module._apply_gate(gate_up)  # [n, I]
+        projected = projected.to(module.down_proj.dtype).unsqueeze(1)
+        weighted = torch.bmm(projected, module.down_proj[expert].t().unsqueeze(0).expand(n, -1, -1))[:, 0] \
+            * weights[chosen, None]
+        if pairs is None:
+            pairs = weighted.new_zeros((tokens * top_k, hidden))
+        pairs[chosen] = weighted
+    return pairs.view(tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
 
 
 def use_rowwise_attention(*configs) -> None:
@@ -168,21 +214,32 @@ class BatchView:
     def __post_init__(self):
         self.starts = [self.cache.lengths[s] for s in self.slots]  # lengths when the step began
         self.new_tokens = 0
+        self._index = None  # (slots, starts) as index tensors, for one-token steps
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs=None):
         # key_states: [B, kv_heads, T, head_dim] for this step's T new tokens per row.
         tokens = key_states.shape[2]
         self.new_tokens = tokens
-        keys, values = RowKV(), RowKV()
-        k_all, v_all = self.cache.keys[layer_idx], self.cache.values[layer_idx]
-        for row, (slot, start) in enumerate(zip(self.slots, self.starts)):
-            end = start + tokens
-            if end > self.cache.max_len:
+        for slot, start in zip(self.slots, self.starts):
+            if start + tokens > self.cache.max_len:
                 raise ValueError(f"slot {slot} is full ({self.cache.max_len} tokens)")
-            k_all[slot, :, start:end] = key_states[row]
-            v_all[slot, :, start:end] = value_states[row]
-            keys.append(k_all[slot:slot + 1, :, :end])
-            values.append(v_all[slot:slot + 1, :, :end])
+        k_all, v_all = self.cache.keys[layer_idx], self.cache.values[layer_idx]
+        if tokens == 1 and len(self.slots) > 1:
+            # Every row's one new position in two indexed copies (the same values as row-by-row writes).
+            if self._index is None:
+                device = k_all.device
+                self._index = (torch.tensor(self.slots, device=device), torch.tensor(self.starts, device=device))
+            slots, starts = self._index
+            k_all[slots, :, starts] = key_states[:, :, 0]
+            v_all[slots, :, starts] = value_states[:, :, 0]
+        else:
+            for row, (slot, start) in enumerate(zip(self.slots, self.starts)):
+                k_all[slot, :, start:start + tokens] = key_states[row]
+                v_all[slot, :, start:start + tokens] = value_states[row]
+        keys, values = RowKV(), RowKV()
+        for slot, start in zip(self.slots, self.starts):
+            keys.append(k_all[slot:slot + 1, :, :start + tokens])
+            values.append(v_all[slot:slot + 1, :, :start + tokens])
         return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -192,5 +249,6 @@ class BatchView:
         """After the forward: the step's tokens are now part of each slot (the view can serve
         the next step of the same rows)."""
         self.starts = [start + self.new_tokens for start in self.starts]
+        self._index = None
         for slot, start in zip(self.slots, self.starts):
             self.cache.lengths[slot] = start

@@ -21,17 +21,22 @@ from __future__ import annotations
 import copy
 import math
 
-# The real checkpoint's sizes (the numbers tests/common/test_checkpoint_loading.py checks the
-# state dict against). Merged over the tiny config: fields not named keep the tiny values, which
-# either match the real ones (audio/vision patching, code2wav upsampling, codec special ids for
-# codebook 2048) or do not shape the weights (max_position_embeddings).
+# The real checkpoint's config in every field that shapes the state dict or changes compute (the
+# sizes tests/common/test_checkpoint_loading.py checks the state dict against; routing
+# normalisation, rotary bases, positions per second of audio/video, position limits). Merged over
+# the tiny config: fields not named keep the tiny values or transformers' defaults, which match
+# the real ones (audio/vision patching and windows, activations, norm epsilons, code2wav upsampling
+# and its rope, codec special ids for codebook 2048); tests/gpu/test_full_size.py checks both.
 REAL_MROPE = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [24, 20, 20], "interleaved": True}
+REAL_PREDICTOR_ROPE = {"rope_type": "default", "rope_theta": 1000000.0}
+REAL_POSITION_ID_PER_SECONDS = 13
 REAL_LAYOUT = dict(
     thinker_config=dict(
         text_config=dict(
             vocab_size=152064, hidden_size=2048, intermediate_size=768, num_hidden_layers=48,
             num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
             num_experts_per_tok=8, moe_intermediate_size=768, rope_parameters=REAL_MROPE,
+            norm_topk_prob=True, max_position_embeddings=65536,
         ),
         audio_config=dict(
             d_model=1280, encoder_layers=32, encoder_attention_heads=20, encoder_ffn_dim=5120,
@@ -41,19 +46,22 @@ REAL_LAYOUT = dict(
             depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=2048,
             num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24],
         ),
+        position_id_per_seconds=REAL_POSITION_ID_PER_SECONDS,
     ),
     talker_config=dict(
         text_config=dict(
             vocab_size=3072, hidden_size=1024, intermediate_size=2048, num_hidden_layers=20,
             num_attention_heads=16, num_key_value_heads=2, head_dim=128, num_experts=128,
             num_experts_per_tok=6, moe_intermediate_size=384, shared_expert_intermediate_size=768,
-            rope_parameters=REAL_MROPE,
+            rope_parameters=REAL_MROPE, norm_topk_prob=True, max_position_embeddings=32768,
         ),
         code_predictor_config=dict(
             vocab_size=2048, hidden_size=1024, intermediate_size=3072, num_hidden_layers=5,
             num_attention_heads=16, num_key_value_heads=8, head_dim=128, num_code_groups=16,
+            rope_parameters=REAL_PREDICTOR_ROPE, max_position_embeddings=32768,
         ),
         num_code_groups=16, thinker_hidden_size=2048, accept_hidden_layer=24, spatial_merge_size=2,
+        position_id_per_seconds=REAL_POSITION_ID_PER_SECONDS,
     ),
     code2wav_config=dict(
         codebook_size=2048, hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,

@@ -216,19 +216,39 @@ class EngineLoop:
         if sink is not None:
             sink.deliver(EngineFailed(self.name, f"{type(exc).__name__}: {exc}"))
 
+    def _account(self, phase: str, seconds: float) -> None:
+        if self.metrics is not None and seconds > 0:
+            self.metrics.phase[phase].inc(seconds)
+
     def _run(self) -> None:
+        timer = getattr(self.engine, "timer", None)  # a ForwardTimer: seconds in model forwards
+        cpu = time.thread_time()
         while not self._stopped.is_set():
             # Block for a command only when the engine has nothing to do.
+            waited = time.perf_counter()
             try:
                 command = self._commands.get(timeout=0.5) if not self.engine.has_work() else self._commands.get_nowait()
-                self._apply(command)
-                while True:
-                    self._apply(self._commands.get_nowait())
             except queue.Empty:
-                pass
+                command = None
+            applied = time.perf_counter()
+            self._account("idle", applied - waited)
+            if command is not None:
+                self._apply(command)
+                try:
+                    while True:
+                        self._apply(self._commands.get_nowait())
+                except queue.Empty:
+                    pass
+                self._account("commands", time.perf_counter() - applied)
+            if self.metrics is not None:
+                now_cpu = time.thread_time()
+                self.metrics.engine_cpu.inc(max(now_cpu - cpu, 0.0))
+                cpu = now_cpu
             self._set_gauges()
             if not self.engine.has_work():
                 continue
+            if timer is not None:
+                timer.take()  # forwards outside a step (none today) are not this step's
             start = time.perf_counter()
             try:
                 events = self.engine.step()
@@ -238,6 +258,10 @@ class EngineLoop:
                     self._fail(request_id, exc)
                 continue
             elapsed_ms = (time.perf_counter() - start) * 1000
+            forward = timer.take() if timer is not None else 0.0
+            if timer is not None and self.metrics is not None:
+                self.metrics.forward_seconds.observe(forward)
+                self._account("forward", forward)
             self.stats.steps += 1
             self.stats.step_ms_ewma = elapsed_ms if self.stats.steps == 1 else 0.9 * self.stats.step_ms_ewma + 0.1 * elapsed_ms
             self._observe(elapsed_ms, len({request_id for request_id, _ in events}))
@@ -248,4 +272,6 @@ class EngineLoop:
                 if event.final:
                     del self._sinks[request_id]
                 sink.deliver(EngineFailed(self.name, event.message) if isinstance(event, RequestFailed) else event)
+            # The rest of the step and the hand-off of its events: scheduling, sampling, bookkeeping.
+            self._account("engine", time.perf_counter() - start - forward)
             self._set_gauges()

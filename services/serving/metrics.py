@@ -1,11 +1,47 @@
-"""Prometheus metrics of a stage: queue depth, running batch, step time, KV cache use, streams.
+"""Prometheus metrics of a stage: queue depth, running batch, step time, KV cache use, streams,
+and where the time goes.
 
 Each service serves them over HTTP on `--metrics-port` (0 = off) at /metrics.
+
+Time accounting (what `omni-bench` prints per stage): the engine thread's wall time by phase,
+`omni_stage_loop_seconds_total{phase}`: `forward` (model forwards, their module dispatch
+included), `engine` (the rest of a step: scheduling, sampling, bookkeeping), `commands`
+(handlers' adds and inputs applied on the engine thread, e.g. the talker's text projection),
+`idle` (waiting for work); CPU seconds of the engine thread and of the whole process (the
+difference is the gRPC handlers, the event loop and gRPC's own threads), and the seconds spent
+encoding and decoding tensors, audio and frames for the wire (`omni_stage_wire_seconds`).
 """
 
 from __future__ import annotations
 
+import functools
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+
+class _WireTime:
+    """Seconds this process spent in services/serving/wire.py's encoders and decoders."""
+
+    seconds = 0.0
+
+
+WIRE_TIME = _WireTime()
+
+
+def timed_wire(fn):
+    """Count a wire encoder's or decoder's time in WIRE_TIME (omni_stage_wire_seconds)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            WIRE_TIME.seconds += time.perf_counter() - start
+
+    return wrapper
+
 
 PAUSE_BUCKETS = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
@@ -30,6 +66,19 @@ class StageMetrics:
                                     registry=r).labels(**labels)
         self.in_flight = Gauge("omni_stage_in_flight", "Streams open on this stage", ["stage"],
                                registry=r).labels(**labels)
+        # Where the time goes (see the module docstring).
+        self.loop_seconds = Counter("omni_stage_loop_seconds", "Engine thread wall time by phase",
+                                    ["stage", "phase"], registry=r)
+        self.phase = {phase: self.loop_seconds.labels(stage=stage, phase=phase)
+                      for phase in ("forward", "engine", "commands", "idle")}
+        self.forward_seconds = Histogram("omni_stage_forward_seconds", "Model forward time per engine step",
+                                         ["stage"], registry=r, buckets=STEP_BUCKETS).labels(**labels)
+        self.engine_cpu = Counter("omni_stage_engine_thread_cpu_seconds", "CPU time of the engine thread",
+                                  ["stage"], registry=r).labels(**labels)
+        Gauge("omni_stage_process_cpu_seconds", "CPU time of the whole stage process (every thread)", ["stage"],
+              registry=r).labels(**labels).set_function(time.process_time)
+        Gauge("omni_stage_wire_seconds", "Seconds encoding and decoding tensors, audio and frames for the wire",
+              ["stage"], registry=r).labels(**labels).set_function(lambda: WIRE_TIME.seconds)
         # Moves of a request to another replica of the next stage (services/serving/migration.py):
         # outcome moved (replayed there), failed (no fallback or moves left), diverged (the replay
         # parted from what was delivered).

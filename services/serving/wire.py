@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from omni.v1 import common_pb2
+from services.serving.metrics import timed_wire as _timed
 from services.serving.status import WireError
 
 assert sys.byteorder == "little", "the wire format assumes a little-endian host"
@@ -29,6 +30,8 @@ _WIRE_TO_TORCH = {v: k for k, v in _TORCH_TO_WIRE.items()}
 _CARRIER = {torch.bfloat16: torch.int16}
 
 
+
+@_timed
 def tensor_to_proto(t: torch.Tensor) -> common_pb2.Tensor:
     if t.dtype not in _TORCH_TO_WIRE:
         raise WireError(f"dtype {t.dtype} has no wire encoding")
@@ -39,6 +42,7 @@ def tensor_to_proto(t: torch.Tensor) -> common_pb2.Tensor:
     )
 
 
+@_timed
 def tensor_from_proto(p: common_pb2.Tensor) -> torch.Tensor:
     if p.dtype not in _WIRE_TO_TORCH:
         raise WireError(f"unknown tensor dtype {p.dtype}")
@@ -55,6 +59,7 @@ def tensor_from_proto(p: common_pb2.Tensor) -> torch.Tensor:
     return t.view(dtype) if carrier is not dtype else t
 
 
+@_timed
 def audio_to_proto(samples: np.ndarray, sample_rate: int, index: int, first_frame: int = 0) -> common_pb2.AudioChunk:
     pcm = np.ascontiguousarray(samples, dtype="<f4")
     return common_pb2.AudioChunk(
@@ -62,12 +67,14 @@ def audio_to_proto(samples: np.ndarray, sample_rate: int, index: int, first_fram
     )
 
 
+@_timed
 def audio_from_proto(chunk: common_pb2.AudioChunk) -> np.ndarray:
     if len(chunk.pcm) % 4:
         raise WireError(f"audio chunk has {len(chunk.pcm)} bytes, not a whole number of float32 samples")
     return np.frombuffer(chunk.pcm, dtype="<f4")
 
 
+@_timed
 def frames_to_proto(frames: torch.Tensor, first_frame: int) -> common_pb2.CodecFrames:
     """frames: [n, num_code_groups] integer codes."""
     return common_pb2.CodecFrames(
@@ -75,6 +82,7 @@ def frames_to_proto(frames: torch.Tensor, first_frame: int) -> common_pb2.CodecF
     )
 
 
+@_timed
 def frames_from_proto(p: common_pb2.CodecFrames) -> torch.Tensor:
     """-> [n, num_code_groups] int64."""
     groups = p.num_code_groups

@@ -6,23 +6,179 @@ step per residual code but the last; each picked code's embedding is summed with
 the talker's next input. The same loop serves the eager step (per-row picks on the host, so
 sampling requests can share the batch) and the CUDA graph of a whole greedy frame
 (services/talker/graphs.py), so the two cannot drift apart.
+
+NOTE: lean loop. `generate` runs the predictor's whole transformers forward 15 times per frame
+(config-default merging, output capturing, mask creation, output dataclasses, a DynamicCache).
+`CodePredictor` runs the same tensor ops in the same order on the same shapes, straight on the
+modules' weights: RMSNorm as `Qwen3OmniMoeRMSNorm.forward`, the projections through `F.linear`
+(so `batch_invariant` still applies), rotary cos/sin computed once per position by the module's
+own `rotary_emb` (the same call on the same position ids each frame, so the same bits), SDPA as
+transformers' `sdpa_attention_forward` calls it (no mask, causal for the 2-token prefill, GQA in
+the kernel), lm heads over every position of the forward as the module does. Keys and values go
+into buffers allocated once, at [batch, kv_heads, position] slices: nothing is allocated or
+registered per step beyond the op results.
+
+All rows of a frame sit at the same position, so attention runs as one batched SDPA over
+[B, heads, T, head_dim]; on CPU that is bit-identical per row to B = 1 (checked for B 2..32,
+heads/kv 2/1 .. 16/8, head_dim 16 and 128, 1 and 2 threads: tests/common/test_batching.py). Other
+devices in exact mode keep one SDPA per row. `tests/talker` compares every frame with `generate`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 
-from services.runtime.batching import batch_invariant
+from services.runtime.batching import _BMM_KERNEL_MIN_SIZE, batch_invariant
+
+
+def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    # Qwen3OmniMoeRMSNorm.forward, op for op.
+    input_dtype = x.dtype
+    x = x.to(torch.float32)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + norm.variance_epsilon)
+    return norm.weight * x.to(input_dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class CodePredictor:
+    """The lean per-frame loop over preallocated keys and values for up to `capacity` rows."""
+
+    def __init__(self, talker, capacity: int, device, dtype, batched_attention: bool | None = None):
+        predictor = talker.code_predictor
+        self.talker = talker
+        self.model = predictor.model
+        self.lm_heads = [head.weight for head in predictor.lm_head]
+        self.embeddings = [e.weight for e in predictor.get_input_embeddings()]
+        self.layers = list(self.model.layers[: self.model.config.num_hidden_layers])
+        config = predictor.config
+        self.num_groups = int(talker.config.num_code_groups)
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.gqa = self.heads != self.kv_heads
+        if any(t != "full_attention" for t in config.layer_types) or config.attention_dropout or config.attention_bias:
+            raise ValueError("the lean code predictor covers full attention without dropout or biases only")
+        # Batched SDPA in exact mode: on CPU (checked), or where the caller says (the CUDA graph of a
+        # frame has always run one batched SDPA).
+        self.batched_attention = torch.device(device).type == "cpu" if batched_attention is None else batched_attention
+        # [capacity, kv_heads, positions, head_dim] per layer: 1 hidden + num_groups - 1 fed codes.
+        shape = (capacity, self.kv_heads, self.num_groups + 1, self.head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
+        self.capacity = capacity
+        # cos/sin per forward of a frame, as the model computes them: prefill positions [[0, 1]],
+        # then [[step + 1]] (past_seen_tokens + arange(1)).
+        # Kept as [1, T, 1, head_dim]: they multiply q and k in their [B, T, heads, head_dim] layout.
+        with torch.inference_mode():
+            probe = torch.zeros((1, 1, config.hidden_size), dtype=dtype, device=device)
+            positions = [torch.arange(2, device=device).unsqueeze(0)]
+            positions += [torch.tensor([[step + 1]], device=device) for step in range(1, self.num_groups - 1)]
+            self.rope = [tuple(t.unsqueeze(2) for t in self.model.rotary_emb(probe, p)) for p in positions]
+            # q_norm and k_norm as one RMSNorm over q's and k's heads side by side: the per-head
+            # reduction and the elementwise ops give each element what the two norms give it.
+            self.qk_norm = []
+            for layer in self.layers:
+                attn = layer.self_attn
+                if attn.q_norm.variance_epsilon != attn.k_norm.variance_epsilon:
+                    raise ValueError("q_norm and k_norm with different epsilons")
+                weight = torch.cat((attn.q_norm.weight.expand(self.heads, -1), attn.k_norm.weight.expand(self.kv_heads, -1)))
+                self.qk_norm.append(SimpleNamespace(weight=weight, variance_epsilon=attn.q_norm.variance_epsilon))
+        self._expanded: dict[tuple[int, int], torch.Tensor] = {}  # (id(weight), batch) -> [B, K, N] view
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, exact: bool) -> torch.Tensor:
+        """F.linear without bias; in exact mode over B > 1 rows the bmm `batch_invariant` runs
+        (services/runtime/batching.py), its expanded weight view made once per batch size."""
+        batch, tokens = x.shape[:2]
+        if not exact or batch == 1 or tokens * weight.shape[0] * weight.shape[1] < _BMM_KERNEL_MIN_SIZE:
+            return F.linear(x, weight)
+        key = (id(weight), batch)
+        expanded = self._expanded.get(key)
+        if expanded is None:
+            expanded = self._expanded[key] = weight.t().unsqueeze(0).expand(batch, -1, -1)
+        return torch.bmm(x, expanded)
+
+    def _attention(self, index: int, attn, x: torch.Tensor, cos, sin, start: int, exact: bool,
+                   exact_rows: bool) -> torch.Tensor:
+        # Qwen3OmniMoeTalkerCodePredictorAttention.forward + sdpa_attention_forward: q and k side
+        # by side along the heads for their norm and rotary (elementwise and per-head: the same bits).
+        batch, tokens = x.shape[:2]
+        heads, dim = self.heads, self.head_dim
+        qk = torch.cat((self._linear(x, attn.q_proj.weight, exact).view(batch, tokens, heads, dim),
+                        self._linear(x, attn.k_proj.weight, exact).view(batch, tokens, self.kv_heads, dim)), dim=2)
+        qk = _rms_norm(self.qk_norm[index], qk)
+        qk = (qk * cos) + (_rotate_half(qk) * sin)
+        q, k = qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2)
+        v = self._linear(x, attn.v_proj.weight, exact).view(batch, tokens, self.kv_heads, dim).transpose(1, 2)
+        end = start + tokens
+        keys, values = self.keys[index][:batch], self.values[index][:batch]
+        keys[:, :, start:end] = k
+        values[:, :, start:end] = v
+        keys, values = keys[:, :, :end], values[:, :, :end]
+        causal = tokens > 1
+        if not exact_rows or batch == 1:
+            out = F.scaled_dot_product_attention(q, keys, values, dropout_p=0.0, scale=attn.scaling,
+                                                 is_causal=causal, enable_gqa=self.gqa)
+        else:
+            out = torch.cat([F.scaled_dot_product_attention(q[i:i + 1], keys[i:i + 1], values[i:i + 1], dropout_p=0.0,
+                                                            scale=attn.scaling, is_causal=causal, enable_gqa=self.gqa)
+                             for i in range(batch)])
+        out = out.transpose(1, 2).contiguous().reshape(batch, tokens, -1).contiguous()
+        return self._linear(out, attn.o_proj.weight, exact)
+
+    def _forward(self, hidden: torch.Tensor, step: int, start: int, exact: bool, exact_rows: bool) -> torch.Tensor:
+        """One forward of the predictor over hidden [B, T, H] at cache position `start`; the
+        logits of lm head `step` at the last position, [B, vocab]."""
+        cos, sin = self.rope[0 if start == 0 else step]
+        for index, layer in enumerate(self.layers):
+            residual = hidden
+            x = _rms_norm(layer.input_layernorm, hidden)
+            hidden = residual + self._attention(index, layer.self_attn, x, cos, sin, start, exact, exact_rows)
+            residual = hidden
+            x = _rms_norm(layer.post_attention_layernorm, hidden)
+            mlp = layer.mlp
+            x = self._linear(mlp.act_fn(self._linear(x, mlp.gate_proj.weight, exact))
+                             * self._linear(x, mlp.up_proj.weight, exact), mlp.down_proj.weight, exact)
+            hidden = residual + x
+        hidden = _rms_norm(self.model.norm, hidden)
+        return self._linear(hidden, self.lm_heads[step], exact)[:, -1]
+
+    def __call__(self, past_hidden: torch.Tensor, codes0: torch.Tensor,
+                 pick: Callable[[torch.Tensor], torch.Tensor], exact: bool):
+        """past_hidden [B, 1, H] talker hidden; codes0 [B, 1] layer-0 codes; `pick`: logits
+        [B, vocab] -> ids [B] on the model's device.
+        Returns (codes [B, num_code_groups], sum of the codes' embeddings [B, 1, H])."""
+        batch = codes0.shape[0]
+        if batch > self.capacity:
+            raise ValueError(f"{batch} rows exceed the code predictor's {self.capacity}")
+        exact_rows = exact and not self.batched_attention
+        first = self.talker.get_input_embeddings()(codes0)  # [B, 1, H]
+        columns, hiddens = [codes0[:, 0]], [first]
+        with batch_invariant(exact):
+            logits = self._forward(torch.cat((past_hidden, first), dim=1), 0, 0, exact, exact_rows)
+            for step in range(1, self.num_groups):
+                ids = pick(logits).view(-1, 1)  # [B, 1]
+                columns.append(ids[:, 0])
+                embedded = F.embedding(ids, self.embeddings[step - 1])
+                hiddens.append(embedded)
+                if step < self.num_groups - 1:
+                    logits = self._forward(embedded, step, step + 1, exact, exact_rows)
+        return torch.stack(columns, dim=1), torch.cat(hiddens, dim=1).sum(1, keepdim=True)
 
 
 def predict_frame(talker, past_hidden: torch.Tensor, codes0: torch.Tensor, cache,
                   pick: Callable[[torch.Tensor], torch.Tensor], exact: bool):
-    """past_hidden [B, 1, H] talker hidden; codes0 [B, 1] layer-0 codes; `cache` the
-    `past_key_values` of a fresh cache per row, advanced by `cache.commit()` after each forward;
-    `pick`: logits [B, vocab] -> ids [B] on the model's device.
-    Returns (codes [B, num_code_groups], sum of the codes' embeddings [B, 1, H])."""
+    """The same frame through transformers' own predictor forward (the slow path the lean loop
+    replaces; kept as the reference the tests compare `CodePredictor` with).
+    `cache`: `past_key_values` of a fresh cache per row, advanced by `cache.commit()`."""
     predictor = talker.code_predictor
     embeddings = predictor.get_input_embeddings()  # num_code_groups - 1 tables
     num_groups = int(talker.config.num_code_groups)

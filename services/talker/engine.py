@@ -38,7 +38,8 @@ from services.runtime.sampling import SamplingConfig, select_token
 from services.runtime.scheduler import LMScheduler
 from services.runtime.settings import GraphSettings
 from services.runtime.static_decode import SlotDecodeGraphs
-from services.talker.code_predictor import predict_frame
+from services.runtime.timing import ForwardTimer
+from services.talker.code_predictor import CodePredictor
 from services.talker.graphs import PredictorGraphs, talker_step
 
 
@@ -99,6 +100,7 @@ class _State:
     next_codec_embed: torch.Tensor | None = None  # [1, 1, H] sum of the last frame's code embeddings
     tts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # projected bos, eos, pad, [1, 1, H]
     generator: torch.Generator | None = None
+    seen: torch.Tensor | None = None  # [vocab] bool: the layer-0 codes generated so far (the penalty's history)
 
     @property
     def ready(self) -> bool:
@@ -115,6 +117,7 @@ class TalkerEngine(SlotScheduledEngine):
         self.tc = config.talker_config
         self.device = device
         self.engine_config = engine_config
+        self.timer = ForwardTimer()  # seconds in model forwards (services/runtime/timing.py)
         vocab = self.tc.text_config.vocab_size
         self.eos = int(self.tc.codec_eos_token_id)
         self.suppress = torch.zeros(vocab, dtype=torch.bool)
@@ -136,9 +139,8 @@ class TalkerEngine(SlotScheduledEngine):
         graph_slots = 1 if engine_config.graphs.enabled else 0
         self.cache = SlotKVCache.for_config(model.config.text_config, engine_config.num_slots + graph_slots,
                                             engine_config.max_model_len, dtype, device)
-        # The code predictor's cache lives for one frame: rows of the batch, 1 + num_code_groups positions.
-        self.predictor_cache = SlotKVCache.for_config(predictor.config, engine_config.max_batch_size,
-                                                      self.num_groups + 1, dtype, device)
+        # The code predictor (lean loop) and its keys and values for one frame of every row of a batch.
+        self.predictor_cache = CodePredictor(model, engine_config.max_batch_size, device, dtype)
         self.graphs = self.predictor_graphs = None
         if engine_config.graphs.enabled:
             hidden = model.config.text_config.hidden_size
@@ -235,10 +237,11 @@ class TalkerEngine(SlotScheduledEngine):
             model_kwargs["audio_feature_lengths"] = job.audio_feature_lengths.to(self.device)
         position_ids = talker._prepare_position_ids_for_generation(inputs_embeds, dict(model_kwargs))
         cache = DynamicCache(config=self.tc.text_config)
-        out = talker(
-            inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=cache, use_cache=True, output_hidden_states=True,
-        )
+        with self.timer:
+            out = talker(
+                inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
+                past_key_values=cache, use_cache=True, output_hidden_states=True,
+            )
         self.cache.load(slot, cache)
         state.last_position = position_ids[..., -1:].clone()
         state.started = True
@@ -253,11 +256,12 @@ class TalkerEngine(SlotScheduledEngine):
             state.last_position = state.last_position + 1
             inputs.append(state.next_codec_embed + self._text_for_next_step(state))
         inputs_embeds, position_ids = torch.cat(inputs, dim=0), torch.cat([s.last_position for s in states], dim=1)
-        replayed = self.graphs.decode(inputs_embeds, position_ids, slots) if self.graphs is not None else None
+        with self.timer:
+            replayed = self.graphs.decode(inputs_embeds, position_ids, slots) if self.graphs is not None else None
         if replayed is not None:
             return self._after_forward(request_ids, states, *replayed)
         view = self.cache.batch(slots)
-        with batch_invariant(self.engine_config.exact_batching):
+        with self.timer, batch_invariant(self.engine_config.exact_batching):
             out = self.model(
                 inputs_embeds=inputs_embeds, position_ids=position_ids,
                 past_key_values=view, use_cache=True, output_hidden_states=True,
@@ -277,11 +281,16 @@ class TalkerEngine(SlotScheduledEngine):
     def _after_forward(self, request_ids, states, logits: torch.Tensor, hidden: torch.Tensor):
         # logits: [B, vocab]; hidden: [B, 1, H] last layer at the last position.
         logits = logits.cpu()  # sampling runs on the host (CPU generators and masks); a no-op on CPU
+        picked = self._greedy_codes(states, logits)
         events: list[tuple[str, object]] = []
         keep: list[int] = []  # rows that go on to make a frame
         for row, (request_id, state) in enumerate(zip(request_ids, states)):
-            code = select_token(logits[row], state.job.sampling, state.codes, state.generator, self.suppress)
+            code = picked[row] if row in picked else select_token(logits[row], state.job.sampling, state.codes,
+                                                                  state.generator, self.suppress)
             state.codes.append(code)
+            if state.seen is None:
+                state.seen = torch.zeros(logits.shape[-1], dtype=torch.bool)
+            state.seen[code] = True
             if code == self.eos:
                 events.append((request_id, TalkerDone(FinishReason.STOP, state.frames)))
             elif len(state.codes) >= state.job.sampling.max_new_tokens:
@@ -289,7 +298,8 @@ class TalkerEngine(SlotScheduledEngine):
             else:
                 keep.append(row)
         if keep:
-            codes, embeds = self.predict_residuals([states[r] for r in keep], hidden[keep])
+            with self.timer:
+                codes, embeds = self.predict_residuals([states[r] for r in keep], hidden[keep])
             for i, row in enumerate(keep):
                 state = states[row]
                 state.next_codec_embed = embeds[i:i + 1]
@@ -297,25 +307,47 @@ class TalkerEngine(SlotScheduledEngine):
                 state.frames += 1
         return events
 
+    def _greedy_codes(self, states: list[_State], logits: torch.Tensor) -> dict[int, int]:
+        """Layer-0 codes (row -> id) of the greedy rows, selected together: select_token's ops on a
+        [rows, vocab] batch. The repetition penalty divides positive and multiplies negative
+        scores of the codes already generated (a per-row mask instead of gather/scatter: the same
+        float32 products and quotients on the same elements), then the special range is
+        suppressed and one argmax takes each row's first maximum. Bit for bit select_token's."""
+        rows = [row for row, s in enumerate(states) if s.job.sampling.greedy]
+        if len(rows) < 2:
+            return {}
+        scores = logits[rows].float()  # [R, vocab]
+        vocab = scores.shape[-1]
+        seen = torch.stack([states[r].seen if states[r].seen is not None else torch.zeros(vocab, dtype=torch.bool)
+                            for r in rows])
+        penalty = torch.tensor([[states[r].job.sampling.repetition_penalty] for r in rows], dtype=scores.dtype)
+        penalized = torch.where(scores < 0, scores * penalty, scores / penalty)
+        scores = torch.where(seen & (penalty != 1.0), penalized, scores)
+        scores = scores.masked_fill(self.suppress, float("-inf"))
+        return dict(zip(rows, torch.argmax(scores, dim=-1).tolist()))
+
     def predict_residuals(self, states: list[_State], past_hidden: torch.Tensor):
         """Code predictor for a batch of frames: fresh cache, prefill [talker hidden, layer-0 code
         embedding], then num_code_groups - 2 single steps. Returns (codes [B, 16], embed sums [B, 1, H])."""
-        rows = list(range(len(states)))
-        for row in rows:
-            self.predictor_cache.reset(row)
         codes0 = torch.tensor([[s.codes[-1]] for s in states], device=self.device)  # [B, 1]
         if self.predictor_graphs is not None and all(s.job.sampling.greedy for s in states):
             replayed = self.predictor_graphs.predict(past_hidden, codes0)
             if replayed is not None:
                 codes, codec_embed = replayed
                 return codes.to(torch.int64).cpu(), codec_embed
-        pick = lambda logits: torch.tensor(  # noqa: E731  (rows picked on the host: a no-op on CPU)
-            [self._pick_residual(row, s) for row, s in zip(logits.cpu(), states)], device=self.device)
-        codes, codec_embed = predict_frame(self.model, past_hidden, codes0, self.predictor_cache.batch(rows),
-                                           pick, self.engine_config.exact_batching)
+        if all(s.job.sampling.greedy for s in states):
+            pick = _argmax_rows  # argmax is exact: a batch's rows pick what each picks alone
+        else:
+            pick = lambda logits: torch.tensor(  # noqa: E731  (rows picked on the host: a no-op on CPU)
+                [self._pick_residual(row, s) for row, s in zip(logits.cpu(), states)], device=self.device)
+        codes, codec_embed = self.predictor_cache(past_hidden, codes0, pick, self.engine_config.exact_batching)
         return codes.to(torch.int64).cpu(), codec_embed
 
     def _pick_residual(self, logits: torch.Tensor, state: _State) -> int:
         if state.job.sampling.greedy:
             return int(torch.argmax(logits))
         return select_token(logits, self.predictor_sampling, [], state.generator)
+
+
+def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    return torch.argmax(logits, dim=-1)

@@ -1,8 +1,9 @@
 """The talker's static-shape steps for CUDA graphs: its LM decode step over KV slots and one
 whole code-predictor frame (prefill + 14 greedy sub-steps) per replay.
 
-`UniformView`: every row of a frame starts a fresh 17-position cache and advances in lockstep, so
-the 15 sub-steps unroll into one graph with static slices; greedy picks (argmax) happen inside the
+Every row of a frame starts a fresh 17-position cache and advances in lockstep (the lean loop of
+services/talker/code_predictor.py, its own buffers), so the 15 sub-steps unroll into one graph
+with static slices; greedy picks (argmax) happen inside the
 graph. Frames with a sampling request run eagerly. See services/runtime/static_decode.py for the
 slot view and the exactness note.
 """
@@ -18,7 +19,7 @@ from services.runtime.batching import SlotKVCache
 from services.runtime.cuda_graphs import GraphRunner, pad_rows, plan_padding
 from services.runtime.settings import GraphSettings
 from services.runtime.static_decode import StaticSlotView
-from services.talker.code_predictor import predict_frame
+from services.talker.code_predictor import CodePredictor
 
 log = logging.getLogger(__name__)
 
@@ -36,29 +37,6 @@ def talker_step(model, cache: SlotKVCache) -> Callable:
     return step
 
 
-class UniformView:
-    """`past_key_values` for a batch whose rows all sit at the same position (code predictor)."""
-
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], batch: int):
-        self.keys = [k[:batch] for k in keys]  # per layer [B, kv_heads, positions, head_dim]
-        self.values = [v[:batch] for v in values]
-        self.length = 0  # positions committed
-        self.written = 0  # positions after the forward in progress
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs=None):
-        end = self.written = self.length + key_states.shape[2]
-        self.keys[layer_idx][:, :, self.length:end] = key_states
-        self.values[layer_idx][:, :, self.length:end] = value_states
-        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.length
-
-    def commit(self) -> None:
-        """After the forward: the positions it wrote are now part of the cache."""
-        self.length = self.written
-
-
 class PredictorGraphs:
     """The talker's code predictor, one whole frame (prefill + 14 steps, greedy) per graph replay."""
 
@@ -69,21 +47,15 @@ class PredictorGraphs:
         self.settings = settings
         self.exact = exact
         self.device = device
-        config = self.predictor.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        # Allocated once: [max bucket, kv_heads, 1 + num_groups, head_dim] per layer (1 hidden +
-        # 16 codes; the last code is never fed back, so 16 positions are written).
-        shape = (max(settings.buckets), config.num_key_value_heads, self.num_groups + 1, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        # Keys and values allocated once: [max bucket, kv_heads, 1 + num_groups, head_dim] per layer.
+        self.frame = CodePredictor(talker, max(settings.buckets), device, dtype, batched_attention=True)
+        self.keys, self.values = self.frame.keys, self.frame.values
         self.runner = GraphRunner(self._frame, settings.enabled, "code predictor")
 
     def _frame(self, past_hidden: torch.Tensor, codes0: torch.Tensor):
         # past_hidden [B, 1, H] talker hidden; codes0 [B, 1] layer-0 codes
         # -> (codes [B, num_groups] long, sum of the codes' embeddings [B, 1, H])
-        view = UniformView(self.keys, self.values, codes0.shape[0])
-        return predict_frame(self.talker, past_hidden, codes0, view, lambda logits: torch.argmax(logits, dim=-1),
-                             self.exact)
+        return self.frame(past_hidden, codes0, lambda logits: torch.argmax(logits, dim=-1), self.exact)
 
     @torch.inference_mode()
     def capture_all(self, hidden_size: int, dtype) -> None:

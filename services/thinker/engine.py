@@ -33,6 +33,7 @@ from services.runtime.sampling import SamplingConfig, select_token
 from services.runtime.scheduler import LMScheduler
 from services.runtime.settings import GraphSettings
 from services.runtime.static_decode import SlotDecodeGraphs
+from services.runtime.timing import ForwardTimer
 from services.thinker.graphs import thinker_step
 
 
@@ -101,6 +102,7 @@ class ThinkerEngine(SlotScheduledEngine):
         self.multimodal_ids = torch.tensor([mm.audio_token_id, mm.image_token_id, mm.video_token_id])
         self.tts_ids = torch.tensor([[config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id]])
         self.embed = model.get_input_embeddings()
+        self.timer = ForwardTimer()  # seconds in model forwards (services/runtime/timing.py)
         text_config = model.config.text_config
         use_rowwise_attention(text_config)
         self.dtype = dtype = next(model.parameters()).dtype
@@ -138,10 +140,11 @@ class ThinkerEngine(SlotScheduledEngine):
                   for k, v in job.prompt.model_kwargs().items()}
         position_ids = self.model._prepare_position_ids_for_generation(kwargs["input_ids"], dict(kwargs))
         cache = DynamicCache(config=self.model.config.text_config)
-        out = self.model(
-            **kwargs, position_ids=position_ids, past_key_values=cache, use_cache=True,
-            output_hidden_states=job.want_talker_inputs,
-        )
+        with self.timer:
+            out = self.model(
+                **kwargs, position_ids=position_ids, past_key_values=cache, use_cache=True,
+                output_hidden_states=job.want_talker_inputs,
+            )
         self.cache.load(slot, cache)
         request.last_position = position_ids[..., -1:].clone()
         events: list[tuple[str, object]] = []
@@ -157,20 +160,38 @@ class ThinkerEngine(SlotScheduledEngine):
             request.last_position = request.last_position + 1
         ids = torch.tensor([[r.generated[-1]] for r in requests], device=self.device)  # [B, 1]
         positions = torch.cat([r.last_position for r in requests], dim=1)  # [4, B, 1]
-        replayed = self.graphs.decode(ids, positions, slots) if self.graphs is not None else None
+        with self.timer:
+            replayed = self.graphs.decode(ids, positions, slots) if self.graphs is not None else None
         if replayed is not None:
             logits = replayed[0]  # [B, vocab]
         else:
             view = self.cache.batch(slots)
-            with batch_invariant(self.engine_config.exact_batching):
+            with self.timer, batch_invariant(self.engine_config.exact_batching):
                 out = self.model(input_ids=ids, position_ids=positions, past_key_values=view, use_cache=True)
             view.commit()
             logits = out.logits[:, -1]
         logits = logits.cpu()  # sampling runs on the host (CPU generators and masks); a no-op on CPU
+        picked, embeddings = self._greedy_rows(requests, logits)
         events: list[tuple[str, object]] = []
         for row, (request_id, request) in enumerate(zip(request_ids, requests)):
-            events += self._sample(request_id, request, logits[row])
+            events += self._sample(request_id, request, logits[row], picked.get(row), embeddings.get(row))
         return events
+
+    def _greedy_rows(self, requests, logits: torch.Tensor) -> tuple[dict, dict]:
+        """Tokens (row -> id) of the rows that are greedy without a repetition penalty, picked by one
+        argmax over their logits, and their embeddings (row -> [H] on the host) from one lookup.
+        Exact: argmax takes each row's first maximum as select_token's does, and a lookup copies."""
+        rows = [row for row, r in enumerate(requests)
+                if r.job.sampling.greedy and r.job.sampling.repetition_penalty == 1.0 and not r.job.forced_ids]
+        if len(rows) < 2:
+            return {}, {}
+        picked = dict(zip(rows, torch.argmax(logits[rows].float(), dim=-1).tolist()))
+        want = [row for row in rows if requests[row].job.want_talker_inputs]
+        embeddings = {}
+        if want:
+            table = self.embed(torch.tensor([picked[row] for row in want], device=self.device)).cpu()  # [n, H]
+            embeddings = {row: table[i].clone() for i, row in enumerate(want)}
+        return picked, embeddings
 
     def _prefilled(self, prompt_ids: torch.Tensor, hidden_states) -> Prefilled:
         # hidden_states[0]: [1, P, H] inputs of layer 0 (audio/image features merged in);
@@ -186,16 +207,21 @@ class ThinkerEngine(SlotScheduledEngine):
             tts_embeds=tts.cpu(),
         )
 
-    def _sample(self, request_id: str, request: _Request, logits: torch.Tensor) -> list[tuple[str, object]]:
+    def _sample(self, request_id: str, request: _Request, logits: torch.Tensor, token: int | None = None,
+                embedding: torch.Tensor | None = None) -> list[tuple[str, object]]:
+        """`token` / `embedding`: already picked / looked up for this row (`_greedy_rows`)."""
         cfg = request.job.sampling
-        history = request.job.prompt.input_ids[0].tolist() + request.generated if cfg.repetition_penalty != 1.0 else []
         forced = request.job.forced_ids
-        token = forced[len(request.generated)] if forced else select_token(logits, cfg, history, request.generator)
+        if forced:
+            token = forced[len(request.generated)]
+        elif token is None:
+            history = (request.job.prompt.input_ids[0].tolist() + request.generated
+                       if cfg.repetition_penalty != 1.0 else [])
+            token = select_token(logits, cfg, history, request.generator)
         request.generated.append(token)
         index = len(request.generated) - 1
         last = token in self.eos_ids or len(request.generated) >= cfg.max_new_tokens
-        embedding = None
-        if request.job.want_talker_inputs:
+        if embedding is None and request.job.want_talker_inputs:
             embedding = self.embed(torch.tensor([token], device=self.device))[0].cpu()
         events: list[tuple[str, object]] = [(request_id, Token(token, index, embedding, last))]
         if last:

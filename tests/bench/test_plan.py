@@ -54,3 +54,39 @@ def test_no_batched_block_at_concurrency_one():
 def test_bad_flags_are_user_errors(flags, message):
     with pytest.raises(UserError, match=message):
         config(*flags)
+
+
+def test_presets_set_the_work_per_request_unless_flags_do():
+    from bench import config as bench_config
+    from bench.presets import PRESETS
+
+    tiny = config()
+    assert (tiny.preset, tiny.max_new_tokens, tiny.talker_max_new_tokens, tiny.requests, tiny.rounds) == (
+        "tiny", bench_config.DEFAULT_MAX_NEW_TOKENS, bench_config.DEFAULT_TALKER_MAX_NEW_TOKENS,
+        bench_config.DEFAULT_REQUESTS, bench_config.DEFAULT_ROUNDS)
+    wide = PRESETS["wide"]
+    cfg = config("--preset", "wide")
+    assert (cfg.preset, cfg.max_new_tokens, cfg.talker_max_new_tokens, cfg.requests, cfg.rounds) == (
+        "wide", wide.max_new_tokens, wide.talker_max_new_tokens, wide.requests, wide.rounds)
+    assert config("--preset", "wide", "--max-new-tokens", "8").max_new_tokens == 8
+    with pytest.raises(UserError, match="--checkpoint is required"):
+        config_from_args(build_parser().parse_args([]))
+
+
+def test_the_wide_layout_is_consistent_and_wide(tmp_path):
+    # Its config builds and passes the layout checks, on the meta device (no weights): tens of
+    # millions of parameters, most of them in matrices of width 512.
+    import torch
+
+    from bench.presets import WIDE_LAYOUT
+    from services.runtime.checkpoint import Stage, _stage_classes
+    from services.tools.tiny_checkpoint import build_config, build_tokenizer
+
+    config = build_config(build_tokenizer(tmp_path), WIDE_LAYOUT)
+    counts = {}
+    for stage in (Stage.THINKER, Stage.TALKER):
+        cls, sub = _stage_classes()[stage]
+        with torch.device("meta"):
+            counts[stage] = sum(p.numel() for p in cls._from_config(getattr(config, sub)).parameters())
+    assert 20e6 < counts[Stage.THINKER] < 60e6 and 20e6 < counts[Stage.TALKER] < 60e6
+    assert config.talker_config.code_predictor_config.hidden_size == config.talker_config.text_config.hidden_size

@@ -84,6 +84,18 @@ def test_short_real_run_writes_json_and_png_with_every_figure(bench_run):
     assert all(len(r["timeline_s"]["audio"]) == 2 for r in streamed)  # 4 frames, then 7
     assert all(r["ttft_ms"] < r["ttfp_ms"] for r in streamed)
 
+    # Every stage's own metrics, scraped around each pipeline block: where its time went.
+    times = {(t["system"], t["concurrency"]): t for t in report["stage_times"]}
+    assert set(times) == {("pipeline", 1), ("pipeline", 2), ("pipeline-unbatched", 1), ("pipeline-unbatched", 2)}
+    for entry in times.values():
+        stages = entry["stages"]
+        assert set(stages) == {"thinker-0", "talker-0", "code2wav-0"}
+        for name, t in stages.items():
+            assert t["steps"] > 0 and t["forward_s"] > 0 and t["process_cpu_s"] > 0, name
+            assert 0 < t["forward_s"] + t["engine_s"] <= entry["wall_s"] * 1.05, name  # the engine thread's wall
+            assert abs(sum(t["shares"].values()) - 1) < 1e-4, name  # rounded to 6 places in the JSON
+        assert stages["talker-0"]["wire_s"] > 0  # text rows decoded, frames encoded
+
 
 def test_short_real_run_prints_the_table(bench_run):
     code, out, wall, printed = bench_run
@@ -93,6 +105,7 @@ def test_short_real_run_prints_the_table(bench_run):
                    "underruns/req", "TTFP/floor"):
         assert column in header
     assert "pipeline / baseline" in printed and f"wrote {out / 'bench.json'}" in printed
+    assert "pipeline stages: where the time goes" in printed and "bottleneck at concurrency 2:" in printed
     # About 25 s on 2 idle cores (stack start-up is half of it); not asserted, as a busy machine may double it.
     print(f"short real run: {wall:.0f} s")
 

@@ -285,3 +285,62 @@ def test_use_rowwise_attention_switches_the_configs():
     batching.use_rowwise_attention(*configs)
     assert all(c._attn_implementation == ROWWISE_ATTENTION for c in configs)
     assert AttentionInterface._global_mapping[ROWWISE_ATTENTION] is batching._rowwise_attention
+
+
+# Batched attention over rows of equal length (the code predictor's rows always are).
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(2, 1, 16), (16, 8, 128)], ids=["tiny", "real_predictor"])
+@pytest.mark.parametrize("tokens,length", [(2, 2), (1, 9), (1, 17)], ids=["prefill", "step8", "step16"])
+def test_batched_sdpa_over_equal_lengths_equals_each_row_alone(heads, kv_heads, head_dim, tokens, length, threads):
+    # What services/talker/code_predictor.py relies on: one SDPA over [B, heads, T, head_dim]
+    # gives every row the bits it gets alone, on CPU, for slices of a preallocated buffer.
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(16, kv_heads, 17, head_dim, generator=g)
+    values = torch.randn(16, kv_heads, 17, head_dim, generator=g)
+    for batch in (2, 5, 16):
+        query = torch.randn(batch, tokens, heads, head_dim, generator=g).transpose(1, 2)
+        kwargs = dict(scale=head_dim ** -0.5, is_causal=tokens > 1, enable_gqa=True)
+        together = F.scaled_dot_product_attention(query, keys[:batch, :, :length], values[:batch, :, :length], **kwargs)
+        for i in range(batch):  # alone, over a contiguous cache as transformers' DynamicCache holds it
+            alone = F.scaled_dot_product_attention(query[i:i + 1].contiguous(), keys[i:i + 1, :, :length].contiguous(),
+                                                   values[i:i + 1, :, :length].contiguous(), **kwargs)
+            assert torch.equal(together[i:i + 1], alone)
+
+
+# Batched MoE experts.
+
+def experts_module(num_experts: int, hidden: int, inter: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    module = SimpleNamespace(
+        num_experts=num_experts, has_gate=True, has_bias=False, is_transposed=False, _is_expert_parallel=False,
+        gate_up_proj=torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden ** 0.5,
+        down_proj=torch.randn(num_experts, hidden, inter, generator=g) / inter ** 0.5, act_fn=F.silu)
+    module._apply_gate = lambda x: (lambda gate, up: module.act_fn(gate) * up)(*x.chunk(2, dim=-1))
+    return module
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("experts,hidden,inter,top_k", [(4, 32, 32, 2), (8, 32, 16, 3), (16, 1024, 384, 6)],
+                         ids=["tiny_talker", "small", "real_talker_width"])
+def test_batched_experts_equal_grouped_mm_of_each_row_alone(experts, hidden, inter, top_k, threads):
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    module = experts_module(experts, hidden, inter)
+    assert batching._batched_experts_cover(module, torch.zeros(2, hidden))
+    g = torch.Generator().manual_seed(1)
+    for tokens in (2, 5, 16):
+        states = torch.randn(tokens, hidden, generator=g)
+        index = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+        weights = torch.rand(tokens, top_k, generator=g)
+        together = batching._batched_experts(module, states, index, weights)
+        for i in range(tokens):
+            alone = grouped_mm_experts_forward(module, states[i:i + 1], index[i:i + 1], weights[i:i + 1])
+            assert torch.equal(together[i:i + 1], alone)
+
+
+def test_batched_experts_leave_small_or_other_layouts_to_the_row_loop():
+    assert not batching._batched_experts_cover(experts_module(4, 8, 8), torch.zeros(2, 8))  # below the bmm kernel
+    module = experts_module(4, 32, 32)
+    module.has_bias = True
+    assert not batching._batched_experts_cover(module, torch.zeros(2, 32))

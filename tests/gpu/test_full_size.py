@@ -47,10 +47,12 @@ SMALL_LAYOUT = dict(
         text_config=dict(vocab_size=128 + 1024, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=8,
                          num_experts_per_tok=3, moe_intermediate_size=16, shared_expert_intermediate_size=32,
-                         rope_parameters=SMALL_MROPE),
+                         rope_parameters=SMALL_MROPE, norm_topk_prob=True),
         code_predictor_config=dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=2, head_dim=16, num_code_groups=16),
+                                   num_attention_heads=2, num_key_value_heads=2, head_dim=16, num_code_groups=16,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
         num_code_groups=16, thinker_hidden_size=48, accept_hidden_layer=2, spatial_merge_size=2,
+        position_id_per_seconds=13,
     ),
     code2wav_config=dict(codebook_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                          num_key_value_heads=2, intermediate_size=64, decoder_dim=64, sliding_window=8),
@@ -96,6 +98,90 @@ def test_full_size_config_has_the_real_layout_and_the_tiny_tokenizers_special_id
     assert round(counts[Stage.THINKER] / 1e9, 2) == 31.72
     assert round(counts[Stage.TALKER] / 1e9, 2) == 3.32
     assert round(counts[Stage.CODE2WAV] / 1e9, 2) == 0.22
+
+
+# The published Qwen/Qwen3-Omni-30B-A3B-Instruct config.json values of every field that changes
+# compute but not the state dict's shapes (routing normalisation, rotary bases and sections,
+# positions per second, position limits, norms, activations, audio windows, vision patching,
+# vocoder upsampling). The full-size config must carry each one, whether REAL_LAYOUT sets it or
+# the tiny config / transformers' default already equals it.
+REAL_COMPUTE_FIELDS = {
+    "thinker_config.position_id_per_seconds": 13,
+    "thinker_config.text_config.norm_topk_prob": True,
+    "thinker_config.text_config.max_position_embeddings": 65536,
+    "thinker_config.text_config.rope_parameters.rope_theta": 1000000.0,
+    "thinker_config.text_config.rope_parameters.mrope_section": [24, 20, 20],
+    "thinker_config.text_config.rope_parameters.interleaved": True,
+    "thinker_config.text_config.rms_norm_eps": 1e-6,
+    "thinker_config.text_config.hidden_act": "silu",
+    "thinker_config.text_config.decoder_sparse_step": 1,
+    "thinker_config.text_config.attention_bias": False,
+    "thinker_config.text_config.sliding_window": None,
+    "thinker_config.audio_config.num_mel_bins": 128,
+    "thinker_config.audio_config.n_window": 50,
+    "thinker_config.audio_config.n_window_infer": 800,
+    "thinker_config.audio_config.conv_chunksize": 500,
+    "thinker_config.audio_config.max_source_positions": 1500,
+    "thinker_config.audio_config.activation_function": "gelu",
+    "thinker_config.audio_config.scale_embedding": False,
+    "thinker_config.vision_config.patch_size": 16,
+    "thinker_config.vision_config.temporal_patch_size": 2,
+    "thinker_config.vision_config.spatial_merge_size": 2,
+    "thinker_config.vision_config.hidden_act": "gelu_pytorch_tanh",
+    "talker_config.position_id_per_seconds": 13,
+    "talker_config.text_config.norm_topk_prob": True,
+    "talker_config.text_config.num_experts_per_tok": 6,
+    "talker_config.text_config.max_position_embeddings": 32768,
+    "talker_config.text_config.rope_parameters.rope_theta": 1000000.0,
+    "talker_config.text_config.rope_parameters.mrope_section": [24, 20, 20],
+    "talker_config.text_config.rms_norm_eps": 1e-6,
+    "talker_config.text_config.hidden_act": "silu",
+    "talker_config.text_config.sliding_window": None,
+    "talker_config.code_predictor_config.rope_parameters.rope_theta": 1000000.0,
+    "talker_config.code_predictor_config.rope_parameters.rope_type": "default",
+    "talker_config.code_predictor_config.max_position_embeddings": 32768,
+    "talker_config.code_predictor_config.rms_norm_eps": 1e-6,
+    "talker_config.code_predictor_config.hidden_act": "silu",
+    "talker_config.code_predictor_config.sliding_window": None,
+    "code2wav_config.rope_parameters.rope_theta": 10000.0,
+    "code2wav_config.max_position_embeddings": 8000,
+    "code2wav_config.rms_norm_eps": 1e-5,
+    "code2wav_config.layer_scale_initial_scale": 0.01,
+    "code2wav_config.num_quantizers": 16,
+    "code2wav_config.upsample_rates": [8, 5, 4, 3],
+    "code2wav_config.upsampling_ratios": [2, 2],
+    "code2wav_config.hidden_act": "silu",
+}
+
+
+def config_field(config, dotted: str):
+    value = config
+    for name in dotted.split("."):
+        value = value[name] if isinstance(value, dict) else getattr(value, name)
+    return list(value) if isinstance(value, tuple) else value
+
+
+def test_full_size_config_has_the_real_compute_fields(tokenizer_ids):
+    config = build_config(tokenizer_ids, REAL_LAYOUT)
+    wrong = {field: config_field(config, field) for field, want in REAL_COMPUTE_FIELDS.items()
+             if config_field(config, field) != want}
+    assert not wrong, f"full-size fields that differ from the real config: {wrong}"
+
+
+def test_full_size_routing_and_rotary_behave_as_the_real_model(tokenizer_ids):
+    # The fields above as the modules read them: normalised top-k routing in both MoE LMs, and the
+    # code predictor's rotary frequencies from base 1e6 (1e4 gives other positions' angles).
+    from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as m
+
+    config = build_config(tokenizer_ids, REAL_LAYOUT)
+    predictor = config.talker_config.code_predictor_config
+    with torch.device("meta"):
+        router = m.Qwen3OmniMoeTalkerTextTopKRouter(config.talker_config.text_config)
+    assert router.norm_topk_prob and router.top_k == 6
+    inv_freq, _ = m.Qwen3OmniMoeRotaryEmbedding.compute_default_rope_parameters(predictor)
+    head_dim = predictor.head_dim
+    want = 1.0 / (1000000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    assert torch.equal(inv_freq, want)
 
 
 def test_inconsistent_layout_is_refused(tokenizer_ids):

@@ -200,3 +200,59 @@ def test_load_report_counts_streams_and_carries_limits():
     assert (report.stage, report.in_flight, report.running, report.cache_capacity, report.draining) == (
         "talker", 1, 1, 4, True)
     assert report.limits.max_model_len == 64 and report.limits.max_new_tokens_limit == 32
+
+
+@dataclass
+class TimedEngine(CountingEngine):
+    """A CountingEngine whose steps spend ~5 ms in a "forward" (a ForwardTimer block) and ~2 ms around it."""
+
+    timer: object = None
+
+    def step(self):
+        import time
+
+        with self.timer:
+            time.sleep(0.005)
+        time.sleep(0.002)
+        return super().step()
+
+
+def test_the_loop_accounts_step_time_to_forward_and_engine():
+    from services.runtime.timing import ForwardTimer
+    from services.serving.metrics import StageMetrics
+
+    metrics = StageMetrics("test")
+    engine = TimedEngine(timer=ForwardTimer())
+    loop = EngineLoop(engine, "test", metrics)
+    loop.start()
+
+    async def body():
+        sink = EventSink(asyncio.get_running_loop())
+        loop.add("a", 4, sink)
+        return await drain(sink)
+
+    try:
+        asyncio.run(body())
+    finally:
+        loop.stop()
+    value = lambda name, **labels: metrics.registry.get_sample_value(name, {"stage": "test", **labels})  # noqa: E731
+    steps = value("omni_stage_step_seconds_count")
+    assert steps == 5  # 4 pieces and Done
+    forward = value("omni_stage_loop_seconds_total", phase="forward")
+    engine_s = value("omni_stage_loop_seconds_total", phase="engine")
+    assert forward >= 5 * 0.005 and engine_s >= 5 * 0.002  # sleeps: at least, never less
+    assert value("omni_stage_forward_seconds_count") == steps
+    assert value("omni_stage_loop_seconds_total", phase="idle") > 0
+    assert value("omni_stage_engine_thread_cpu_seconds_total") >= 0
+    assert value("omni_stage_process_cpu_seconds") > 0
+
+
+def test_wire_encoding_time_is_counted():
+    import torch
+
+    from services.serving.metrics import WIRE_TIME
+    from services.serving.wire import tensor_from_proto, tensor_to_proto
+
+    before = WIRE_TIME.seconds
+    assert torch.equal(tensor_from_proto(tensor_to_proto(torch.arange(6.0).view(2, 3))), torch.arange(6.0).view(2, 3))
+    assert WIRE_TIME.seconds > before

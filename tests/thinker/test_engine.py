@@ -97,9 +97,9 @@ def capture_logits(engine: ThinkerEngine, logits: dict) -> None:
     """Record the logits every token is chosen from (prefill and decode alike)."""
     sample = engine._sample
 
-    def recording(request_id, request, row_logits):
+    def recording(request_id, request, row_logits, *picked):  # picked: the token (and embedding) if batched
         logits.setdefault(request_id, []).append(row_logits.detach().clone())
-        return sample(request_id, request, row_logits)
+        return sample(request_id, request, row_logits, *picked)
 
     engine._sample = recording
 

@@ -1,0 +1,76 @@
+"""The lean code-predictor loop (services/talker/code_predictor.py) against transformers' own
+predictor forward, frame by frame, bit for bit (the engine tests compare whole requests with
+`generate`; this pins the loop itself, at several batch sizes and in both batching modes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.runtime.batching import SlotKVCache, use_rowwise_attention
+from services.runtime.checkpoint import Stage, load_stage
+from services.talker.code_predictor import CodePredictor, predict_frame
+
+
+@pytest.fixture(scope="module")
+def talker(tiny_checkpoint):
+    model = load_stage(tiny_checkpoint, Stage.TALKER).model
+    use_rowwise_attention(model.config.text_config, model.code_predictor.config)
+    return model
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "plain"])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_lean_loop_equals_the_transformers_forward(talker, batch, exact):
+    hidden = talker.config.text_config.hidden_size
+    lean = CodePredictor(talker, 8, "cpu", torch.float32)
+    cache = SlotKVCache.for_config(talker.code_predictor.config, 8, lean.num_groups + 1, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(batch)
+    with torch.inference_mode():
+        for _ in range(3):  # the buffers are reused frame after frame
+            past = torch.randn(batch, 1, hidden, generator=g)
+            codes0 = torch.randint(0, talker.code_predictor.config.vocab_size, (batch, 1), generator=g)
+            for row in range(batch):
+                cache.reset(row)
+            want = predict_frame(talker, past, codes0, cache.batch(list(range(batch))),
+                                 lambda logits: torch.argmax(logits, dim=-1), exact)
+            got = lean(past, codes0, lambda logits: torch.argmax(logits, dim=-1), exact)
+            assert torch.equal(got[0], want[0])
+            assert torch.equal(got[1], want[1])
+
+
+def test_lean_loop_refuses_more_rows_than_its_buffers(talker):
+    lean = CodePredictor(talker, 2, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="exceed"):
+        lean(torch.zeros(3, 1, talker.config.text_config.hidden_size), torch.zeros(3, 1, dtype=torch.long),
+             lambda logits: torch.argmax(logits, dim=-1), True)
+
+
+def test_batched_greedy_code_selection_equals_select_token_per_row():
+    # TalkerEngine._greedy_codes: the repetition penalty, the suppressed range and argmax over a
+    # batch, against select_token row by row (ties, negative scores, penalties 1 and 1.05).
+    from types import SimpleNamespace
+
+    from services.runtime.sampling import SamplingConfig, select_token
+    from services.talker.engine import TalkerEngine, _State
+
+    g = torch.Generator().manual_seed(0)
+    vocab = 96
+    suppress = torch.zeros(vocab, dtype=torch.bool)
+    suppress[64:] = True
+    suppress[66] = False
+    engine = SimpleNamespace(suppress=suppress)
+    states, logits = [], torch.randn(6, vocab, generator=g)
+    logits[1, 3] = logits[1, 7] = logits[1].max() + 1  # a tie: the first index wins
+    for row in range(6):
+        codes = torch.randint(0, 70, (row * 3,), generator=g).tolist()
+        sampling = SamplingConfig(repetition_penalty=1.0 if row == 2 else 1.05)
+        state = _State(job=SimpleNamespace(sampling=sampling), codes=codes)
+        if codes:
+            state.seen = torch.zeros(vocab, dtype=torch.bool)
+            state.seen[codes] = True
+        logits[row, codes[:2]] = -logits[row, codes[:2]].abs()  # some penalised scores negative
+        states.append(state)
+    picked = TalkerEngine._greedy_codes(engine, states, logits)
+    assert picked == {row: select_token(logits[row], s.job.sampling, s.codes, None, suppress)
+                      for row, s in enumerate(states)}
