@@ -16,7 +16,6 @@ import asyncio
 import base64
 import json
 import logging
-import os
 import socket
 import sys
 import time
@@ -52,9 +51,11 @@ from gateway.schemas import (
 )
 from omni.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 from services.runtime.errors import UserError, run_cli
+from services.runtime.settings import env_default
 from services.serving.grpc_server import channel_options
 from services.serving.security import (
     TLSConfig,
+    add_tls_flags,
     secure_or_insecure_channel,
     tls_from_args,
 )
@@ -543,25 +544,6 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-def env_default(name: str, default):
-    """A flag's default from OMNI_<NAME> (the services' convention; flags win)."""
-    value = os.environ.get("OMNI_" + name.upper())
-    if value is None:
-        return default
-    return type(default)(value) if default is not None else value
-
-
-def add_tls_flags(parser: argparse.ArgumentParser) -> None:
-    """TLS towards the router (the gateway is its client; HTTPS in front of the gateway is the
-    ingress's job)."""
-    parser.add_argument("--tls-ca", default=env_default("tls_ca", None), help="PEM CA that signs the router's cert")
-    parser.add_argument("--tls-cert", default=env_default("tls_cert", None),
-                        help="PEM client certificate for mutual TLS with the router")
-    parser.add_argument("--tls-key", default=env_default("tls_key", None), help="PEM private key of --tls-cert")
-    parser.add_argument("--tls-server-name", default=env_default("tls_server_name", None),
-                        help="name to check in the router's certificate")
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
