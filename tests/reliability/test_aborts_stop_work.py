@@ -74,8 +74,12 @@ def test_cancel_mid_audio_frees_every_stage_long_before_the_request_would_end(st
     stop.set()
     watcher.join()
     assert call.code.name == "CANCELLED", (call.code, call.details)
-    # (The thinker's engine is done after its 8 tokens, long before the cancel; it relays the audio.)
-    assert {"talker", "code2wav"} <= seen, seen
+    # The talker has 300 frames to go, so the watcher sees it busy. Code2wav may be busy for less
+    # than one poll before the cancel (one chunk decoded, then the client cancels), so its work is
+    # proven by its output instead: audio comes only from code2wav. (The thinker's engine is done
+    # after its 8 tokens, long before the cancel; it relays the audio.)
+    assert "talker" in seen, seen
+    assert call.audios >= 1, "cancelled before any audio: code2wav had nothing to abort"
     assert_freed_early(stack, call, full_s, call.cancelled_at, seen)
     assert_recovered(stack, omni)
 
