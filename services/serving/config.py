@@ -26,6 +26,14 @@ class ServingConfig:
     tls: TLSConfig = TLSConfig()  # plaintext unless certificates are given
     health_port: int = 0  # a plaintext grpc.health.v1-only port (for probes when TLS is on); 0 = none
 
+    def stall_timeout_s(self, stages_below: int) -> float:
+        """How long a stage waits on a stream whose far end itself waits on `stages_below` further
+        stages: half an idle timeout more per stage below, so when a stage hangs, the stage that
+        calls it times out first and names it, and that status reaches the caller before any
+        stage further up gives up on its own (the thinker's wait on the talker is 1.5x the idle
+        timeout, the talker's on code2wav 1x, each handler's wait on anything at all one step more)."""
+        return self.stream_idle_timeout_s * (1 + 0.5 * stages_below)
+
 
 def add_serving_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--host", default=env_default("host", "0.0.0.0"))

@@ -25,7 +25,7 @@ from typing import Any
 from omni.v1 import common_pb2
 from services.serving.engine_loop import EventSink
 from services.serving.metrics import StageMetrics
-from services.serving.status import ReplayDiverged, StageUnavailable
+from services.serving.status import ReplayDiverged, StageUnavailable, StreamIdle
 from services.serving.streams import close_quietly, relay_responses, write_quietly
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ class Downstream:
 
     def __init__(self, owner: str, stage: str, replicas: list[str], open_call: Callable[[str], Any],
                  sink: EventSink, is_final: Callable[[object], bool], max_moves: int,
-                 metrics: StageMetrics | None = None):
+                 metrics: StageMetrics | None = None, stall_timeout_s: float | None = None):
         self.owner = owner  # the stage this stream goes out of (metrics, logs)
         self.stage = stage
         self._replicas = list(replicas)  # primary first, then fallbacks
@@ -133,6 +133,12 @@ class Downstream:
         self.call = None
         self._relay: asyncio.Task | None = None
         self.moved_at: float | None = None  # perf_counter of the last move, until its first new output
+        # No response from the replica for this long (since the stream opened or its last
+        # response) fails the sink with StreamIdle naming it: a hung replica (SIGSTOP, a stuck
+        # host) keeps its sockets open, so nothing else would tell.
+        self.stall_timeout_s = stall_timeout_s
+        self._last_response = 0.0
+        self._watch: asyncio.Task | None = None
 
     def open(self) -> None:
         self._connect(self._replicas.pop(0))
@@ -140,8 +146,26 @@ class Downstream:
     def _connect(self, replica: str) -> None:
         self.replica = replica
         self.call = self._open_call(replica)
+        self._last_response = time.monotonic()
         self._relay = asyncio.create_task(
-            relay_responses(self.call, self.stage, replica, self._sink, self._is_final))
+            relay_responses(self.call, self.stage, replica, self._sink, self._is_final, self._responded))
+        if self.stall_timeout_s:
+            self._watch = asyncio.create_task(self._watch_stall(self._relay, replica))
+
+    def _responded(self) -> None:
+        self._last_response = time.monotonic()
+
+    async def _watch_stall(self, relay: asyncio.Task, replica: str) -> None:
+        """Until the relay ends: fail the sink when the replica has sent nothing for the stall timeout."""
+        while not relay.done():
+            left = self._last_response + self.stall_timeout_s - time.monotonic()
+            if left <= 0:
+                log.warning("%s: %s replica %s sent nothing for %g s; ending the stream", self.owner, self.stage,
+                            replica, self.stall_timeout_s)
+                self._sink.fail(StreamIdle(self.stage, self.stall_timeout_s, replica))
+                self.call.cancel()  # a write blocked on the replica's full flow-control window returns
+                return
+            await asyncio.wait({relay}, timeout=left)
 
     async def write(self, message) -> bool:
         self._sent.append(message)
@@ -197,5 +221,7 @@ class Downstream:
         """Free the request on the current replica (no-op when its call is over)."""
         if self._relay is not None:
             self._relay.cancel()
+        if self._watch is not None:
+            self._watch.cancel()
         if self.call is not None:
             self.call.cancel()

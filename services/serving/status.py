@@ -46,11 +46,14 @@ class StageUnavailable(Exception):
 
 
 class StreamIdle(Exception):
-    """A stream saw no event for its idle timeout (a stalled or vanished peer)."""
+    """A stream saw no event for its idle timeout (a stalled or vanished peer). `stage` (and
+    `replica`, its address, when known) is the one that made no progress."""
 
-    def __init__(self, stage: str, idle_timeout_s: float):
-        super().__init__(f"{stage}: no progress on this stream for {idle_timeout_s:g} s")
+    def __init__(self, stage: str, idle_timeout_s: float, replica: str = ""):
+        where = f"{stage} ({replica})" if replica else stage
+        super().__init__(f"{where}: no progress on this stream for {idle_timeout_s:g} s")
         self.stage = stage
+        self.replica = replica
 
 
 class ReplayDiverged(Exception):
@@ -115,7 +118,8 @@ def status_for(exc: BaseException) -> tuple[status_pb2.Status, tuple]:
     if isinstance(exc, ReplayDiverged):
         return _pack(grpc.StatusCode.ABORTED, str(exc), _error_info(REPLAY_DIVERGED, stage=exc.stage, output=exc.kind)), ()
     if isinstance(exc, StreamIdle):
-        return _pack(grpc.StatusCode.UNAVAILABLE, str(exc), _error_info(STREAM_IDLE, stage=exc.stage)), ()
+        where = {"stage": exc.stage, "replica": exc.replica} if exc.replica else {"stage": exc.stage}
+        return _pack(grpc.StatusCode.UNAVAILABLE, str(exc), _error_info(STREAM_IDLE, **where)), ()
     if isinstance(exc, Overloaded):
         delay = duration_pb2.Duration()
         delay.FromMilliseconds(max(int(exc.retry_after_s * 1000), 1))

@@ -38,11 +38,15 @@ async def close_quietly(call) -> None:
             pass
 
 
-async def relay_responses(call, stage: str, replica: str, sink: EventSink, is_final: Callable[[object], bool]) -> None:
+async def relay_responses(call, stage: str, replica: str, sink: EventSink, is_final: Callable[[object], bool],
+                          on_response: Callable[[], None] | None = None) -> None:
     """Put every response into `sink` up to the final one; any other end fails the sink:
-    StageUnavailable naming `stage` for a dead or vanished peer, else the stage's own status."""
+    StageUnavailable naming `stage` for a dead or vanished peer, else the stage's own status.
+    `on_response` is called on each response (progress, for a stall watch)."""
     try:
         async for response in call:
+            if on_response is not None:
+                on_response()
             sink.downstream(response)
             if is_final(response):
                 return

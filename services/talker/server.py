@@ -136,7 +136,8 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
         decode = Downstream(
             "talker", "code2wav", [route.code2wav, *route.code2wav_fallbacks],
             lambda address: stages_pb2_grpc.Code2WavStub(self.channels.get(address)).Decode(timeout=time_remaining(context)),
-            sink, lambda out: out.HasField("final"), route.max_migrations, self.metrics)
+            sink, lambda out: out.HasField("final"), route.max_migrations, self.metrics,
+            stall_timeout_s=self.config.serving.stall_timeout_s(stages_below=0))
         decode.open()
         resume = Resume("code2wav")  # what went up from code2wav, across moves
         chunker = FrameChunker(self.config.chunks)
@@ -145,7 +146,7 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
             await decode.write(stages_pb2.Code2WavInput(start=stages_pb2.Code2WavStart(request_id=request_id)))
             while True:
                 try:
-                    item = await sink.get(self.config.serving.stream_idle_timeout_s, "talker")
+                    item = await sink.get(self.config.serving.stall_timeout_s(stages_below=1), "talker")
                 except StageUnavailable as exc:
                     if not await decode.recover(exc):
                         raise

@@ -225,7 +225,7 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         try:
             while True:
                 try:
-                    item = await sink.get(self.config.serving.stream_idle_timeout_s, "thinker")
+                    item = await sink.get(self.config.serving.stall_timeout_s(stages_below=2), "thinker")
                 except StageUnavailable as exc:
                     if speak is None or not await speak.recover(exc):
                         raise
@@ -276,7 +276,8 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         speak = Downstream(
             "thinker", "talker", [route.talker, *route.talker_fallbacks],
             lambda address: stages_pb2_grpc.TalkerStub(self.channels.get(address)).Speak(timeout=time_remaining(context)),
-            sink, lambda out: out.HasField("final"), route.max_migrations, self.metrics)
+            sink, lambda out: out.HasField("final"), route.max_migrations, self.metrics,
+            stall_timeout_s=self.config.serving.stall_timeout_s(stages_below=1))
         speak.open()
         return speak
 

@@ -85,6 +85,7 @@ class Call:
         self.final: omni_pb2.Final | None = None
         self.code: grpc.StatusCode | None = None  # None while running
         self.details = ""
+        self.error: grpc.RpcError | None = None  # how it failed (status details: error_info and the like)
         self.started = self.first_message = self.ended = None  # perf_counter times
         self.cancelled_at: float | None = None
         self.done = threading.Event()
@@ -109,7 +110,7 @@ class Call:
                     self.cancel()
             self.code = Code.OK
         except grpc.RpcError as exc:
-            self.code, self.details = exc.code(), exc.details() or ""
+            self.code, self.details, self.error = exc.code(), exc.details() or "", exc
         self.ended = time.perf_counter()
         self.done.set()
         return self

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from omni.v1 import common_pb2
 from services.runtime.prompt import ChatMessage, Part, Role
 from services.tools.client import build_request, collect
 from tests.audio_checks import check_streamed_audio
@@ -69,9 +70,14 @@ def test_first_audio_arrives_before_the_last_text_delta_on_a_long_answer(omni):
     # one code2wav chunk (about 0.1 s here), so the margin survives a loaded machine.
     request = build_request("Tell me a long story.", max_new_tokens=1000, talker_max_new_tokens=30)
     got = collect(omni, request, timeout=120)
-    assert len(got.thinker_token_ids) > 300  # long (random weights may say <|im_end|> after a few hundred)
+    # The tiny checkpoint's <|im_end|> never wins under greedy decoding: all 1000 tokens come.
+    assert len(got.thinker_token_ids) == 1000
+    assert got.final.text_finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert got.audio_times, "no audio came back"
-    assert got.audio_times[0] < got.text_times[-1]
+    # Audio starts long before the text is done: within the first half of the text deltas, an
+    # ordering of events (not a time bound), so a loaded machine slows both sides alike.
+    before_audio = sum(t < got.audio_times[0] for t in got.text_times)
+    assert before_audio < len(got.text_times) / 2, (before_audio, len(got.text_times))
 
 
 def test_text_only_request_returns_no_audio(omni):

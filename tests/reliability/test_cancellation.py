@@ -89,7 +89,9 @@ def test_deadlines_passing_mid_stream_end_with_deadline_exceeded_and_free_every_
     assert not hanging
     for call in calls:
         assert call.code.name == "DEADLINE_EXCEEDED", (call.code, call.details)
-        assert call.seconds < deadline_s + 1.0, call.seconds
+        # The client's own timer ends the call (what the stages do about it: test_aborts_stop_work);
+        # here the router and stages must not hold it past the deadline either.
+        assert deadline_s - 0.01 <= call.seconds < deadline_s + 0.5, call.seconds
     assert any(call.messages for call in calls), "no deadline passed mid-stream"
     assert_recovered(stack, omni)
 

@@ -131,10 +131,15 @@ def test_a_draining_service_still_answers_health_checks_with_not_serving():
             stream = channel.unary_stream("/test.Slow/Stream")(b"", timeout=30)
             next(stream)  # a call in flight keeps the server draining
             server.send_signal(signal.SIGTERM)
-            time.sleep(0.3)
-            status = health_status(address)
+            # Health answers on new connections throughout the drain: NOT_SERVING comes while the
+            # call is still open and the process still running (its grace is 10 s).
+            deadline = time.monotonic() + 5
+            while (status := health_status(address)) != "NOT_SERVING" and time.monotonic() < deadline:
+                time.sleep(0.02)
+            draining = server.poll() is None
             stream.cancel()
         assert status == "NOT_SERVING"
+        assert draining, "the server exited instead of draining"
     finally:
         server.kill()
         server.wait(timeout=10)

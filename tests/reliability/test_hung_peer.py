@@ -16,6 +16,7 @@ import time
 import grpc
 import pytest
 
+from services.serving.status import error_info
 from services.tools.client import build_request, collect, connect
 from services.tools.launcher import free_port, health_status
 from services.tools.soak import Call, read_loads
@@ -66,11 +67,14 @@ def test_a_stopped_stage_ends_its_requests_unavailable_and_readiness_follows_it(
         thread.join(WAIT_S)
         assert call.done.is_set(), "the request hangs with its peer"
         assert call.code.name == "UNAVAILABLE", (call.code, call.details)
-        # Ended by the idle timeout, not by finishing its 1499 frames. KNOWN GAP: the status names the
-        # thinker ("thinker: no progress on this stream", ErrorInfo stage thinker), whose wait for the
-        # talker's audio times out first, not the stage that hangs.
+        # Ended by the idle timeout, not by finishing its 1499 frames, naming the stage that hangs and
+        # its replica: the stage calling it waits the idle timeout, the stages above it longer.
         assert call.final is None
-        assert "no progress on this stream" in call.details, call.details
+        stage, address = stopped.split("-")[0], f"127.0.0.1:{stack.port(stopped)}"
+        assert call.details.startswith(f"{stage} ({address}): no progress on this stream"), call.details
+        info = error_info(call.error)
+        assert info is not None and info.reason == "STREAM_IDLE", info
+        assert (info.metadata["stage"], info.metadata["replica"]) == (stage, address), info
         wait_for(lambda: readiness(stack) == "NOT_SERVING", "router readiness NOT_SERVING")
     finally:
         stack.kill(stopped, signal.SIGCONT)
@@ -85,8 +89,6 @@ def test_a_stopped_stage_ends_its_requests_unavailable_and_readiness_follows_it(
 @pytest.mark.parametrize("killed", ["code2wav-0", "thinker-0"])
 def test_a_killed_code2wav_or_thinker_ends_its_requests_unavailable_naming_it(hung, killed):
     # The reliability suite kills only talkers; these are the other two stages.
-    from services.serving.status import error_info
-
     stack, omni = hung
     call = Call(omni.Generate, build_request("keep talking", max_new_tokens=8, talker_max_new_tokens=1500), 600)
     thread = threading.Thread(target=call.run, daemon=True)

@@ -62,17 +62,27 @@ def test_several_times_capacity_completes_or_is_rejected_before_any_message_and_
     assert completed + rejected == OFFERED
     assert completed >= MAX_IN_FLIGHT, codes
     # At the instant 30 arrive only 4 + 4 fit; some queued ones may still get a place in time.
-    assert rejected >= OFFERED - 2 * (MAX_IN_FLIGHT + MAX_QUEUE), codes
-    for call in calls:
-        if call.code.name == "RESOURCE_EXHAUSTED":
-            assert call.messages == 0, "a rejection must come before any response message"
-            assert "capacity" in call.details, call.details
-            assert call.seconds < QUEUE_TIMEOUT_S + 3.0, f"rejected only after {call.seconds:.1f} s"
-        else:
-            assert call.final is not None and call.final.usage.codec_frames == 39
+    done = [call for call in calls if call.code.name == "OK"]
+    full = [call for call in calls if "full" in call.details]  # the queue was full on arrival
+    timed_out = [call for call in calls if "no place within" in call.details]  # queued, then waited out
+    assert len(full) + len(timed_out) == rejected, [c.details for c in calls if c.code.name != "OK"]
+    assert len(full) >= OFFERED - 2 * (MAX_IN_FLIGHT + MAX_QUEUE), codes
+    for call in done:
+        assert call.final is not None and call.final.usage.codec_frames == 39
+    for call in full + timed_out:
+        assert call.messages == 0, "a rejection must come before any response message"
+    # A full queue refuses at once: before the fastest admitted request could have finished (an
+    # ordering of events measured in this run, so a loaded machine slows both sides alike).
+    fastest = min(call.seconds for call in done)
+    slowest_full = max(call.seconds for call in full)
+    assert slowest_full < fastest, (slowest_full, fastest)
+    # A queued request waits out its queue wait, not longer.
+    for call in timed_out:
+        assert QUEUE_TIMEOUT_S - 0.1 <= call.seconds < QUEUE_TIMEOUT_S + 1.5, call.seconds
     assert peak.router <= MAX_IN_FLIGHT and peak.thinker <= MAX_IN_FLIGHT, (peak.router, peak.thinker)
-    print(f"overload: {completed} completed, {rejected} rejected, slowest rejection "
-          f"{max((c.seconds for c in calls if c.code.name != 'OK'), default=0):.2f} s, "
+    print(f"overload: {completed} completed (fastest {fastest * 1e3:.0f} ms), {len(full)} refused on arrival "
+          f"(median {sorted(c.seconds for c in full)[len(full) // 2] * 1e3:.1f} ms, slowest "
+          f"{slowest_full * 1e3:.1f} ms), {len(timed_out)} after the queue wait; "
           f"peak in flight router {peak.router} / thinker {peak.thinker}")
     assert_recovered(stack, omni)
 

@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from services.runtime.errors import InvalidArgument
+from services.serving.config import ServingConfig
 from services.serving.status import (
     DOMAIN,
     STAGE_UNAVAILABLE,
@@ -82,6 +83,18 @@ def test_idle_stream_is_unavailable_with_its_own_reason():
     assert err.code() is grpc.StatusCode.UNAVAILABLE
     assert err.details() == "code2wav: no progress on this stream for 2.5 s"
     assert error_info(err).reason == STREAM_IDLE and error_info(err).metadata["stage"] == "code2wav"
+
+
+def test_a_stalled_replica_is_named_with_its_address():
+    err = call(StreamIdle("code2wav", 3.0, "10.0.0.9:50063"))
+    assert err.code() is grpc.StatusCode.UNAVAILABLE
+    assert err.details() == "code2wav (10.0.0.9:50063): no progress on this stream for 3 s"
+    assert dict(error_info(err).metadata) == {"stage": "code2wav", "replica": "10.0.0.9:50063"}
+
+
+def test_each_stage_up_the_chain_waits_longer_so_the_deepest_stall_is_named():
+    config = ServingConfig(stream_idle_timeout_s=4.0)
+    assert [config.stall_timeout_s(n) for n in (0, 1, 2)] == [4.0, 6.0, 8.0]
 
 
 def test_overload_is_resource_exhausted_with_retry_info():
