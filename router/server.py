@@ -50,6 +50,7 @@ from services.serving.status import (
     Overloaded,
     ReplayDiverged,
     StageUnavailable,
+    StreamIdle,
     abort_for,
     error_info,
     failure_of_call,
@@ -77,6 +78,13 @@ class RouterConfig:
     auth_tokens: tuple[bytes, ...] = ()  # bearer tokens callers must present; empty = no authentication
     health_port: int = 0  # a plaintext grpc.health.v1-only port (probes when TLS is on); 0 = none
     max_migrations: int = 2  # moves to another replica per request and hop when one dies mid-stream
+    # A thinker replica that sends nothing this long is taken as hung (it waits on the talker at
+    # most 2x this, the talker on code2wav 1x: services/serving/config.py, stall_timeout_s).
+    stream_idle_timeout_s: float = 120.0
+
+    @property
+    def thinker_stall_s(self) -> float:
+        return self.stream_idle_timeout_s * 2.5
 
 
 def fix_seeds(request: omni_pb2.GenerateRequest) -> None:
@@ -150,7 +158,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
             outcome = grpc.StatusCode.ABORTED
             self.metrics.migrations.labels("thinker", "diverged").inc()
             await abort_for(context, exc)
-        except StageUnavailable as exc:
+        except (StageUnavailable, StreamIdle) as exc:
             outcome = grpc.StatusCode.UNAVAILABLE
             await abort_for(context, exc)
         except grpc.aio.AioRpcError as exc:
@@ -181,7 +189,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
             call = stages_pb2_grpc.ThinkerStub(self.stages["thinker"].channel(thinker.address)).Generate(
                 thinker_request, timeout=time_remaining(context))
             try:
-                async for response in call:
+                async for response in _watched(call, "thinker", thinker.address, self.config.thinker_stall_s):
                     kind = response.WhichOneof("event")
                     if kind == "text":
                         ids = response.text.token_ids
@@ -217,9 +225,10 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                         sample_rate = response.audio.sample_rate or sample_rate
                     yield response
                 break
-            except grpc.aio.AioRpcError as exc:
-                failure = failure_of_call("thinker", thinker.address, exc)
-                if not (isinstance(failure, StageUnavailable) and failure.stage == "thinker"):
+            except (grpc.aio.AioRpcError, StreamIdle) as exc:
+                # A dead replica and a hung one (sockets open, nothing sent) move the request alike.
+                failure = exc if isinstance(exc, StreamIdle) else failure_of_call("thinker", thinker.address, exc)
+                if not (isinstance(failure, StageUnavailable | StreamIdle) and failure.stage == "thinker"):
                     raise
                 self.stages["thinker"].mark_failed(thinker.address)
                 fallback = self.stages["thinker"].pick(exclude=tried)
@@ -227,7 +236,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                     self.metrics.migrations.labels("thinker", "failed").inc()
                     raise
                 log.warning("thinker replica %s failed mid-stream (%s); moved request %s to %s (move %d of at most %d)",
-                            thinker.address, failure.detail, request.request_id, fallback.address, moves + 1,
+                            thinker.address, failure, request.request_id, fallback.address, moves + 1,
                             self.config.max_migrations)
                 self.metrics.migrations.labels("thinker", "moved").inc()
                 self._track({"thinker": thinker}, -1)
@@ -294,6 +303,20 @@ class Router:
             await asyncio.sleep(self.config.poll_interval_s / 2)
 
 
+async def _watched(call, stage: str, replica: str, stall_s: float):
+    """The responses of `call`; StreamIdle naming `stage` at `replica` when none comes for `stall_s`
+    (the call is cancelled)."""
+    responses = aiter(call)
+    while True:
+        try:
+            yield await asyncio.wait_for(anext(responses), stall_s)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            call.cancel()
+            raise StreamIdle(stage, stall_s, replica) from None
+
+
 async def create_server(config: RouterConfig) -> tuple[ServerHandle, Router]:
     router = Router(config)
     await router.start()
@@ -332,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-migrations", type=int, default=env_default("max_migrations", 2),
                         help="times a request may move to another replica of a stage whose replica dies "
                              "mid-stream, per hop (default 2; 0 = fail the request instead)")
+    parser.add_argument("--stream-idle-timeout-s", type=float, default=env_default("stream_idle_timeout_s", 120.0),
+                        help="the stages' idle timeout: a thinker replica silent for 2.5x this is taken as hung "
+                             "(default 120)")
     parser.add_argument("--port-file")
     add_tls_flags(parser)
     add_health_port_flag(parser)
@@ -347,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
             poll_interval_s=args.poll_interval_s, dns_refresh_s=args.dns_refresh_s,
             max_message_bytes=args.max_message_mb << 20, grace_s=args.grace_s, metrics_port=args.metrics_port,
             tls=tls_from_args(args), auth_tokens=load_tokens(args.auth_token_file), health_port=args.health_port,
-            max_migrations=args.max_migrations,
+            max_migrations=args.max_migrations, stream_idle_timeout_s=args.stream_idle_timeout_s,
         )
         setup_logging("router")
 

@@ -31,7 +31,7 @@ def hung(tiny_checkpoint):
     idle = ("--stream-idle-timeout-s", str(IDLE_TIMEOUT_S))
     metrics_port = free_port()
     with stack_of(tiny_checkpoint, thinker_args=idle, talker_args=idle, code2wav_args=idle,
-                  router_args=("--metrics-port", str(metrics_port))) as stack:
+                  router_args=("--metrics-port", str(metrics_port), *idle)) as stack:
         channel, stub = connect(stack.target)
         with channel:
             yield stack, stub
@@ -53,7 +53,7 @@ def replicas(stack) -> dict[str, tuple[str, ...]]:
     return {stage: tuple(stack.addresses(stage)) for stage in ("thinker", "talker", "code2wav")}
 
 
-@pytest.mark.parametrize("stopped", ["code2wav-0", "talker-0"])
+@pytest.mark.parametrize("stopped", ["code2wav-0", "talker-0", "thinker-0"])
 def test_a_stopped_stage_ends_its_requests_unavailable_and_readiness_follows_it(hung, stopped):
     stack, omni = hung
     assert readiness(stack) == "SERVING"
