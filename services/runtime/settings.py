@@ -109,6 +109,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """Batching and KV cache capacity of an LM stage (thinker, talker)."""
     parser.add_argument("--max-batch-size", type=int, default=env_default("max_batch_size", 32),
                         help="requests decoded together in one step (default 32)")
+    parser.add_argument("--max-prefills-per-step", type=int, default=env_default("max_prefills_per_step", 1),
+                        help="waiting requests prefilled in one step beside the decode batch: more cuts the "
+                             "first-token wait of a burst, at the cost of one longer step for the running "
+                             "requests (default 1)")
     parser.add_argument("--num-slots", type=int, default=env_default("num_slots", 32),
                         help="KV cache slots allocated at start-up: requests holding cache at once (default 32)")
     parser.add_argument("--max-model-len", type=int, default=env_default("max_model_len", 4096),

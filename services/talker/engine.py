@@ -85,6 +85,7 @@ class TalkerEngineConfig:
     num_slots: int = 32  # KV cache slots
     max_model_len: int = 4096  # cache positions per slot: prompt part + 9 + max_new_tokens must fit
     exact_batching: bool = True  # batch-invariant kernels (see services/runtime/batching.py)
+    max_prefills_per_step: int = 1  # waiting requests prefilled in one step beside the decode batch
     graphs: GraphSettings = GraphSettings()  # CUDA graphs of the decode step and the code predictor
 
 
@@ -151,7 +152,7 @@ class TalkerEngine(SlotScheduledEngine):
                                                     device, dtype)
             self.predictor_graphs.capture_all(hidden, dtype)
         self.scheduler = LMScheduler(engine_config.max_batch_size, engine_config.num_slots,
-                                     engine_config.max_model_len)
+                                     engine_config.max_model_len, engine_config.max_prefills_per_step)
         self._requests: dict[str, _State] = {}  # request_id -> state
 
     # The loop's interface.

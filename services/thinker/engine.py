@@ -87,6 +87,7 @@ class ThinkerEngineConfig:
     num_slots: int = 32  # KV cache slots (requests holding cache at once)
     max_model_len: int = 4096  # cache positions per slot: prompt + max_new_tokens must fit
     exact_batching: bool = True  # batch-invariant kernels (see services/runtime/batching.py)
+    max_prefills_per_step: int = 1  # waiting requests prefilled in one step beside the decode batch
     graphs: GraphSettings = GraphSettings()  # CUDA graphs of the decode step (services/runtime/static_decode.py)
 
 
@@ -116,7 +117,7 @@ class ThinkerEngine(SlotScheduledEngine):
                                            engine_config.graphs, engine_config.exact_batching, "thinker decode", device)
             self.graphs.capture_all(torch.zeros((1, 1), dtype=torch.long))
         self.scheduler = LMScheduler(engine_config.max_batch_size, engine_config.num_slots,
-                                     engine_config.max_model_len)
+                                     engine_config.max_model_len, engine_config.max_prefills_per_step)
         self._requests: dict[str, _Request] = {}  # request_id -> decoding state
 
     # The loop's interface.

@@ -381,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     def run() -> None:
         model = model_config_from_args(args)
         engine = ThinkerEngineConfig(max_batch_size=args.max_batch_size, num_slots=args.num_slots,
+                                     max_prefills_per_step=args.max_prefills_per_step,
                                      max_model_len=args.max_model_len, exact_batching=exact_batching(args),
                                      graphs=model.graphs)
         config = ThinkerConfig(serving=serving_config_from_args(args), model=model, engine=engine,
