@@ -30,7 +30,11 @@ from services.tools.soak import read_load, wait_settled
 from tests.stacks import stack_of
 
 REQUESTS = 8
-TALKER_FRAMES = 100  # several seconds of streaming on 2 cores: the kill lands mid-stream
+# Several seconds of streaming on 2 cores, so the kill lands mid-stream. The greedy requests (the
+# ones checked against the fault-free run) are longer: on a loaded machine the last of the 8 can
+# start streaming over a second after the first, and every greedy one must still be streaming then.
+TALKER_FRAMES = 100
+GREEDY_TALKER_FRAMES = 250
 SEED = 20261201
 SETTLE_S = 15.0
 
@@ -48,7 +52,8 @@ def migrating(tiny_checkpoint):
 
 def requests() -> list:
     batch = [build_request(f"conversation {i}: tell me about the sea", max_new_tokens=8,
-                           talker_max_new_tokens=TALKER_FRAMES, return_codec_frames=True)
+                           talker_max_new_tokens=TALKER_FRAMES if i % 2 else GREEDY_TALKER_FRAMES,
+                           return_codec_frames=True)
              for i in range(REQUESTS)]
     for sampled in batch[1::2]:
         sampled.thinker_sampling.temperature = sampled.talker_sampling.temperature = 0.9
