@@ -62,6 +62,13 @@ TINY = {
 }
 
 
+# The other configuration the exactness tests run on: deeper, wider, more heads, GQA in the talker.
+WIDE = {
+    "text_hidden": 48, "text_layers": 3, "text_heads": 3, "text_kv_heads": 1, "text_intermediate": 96,
+    "talker_hidden": 64, "talker_layers": 3, "talker_heads": 4, "talker_kv_heads": 2, "talker_intermediate": 128,
+}
+
+
 def build_tokenizer(out: Path) -> dict[str, int]:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
