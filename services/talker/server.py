@@ -13,6 +13,7 @@ import grpc
 import torch
 
 from omni.v1 import common_pb2, stages_pb2, stages_pb2_grpc
+from services.runtime import qwen2_5_omni
 from services.runtime.checkpoint import Stage, load_for_serving
 from services.runtime.chunking import DEFAULT_CHUNKS, ChunkPolicy, FrameChunker
 from services.runtime.errors import InvalidArgument, run_cli
@@ -57,6 +58,7 @@ from services.talker.engine import (
     TextEnd,
     TextRow,
 )
+from services.talker.qwen2_5 import Qwen2_5TalkerJob, ReplyPart
 
 log = logging.getLogger("talker")
 SERVICE = stages_pb2.DESCRIPTOR.services_by_name["Talker"].full_name
@@ -103,6 +105,41 @@ def talker_job_from_proto(start: stages_pb2.TalkerStart, model_config, config: T
         audio_feature_lengths=(tensor_from_proto(start.audio_feature_lengths)
                                if start.HasField("audio_feature_lengths") else None),
     )
+
+
+def qwen2_5_job_from_proto(start: stages_pb2.TalkerStart, model_config, config: TalkerConfig) -> Qwen2_5TalkerJob:
+    """Validate and convert Qwen2.5-Omni's start message (fields named as in the proto)."""
+    hidden = model_config.thinker_config.text_config.hidden_size
+    prompt_len = len(start.prompt_token_ids)
+    if not start.HasField("prompt_hidden") or not start.HasField("text_embeds"):
+        raise InvalidArgument("start.prompt_hidden", "Qwen2.5-Omni's talker needs prompt_hidden and text_embeds")
+    prompt_hidden = tensor_from_proto(start.prompt_hidden)
+    if prompt_hidden.shape != (prompt_len, hidden) or not prompt_hidden.is_floating_point():
+        raise InvalidArgument("start.prompt_hidden", f"must be [{prompt_len}, {hidden}] floats, "
+                                                     f"got {list(prompt_hidden.shape)} {prompt_hidden.dtype}")
+    text_embeds = tensor_from_proto(start.text_embeds)
+    if text_embeds.shape != (3, hidden) or not text_embeds.is_floating_point():
+        raise InvalidArgument("start.text_embeds", f"must be [3, {hidden}] floats, got {list(text_embeds.shape)}")
+    sampling = sampling_from_proto(start.sampling, "talker_sampling", config.default_max_new_tokens,
+                                   config.max_new_tokens_limit, default_repetition_penalty=1.05)
+    needed = qwen2_5_omni.talker_prompt_len(prompt_len) + sampling.max_new_tokens
+    if needed > config.engine.max_model_len:
+        raise InvalidArgument("talker_sampling.max_new_tokens",
+                              f"talker prompt + max_new_tokens ({needed}) exceeds the talker's per-request cache "
+                              f"({config.engine.max_model_len})")
+    return Qwen2_5TalkerJob(prompt_hidden=prompt_hidden, text_embeds=text_embeds, sampling=sampling)
+
+
+def qwen2_5_input_from_proto(message: stages_pb2.TalkerInput, hidden: int) -> ReplyPart | TextEnd:
+    """A Qwen2.5-Omni talker input after start: a token's reply part, or the text's end."""
+    if message.HasField("finished"):
+        return TextEnd()
+    if not message.HasField("token") or not message.token.HasField("reply"):
+        raise InvalidArgument("token.reply", "expected a token with its reply part, or finished")
+    reply = tensor_from_proto(message.token.reply)
+    if reply.shape != (hidden,) or not reply.is_floating_point():
+        raise InvalidArgument("token.reply", f"must be [{hidden}] floats, got {list(reply.shape)} {reply.dtype}")
+    return ReplyPart(reply)
 
 
 class TalkerServicer(stages_pb2_grpc.TalkerServicer):

@@ -63,6 +63,7 @@ from services.thinker.engine import (
     ThinkerJob,
     Token,
 )
+from services.thinker.qwen2_5 import Qwen2_5Prefilled
 
 log = logging.getLogger("thinker")
 SERVICE = stages_pb2.DESCRIPTOR.services_by_name["Thinker"].full_name
@@ -113,6 +114,30 @@ def wants_audio(request: omni_pb2.GenerateRequest) -> bool:
 class Prepared:
     job: ThinkerJob
     audio: bool
+
+
+def qwen2_5_talker_start(req: omni_pb2.GenerateRequest, route: stages_pb2.Route,
+                         event: Qwen2_5Prefilled) -> stages_pb2.TalkerStart:
+    """Qwen2.5-Omni's start message: the shared fields and its prefill payload (fields 13, 14)."""
+    return stages_pb2.TalkerStart(
+        request_id=req.request_id, route=route, voice=req.voice if req.HasField("voice") else "",
+        sampling=req.talker_sampling, return_codec_frames=req.return_codec_frames,
+        prompt_token_ids=event.prompt_token_ids, prompt_hidden=tensor_to_proto(event.prompt_hidden),
+        text_embeds=tensor_to_proto(event.text_embeds),
+    )
+
+
+def qwen2_5_text_tokens(event: Token, previous_id: int | None) -> list[stages_pb2.TalkerInput]:
+    """What Qwen2.5-Omni's talker gets for one thinker token: the previous token with its reply
+    part (which this token's forward made), then after the last token the text-finished mark.
+    So, as for Qwen3-Omni, one TextToken per generated token except the last."""
+    out = []
+    if event.reply is not None:
+        out.append(stages_pb2.TalkerInput(token=stages_pb2.TextToken(token_id=previous_id,
+                                                                     reply=tensor_to_proto(event.reply))))
+    if event.last:
+        out.append(stages_pb2.TalkerInput(finished=stages_pb2.TextFinished()))
+    return out
 
 
 class PeerLimits:

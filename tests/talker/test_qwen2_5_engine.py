@@ -16,14 +16,19 @@ from dataclasses import replace
 import pytest
 import torch
 
+from omni.v1 import omni_pb2, stages_pb2
 from services.runtime.finish import FinishReason
 from services.runtime.prompt import PromptBuilder
 from services.runtime.qwen2_5_omni import load_voices, resolve_voice
 from services.runtime.sampling import SamplingConfig
+from services.runtime.settings import ModelConfig
+from services.serving.config import ServingConfig
 from services.talker.engine import Frame, TalkerDone, TalkerEngineConfig, TextEnd
 from services.talker.qwen2_5 import Qwen2_5TalkerEngine, Qwen2_5TalkerJob, ReplyPart
+from services.talker.server import TalkerConfig, qwen2_5_input_from_proto, qwen2_5_job_from_proto
 from services.thinker.engine import Finished, ThinkerEngineConfig, Token
 from services.thinker.qwen2_5 import Qwen2_5Prefilled, Qwen2_5ThinkerEngine, Qwen2_5ThinkerJob
+from services.thinker.server import qwen2_5_talker_start, qwen2_5_text_tokens
 from tests.qwen2_5_oracle import (
     BY_ID,
     CASES,
@@ -83,8 +88,10 @@ class Pipeline:
     k steps (a slow thinker or network) instead of as soon as they exist."""
 
     def __init__(self, setup: Setup, slots: int = SLOTS, text_every: dict | None = None,
-                 eos_ids: tuple[int, ...] = TALKER_EOS_IDS):
+                 eos_ids: tuple[int, ...] = TALKER_EOS_IDS, wire: bool = False):
         self.setup = setup
+        self.wire = wire  # hand everything over as the servers do: protos, serialized and parsed back
+        self.previous_id: dict[str, int] = {}  # request_id -> the last text id (wire: its TextToken comes next)
         model, config = setup.model, setup.config
         self.thinker = Qwen2_5ThinkerEngine(model.thinker, config, engine_config=ThinkerEngineConfig(
             max_batch_size=slots, num_slots=slots, max_model_len=MAX_MODEL_LEN))
@@ -122,15 +129,39 @@ class Pipeline:
         if isinstance(event, Qwen2_5Prefilled):
             sampling = SamplingConfig(max_new_tokens=self.cases[rid].talker_max_new_tokens,
                                       repetition_penalty=REPETITION_PENALTY)
-            self.talker.add(rid, Qwen2_5TalkerJob(event.prompt_hidden, event.text_embeds, sampling, self.eos_ids))
+            job = Qwen2_5TalkerJob(event.prompt_hidden, event.text_embeds, sampling, self.eos_ids)
+            if self.wire:
+                job = replace(self.start_over_the_wire(rid, event), eos_ids=self.eos_ids)
+                assert job.sampling == sampling
+            self.talker.add(rid, job)
         elif isinstance(event, Token):
             self.tokens[rid].append(event.token_id)
+            if self.wire:
+                hidden = self.setup.config.thinker_config.text_config.hidden_size
+                for message in qwen2_5_text_tokens(event, self.previous_id.get(rid)):
+                    message = stages_pb2.TalkerInput.FromString(message.SerializeToString())
+                    if message.HasField("token"):
+                        assert message.token.token_id == self.tokens[rid][-2]  # the token the reply part is of
+                    self.inbox[rid].append(qwen2_5_input_from_proto(message, hidden))
+                self.previous_id[rid] = event.token_id
+                return
             if event.reply is not None:
                 self.inbox[rid].append(ReplyPart(event.reply))
             if event.last:
                 self.inbox[rid].append(TextEnd())
         elif isinstance(event, Finished):
             self.finished[rid] = event
+
+    def start_over_the_wire(self, rid: str, event: Qwen2_5Prefilled) -> Qwen2_5TalkerJob:
+        case = self.cases[rid]
+        request = omni_pb2.GenerateRequest(request_id=rid, voice=case.voice)
+        request.talker_sampling.max_new_tokens = case.talker_max_new_tokens
+        start = qwen2_5_talker_start(request, stages_pb2.Route(talker="t:1", code2wav="c:1"), event)
+        start = stages_pb2.TalkerStart.FromString(start.SerializeToString())
+        assert not start.HasField("prompt_embeds") and not start.HasField("tts_embeds")  # Qwen3-Omni's fields
+        config = TalkerConfig(serving=ServingConfig(), model=ModelConfig(checkpoint="unused"),
+                              engine=TalkerEngineConfig(max_model_len=MAX_MODEL_LEN))
+        return qwen2_5_job_from_proto(start, self.setup.config, config)
 
     def busy(self) -> bool:
         return self.thinker.has_work() or self.talker.has_work() or any(self.inbox.values())
@@ -206,6 +237,14 @@ def test_sixteen_concurrent_requests_equal_generate(setup):
 def alone(tiny) -> dict:
     """request_id -> Pipeline of that request alone (tiny checkpoint)."""
     return {case.request_id: Pipeline(tiny, slots=1).run([replace(case, join_step=0)]) for case in CASES}
+
+
+def test_sixteen_concurrent_requests_through_the_wire_messages_equal_generate(tiny):
+    # The stage-to-stage contract: TalkerStart fields 13-14 and TextToken.reply, serialized and
+    # parsed back, converted by the servers' functions, give the engines exactly generate's codes.
+    pipe = Pipeline(tiny, wire=True).run(CASES)
+    assert_equals_reference(pipe, [c.request_id for c in CASES])
+    assert_clean(pipe)
 
 
 def test_each_request_alone_equals_generate(alone):
