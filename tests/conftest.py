@@ -32,6 +32,22 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen2_5_checkpoint(tmp_path_factory) -> Path:
+    """A tiny Qwen2.5-Omni checkpoint folder (seed 0, tests/qwen2_5_tiny.py), built once per session."""
+    from tests.qwen2_5_tiny import build
+
+    return build(tmp_path_factory.mktemp("q25") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def qwen2_5_checkpoint_wide(tmp_path_factory) -> Path:
+    """The same at other sizes (tests/qwen2_5_tiny.py, WIDE: 3 layers, wider, more heads), seed 1."""
+    from tests.qwen2_5_tiny import WIDE, build
+
+    return build(tmp_path_factory.mktemp("q25") / "wide", seed=1, layout=WIDE)
+
+
+@pytest.fixture(scope="session")
 def wav_bytes() -> bytes:
     """A mono float wav file's bytes: 1 s of a 440 Hz sine at 16 kHz, amplitude 0.5."""
     import soundfile as sf

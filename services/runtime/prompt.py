@@ -1,5 +1,10 @@
 """Turn chat messages (text, audio bytes, image bytes) into the thinker's model inputs.
 
+Both families (services/runtime/families.py) render their chat template and expand placeholders
+alike; what differs is one small object, `AudioRules`: how the feature extractor is called and
+how many prompt tokens an audio gets (`Qwen3OmniMoeProcessor` vs `Qwen2_5OmniProcessor`). Images
+are the same Qwen2-VL processor and `grid.prod() // merge_size**2` tokens in both.
+
 `Qwen3OmniMoeProcessor` insists on a video processor, which needs torchvision (not importable
 beside the CPU torch wheel), so this drives the checkpoint's tokenizer, Whisper feature
 extractor and Qwen2-VL image processor directly, exactly as the processor does for audio and
@@ -16,6 +21,7 @@ import io
 import math
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,6 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from services.runtime.errors import InvalidArgument
+from services.runtime.families import Family
 from services.runtime.input_limits import (
     AudioHeader,
     check_image_size,
@@ -31,6 +38,7 @@ from services.runtime.input_limits import (
     max_token_bytes,
     text_byte_limit,
 )
+from services.runtime.qwen2_5_omni import audio_placeholders
 
 if TYPE_CHECKING:
     import torch
@@ -98,6 +106,28 @@ def audio_output_lengths(mel_lengths: np.ndarray, n_window: int) -> np.ndarray:
     leave = mel_lengths % chunk
     feat = (leave - 1) // 2 + 1
     return ((feat - 1) // 2 + 1 - 1) // 2 + 1 + (mel_lengths // chunk) * 13
+
+
+@dataclass(frozen=True)
+class AudioRules:
+    """How a family's processor turns audio into features and prompt tokens."""
+
+    feature_kwargs: dict  # the feature extractor call's keywords beside rate, mask and tensor type
+    tokens: Callable[[np.ndarray], np.ndarray]  # mel frames per audio -> prompt tokens per audio
+    at_least: Callable[[int], int]  # mel frames an audio declares -> prompt tokens it yields, at least
+
+
+def audio_rules(family: Family, config, feature_extractor) -> AudioRules:
+    if family is Family.QWEN2_5_OMNI:
+        # Qwen2_5OmniProcessor pads to the extractor's 30 s window, which also cuts longer audio to
+        # it (the extractor truncates by default), and counts two stride-2 reductions of the frames.
+        window = int(feature_extractor.nb_max_frames)
+        return AudioRules({"padding": "max_length"}, audio_placeholders,
+                          lambda frames: int(audio_placeholders(min(frames, window))))
+    n_window = config.thinker_config.audio_config.n_window
+    return AudioRules({"padding": True, "truncation": False},
+                      lambda mel_lengths: audio_output_lengths(mel_lengths, n_window),
+                      lambda frames: int(frames // (n_window * 2)) * 13)  # whole encoder chunks
 
 
 def resample(samples: np.ndarray, rate: int, target: int) -> np.ndarray:
@@ -178,7 +208,16 @@ class PromptBuilder:
     """Loads the checkpoint's tokenizer and processors once; builds inputs per request."""
 
     def __init__(self, folder: str | Path, config, limits: PromptLimits = PromptLimits()):
-        from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer, Qwen3OmniMoeProcessor
+        from transformers import (
+            AutoFeatureExtractor,
+            AutoImageProcessor,
+            AutoTokenizer,
+            Qwen2_5OmniProcessor,
+            Qwen3OmniMoeProcessor,
+        )
+
+        self.family = Family(config.model_type)
+        processor_cls = Qwen2_5OmniProcessor if self.family is Family.QWEN2_5_OMNI else Qwen3OmniMoeProcessor
 
         # Fast tokenizers are not safe to share between threads (RuntimeError: Already borrowed).
         # Prompts are encoded in worker threads, deltas decoded on the event loop: each side has
@@ -187,7 +226,7 @@ class PromptBuilder:
         self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
         # The processor's chat template (chat_template.jinja, or the legacy chat_template.json) wins over
         # the tokenizer's, as in transformers' processor: a checkpoint may carry only that one.
-        processor_dict, _ = Qwen3OmniMoeProcessor.get_processor_dict(str(folder))
+        processor_dict, _ = processor_cls.get_processor_dict(str(folder))
         template = processor_dict.get("chat_template")
         template = template.get("default") if isinstance(template, dict) else template
         self.chat_template = template or self.tokenizer.chat_template
@@ -201,7 +240,7 @@ class PromptBuilder:
         self.image_token = getattr(self.tokenizer, "image_token", None) or "<|image_pad|>"
         video_token = getattr(self.tokenizer, "video_token", None) or "<|video_pad|>"
         self.placeholders = (self.audio_token, self.image_token, video_token)
-        self.n_window = config.thinker_config.audio_config.n_window
+        self.audio_rules = audio_rules(self.family, config, self.feature_extractor)
         model_max = config.thinker_config.text_config.max_position_embeddings
         self.max_prompt_tokens = min(limits.max_prompt_tokens or model_max, model_max)
         self.limits = limits
@@ -212,7 +251,7 @@ class PromptBuilder:
     def audio_tokens_at_least(self, header: AudioHeader) -> int:
         """Prompt tokens an audio part of this header yields, at least (whole encoder chunks)."""
         mel_frames = header.frames * AUDIO_SAMPLE_RATE // header.rate // _MEL_HOP
-        return int(mel_frames // (self.n_window * 2)) * 13
+        return self.audio_rules.at_least(mel_frames)
 
     def image_tokens(self, width: int, height: int) -> int:
         """Prompt tokens of an image this size (Qwen2-VL's resize: patches / merge^2)."""
@@ -302,12 +341,12 @@ class PromptBuilder:
         inputs = {}
         if audios:
             feats = self.feature_extractor(
-                audios, sampling_rate=AUDIO_SAMPLE_RATE, padding=True, truncation=False,
-                return_attention_mask=True, return_tensors="pt",
+                audios, sampling_rate=AUDIO_SAMPLE_RATE, return_attention_mask=True, return_tensors="pt",
+                **self.audio_rules.feature_kwargs,
             )
             inputs["input_features"] = feats["input_features"]
             inputs["feature_attention_mask"] = feats["attention_mask"]
-            lengths = audio_output_lengths(feats["attention_mask"].sum(-1).numpy(), self.n_window)
+            lengths = self.audio_rules.tokens(feats["attention_mask"].sum(-1).numpy())
             text = self._expand(text, self.audio_token, [int(n) for n in lengths])
         if images:
             pix = self.image_processor(images=images, return_tensors="pt")

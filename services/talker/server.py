@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import sys
 from dataclasses import dataclass
@@ -13,12 +14,15 @@ import grpc
 import torch
 
 from omni.v1 import common_pb2, stages_pb2, stages_pb2_grpc
+from services.runtime import qwen2_5_omni
 from services.runtime.checkpoint import Stage, load_for_serving
 from services.runtime.chunking import DEFAULT_CHUNKS, ChunkPolicy, FrameChunker
 from services.runtime.errors import InvalidArgument, run_cli
+from services.runtime.families import Family, family_of
 from services.runtime.prompt import resolve_voice
 from services.runtime.qwen3_omni import talker_prompt_len
 from services.runtime.settings import (
+    GraphSettings,
     ModelConfig,
     add_engine_flags,
     add_model_flags,
@@ -57,6 +61,7 @@ from services.talker.engine import (
     TextEnd,
     TextRow,
 )
+from services.talker.qwen2_5 import Qwen2_5TalkerEngine, Qwen2_5TalkerJob, ReplyPart
 
 log = logging.getLogger("talker")
 SERVICE = stages_pb2.DESCRIPTOR.services_by_name["Talker"].full_name
@@ -105,6 +110,41 @@ def talker_job_from_proto(start: stages_pb2.TalkerStart, model_config, config: T
     )
 
 
+def qwen2_5_job_from_proto(start: stages_pb2.TalkerStart, model_config, config: TalkerConfig) -> Qwen2_5TalkerJob:
+    """Validate and convert Qwen2.5-Omni's start message (fields named as in the proto)."""
+    hidden = model_config.thinker_config.text_config.hidden_size
+    prompt_len = len(start.prompt_token_ids)
+    if not start.HasField("prompt_hidden") or not start.HasField("text_embeds"):
+        raise InvalidArgument("start.prompt_hidden", "Qwen2.5-Omni's talker needs prompt_hidden and text_embeds")
+    prompt_hidden = tensor_from_proto(start.prompt_hidden)
+    if prompt_hidden.shape != (prompt_len, hidden) or not prompt_hidden.is_floating_point():
+        raise InvalidArgument("start.prompt_hidden", f"must be [{prompt_len}, {hidden}] floats, "
+                                                     f"got {list(prompt_hidden.shape)} {prompt_hidden.dtype}")
+    text_embeds = tensor_from_proto(start.text_embeds)
+    if text_embeds.shape != (3, hidden) or not text_embeds.is_floating_point():
+        raise InvalidArgument("start.text_embeds", f"must be [3, {hidden}] floats, got {list(text_embeds.shape)}")
+    sampling = sampling_from_proto(start.sampling, "talker_sampling", config.default_max_new_tokens,
+                                   config.max_new_tokens_limit, default_repetition_penalty=1.05)
+    needed = qwen2_5_omni.talker_prompt_len(prompt_len) + sampling.max_new_tokens
+    if needed > config.engine.max_model_len:
+        raise InvalidArgument("talker_sampling.max_new_tokens",
+                              f"talker prompt + max_new_tokens ({needed}) exceeds the talker's per-request cache "
+                              f"({config.engine.max_model_len})")
+    return Qwen2_5TalkerJob(prompt_hidden=prompt_hidden, text_embeds=text_embeds, sampling=sampling)
+
+
+def qwen2_5_input_from_proto(message: stages_pb2.TalkerInput, hidden: int) -> ReplyPart | TextEnd:
+    """A Qwen2.5-Omni talker input after start: a token's reply part, or the text's end."""
+    if message.HasField("finished"):
+        return TextEnd()
+    if not message.HasField("token") or not message.token.HasField("reply"):
+        raise InvalidArgument("token.reply", "expected a token with its reply part, or finished")
+    reply = tensor_from_proto(message.token.reply)
+    if reply.shape != (hidden,) or not reply.is_floating_point():
+        raise InvalidArgument("token.reply", f"must be [{hidden}] floats, got {list(reply.shape)} {reply.dtype}")
+    return ReplyPart(reply)
+
+
 class TalkerServicer(stages_pb2_grpc.TalkerServicer):
     def __init__(self, loop: EngineLoop, engine: TalkerEngine, config: TalkerConfig, model_config,
                  handle: ServerHandle):
@@ -115,6 +155,22 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
         self.model_config = model_config
         self.channels = ChannelPool(config.serving.max_message_bytes, config.serving.tls)
         self.metrics: StageMetrics = loop.metrics
+        self.family = Family(model_config.model_type)
+
+    def job_from_proto(self, start: stages_pb2.TalkerStart):
+        if self.family is Family.QWEN2_5_OMNI:
+            return qwen2_5_job_from_proto(start, self.model_config, self.config)
+        return talker_job_from_proto(start, self.model_config, self.config)
+
+    def input_from_proto(self, message: stages_pb2.TalkerInput):
+        """A text input after start: the family's text row, or the text's end (TextEnd)."""
+        if self.family is Family.QWEN2_5_OMNI:
+            return qwen2_5_input_from_proto(message, self.model_config.thinker_config.text_config.hidden_size)
+        if message.HasField("token"):
+            return TextRow(tensor_from_proto(message.token.embedding))
+        if message.HasField("finished"):
+            return TextEnd()
+        raise InvalidArgument("event", "expected token or finished after start")
 
     async def Speak(self, request_iterator, context: grpc.aio.ServicerContext):
         first = await anext(aiter(request_iterator), None)
@@ -122,7 +178,7 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
             await abort_for(context, InvalidArgument("start", "the first message must be start"))
         start = first.start
         try:
-            job = talker_job_from_proto(start, self.model_config, self.config)
+            job = self.job_from_proto(start)
         except (InvalidArgument, WireError) as exc:
             await abort_for(context, exc)
         if not start.route.code2wav:
@@ -198,13 +254,10 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
     async def _read_text(self, key: str, request_iterator, sink: EventSink) -> None:
         try:
             async for message in request_iterator:
-                if message.HasField("token"):
-                    self.loop.add_input(key, TextRow(tensor_from_proto(message.token.embedding)))
-                elif message.HasField("finished"):
-                    self.loop.add_input(key, TextEnd())
+                item = self.input_from_proto(message)
+                self.loop.add_input(key, item)
+                if isinstance(item, TextEnd):
                     return
-                else:
-                    raise InvalidArgument("event", "expected token or finished after start")
             raise InvalidArgument("finished", "stream closed before the text-finished mark")
         except (InvalidArgument, WireError) as exc:
             sink.fail(exc)
@@ -223,8 +276,14 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
 
 
 async def create_server(config: TalkerConfig) -> tuple[ServerHandle, EngineLoop]:
+    engine_config, engine_cls = config.engine, TalkerEngine
+    if family_of(config.model.checkpoint) is Family.QWEN2_5_OMNI:
+        engine_cls = Qwen2_5TalkerEngine
+        if engine_config.graphs.enabled:
+            log.warning("CUDA graphs are not implemented for the Qwen2.5-Omni talker: decoding eagerly")
+            engine_config = dataclasses.replace(engine_config, graphs=GraphSettings())
     loaded = load_for_serving(config.model, Stage.TALKER)
-    engine = TalkerEngine(loaded.model, loaded.config, device=config.model.device, engine_config=config.engine)
+    engine = engine_cls(loaded.model, loaded.config, device=config.model.device, engine_config=engine_config)
     metrics = StageMetrics("talker")
     metrics.cache_capacity.set(config.engine.num_slots)
     metrics.serve(config.serving.metrics_port)

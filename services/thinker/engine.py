@@ -61,8 +61,12 @@ class Prefilled(EngineEvent):
 class Token(EngineEvent):
     token_id: int
     index: int  # 0-based position among generated tokens
-    embedding: torch.Tensor | None  # [H] layer-0 embedding, when the talker is fed
+    embedding: torch.Tensor | None  # [H] layer-0 embedding, when the talker is fed (Qwen3-Omni)
     last: bool  # no token follows (end token, or max_new_tokens reached)
+    # Qwen2.5-Omni, when the talker is fed: the reply part of the token before this one (index - 1),
+    # [H] = its last-layer hidden state + its layer-0 embedding, from the forward that made this
+    # token (services/thinker/qwen2_5.py); None on token 0 and for Qwen3-Omni.
+    reply: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,9 @@ class ThinkerEngineConfig:
 
 
 class ThinkerEngine(SlotScheduledEngine):
+    # Token events of talker-fed requests carry the token's layer-0 embedding (Qwen3-Omni's talker input).
+    feeds_token_embeddings: ClassVar[bool] = True
+
     def __init__(self, model, config, device: str = "cpu", engine_config: ThinkerEngineConfig = ThinkerEngineConfig()):
         self.model = model
         self.config = config
@@ -102,6 +109,11 @@ class ThinkerEngine(SlotScheduledEngine):
         mm = config.thinker_config
         self.multimodal_ids = torch.tensor([mm.audio_token_id, mm.image_token_id, mm.video_token_id])
         self.tts_ids = torch.tensor([[config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id]])
+        self._init_runtime()
+
+    def _init_runtime(self) -> None:
+        """What every family's thinker engine sets up alike: cache slots, graphs, scheduler."""
+        model, engine_config, device = self.model, self.engine_config, self.device
         self.embed = model.get_input_embeddings()
         self.timer = ForwardTimer()  # seconds in model forwards (services/runtime/timing.py)
         text_config = model.config.text_config
@@ -187,7 +199,7 @@ class ThinkerEngine(SlotScheduledEngine):
         if len(rows) < 2:
             return {}, {}
         picked = dict(zip(rows, torch.argmax(logits[rows].float(), dim=-1).tolist()))
-        want = [row for row in rows if requests[row].job.want_talker_inputs]
+        want = [row for row in rows if requests[row].job.want_talker_inputs and self.feeds_token_embeddings]
         embeddings = {}
         if want:
             table = self.embed(torch.tensor([picked[row] for row in want], device=self.device)).cpu()  # [n, H]
@@ -209,8 +221,9 @@ class ThinkerEngine(SlotScheduledEngine):
         )
 
     def _sample(self, request_id: str, request: _Request, logits: torch.Tensor, token: int | None = None,
-                embedding: torch.Tensor | None = None) -> list[tuple[str, object]]:
-        """`token` / `embedding`: already picked / looked up for this row (`_greedy_rows`)."""
+                embedding: torch.Tensor | None = None, reply: torch.Tensor | None = None) -> list[tuple[str, object]]:
+        """`token` / `embedding`: already picked / looked up for this row (`_greedy_rows`); `reply`:
+        what the event carries for the token before (Qwen2.5-Omni)."""
         cfg = request.job.sampling
         forced = request.job.forced_ids
         if forced:
@@ -222,9 +235,9 @@ class ThinkerEngine(SlotScheduledEngine):
         request.generated.append(token)
         index = len(request.generated) - 1
         last = token in self.eos_ids or len(request.generated) >= cfg.max_new_tokens
-        if embedding is None and request.job.want_talker_inputs:
+        if embedding is None and request.job.want_talker_inputs and self.feeds_token_embeddings:
             embedding = self.embed(torch.tensor([token], device=self.device))[0].cpu()
-        events: list[tuple[str, object]] = [(request_id, Token(token, index, embedding, last))]
+        events: list[tuple[str, object]] = [(request_id, Token(token, index, embedding, last, reply))]
         if last:
             reason = FinishReason.STOP if token in self.eos_ids else FinishReason.LENGTH
             events.append((request_id, Finished(reason, request.job.prompt.num_tokens, len(request.generated))))

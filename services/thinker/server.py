@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import sys
 import time
@@ -13,9 +14,11 @@ from dataclasses import dataclass
 import grpc
 
 from omni.v1 import common_pb2, omni_pb2, stages_pb2, stages_pb2_grpc
+from services.runtime import qwen2_5_omni
 from services.runtime.checkpoint import Stage, load_for_serving
 from services.runtime.detokenizer import IncrementalDetokenizer
 from services.runtime.errors import InvalidArgument, run_cli
+from services.runtime.families import Family, family_of
 from services.runtime.prompt import (
     ChatMessage,
     Part,
@@ -26,6 +29,7 @@ from services.runtime.prompt import (
 )
 from services.runtime.qwen3_omni import talker_prompt_len
 from services.runtime.settings import (
+    GraphSettings,
     ModelConfig,
     add_engine_flags,
     add_model_flags,
@@ -63,6 +67,7 @@ from services.thinker.engine import (
     ThinkerJob,
     Token,
 )
+from services.thinker.qwen2_5 import Qwen2_5Prefilled, Qwen2_5ThinkerEngine, Qwen2_5ThinkerJob
 
 log = logging.getLogger("thinker")
 SERVICE = stages_pb2.DESCRIPTOR.services_by_name["Thinker"].full_name
@@ -115,6 +120,30 @@ class Prepared:
     audio: bool
 
 
+def qwen2_5_talker_start(req: omni_pb2.GenerateRequest, route: stages_pb2.Route,
+                         event: Qwen2_5Prefilled) -> stages_pb2.TalkerStart:
+    """Qwen2.5-Omni's start message: the shared fields and its prefill payload (fields 13, 14)."""
+    return stages_pb2.TalkerStart(
+        request_id=req.request_id, route=route, voice=req.voice if req.HasField("voice") else "",
+        sampling=req.talker_sampling, return_codec_frames=req.return_codec_frames,
+        prompt_token_ids=event.prompt_token_ids, prompt_hidden=tensor_to_proto(event.prompt_hidden),
+        text_embeds=tensor_to_proto(event.text_embeds),
+    )
+
+
+def qwen2_5_text_tokens(event: Token, previous_id: int | None) -> list[stages_pb2.TalkerInput]:
+    """What Qwen2.5-Omni's talker gets for one thinker token: the previous token with its reply
+    part (which this token's forward made), then after the last token the text-finished mark.
+    So, as for Qwen3-Omni, one TextToken per generated token except the last."""
+    out = []
+    if event.reply is not None:
+        out.append(stages_pb2.TalkerInput(token=stages_pb2.TextToken(token_id=previous_id,
+                                                                     reply=tensor_to_proto(event.reply))))
+    if event.last:
+        out.append(stages_pb2.TalkerInput(finished=stages_pb2.TextFinished()))
+    return out
+
+
 class PeerLimits:
     """The limits of each replica of the next stage, learnt from its load report and kept for
     `ttl_s` (a replica restarted with other flags is seen within that time)."""
@@ -153,14 +182,23 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         self.channels = ChannelPool(config.serving.max_message_bytes, config.serving.tls)
         self.talker_limits = PeerLimits("talker", self.channels)
         self.metrics: StageMetrics = loop.metrics
+        self.family = Family(engine.config.model_type)
+        # Qwen2.5-Omni: voice name -> its bos token (spk_dict.pt), what the talker's prompt starts from.
+        self.voices = (qwen2_5_omni.load_voices(config.model.checkpoint) if self.family is Family.QWEN2_5_OMNI
+                       else {})
 
     def prepare(self, request: omni_pb2.GenerateRequest, talker: common_pb2.StageLimits | None) -> Prepared:
         """Validate and convert a request; runs in a worker thread (decodes audio and images).
         `talker`: the limits of the talker replica in the route (None: text only)."""
         audio = wants_audio(request)
         talker_sampling = None
+        voice_bos_token = None  # Qwen2.5-Omni
         if audio:
-            resolve_voice(self.engine.config, request.voice if request.HasField("voice") else None)
+            voice = request.voice if request.HasField("voice") else None
+            if self.family is Family.QWEN2_5_OMNI:
+                _, voice_bos_token = qwen2_5_omni.resolve_voice(self.voices, voice)
+            else:
+                resolve_voice(self.engine.config, voice)
             # The talker's own limits, checked here so that a bad talker setting fails before any output.
             talker_sampling = sampling_from_proto(request.talker_sampling, "talker_sampling", 1,
                                                   talker.max_new_tokens_limit)
@@ -178,11 +216,16 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
                                   f"prompt ({prompt.num_tokens} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
                                   f"exceeds the thinker's per-request cache ({capacity})")
         if talker_sampling is not None and request.talker_sampling.HasField("max_new_tokens"):
-            needed = talker_prompt_len(prompt.input_ids[0].tolist(), self.engine.config) + talker_sampling.max_new_tokens
+            needed = talker_sampling.max_new_tokens + (
+                qwen2_5_omni.talker_prompt_len(prompt.num_tokens) if self.family is Family.QWEN2_5_OMNI
+                else talker_prompt_len(prompt.input_ids[0].tolist(), self.engine.config))
             if needed > talker.max_model_len:
                 raise InvalidArgument("talker_sampling.max_new_tokens",
                                       f"talker prompt + max_new_tokens ({needed}) exceeds the talker's per-request "
                                       f"cache ({talker.max_model_len})")
+        if self.family is Family.QWEN2_5_OMNI:
+            return Prepared(Qwen2_5ThinkerJob(prompt, sampling, want_talker_inputs=audio, forced_ids=forced,
+                                              voice_bos_token=voice_bos_token), audio)
         return Prepared(ThinkerJob(prompt, sampling, want_talker_inputs=audio, forced_ids=forced), audio)
 
     def _forced_ids(self, request: omni_pb2.GenerateRequest) -> tuple[int, ...]:
@@ -194,7 +237,9 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
             raise InvalidArgument("forced_text", "must not be empty when set")
         if request.thinker_sampling.ListFields():
             raise InvalidArgument("thinker_sampling", "must be unset with forced_text: nothing is sampled")
-        ids = tuple(self.prompts.encode_text(request.forced_text)) + (int(self.engine.config.im_end_token_id),)
+        end = (self.prompts.tokenizer.convert_tokens_to_ids("<|im_end|>") if self.family is Family.QWEN2_5_OMNI
+               else self.engine.config.im_end_token_id)
+        ids = tuple(self.prompts.encode_text(request.forced_text)) + (int(end),)
         if len(ids) > self.config.max_new_tokens_limit:
             raise InvalidArgument("forced_text", f"is {len(ids)} tokens with the end token, more than the limit of "
                                                  f"{self.config.max_new_tokens_limit}")
@@ -222,6 +267,7 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         text_done: Finished | None = None
         talker_done: stages_pb2.TalkerFinal | None = None
         ttft = ttfp = None
+        previous_id: int | None = None  # the last text id (Qwen2.5-Omni's TextToken for it comes one token later)
         try:
             while True:
                 try:
@@ -236,12 +282,16 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
                         speak = self._open_talker(request.route, sink, context)
                         await speak.write(stages_pb2.TalkerInput(
                             start=self._talker_start(req, request.route, prefilled, prepared)))
+                    case Qwen2_5Prefilled() as prefilled:
+                        speak = self._open_talker(request.route, sink, context)
+                        await speak.write(stages_pb2.TalkerInput(start=qwen2_5_talker_start(req, request.route, prefilled)))
                     case Token() as token:
                         ttft = ttft if ttft is not None else (time.perf_counter() - received) * 1000
                         yield omni_pb2.GenerateResponse(request_id=request_id, text=omni_pb2.TextDelta(
                             text=detok.add(token.token_id, last=token.last), token_ids=[token.token_id]))
                         if speak is not None and talker_done is None:
-                            await self._feed_talker(speak, token)
+                            await self._feed_talker(speak, token, previous_id)
+                        previous_id = token.token_id
                     case Finished() as finished:
                         text_done = finished
                     case stages_pb2.TalkerOutput() as out if out.HasField("audio"):
@@ -281,14 +331,20 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         speak.open()
         return speak
 
-    @staticmethod
-    async def _feed_talker(speak: Downstream, event: Token) -> None:
+    async def _feed_talker(self, speak: Downstream, event: Token, previous_id: int | None) -> None:
         """One text row per generated token except the last; then the text-finished mark. The
         talker may have ended already (its own max tokens or EOS): the relay says how."""
-        if not event.last:
-            await speak.write(stages_pb2.TalkerInput(token=stages_pb2.TextToken(
-                token_id=event.token_id, embedding=tensor_to_proto(event.embedding))))
-        elif await speak.write(stages_pb2.TalkerInput(finished=stages_pb2.TextFinished())):
+        if self.family is Family.QWEN2_5_OMNI:
+            messages = qwen2_5_text_tokens(event, previous_id)  # the previous token's row comes with this one
+        elif not event.last:
+            messages = [stages_pb2.TalkerInput(token=stages_pb2.TextToken(
+                token_id=event.token_id, embedding=tensor_to_proto(event.embedding)))]
+        else:
+            messages = [stages_pb2.TalkerInput(finished=stages_pb2.TextFinished())]
+        written = True
+        for message in messages:
+            written = await speak.write(message)
+        if event.last and written:
             await speak.close()
 
     def _talker_start(self, req, route, event: Prefilled, prepared: Prepared) -> stages_pb2.TalkerStart:
@@ -338,8 +394,15 @@ async def create_server(config: ThinkerConfig) -> tuple[ServerHandle, EngineLoop
         ))
         model_config, build_prompt = engine.config, vllm_backend.build_prompt
     else:
+        family = family_of(config.model.checkpoint)
+        engine_config, engine_cls = config.engine, ThinkerEngine
+        if family is Family.QWEN2_5_OMNI:
+            engine_cls = Qwen2_5ThinkerEngine
+            if engine_config.graphs.enabled:
+                log.warning("CUDA graphs are not implemented for the Qwen2.5-Omni thinker: decoding eagerly")
+                engine_config = dataclasses.replace(engine_config, graphs=GraphSettings())
         loaded = load_for_serving(config.model, Stage.THINKER)
-        engine = ThinkerEngine(loaded.model, loaded.config, device=config.model.device, engine_config=config.engine)
+        engine = engine_cls(loaded.model, loaded.config, device=config.model.device, engine_config=engine_config)
         model_config = loaded.config
     prompts = PromptBuilder(config.model.checkpoint, model_config, config.limits)
     metrics = StageMetrics("thinker")

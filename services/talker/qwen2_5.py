@@ -1,0 +1,194 @@
+"""The talker engine of Qwen2.5-Omni: a plain codec LM, one codec token (a frame of one code
+group) per step, fed by the thinker's reply parts as they stream in.
+
+Mirrors the talker part of `Qwen2_5OmniForConditionalGeneration.generate` exactly under greedy
+decoding (docs/qwen2_5-omni.md):
+
+- Prefill = the thinker's `prompt_hidden` (one row per prompt position), the thinker embedding
+  of the voice's bos token, then reply part 0 (the first generated token's). It runs as soon as
+  reply part 0 is there. Positions are plain 0, 1, 2, ... on all 3 rope rows and no codec
+  embedding is added: generate drops the all-ones attention mask, and the talker's forward
+  builds multimodal positions and adds the codec bos/pad embeddings only when it gets a mask.
+- Decode step k (k >= 1) feeds the talker's embedding of code k - 1 plus the text vector of
+  step k: reply part k while the text lasts, then the text eos embedding once, then the text pad
+  embedding. Reply part k comes with thinker token k + 1; a request whose reply part k has not
+  arrived while the text goes on waits (its slot kept, the batch runs without it).
+- Codes: repetition penalty over the talker's input ids as generate keeps them (the prompt's
+  codec mask, pad and bos ids, then every generated code), codec bos suppressed, then greedy or
+  sampled. An end id ends the request without a frame (generate cuts the codes before it);
+  max_new_tokens N gives at most N frames.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from services.runtime.batching import SlotKVCache, batch_invariant, use_rowwise_attention
+from services.runtime.finish import FinishReason
+from services.runtime.lm_engine import SlotScheduledEngine
+from services.runtime.qwen2_5_omni import TALKER_EOS_IDS, talker_prompt_len
+from services.runtime.sampling import SamplingConfig, select_token
+from services.runtime.scheduler import LMScheduler
+from services.runtime.timing import ForwardTimer
+from services.talker.engine import Frame, TalkerDone, TalkerEngineConfig, TextEnd
+
+
+@dataclass(frozen=True)
+class Qwen2_5TalkerJob:
+    prompt_hidden: torch.Tensor  # [P, H_thinker] from the thinker's prefill (Qwen2_5Prefilled)
+    text_embeds: torch.Tensor  # [3, H_thinker] thinker embeddings of the voice's bos, text eos, text pad
+    sampling: SamplingConfig
+    eos_ids: tuple[int, ...] = TALKER_EOS_IDS  # generate's talker_eos_token_id
+
+
+@dataclass(frozen=True)
+class ReplyPart:
+    reply: torch.Tensor  # [H_thinker] one generated token's last-layer hidden + layer-0 embedding
+
+
+@dataclass
+class _State:
+    job: Qwen2_5TalkerJob
+    replies: list[torch.Tensor] = field(default_factory=list)  # [1, 1, H_thinker] each, on the device
+    text_done: bool = False
+    started: bool = False  # prefilled
+    codes: list[int] = field(default_factory=list)  # generated codes (the end id included)
+    frames: int = 0
+    seen: torch.Tensor | None = None  # [vocab] bool: the ids the repetition penalty applies to
+    generator: torch.Generator | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Has the input its next step needs: reply part 0 to prefill, reply part k (or the
+        text's end) for decode step k = codes so far."""
+        step = len(self.codes) if self.started else 0
+        return len(self.replies) > step or self.text_done
+
+
+class Qwen2_5TalkerEngine(SlotScheduledEngine):
+    def __init__(self, model, config, device: str = "cpu", engine_config: TalkerEngineConfig = TalkerEngineConfig()):
+        if engine_config.graphs.enabled:
+            raise ValueError("CUDA graphs are not implemented for the Qwen2.5-Omni talker (run it with --cuda-graphs off)")
+        self.model = model  # Qwen2_5OmniTalkerForConditionalGeneration
+        self.config = config  # the full Qwen2_5OmniConfig
+        tc = config.talker_config
+        self.device = device
+        self.engine_config = engine_config
+        self.timer = ForwardTimer()  # seconds in model forwards (services/runtime/timing.py)
+        self.vocab = int(tc.vocab_size)
+        self.codec_bos, self.codec_pad, self.codec_mask = (int(tc.tts_codec_start_token_id),
+                                                           int(tc.tts_codec_pad_token_id),
+                                                           int(tc.tts_codec_mask_token_id))
+        self.suppress = torch.zeros(self.vocab, dtype=torch.bool)  # generate's suppress_tokens=[codec_bos]
+        self.suppress[self.codec_bos] = True
+        use_rowwise_attention(model.config)
+        self.dtype = next(model.parameters()).dtype
+        self.embed = model.get_input_embeddings()  # codec id -> [H_thinker]
+        self.cache = SlotKVCache.for_config(model.config, engine_config.num_slots, engine_config.max_model_len,
+                                            self.dtype, device)
+        self.scheduler = LMScheduler(engine_config.max_batch_size, engine_config.num_slots, engine_config.max_model_len)
+        self._requests: dict[str, _State] = {}  # request_id -> state
+
+    # The loop's interface.
+    def add(self, request_id: str, job: Qwen2_5TalkerJob) -> None:
+        prompt_len = talker_prompt_len(job.prompt_hidden.shape[0])
+        self.scheduler.add(request_id, prompt_len, job.sampling.max_new_tokens, ready=False)
+        seen = torch.zeros(self.vocab, dtype=torch.bool)
+        # generate's talker input ids: [codec_mask] * P + [codec_pad, codec_bos], the penalty's history.
+        seen[[self.codec_pad, self.codec_bos] + ([self.codec_mask] if job.prompt_hidden.shape[0] else [])] = True
+        self._requests[request_id] = _State(job=job, seen=seen, generator=job.sampling.generator())
+
+    def add_input(self, request_id: str, payload) -> None:
+        state = self._requests.get(request_id)
+        if state is None:
+            return  # aborted: late input is dropped
+        if isinstance(payload, ReplyPart):
+            if state.text_done:
+                raise ValueError("reply part after the end of the text")
+            state.replies.append(payload.reply.to(self.device, self.dtype).view(1, 1, -1))
+        elif isinstance(payload, TextEnd):
+            state.text_done = True
+        else:
+            raise TypeError(f"unexpected talker input {type(payload).__name__}")
+        self.scheduler.set_ready(request_id, state.ready)
+
+    def after_step(self, plan) -> None:
+        for request_id in plan.prefill + plan.decode:
+            if request_id in self._requests:  # its next step may have to wait for a reply part
+                self.scheduler.set_ready(request_id, self._requests[request_id].ready)
+
+    # Model work.
+    @torch.inference_mode()
+    def prefill(self, request_id: str, slot: int) -> list[tuple[str, object]]:
+        state = self._requests[request_id]
+        if not state.replies:  # the text ended after one token: generate has no reply part to start from
+            return [(request_id, TalkerDone(FinishReason.STOP, 0))]
+        job = state.job
+        text = job.text_embeds.to(self.device, self.dtype)
+        inputs_embeds = torch.cat((job.prompt_hidden.to(self.device, self.dtype).unsqueeze(0), text[None, :1],
+                                   state.replies[0]), dim=1)  # [1, P + 2, H_thinker]
+        cache = DynamicCache(config=self.model.config)
+        with self.timer:  # no attention mask and no position ids: generate's own path (see the module docstring)
+            out = self.model(inputs_embeds=inputs_embeds, past_key_values=cache, use_cache=True)
+        self.cache.load(slot, cache)
+        state.started = True
+        return self._after_forward([request_id], [state], out.logits[:, -1])
+
+    @torch.inference_mode()
+    def decode(self, request_ids: list[str], slots: list[int]) -> list[tuple[str, object]]:
+        """One talker step for every ready request: its last code's embedding + its text vector."""
+        states = [self._requests[r] for r in request_ids]
+        codes = torch.tensor([[s.codes[-1]] for s in states], device=self.device)  # [B, 1]
+        text = torch.cat([self._text_for_step(s) for s in states], dim=0)  # [B, 1, H_thinker]
+        inputs_embeds = self.embed(codes) + text
+        # Plain positions: the row's cache length, on all 3 rope rows. [3, B, 1]
+        position_ids = torch.tensor([self.cache.lengths[s] for s in slots], device=self.device).view(1, -1, 1).expand(3, -1, -1)
+        view = self.cache.batch(slots)
+        with self.timer, batch_invariant(self.engine_config.exact_batching):
+            out = self.model(inputs_embeds=inputs_embeds, position_ids=position_ids, past_key_values=view, use_cache=True)
+        view.commit()
+        return self._after_forward(request_ids, states, out.logits[:, -1])
+
+    def _text_for_step(self, state: _State) -> torch.Tensor:
+        # Step k = codes so far: reply part k while the text lasts, then text eos once, then text pad.
+        k = len(state.codes)
+        if k < len(state.replies):
+            return state.replies[k]
+        row = 1 if k == len(state.replies) else 2
+        return state.job.text_embeds[row].to(self.device, self.dtype).view(1, 1, -1)
+
+    def _after_forward(self, request_ids, states, logits: torch.Tensor) -> list[tuple[str, object]]:
+        logits = logits.cpu()  # [B, vocab]; sampling runs on the host (CPU generators and masks)
+        picked = self._greedy_codes(states, logits)
+        events: list[tuple[str, object]] = []
+        for row, (request_id, state) in enumerate(zip(request_ids, states)):
+            code = picked[row] if row in picked else select_token(
+                logits[row], state.job.sampling, torch.nonzero(state.seen).flatten().tolist(), state.generator,
+                self.suppress)
+            state.codes.append(code)
+            state.seen[code] = True
+            if code in state.job.eos_ids:
+                events.append((request_id, TalkerDone(FinishReason.STOP, state.frames)))
+                continue
+            events.append((request_id, Frame(index=state.frames, codes=torch.tensor([code]))))
+            state.frames += 1
+            if len(state.codes) >= state.job.sampling.max_new_tokens:
+                events.append((request_id, TalkerDone(FinishReason.LENGTH, state.frames)))
+        return events
+
+    def _greedy_codes(self, states: list[_State], logits: torch.Tensor) -> dict[int, int]:
+        """Codes (row -> id) of the greedy rows, selected together: select_token's ops on a
+        [rows, vocab] batch (the penalty as a per-row mask: the same float32 products and
+        quotients on the same elements; then the suppression and one argmax per row)."""
+        rows = [row for row, s in enumerate(states) if s.job.sampling.greedy]
+        if len(rows) < 2:
+            return {}
+        scores = logits[rows].float()  # [R, vocab]
+        seen = torch.stack([states[r].seen for r in rows])
+        penalty = torch.tensor([[states[r].job.sampling.repetition_penalty] for r in rows], dtype=scores.dtype)
+        penalized = torch.where(scores < 0, scores * penalty, scores / penalty)
+        scores = torch.where(seen & (penalty != 1.0), penalized, scores).masked_fill(self.suppress, float("-inf"))
+        return dict(zip(rows, torch.argmax(scores, dim=-1).tolist()))

@@ -1,0 +1,142 @@
+"""The thinker and talker servers on a Qwen2.5-Omni checkpoint, built by their own `create_server`
+factories on port 0 and called over real gRPC: they pick the family's engines by the checkpoint's
+model_type, and concurrent requests' text ids and codec frames equal transformers' generate.
+
+Two stand-ins: the stages' modules come from the test's copy of the checkpoint, handed to the
+factories in place of `load_for_serving` (whose Qwen2.5-Omni loader is not on this branch), and
+code2wav is a stub that takes the frames and reports 0 samples (Token2Wav is another branch's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+import pytest
+import torch
+
+from omni.v1 import stages_pb2, stages_pb2_grpc
+from services.runtime.checkpoint import LoadedStage, Stage
+from services.runtime.settings import ModelConfig
+from services.serving.config import ServingConfig
+from services.talker import server as talker_server
+from services.talker.engine import TalkerEngineConfig
+from services.talker.qwen2_5 import Qwen2_5TalkerEngine
+from services.thinker import server as thinker_server
+from services.thinker.engine import ThinkerEngineConfig
+from services.thinker.qwen2_5 import Qwen2_5ThinkerEngine
+from services.tools.client import build_request
+from tests.qwen2_5_oracle import BY_ID, generate_reference, load_models, media, oracle_processor
+from tests.qwen2_5_oracle import case_messages as oracle_messages
+
+LOOPBACK = ServingConfig(host="127.0.0.1", port=0, stream_idle_timeout_s=60.0)
+CASES = [BY_ID[rid] for rid in ("text-ethan", "audio-chelsie", "image-ethan", "both-chelsie", "short-ethan")]
+# The servers' talker end ids are generate's defaults (8292, 8294): outside the tiny codec vocabulary,
+# as the tiny checkpoint's own end ids never win; the oracle gets the same.
+GENERATE_EOS_IDS = (8292, 8294)
+
+
+class StubCode2Wav(stages_pb2_grpc.Code2WavServicer):
+    async def Decode(self, request_iterator, context):
+        async for message in request_iterator:
+            if message.HasField("end"):
+                yield stages_pb2.Code2WavOutput(final=stages_pb2.Code2WavFinal(audio_samples=0))
+                return
+
+
+@contextlib.asynccontextmanager
+async def serving(create, config):
+    handle, loop = await create(config)
+    await handle.server.start()
+    await handle.set_serving(True)
+    try:
+        yield f"127.0.0.1:{handle.port}", loop.engine
+    finally:
+        await handle.server.stop(0)
+        loop.stop()
+
+
+@contextlib.asynccontextmanager
+async def stub_code2wav():
+    server = grpc.aio.server()
+    stages_pb2_grpc.add_Code2WavServicer_to_server(StubCode2Wav(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread (see tests/thinker/test_qwen2_5_engine.py): the oracle's generate on two
+    contended threads took 90 s here, on one about a second."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def models(qwen2_5_checkpoint):
+    return load_models(qwen2_5_checkpoint)
+
+
+@pytest.fixture
+def stage_modules(models, monkeypatch):
+    """The factories' loader: the engine copy's thinker and talker."""
+    model = models[1]
+    modules = {Stage.THINKER: model.thinker, Stage.TALKER: model.talker}
+    load = lambda config, stage: LoadedStage(stage, modules[stage], model.config)  # noqa: E731
+    monkeypatch.setattr(thinker_server, "load_for_serving", load)
+    monkeypatch.setattr(talker_server, "load_for_serving", load)
+
+
+def test_concurrent_requests_over_grpc_equal_generate(qwen2_5_checkpoint, models, stage_modules):
+    files = media()
+    expected = {c.request_id: generate_reference(models[0], oracle_processor(qwen2_5_checkpoint),
+                                                 oracle_messages(c, files), c.voice, c.max_new_tokens,
+                                                 c.talker_max_new_tokens, GENERATE_EOS_IDS) for c in CASES}
+    model = ModelConfig(checkpoint=str(qwen2_5_checkpoint))
+    engine = dict(max_batch_size=8, num_slots=8, max_model_len=256)
+
+    async def one(stub, route, case):
+        audio = files[case.audio][1] if case.audio else None
+        image = files[case.image][1] if case.image else None
+        request = build_request(case.prompt, case.system, audio, image, voice=case.voice.lower(),
+                                max_new_tokens=case.max_new_tokens, talker_max_new_tokens=case.talker_max_new_tokens,
+                                return_codec_frames=True, request_id=case.request_id)
+        ids, codes, final = [], [], None
+        async for response in stub.Generate(stages_pb2.ThinkerRequest(request=request, route=route), timeout=60):
+            kind = response.WhichOneof("event")
+            if kind == "text":
+                ids += response.text.token_ids
+            elif kind == "codec_frames":
+                assert response.codec_frames.num_code_groups == 1 and response.codec_frames.first_frame == len(codes)
+                codes += response.codec_frames.ids
+            elif kind == "final":
+                final = response.final
+        return ids, codes, final
+
+    async def scenario():
+        thinker_config = thinker_server.ThinkerConfig(serving=LOOPBACK, model=model, engine=ThinkerEngineConfig(**engine))
+        talker_config = talker_server.TalkerConfig(serving=LOOPBACK, model=model, engine=TalkerEngineConfig(**engine))
+        async with stub_code2wav() as code2wav, \
+                serving(talker_server.create_server, talker_config) as (talker, talker_engine), \
+                serving(thinker_server.create_server, thinker_config) as (thinker, thinker_engine), \
+                grpc.aio.insecure_channel(thinker) as channel:
+            assert isinstance(thinker_engine, Qwen2_5ThinkerEngine) and isinstance(talker_engine, Qwen2_5TalkerEngine)
+            stub = stages_pb2_grpc.ThinkerStub(channel)
+            route = stages_pb2.Route(talker=talker, code2wav=code2wav)
+            results = await asyncio.gather(*(one(stub, route, case) for case in CASES))
+            return dict(zip([c.request_id for c in CASES], results))
+
+    results = asyncio.run(scenario())
+    for case in CASES:
+        ids, codes, final = results[case.request_id]
+        want = expected[case.request_id]
+        assert ids == want.token_ids, f"{case.request_id}: text ids"
+        assert codes == want.codes and len(codes) == case.talker_max_new_tokens, f"{case.request_id}: codec ids"
+        assert final.usage.codec_frames == len(codes) and final.usage.text_tokens == len(ids)

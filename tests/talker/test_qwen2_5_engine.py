@@ -1,0 +1,378 @@
+"""Qwen2_5ThinkerEngine + Qwen2_5TalkerEngine in-process, against transformers' generate.
+
+The harness does what the two servers do, without gRPC: a `Qwen2_5Prefilled` event starts the
+talker request; every `Token` with a reply part hands it over as a `ReplyPart`; the last token
+also hands over `TextEnd`. Sixteen requests of every modality and both voices join at different
+steps, on the tiny checkpoint and on one of other sizes; every one's text ids and codec ids must
+equal `Qwen2_5OmniForConditionalGeneration.generate`'s (greedy, talker repetition penalty 1.05,
+the talker running to its max tokens: the tiny checkpoints' codec end rows are zero).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from dataclasses import replace
+
+import pytest
+import torch
+
+from omni.v1 import omni_pb2, stages_pb2
+from services.runtime.finish import FinishReason
+from services.runtime.prompt import PromptBuilder
+from services.runtime.qwen2_5_omni import load_voices, resolve_voice
+from services.runtime.sampling import SamplingConfig
+from services.runtime.settings import ModelConfig
+from services.serving.config import ServingConfig
+from services.talker.engine import Frame, TalkerDone, TalkerEngineConfig, TextEnd
+from services.talker.qwen2_5 import Qwen2_5TalkerEngine, Qwen2_5TalkerJob, ReplyPart
+from services.talker.server import TalkerConfig, qwen2_5_input_from_proto, qwen2_5_job_from_proto
+from services.thinker.engine import Finished, ThinkerEngineConfig, Token
+from services.thinker.qwen2_5 import Qwen2_5Prefilled, Qwen2_5ThinkerEngine, Qwen2_5ThinkerJob
+from services.thinker.server import qwen2_5_talker_start, qwen2_5_text_tokens
+from tests.qwen2_5_oracle import (
+    BY_ID,
+    CASES,
+    case_messages,
+    generate_reference,
+    load_models,
+    media,
+    oracle_processor,
+)
+from tests.qwen2_5_tiny import TALKER_EOS_IDS
+
+SLOTS = 16
+MAX_MODEL_LEN = 256  # prompts < 130 tokens; + 2 + 24 talker tokens
+REPETITION_PENALTY = 1.05  # generate's talker default
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread (see tests/thinker/test_qwen2_5_engine.py)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+class Setup:
+    def __init__(self, folder):
+        self.reference_model, self.model = load_models(folder)
+        self.config = self.model.config
+        self.builder = PromptBuilder(folder, self.config)
+        self.voices = load_voices(folder)
+        self.processor = oracle_processor(folder)
+        files = media()
+        self.messages = {c.request_id: case_messages(c, files) for c in CASES}
+        self.expected = {c.request_id: self.reference(c) for c in CASES}
+
+    def reference(self, case, eos_ids=TALKER_EOS_IDS):
+        return generate_reference(self.reference_model, self.processor, self.messages[case.request_id], case.voice,
+                                  case.max_new_tokens, case.talker_max_new_tokens, eos_ids, REPETITION_PENALTY)
+
+
+@pytest.fixture(scope="module", params=["tiny", "wide"])
+def setup(request) -> Setup:
+    fixture = {"tiny": "qwen2_5_checkpoint", "wide": "qwen2_5_checkpoint_wide"}[request.param]
+    return Setup(request.getfixturevalue(fixture))
+
+
+@pytest.fixture(scope="module")
+def tiny(qwen2_5_checkpoint) -> Setup:
+    return Setup(qwen2_5_checkpoint)
+
+
+class Pipeline:
+    """The two engines stepped in turn, the thinker's outputs handed over in-process.
+
+    `text_every[request_id] = k` holds that request's talker inputs back and hands over one every
+    k steps (a slow thinker or network) instead of as soon as they exist."""
+
+    def __init__(self, setup: Setup, slots: int = SLOTS, text_every: dict | None = None,
+                 eos_ids: tuple[int, ...] = TALKER_EOS_IDS, wire: bool = False):
+        self.setup = setup
+        self.wire = wire  # hand everything over as the servers do: protos, serialized and parsed back
+        self.previous_id: dict[str, int] = {}  # request_id -> the last text id (wire: its TextToken comes next)
+        model, config = setup.model, setup.config
+        self.thinker = Qwen2_5ThinkerEngine(model.thinker, config, engine_config=ThinkerEngineConfig(
+            max_batch_size=slots, num_slots=slots, max_model_len=MAX_MODEL_LEN))
+        self.talker = Qwen2_5TalkerEngine(model.talker, config, engine_config=TalkerEngineConfig(
+            max_batch_size=slots, num_slots=slots, max_model_len=MAX_MODEL_LEN))
+        self.text_every = text_every or {}
+        self.eos_ids = eos_ids
+        self.cases: dict = {}
+        self.inbox: dict[str, deque] = defaultdict(deque)  # request_id -> talker inputs not handed over yet
+        self.tokens: dict[str, list[int]] = defaultdict(list)  # request_id -> text ids
+        self.codes: dict[str, list[int]] = defaultdict(list)  # request_id -> codec ids of its frames
+        self.frame_steps: dict[str, list[int]] = defaultdict(list)  # request_id -> steps that made a frame
+        self.waited: dict[str, list[int]] = defaultdict(list)  # request_id -> steps it held a slot, not ready
+        self.finished: dict[str, Finished] = {}
+        self.done: dict[str, TalkerDone] = {}
+        self.logits: dict[str, list[torch.Tensor]] = defaultdict(list)  # request_id -> talker logits per step
+        self.steps = 0
+        after_forward = self.talker._after_forward
+
+        def recording(request_ids, states, logits):
+            for rid, row in zip(request_ids, logits):
+                self.logits[rid].append(row.detach().cpu().clone())
+            return after_forward(request_ids, states, logits)
+
+        self.talker._after_forward = recording
+
+    def add(self, case) -> None:
+        self.cases[case.request_id] = case
+        _, bos = resolve_voice(self.setup.voices, case.voice)
+        prompt = self.setup.builder.build(self.setup.messages[case.request_id])
+        self.thinker.add(case.request_id, Qwen2_5ThinkerJob(
+            prompt, SamplingConfig(max_new_tokens=case.max_new_tokens), True, voice_bos_token=bos))
+
+    def on_thinker_event(self, rid: str, event) -> None:
+        if isinstance(event, Qwen2_5Prefilled):
+            sampling = SamplingConfig(max_new_tokens=self.cases[rid].talker_max_new_tokens,
+                                      repetition_penalty=REPETITION_PENALTY)
+            job = Qwen2_5TalkerJob(event.prompt_hidden, event.text_embeds, sampling, self.eos_ids)
+            if self.wire:
+                job = replace(self.start_over_the_wire(rid, event), eos_ids=self.eos_ids)
+                assert job.sampling == sampling
+            self.talker.add(rid, job)
+        elif isinstance(event, Token):
+            self.tokens[rid].append(event.token_id)
+            if self.wire:
+                hidden = self.setup.config.thinker_config.text_config.hidden_size
+                for message in qwen2_5_text_tokens(event, self.previous_id.get(rid)):
+                    message = stages_pb2.TalkerInput.FromString(message.SerializeToString())
+                    if message.HasField("token"):
+                        assert message.token.token_id == self.tokens[rid][-2]  # the token the reply part is of
+                    self.inbox[rid].append(qwen2_5_input_from_proto(message, hidden))
+                self.previous_id[rid] = event.token_id
+                return
+            if event.reply is not None:
+                self.inbox[rid].append(ReplyPart(event.reply))
+            if event.last:
+                self.inbox[rid].append(TextEnd())
+        elif isinstance(event, Finished):
+            self.finished[rid] = event
+
+    def start_over_the_wire(self, rid: str, event: Qwen2_5Prefilled) -> Qwen2_5TalkerJob:
+        case = self.cases[rid]
+        request = omni_pb2.GenerateRequest(request_id=rid, voice=case.voice)
+        request.talker_sampling.max_new_tokens = case.talker_max_new_tokens
+        start = qwen2_5_talker_start(request, stages_pb2.Route(talker="t:1", code2wav="c:1"), event)
+        start = stages_pb2.TalkerStart.FromString(start.SerializeToString())
+        assert not start.HasField("prompt_embeds") and not start.HasField("tts_embeds")  # Qwen3-Omni's fields
+        config = TalkerConfig(serving=ServingConfig(), model=ModelConfig(checkpoint="unused"),
+                              engine=TalkerEngineConfig(max_model_len=MAX_MODEL_LEN))
+        return qwen2_5_job_from_proto(start, self.setup.config, config)
+
+    def busy(self) -> bool:
+        return self.thinker.has_work() or self.talker.has_work() or any(self.inbox.values())
+
+    def step(self) -> None:
+        if self.thinker.has_work():
+            for rid, event in self.thinker.step():
+                self.on_thinker_event(rid, event)
+        for rid, queue in self.inbox.items():
+            every = self.text_every.get(rid, 0)
+            while queue and (not every or self.steps % every == 0):
+                self.talker.add_input(rid, queue.popleft())
+                if every:
+                    break
+        for rid, seq in self.talker.scheduler.seqs.items():
+            if seq.slot is not None and not seq.ready:
+                self.waited[rid].append(self.steps)
+        if self.talker.has_work():
+            for rid, event in self.talker.step():
+                if isinstance(event, Frame):
+                    assert event.index == len(self.codes[rid]) and event.codes.shape == (1,)
+                    self.codes[rid].append(int(event.codes[0]))
+                    self.frame_steps[rid].append(self.steps)
+                elif isinstance(event, TalkerDone):
+                    self.done[rid] = event
+        self.steps += 1
+
+    def run(self, cases, max_steps: int = 400) -> Pipeline:
+        pending = sorted(cases, key=lambda c: c.join_step)
+        while pending or self.busy():
+            while pending and pending[0].join_step <= self.steps:
+                self.add(pending.pop(0))
+            self.step()
+            assert self.steps < max_steps, "the pipeline stopped making progress"
+        return self
+
+
+def assert_clean(pipe: Pipeline) -> None:
+    for engine in (pipe.thinker, pipe.talker):
+        assert engine.running == 0 and engine.queue_depth == 0 and not engine.has_work()
+        assert sorted(engine.scheduler.free_slots) == list(range(engine.engine_config.num_slots))
+        assert not engine._requests
+
+
+def assert_equals_reference(pipe: Pipeline, request_ids, expected: dict | None = None) -> None:
+    expected = expected or pipe.setup.expected
+    for rid in request_ids:
+        want = expected[rid]
+        assert pipe.tokens[rid] == want.token_ids, f"{rid}: text ids"
+        ends = [i for i, c in enumerate(want.codes) if c in pipe.eos_ids]
+        frames = want.codes[:ends[0]] if ends else want.codes  # generate cuts the codes at the first end id
+        ended = bool(ends)
+        assert pipe.codes[rid] == frames, f"{rid}: codec ids"
+        done = pipe.done[rid]
+        assert done.frames == len(frames)
+        assert done.reason is (FinishReason.STOP if ended else FinishReason.LENGTH), rid
+
+
+def test_sixteen_concurrent_requests_equal_generate(setup):
+    pipe = Pipeline(setup).run(CASES)
+    assert_equals_reference(pipe, [c.request_id for c in CASES])
+    for case in CASES:  # the talker ran to its max tokens: long codec sequences
+        assert len(pipe.codes[case.request_id]) == case.talker_max_new_tokens
+    assert_clean(pipe)
+    per_step = defaultdict(int)  # they really overlapped in the talker's steps
+    for steps in pipe.frame_steps.values():
+        for s in steps:
+            per_step[s] += 1
+    assert max(per_step.values()) >= 10
+
+
+@pytest.fixture(scope="module")
+def alone(tiny) -> dict:
+    """request_id -> Pipeline of that request alone (tiny checkpoint)."""
+    return {case.request_id: Pipeline(tiny, slots=1).run([replace(case, join_step=0)]) for case in CASES}
+
+
+def test_sixteen_concurrent_requests_through_the_wire_messages_equal_generate(tiny):
+    # The stage-to-stage contract: TalkerStart fields 13-14 and TextToken.reply, serialized and
+    # parsed back, converted by the servers' functions, give the engines exactly generate's codes.
+    pipe = Pipeline(tiny, wire=True).run(CASES)
+    assert_equals_reference(pipe, [c.request_id for c in CASES])
+    assert_clean(pipe)
+
+
+def test_each_request_alone_equals_generate(alone):
+    for case in CASES:
+        assert_equals_reference(alone[case.request_id], [case.request_id])
+        assert_clean(alone[case.request_id])
+
+
+def test_batched_talker_logits_are_bit_identical_to_alone(tiny, alone):
+    # Batch invariance, beyond the argmax: every talker step's logits in the 16-request batch are
+    # the ones the request gets alone (exact batching; with plain batched GEMMs they differ).
+    pipe = Pipeline(tiny).run(CASES)
+    for case in CASES:
+        rid = case.request_id
+        mine, solo = pipe.logits[rid], alone[rid].logits[rid]
+        assert len(mine) == len(solo) == case.talker_max_new_tokens
+        diffs = [float((a - b).abs().max()) for a, b in zip(mine, solo)]
+        assert diffs == [0.0] * len(diffs), f"{rid}: max |logit difference| per step {diffs}"
+
+
+def test_generate_feeds_its_talker_no_attention_mask(tiny):
+    # Why the talker's positions are plain and no codec bos/pad embedding is added: generate drops
+    # the all-ones mask, and the talker's forward does both only when it gets one. If a transformers
+    # update changes this, this test names the cause before the exactness tests fail.
+    seen = []  # (attention_mask, position_ids) of every talker forward inside generate
+    hook = tiny.reference_model.talker.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append((kwargs.get("attention_mask"), kwargs.get("position_ids"))),
+        with_kwargs=True)
+    try:
+        tiny.reference(BY_ID["image-ethan"])
+    finally:
+        hook.remove()
+    assert len(seen) == BY_ID["image-ethan"].talker_max_new_tokens
+    assert all(mask is None and positions is None for mask, positions in seen)
+
+
+def test_the_talker_end_id_ends_the_request_as_generate_cuts_it(tiny):
+    # The tiny talker never emits its end ids; take a code it does emit as the end id instead, for
+    # generate and the engine alike: both must stop at its first occurrence, without that frame.
+    case = BY_ID["text-chelsie"]
+    code = tiny.expected[case.request_id].codes[6]
+    expected = {case.request_id: tiny.reference(case, eos_ids=(code,))}
+    assert len(expected[case.request_id].codes) < case.talker_max_new_tokens
+    pipe = Pipeline(tiny, eos_ids=(code,)).run([case])
+    assert_equals_reference(pipe, [case.request_id], expected)
+    assert pipe.done[case.request_id].reason is FinishReason.STOP
+    assert_clean(pipe)
+
+
+def test_slow_text_waits_without_blocking_another_request(tiny):
+    slow, fast = BY_ID["long-text-chelsie"], BY_ID["audio-chelsie"]
+    # The slow one's speech outlasts no text: 16 tokens, 8 codes; give it more codes to wait for.
+    slow = replace(slow, talker_max_new_tokens=20, join_step=0)
+    fast = replace(fast, join_step=0)
+    expected = {slow.request_id: tiny.reference(slow), fast.request_id: tiny.expected[fast.request_id]}
+    pipe = Pipeline(tiny, text_every={slow.request_id: 3}).run([slow, fast])
+    waited, fast_steps = pipe.waited[slow.request_id], pipe.frame_steps[fast.request_id]
+    overlap = [s for s in waited if s <= fast_steps[-1]]
+    assert len(overlap) >= 5 and set(overlap) <= set(fast_steps)  # the other one kept making frames
+    assert not set(waited) & set(pipe.frame_steps[slow.request_id])  # it really sat those steps out
+    assert fast_steps == list(range(fast_steps[0], fast_steps[0] + len(fast_steps)))  # never held back
+    assert_equals_reference(pipe, [slow.request_id, fast.request_id], expected)
+    assert_clean(pipe)
+
+
+def test_talker_starts_once_reply_part_zero_is_there(tiny):
+    case = BY_ID["text-ethan"]
+    pipe = Pipeline(tiny)
+    pipe.add(case)
+    for rid, event in pipe.thinker.step():  # prefill: the prompt payload, token 0 (no reply part yet)
+        pipe.on_thinker_event(rid, event)
+    assert not pipe.inbox[case.request_id]
+    assert pipe.talker.queue_depth == 1 and not pipe.talker.has_work()
+    for rid, event in pipe.thinker.step():  # token 1 carries reply part 0
+        pipe.on_thinker_event(rid, event)
+    pipe.talker.add_input(case.request_id, pipe.inbox[case.request_id].popleft())
+    assert pipe.talker.has_work()
+    events = pipe.talker.step()  # prefilled: code 0; step 1 needs reply part 1
+    assert [type(e) for _, e in events] == [Frame]
+    assert int(events[0][1].codes[0]) == tiny.expected[case.request_id].codes[0]
+    assert pipe.talker.running == 1 and not pipe.talker.has_work()
+    pipe.thinker.abort(case.request_id)
+    pipe.talker.abort(case.request_id)
+    assert_clean(pipe)
+
+
+def test_one_token_text_ends_the_talker_request_without_frames(tiny):
+    # generate cannot speak a one-token reply (it has no reply part to start the talker from: it
+    # raises); the engine ends the request with no frames.
+    case = replace(BY_ID["text-ethan"], max_new_tokens=1)
+    pipe = Pipeline(tiny).run([case])
+    assert len(pipe.tokens[case.request_id]) == 1
+    assert pipe.done[case.request_id] == TalkerDone(FinishReason.STOP, 0)
+    assert not pipe.codes[case.request_id]
+    assert_clean(pipe)
+
+
+def test_abort_mid_batch_frees_the_talker_slot(tiny):
+    keep, drop = BY_ID["text-ethan"], BY_ID["image-ethan"]
+    pipe = Pipeline(tiny)
+    pipe.add(keep)
+    pipe.add(drop)
+    while len(pipe.codes[drop.request_id]) < 3:
+        pipe.step()
+    assert pipe.talker.running == 2
+    pipe.thinker.abort(drop.request_id)
+    pipe.talker.abort(drop.request_id)
+    pipe.inbox.pop(drop.request_id, None)
+    assert pipe.talker.running == 1 and len(pipe.talker.scheduler.free_slots) == SLOTS - 1
+    pipe.talker.abort(drop.request_id)  # twice: no double free
+    assert len(pipe.talker.scheduler.free_slots) == SLOTS - 1
+    pipe.talker.add_input(drop.request_id, TextEnd())  # late input for a gone request is dropped
+    before = len(pipe.codes[drop.request_id])
+    while pipe.busy():
+        pipe.step()
+    assert len(pipe.codes[drop.request_id]) == before
+    assert_equals_reference(pipe, [keep.request_id])
+    assert_clean(pipe)
+
+
+def test_reply_part_after_the_end_is_refused(tiny):
+    case = BY_ID["text-ethan"]
+    pipe = Pipeline(tiny)
+    pipe.cases[case.request_id] = case
+    hidden = tiny.config.thinker_config.text_config.hidden_size
+    pipe.talker.add(case.request_id, Qwen2_5TalkerJob(torch.zeros(5, hidden), torch.zeros(3, hidden), SamplingConfig()))
+    pipe.talker.add_input(case.request_id, TextEnd())
+    with pytest.raises(ValueError, match="after the end"):
+        pipe.talker.add_input(case.request_id, ReplyPart(torch.zeros(hidden)))
+    pipe.talker.abort(case.request_id)
+    assert_clean(pipe)
