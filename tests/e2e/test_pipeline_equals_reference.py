@@ -70,9 +70,12 @@ def test_first_audio_arrives_before_the_last_text_delta_on_a_long_answer(omni):
     # one code2wav chunk (about 0.1 s here), so the margin survives a loaded machine.
     request = build_request("Tell me a long story.", max_new_tokens=1000, talker_max_new_tokens=30)
     got = collect(omni, request, timeout=120)
-    # The tiny checkpoint's <|im_end|> never wins under greedy decoding: all 1000 tokens come.
-    assert len(got.thinker_token_ids) == 1000
-    assert got.final.text_finish_reason == common_pb2.FINISH_REASON_LENGTH
+    # Long: on the tiny checkpoint greedy decoding says <|im_end|> after 602 tokens on this prompt
+    # (STOP); the check allows any checkpoint that runs long, ending at its end token or the limit.
+    tokens = len(got.thinker_token_ids)
+    assert tokens >= 500, tokens
+    assert got.final.text_finish_reason == (common_pb2.FINISH_REASON_LENGTH if tokens == 1000
+                                            else common_pb2.FINISH_REASON_STOP)
     assert got.audio_times, "no audio came back"
     # Audio starts long before the text is done: within the first half of the text deltas, an
     # ordering of events (not a time bound), so a loaded machine slows both sides alike.
