@@ -79,7 +79,7 @@ def checkpoint_keys(folder: str | Path) -> list[str]:
     return keys
 
 
-def _stage_classes(family: Family):
+def _stage_classes(family: Family = Family.QWEN3_OMNI):
     """Stage -> (the stage's module class, the name of its sub-config in the full config)."""
     if family is Family.QWEN2_5_OMNI:
         return {
