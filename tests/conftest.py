@@ -31,6 +31,28 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     return build(tmp_path_factory.mktemp("ckpt") / "tiny", seed=0)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for a module of tiny-model tests, restored after: at these widths thread
+    start-up and synchronisation dominate (tests/tools/test_tiny_qwen2_5_omni.py took 165 s with the
+    default threads on two busy cores, 23 s with one)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_5_checkpoint(tmp_path_factory) -> Path:
+    """A complete tiny Qwen2.5-Omni checkpoint folder (seed 0, spk_dict.pt included), built once per
+    test session. Treat it as read-only: every test of the session shares it."""
+    from services.tools.tiny_qwen2_5_omni import build
+
+    return build(tmp_path_factory.mktemp("ckpt25") / "tiny25", seed=0)
+
+
 @pytest.fixture(scope="session")
 def qwen2_5_checkpoint(tmp_path_factory) -> Path:
     """A tiny Qwen2.5-Omni checkpoint folder (seed 0, tests/qwen2_5_tiny.py), built once per session."""

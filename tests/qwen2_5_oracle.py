@@ -65,7 +65,7 @@ def generate_reference(model, processor, messages: list[ChatMessage], voice: str
 
     def capture(*args, **kwargs):
         # transformers quirk: generate hands the talker the image pixels too, which its generate
-        # refuses (not a forward argument); the talker never reads them (docs/qwen2_5-omni.md).
+        # refuses (not a forward argument); the talker never reads them (docs/qwen2_5-omni-stages.md).
         kwargs.pop("pixel_values", None)
         kwargs.pop("pixel_values_videos", None)
         captured["inputs_embeds"] = kwargs["inputs_embeds"].clone()  # before the forward touches it

@@ -146,8 +146,9 @@ def _scale_vocoder_output(model, gen, rms_target: float = 0.2) -> None:
     model.decoder[-1].conv.weight.mul_(rms_target / max(rms, 1e-6))
 
 
-def build_random_stage(cls, sub_config, stage: str, device: str, dtype, seed: int = 0):
+def build_random_stage(cls, sub_config, stage: str, device: str, dtype, seed: int = 0, init=None):
     """The stage module built on `device` in `dtype` with seeded random weights, in eval mode.
+    `init`: the family's init_random_ (default: this module's, Qwen3-Omni's).
 
     NOTE: `no_init_weights` turns transformers' and torch's initialisers into no-ops, and the
     device context allocates every parameter on the device directly (no CPU copy, no meta pass):
@@ -159,5 +160,5 @@ def build_random_stage(cls, sub_config, stage: str, device: str, dtype, seed: in
     with no_init_weights(), torch.device(device):
         model = cls._from_config(sub_config, dtype=dtype)
     model.eval()
-    init_random_(model, seed, stage, torch.device(device))
+    (init or init_random_)(model, seed, stage, torch.device(device))
     return model

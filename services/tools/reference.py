@@ -1,4 +1,7 @@
-"""`omni-reference`: transformers' own `Qwen3OmniMoeForConditionalGeneration.generate`, greedy.
+"""`omni-reference`: transformers' own `generate` of the checkpoint's family, greedy.
+
+Qwen3-Omni: `Qwen3OmniMoeForConditionalGeneration.generate`; Qwen2.5-Omni:
+`Qwen2_5OmniForConditionalGeneration.generate` (its inputs from `Qwen2_5OmniProcessor`).
 
 The correctness oracle (the pipeline's text ids and codec frames must equal these) and the speed
 baseline (the stages run one after the other, nothing streamed). `ReferenceRunner.generate` can
@@ -8,7 +11,8 @@ The oracle shares no input code with the pipeline: it never uses services/runtim
 `PromptBuilder`. Its inputs come from transformers' own `Qwen3OmniMoeProcessor.apply_chat_template
 (tokenize=True, return_dict=True)`, which renders the chat template and calls the processor's
 `__call__`: the Whisper feature extractor, the Qwen2-VL image processor and the processor's own
-placeholder expansion (`replace_multimodal_special_tokens`, one pad per encoder position). Only
+placeholder expansion (`replace_multimodal_special_tokens`, one pad per encoder position); for a
+Qwen2.5-Omni checkpoint the same through `Qwen2_5OmniProcessor`. Only
 the processor's construction is ours: its video processor needs torchvision, which does not
 import beside the CPU torch wheel, so `oracle_processor` builds the processor class with
 `video_processor` set to `NoVideo`, a stand-in that only carries `merge_size` (read by the
@@ -19,6 +23,13 @@ averaged, as librosa's mono load does; 16 kHz only, so the pipeline's resampler 
 PIL opens png/jpeg (the image processor converts to RGB itself). The chat template is the one
 `from_pretrained` gives a processor (the folder's chat_template.jinja or chat_template.json);
 only a folder with neither falls back to the tokenizer's.
+
+Qwen2.5-Omni differences (docs/qwen2_5-omni.md): one codec id per frame (`codec_frames` rows of
+one id); voices are spk_dict.pt's names, matched case-insensitively ("ethan" -> "Ethan"); and
+Token2Wav starts its flow from `torch.randn` drawn from torch's global generator, so every call
+seeds it (`seed`, default `TOKEN2WAV_SEED`) just before `generate`: with greedy decoding nothing
+else draws from it, so the noise is the first [1, 2 * codes, 80] normal draw after
+`torch.manual_seed(seed)`.
 """
 
 from __future__ import annotations
@@ -35,16 +46,18 @@ import numpy as np
 
 from services.runtime.checkpoint import check_folder
 from services.runtime.errors import InvalidArgument, UserError, run_cli
+from services.runtime.families import Family, family_of
 from services.runtime.prompt import ChatMessage, Part, Role  # plain data classes: the request's messages
 
 AUDIO_SAMPLE_RATE = 16000  # the Whisper feature extractor's rate; the oracle resamples nothing
+TOKEN2WAV_SEED = 0  # Qwen2.5-Omni: the global seed set before generate when the call names none
 
 
 @dataclass(frozen=True)
 class ReferenceResult:
     text: str
     thinker_token_ids: list[int]  # generated ids, the end token included when emitted
-    codec_frames: list[list[int]]  # [frames][num_code_groups], as handed to code2wav
+    codec_frames: list[list[int]]  # [frames][code groups: 16 for Qwen3-Omni, 1 for Qwen2.5-Omni], as handed to code2wav
     audio: np.ndarray  # float32 [samples], generate's own waveform
     sample_rate: int
     prompt_tokens: int
@@ -62,7 +75,7 @@ class ReferenceResult:
 
 
 class NoVideo:
-    """Stands in for Qwen3-Omni's video processor (torchvision): never called, carries merge_size."""
+    """Stands in for the omni processors' video processor (torchvision): never called, carries merge_size."""
 
     def __init__(self, merge_size: int):
         self.merge_size = merge_size
@@ -73,17 +86,21 @@ class NoVideo:
 
 
 def oracle_processor(folder: str | Path):
-    """transformers' `Qwen3OmniMoeProcessor` on the checkpoint's tokenizer, feature extractor and
-    image processor, with the chat template `from_pretrained` would give it (the folder's processor
-    template; the tokenizer's only if the folder has none)."""
+    """transformers' processor of the folder's family (`Qwen3OmniMoeProcessor` or `Qwen2_5OmniProcessor`)
+    on the checkpoint's tokenizer, feature extractor and image processor, with the chat template
+    `from_pretrained` would give it (the folder's processor template; the tokenizer's only if the
+    folder has none)."""
     from transformers import (
         AutoFeatureExtractor,
         AutoImageProcessor,
         AutoTokenizer,
+        Qwen2_5OmniProcessor,
         Qwen3OmniMoeProcessor,
     )
 
-    class ProcessorWithoutVideo(Qwen3OmniMoeProcessor):
+    processor_class = Qwen2_5OmniProcessor if family_of(folder) is Family.QWEN2_5_OMNI else Qwen3OmniMoeProcessor
+
+    class ProcessorWithoutVideo(processor_class):
         def check_argument_for_proper_class(self, argument_name, argument):
             if argument_name == "video_processor":  # VIDEO_PROCESSOR_MAPPING is a dummy without torchvision
                 return type(argument)
@@ -91,7 +108,7 @@ def oracle_processor(folder: str | Path):
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     image_processor = AutoImageProcessor.from_pretrained(str(folder))
-    processor_dict, _ = Qwen3OmniMoeProcessor.get_processor_dict(str(folder))
+    processor_dict, _ = processor_class.get_processor_dict(str(folder))
     template = processor_dict.get("chat_template") or tokenizer.chat_template
     return ProcessorWithoutVideo(
         image_processor=image_processor, video_processor=NoVideo(image_processor.merge_size),
@@ -138,15 +155,19 @@ class ReferenceRunner:
     def __init__(self, checkpoint: str | Path, device: str = "cpu", dtype: str = "float32"):
         import torch
         import transformers
-        from transformers import Qwen3OmniMoeForConditionalGeneration
+        from transformers import Qwen2_5OmniForConditionalGeneration, Qwen3OmniMoeForConditionalGeneration
 
         folder = check_folder(checkpoint)
+        self.family = family_of(folder)
+        model_class = {Family.QWEN3_OMNI: Qwen3OmniMoeForConditionalGeneration,
+                       Family.QWEN2_5_OMNI: Qwen2_5OmniForConditionalGeneration}[self.family]
         verbosity = transformers.logging.get_verbosity()
         transformers.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()
         try:
             # Loaded in `dtype` directly: a 30B checkpoint does not fit host memory as float32.
-            self.model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(str(folder), dtype=getattr(torch, dtype))
+            # (Qwen2.5-Omni's from_pretrained also loads spk_dict.pt; its generate keeps Token2Wav float32.)
+            self.model = model_class.from_pretrained(str(folder), dtype=getattr(torch, dtype))
             self.processor = oracle_processor(folder)
         finally:
             transformers.logging.set_verbosity(verbosity)
@@ -154,11 +175,18 @@ class ReferenceRunner:
         self.device = device
         self.folder = folder
         self.config = self.model.config
-        # transformers bug: audio + image in one prompt fails in the talker without this
-        # (docs/qwen3-omni.md, section "transformers quirks").
-        if not hasattr(self.config.talker_config, "audio_config"):
-            self.config.talker_config.audio_config = self.config.thinker_config.audio_config
-        self.eos_id = self.config.im_end_token_id
+        if self.family is Family.QWEN2_5_OMNI:
+            self.voices = {name.lower(): name for name in self.model.speaker_map}  # lower-case -> spk_dict name
+            self.eos_id = self.config.thinker_config.eos_token_id
+            if self.eos_id is None:
+                self.eos_id = self.processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        else:
+            # transformers bug: audio + image in one prompt fails in the talker without this
+            # (docs/qwen3-omni.md, section "transformers quirks").
+            if not hasattr(self.config.talker_config, "audio_config"):
+                self.config.talker_config.audio_config = self.config.thinker_config.audio_config
+            self.voices = {name: name for name in self.config.talker_config.speaker_id}
+            self.eos_id = self.config.im_end_token_id
         self.sample_rate = 24000
 
     def generate(
@@ -181,13 +209,17 @@ class ReferenceRunner:
         vocoder) runs unchanged on that output."""
         import torch
 
-        name = (voice or "ethan").lower()
-        if name not in self.config.talker_config.speaker_id:
-            known = ", ".join(sorted(self.config.talker_config.speaker_id))
+        name = (voice or ("ethan" if "ethan" in self.voices else sorted(self.voices)[0])).lower()
+        if name not in self.voices:
+            known = ", ".join(sorted(self.voices.values()))
             raise InvalidArgument("voice", f"unknown voice {voice!r}; known: {known}")
         inputs = self.inputs(messages)
         prompt_tokens = int(inputs["input_ids"].shape[1])
         model_inputs = {k: v.to(self.device) for k, v in inputs.items()}
+        if self.family is Family.QWEN2_5_OMNI:
+            return self._generate_qwen2_5(model_inputs, self.voices[name], prompt_tokens, max_new_tokens,
+                                          talker_max_new_tokens, return_audio, forced_ids, thinker_sampling,
+                                          talker_sampling, seed)
         captured = []  # the codes generate hands to the vocoder, [1, Q, frames]
         original = self.model.code2wav.chunked_decode if return_audio else None
 
@@ -227,6 +259,55 @@ class ReferenceRunner:
         wall = time.perf_counter() - start
         ids = sequences[0, prompt_tokens:].cpu().tolist()
         frames = captured[0][0].T.tolist() if captured else []
+        audio = wav.reshape(-1).float().cpu().numpy() if wav is not None else np.zeros(0, np.float32)
+        return ReferenceResult(
+            text=self.decode(ids), thinker_token_ids=ids, codec_frames=frames, audio=audio,
+            sample_rate=self.sample_rate, prompt_tokens=prompt_tokens, wall_s=wall,
+        )
+
+    def _generate_qwen2_5(self, model_inputs: dict, speaker: str, prompt_tokens: int, max_new_tokens: int,
+                          talker_max_new_tokens: int, return_audio: bool, forced_ids: list[int] | None,
+                          thinker_sampling: dict | None, talker_sampling: dict | None,
+                          seed: int | None) -> ReferenceResult:
+        """`generate` for Qwen2.5-Omni (see `generate`). Greedy is do_sample=False for both LMs, with
+        generate's other talker defaults kept (repetition penalty 1.05); the codes come from a forward
+        pre-hook on Token2Wav, which gets them after generate's cut at the first codec EOS."""
+        import torch
+
+        # transformers quirk: generate hands unprefixed pixel_values to the talker too, whose generate
+        # rejects them (ValueError: model_kwargs not used); prefixed, they reach the thinker alone, and
+        # generate still zeroes the image positions it hands the talker (it reads thinker_kwargs).
+        model_inputs = {(f"thinker_{k}" if k in ("pixel_values", "pixel_values_videos") else k): v
+                        for k, v in model_inputs.items()}
+        kwargs = {f"thinker_{k}": v for k, v in (thinker_sampling or {}).items()}
+        kwargs.update({f"talker_{k}": v for k, v in (talker_sampling or {}).items()})
+        kwargs.update(thinker_do_sample=thinker_sampling is not None, talker_do_sample=talker_sampling is not None)
+        if forced_ids:
+            from transformers import LogitsProcessorList
+
+            kwargs["thinker_logits_processor"] = LogitsProcessorList([_ForceIds(forced_ids, prompt_tokens)])
+            max_new_tokens = len(forced_ids)
+        captured = []  # the codes generate hands to Token2Wav, [1, codes]
+        hook = self.model.token2wav.register_forward_pre_hook(
+            lambda module, args, kw: captured.append(args[0].detach().clone()), with_kwargs=True)
+        start = time.perf_counter()
+        torch.manual_seed(TOKEN2WAV_SEED if seed is None else seed)
+        try:
+            with torch.inference_mode():
+                if return_audio:
+                    sequences, wav = self.model.generate(
+                        **model_inputs, speaker=speaker, thinker_max_new_tokens=max_new_tokens,
+                        thinker_eos_token_id=self.eos_id, talker_max_new_tokens=talker_max_new_tokens, **kwargs)
+                else:
+                    sequences = self.model.generate(
+                        **model_inputs, speaker=speaker, generation_mode="text", thinker_max_new_tokens=max_new_tokens,
+                        thinker_eos_token_id=self.eos_id, **{k: v for k, v in kwargs.items() if k.startswith("thinker_")})
+                    wav = None
+        finally:
+            hook.remove()
+        wall = time.perf_counter() - start
+        ids = sequences[0, prompt_tokens:].cpu().tolist()
+        frames = [[code] for code in captured[0][0].tolist()] if captured else []
         audio = wav.reshape(-1).float().cpu().numpy() if wav is not None else np.zeros(0, np.float32)
         return ReferenceResult(
             text=self.decode(ids), thinker_token_ids=ids, codec_frames=frames, audio=audio,

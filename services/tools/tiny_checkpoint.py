@@ -1,4 +1,5 @@
-"""`omni-tiny-checkpoint`: write a complete, tiny, random-weight Qwen3-Omni checkpoint folder.
+"""`omni-tiny-checkpoint`: write a complete, tiny, random-weight Qwen3-Omni (or, with `--family
+qwen2_5_omni`, Qwen2.5-Omni: services/tools/tiny_qwen2_5_omni.py) checkpoint folder.
 
 The folder has the Hugging Face layout of Qwen/Qwen3-Omni-30B-A3B-Instruct (config.json,
 model.safetensors with `thinker.*`, `talker.*`, `code2wav.*` keys, tokenizer and processor
@@ -21,7 +22,11 @@ import sys
 from pathlib import Path
 
 from services.runtime.errors import UserError, run_cli
+from services.runtime.families import Family
 from services.runtime.full_size import REAL_LAYOUT, check_layout, merge_layout
+from services.runtime.full_size_qwen2_5 import REAL_LAYOUT as QWEN2_5_REAL_LAYOUT
+from services.tools import tiny_qwen2_5_omni
+from services.tools.tiny_tokenizer import train_tokenizer, write_preprocessor_config
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -63,116 +68,26 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )
 
-# A small fixed corpus: the BPE merges are learned from it, deterministically.
-CORPUS = """
-system user assistant system user assistant
-You are a helpful voice assistant. Answer briefly and speak clearly.
-Hello! How are you today? I am fine, thank you. What is the weather like?
-The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with one step.
-Please describe the picture. Please listen to the sound and tell me what you hear.
-Streaming speech synthesis turns text into audio one small chunk at a time.
-Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Punctuation: , . ; : ! ? ' " ( ) [ ] { } - _ / \\ @ # $ % & *
-Once upon a time there was a small model that learned to talk, sing and tell stories.
-The thinker writes the words, the talker turns them into sound codes, the vocoder makes the waves.
-"""
+# The attribute names Qwen3-Omni's own tokenizer_config uses (prompt.py reads them).
+TOKEN_ATTRIBUTES = {
+    "audio_bos_token": "<|audio_start|>",
+    "audio_eos_token": "<|audio_end|>",
+    "audio_token": "<|audio_pad|>",
+    "image_token": "<|image_pad|>",
+    "video_token": "<|video_pad|>",
+    "vision_bos_token": "<|vision_start|>",
+    "vision_eos_token": "<|vision_end|>",
+}
 
 
 def build_tokenizer(out: Path) -> dict[str, int]:
-    """Train a byte-level BPE on the fixed corpus; save tokenizer files; return special ids."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=700,
-        min_frequency=1,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=SPECIAL_TOKENS,
-        show_progress=False,
-    )
-    # The role names repeat so that each becomes one token, as in Qwen's vocabulary.
-    lines = [line for line in CORPUS.strip().splitlines() if line.strip()] * 8 + ["system", "user", "assistant"] * 64
-    tok.train_from_iterator(lines, trainer=trainer)
-    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
-    for word in ("system", "user", "assistant"):
-        enc = tok.encode(word).ids
-        if len(enc) != 1:
-            raise RuntimeError(f"tokenizer: {word!r} must be one token, got {enc}")
-        ids[word] = enc[0]
-    nl = tok.encode("\n").ids
-    assert len(nl) == 1, nl
-    tok.save(str(out / "tokenizer.json"))
-    ids["vocab_size"] = tok.get_vocab_size()
-
-    added = {
-        str(ids[t]): {
-            "content": t, "lstrip": False, "normalized": False, "rstrip": False,
-            "single_word": False, "special": True,
-        }
-        for t in SPECIAL_TOKENS
-    }
-    tokenizer_config = {
-        "tokenizer_class": "Qwen2Tokenizer",
-        "model_max_length": 4096,
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "clean_up_tokenization_spaces": False,
-        "split_special_tokens": False,
-        "added_tokens_decoder": added,
-        "chat_template": CHAT_TEMPLATE,
-        # The attribute names Qwen3-Omni's own tokenizer_config uses.
-        "extra_special_tokens": {
-            "audio_bos_token": "<|audio_start|>",
-            "audio_eos_token": "<|audio_end|>",
-            "audio_token": "<|audio_pad|>",
-            "image_token": "<|image_pad|>",
-            "video_token": "<|video_pad|>",
-            "vision_bos_token": "<|vision_start|>",
-            "vision_eos_token": "<|vision_end|>",
-        },
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n")
-    # The processor's copy, where transformers' processors read it (ProcessorMixin.from_pretrained
-    # takes no template from the tokenizer).
-    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    return ids
+    """Train the tiny byte-level BPE with Qwen3-Omni's special tokens; save tokenizer files; return special ids."""
+    return train_tokenizer(out, SPECIAL_TOKENS, CHAT_TEMPLATE, TOKEN_ATTRIBUTES)
 
 
 def write_processor_files(out: Path) -> None:
-    """Feature extractor (Whisper, 128 mel bins) and image processor (Qwen2-VL), small sizes."""
-    preprocessor = {
-        "feature_extractor_type": "WhisperFeatureExtractor",
-        "feature_size": 128,
-        "sampling_rate": 16000,
-        "hop_length": 160,
-        "chunk_length": 30,
-        "n_fft": 400,
-        "n_samples": 480000,
-        "nb_max_frames": 3000,
-        "padding_side": "right",
-        "padding_value": 0.0,
-        "return_attention_mask": True,
-        "dither": 0.0,
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "do_resize": True,
-        "do_rescale": True,
-        "do_normalize": True,
-        "do_convert_rgb": True,
-        "rescale_factor": 1 / 255,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-        "patch_size": 16,
-        "temporal_patch_size": 2,
-        "merge_size": 2,
-        # Images are resized to between 32x32 and 64x64 pixels: at most 16 patches, 4 tokens.
-        "min_pixels": 32 * 32,
-        "max_pixels": 64 * 64,
-        "size": {"shortest_edge": 32 * 32, "longest_edge": 64 * 64},
-    }
-    (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2, sort_keys=True) + "\n")
+    """Feature extractor (Whisper, 128 mel bins) and image processor (Qwen2-VL, 16-pixel patches), small sizes."""
+    write_preprocessor_config(out, patch_size=16, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
 
 
 def build_config(ids: dict[str, int], layout: dict | None = None):
@@ -353,12 +268,20 @@ def build(out: Path, seed: int, layout: dict | None = None, weights: bool = True
     return out
 
 
+# What --full-size writes no weights for, per family (every parameter in bfloat16).
+FULL_SIZE_BYTES = {Family.QWEN3_OMNI: "65.7 GiB in bfloat16", Family.QWEN2_5_OMNI: "20.0 GiB in bfloat16"}
+FAMILY_NAMES = {Family.QWEN3_OMNI: "Qwen3-Omni", Family.QWEN2_5_OMNI: "Qwen2.5-Omni"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="omni-tiny-checkpoint", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="folder to write (created)")
+    parser.add_argument("--family", choices=[f.value for f in Family], default=Family.QWEN3_OMNI.value,
+                        help="model family (config.json model_type; default qwen3_omni_moe)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     parser.add_argument("--full-size", action="store_true",
-                        help="the real Qwen3-Omni-30B-A3B layout (special ids of the tiny tokenizer); needs --no-weights")
+                        help="the real layout (Qwen3-Omni-30B-A3B or Qwen2.5-Omni-7B; special ids of the tiny "
+                             "tokenizer); needs --no-weights")
     parser.add_argument("--layout", type=Path,
                         help="JSON of sizes merged over the tiny config (nested like config.json), e.g. a scaled-down "
                              "full-size layout")
@@ -367,27 +290,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-weights", action="store_true",
                         help="write config, tokenizer and processor files only: start stages with --random-weights")
     args = parser.parse_args(argv)
+    family = Family(args.family)
+    builder = {Family.QWEN3_OMNI: build, Family.QWEN2_5_OMNI: tiny_qwen2_5_omni.build}[family]
+    real_layout = {Family.QWEN3_OMNI: REAL_LAYOUT, Family.QWEN2_5_OMNI: QWEN2_5_REAL_LAYOUT}[family]
 
     def run() -> None:
         if args.out.exists() and not args.out.is_dir():
             raise UserError(f"--out {args.out}: exists and is not a folder")
         if args.full_size and not args.no_weights:
-            raise UserError("--full-size writes no weights (65.7 GiB in bfloat16): add --no-weights and start the "
-                            "stages with --random-weights")
-        layout = REAL_LAYOUT if args.full_size else None
+            raise UserError(f"--full-size writes no weights ({FULL_SIZE_BYTES[family]}): add --no-weights and start "
+                            "the stages with --random-weights")
+        layout = real_layout if args.full_size else None
         if args.layout is not None:
             try:
                 layout = json.loads(args.layout.read_text())
             except (OSError, json.JSONDecodeError) as exc:
                 raise UserError(f"--layout {args.layout}: {exc}") from None
         try:
-            build(args.out, args.seed, layout, weights=not args.no_weights, eos=args.eos)
+            builder(args.out, args.seed, layout, weights=not args.no_weights, eos=args.eos)
         except ValueError as exc:
             raise UserError(str(exc)) from None
         size = sum(f.stat().st_size for f in args.out.iterdir()) / 1e6
         kind = "full-size" if args.full_size else "custom-layout" if args.layout else "tiny"
         weights = "no weights: start stages with --random-weights" if args.no_weights else f"seed {args.seed}"
-        print(f"wrote {kind} Qwen3-Omni checkpoint to {args.out} ({size:.1f} MB, {weights})")
+        print(f"wrote {kind} {FAMILY_NAMES[family]} checkpoint to {args.out} ({size:.1f} MB, {weights})")
 
     return run_cli(run)
 
