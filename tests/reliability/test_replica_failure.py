@@ -31,8 +31,10 @@ def wait_streaming_audio(calls: list[Call], timeout_s: float = 60.0) -> None:
 
 def test_a_killed_talker_s_requests_move_to_the_survivor_which_takes_new_ones(stack, omni):
     victim, survivor = stack.address("talker-0"), stack.address("talker-1")
-    # 200 codec frames: several seconds of streaming, long after the kill.
-    calls = [Call(omni.Generate, build_request(f"under load {i}", max_new_tokens=8, talker_max_new_tokens=200), 120)
+    # 400 codec frames: several seconds of streaming, long after the kill, and long enough that the
+    # first request is still streaming when the last starts (the start skew of 4 on a loaded 2-core
+    # machine outlasted 200 frames once in a stress-ng run).
+    calls = [Call(omni.Generate, build_request(f"under load {i}", max_new_tokens=8, talker_max_new_tokens=400), 120)
              for i in range(MAX_IN_FLIGHT)]
     threads = start_all(calls)
     wait_streaming_audio(calls)
@@ -43,7 +45,7 @@ def test_a_killed_talker_s_requests_move_to_the_survivor_which_takes_new_ones(st
     for thread in threads:
         thread.join(timeout=120)
     assert [call.code.name for call in calls] == ["OK"] * len(calls), [(c.code, c.details) for c in calls]
-    assert all(call.final.usage.codec_frames == 199 for call in calls)
+    assert all(call.final.usage.codec_frames == 399 for call in calls)
     assert sorted(call.final.migrations for call in calls) == [0] * on_survivor + [1] * on_victim
 
     # New requests: only the survivor is left, and the router knows it.
