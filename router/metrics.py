@@ -35,6 +35,9 @@ class RouterMetrics:
                                          ["stage"], buckets=LATENCY_BUCKETS, registry=r)
         self.replica_healthy = Gauge("omni_router_replica_healthy", "1 if the replica is SERVING and not draining",
                                      ["stage", "replica"], registry=r)
+        self.replica_reported_load = Gauge("omni_router_replica_reported_load",
+                                           "Queued plus running requests the replica reported at the last poll",
+                                           ["stage", "replica"], registry=r)
         self.replica_state = Gauge("omni_router_replica_state",
                                    "1 for the replica's state: up, suspect (polls missing their deadline, "
                                    "still used) or down (refused, reset or not serving)",

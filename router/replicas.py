@@ -79,9 +79,16 @@ class Replica:
         return SUSPECT if self.misses else UP
 
     @property
+    def reported(self) -> int:
+        """Queued plus running requests at the last poll (every router's, ours among them)."""
+        return (self.load.queue_depth + self.load.running) if self.load is not None else 0
+
+    @property
     def score(self) -> float:
-        reported = (self.load.queue_depth + self.load.running) if self.load is not None else 0
-        return self.in_flight + reported
+        # Our live count, or the replica's report where other routers add to it. Not their sum: the
+        # report already holds our requests, and it lags by up to a poll, so a sum counts a burst
+        # that just ended twice and sends the next burst all to the other replicas.
+        return max(self.in_flight, self.reported)
 
 
 @dataclass(frozen=True)
@@ -218,3 +225,4 @@ def publish_state(metrics, stage: str, replica: Replica) -> None:
     """omni_router_replica_state{state=...}: 1 for the replica's state, 0 for the others."""
     for state in STATES:
         metrics.replica_state.labels(stage, replica.address, state).set(int(replica.state == state))
+    metrics.replica_reported_load.labels(stage, replica.address).set(replica.reported)

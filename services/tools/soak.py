@@ -250,6 +250,7 @@ class RouterGauges:
     queue_depth: int  # requests waiting for admission
     healthy: dict  # (stage, address) -> bool: SERVING and not draining, as the router sees it
     outcomes: dict  # outcome label -> requests counted
+    reported: dict = field(default_factory=dict)  # (stage, address) -> queued + running at the router's last poll
 
     @property
     def replicas(self) -> dict[str, tuple[str, ...]]:
@@ -262,7 +263,7 @@ def read_router_gauges(url: str, timeout: float = 2.0) -> RouterGauges:
 
     text = urllib.request.urlopen(url, timeout=timeout).read().decode()
     in_flight = queue_depth = 0
-    healthy, outcomes = {}, {}
+    healthy, outcomes, reported = {}, {}, {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "omni_router_in_flight":
@@ -273,7 +274,9 @@ def read_router_gauges(url: str, timeout: float = 2.0) -> RouterGauges:
                 healthy[(sample.labels["stage"], sample.labels["replica"])] = sample.value == 1.0
             elif sample.name == "omni_router_requests_total":
                 outcomes[sample.labels["outcome"]] = int(sample.value)
-    return RouterGauges(in_flight, queue_depth, healthy, outcomes)
+            elif sample.name == "omni_router_replica_reported_load":
+                reported[(sample.labels["stage"], sample.labels["replica"])] = int(sample.value)
+    return RouterGauges(in_flight, queue_depth, healthy, outcomes, reported)
 
 
 @dataclass(frozen=True)
@@ -290,7 +293,10 @@ class Settled:
 
     @property
     def idle(self) -> bool:
-        router_idle = self.router is None or (self.router.in_flight == 0 and self.router.queue_depth == 0)
+        # The router's view counts too: a load it polled before the stages went idle would steer
+        # the next requests away from those replicas.
+        router_idle = self.router is None or (self.router.in_flight == 0 and self.router.queue_depth == 0
+                                              and not any(self.router.reported.values()))
         return router_idle and all(load.idle for load in self.loads)
 
     def busy(self) -> dict[str, tuple[int, int, int]]:
