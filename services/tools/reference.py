@@ -149,6 +149,17 @@ def oracle_conversation(messages: list[ChatMessage]) -> list[dict]:
     return conversation
 
 
+def oracle_inputs(processor, messages: list[ChatMessage]) -> dict:
+    """The model inputs `processor` (`oracle_processor`) makes of the messages: input_ids,
+    attention_mask, and input_features / feature_attention_mask, pixel_values / image_grid_thw when
+    present."""
+    if not messages:
+        raise InvalidArgument("messages", "at least one message is required")
+    out = processor.apply_chat_template(oracle_conversation(messages), add_generation_prompt=True, tokenize=True,
+                                        return_dict=True, return_tensors="pt")
+    return dict(out)
+
+
 class ReferenceRunner:
     """The full transformers model, loaded once; one greedy `generate` per call."""
 
@@ -315,15 +326,8 @@ class ReferenceRunner:
         )
 
     def inputs(self, messages: list[ChatMessage]) -> dict:
-        """The model inputs transformers' processor makes of the messages (input_ids, attention_mask,
-        and input_features / feature_attention_mask, pixel_values / image_grid_thw when present)."""
-        if not messages:
-            raise InvalidArgument("messages", "at least one message is required")
-        out = self.processor.apply_chat_template(
-            oracle_conversation(messages), add_generation_prompt=True, tokenize=True, return_dict=True,
-            return_tensors="pt",
-        )
-        return dict(out)
+        """The model inputs transformers' processor makes of the messages (`oracle_inputs`)."""
+        return oracle_inputs(self.processor, messages)
 
     def decode(self, ids: list[int]) -> str:
         return self.processor.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)

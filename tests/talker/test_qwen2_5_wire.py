@@ -23,10 +23,10 @@ P, MAX_MODEL_LEN = 7, 64
 
 
 @pytest.fixture(scope="module")
-def config(qwen2_5_checkpoint):
+def config(tiny_qwen2_5_checkpoint):
     from transformers import Qwen2_5OmniConfig
 
-    return Qwen2_5OmniConfig.from_pretrained(qwen2_5_checkpoint)
+    return Qwen2_5OmniConfig.from_pretrained(tiny_qwen2_5_checkpoint)
 
 
 @pytest.fixture(scope="module")
