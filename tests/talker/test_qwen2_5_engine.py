@@ -267,6 +267,27 @@ def test_generate_feeds_its_talker_no_attention_mask(tiny):
     assert all(mask is None and positions is None for mask, positions in seen)
 
 
+@pytest.fixture(scope="module")
+def ending(tmp_path_factory) -> Setup:
+    """`omni-tiny-checkpoint --family qwen2_5_omni --eos`: the thinker's <|im_end|> and the talker's
+    codec end (8294) win after a few steps, so requests end on the real end ids."""
+    from services.tools.tiny_qwen2_5_omni import build
+
+    return Setup(build(tmp_path_factory.mktemp("eos25") / "eos", seed=0, eos=True))
+
+
+def test_requests_end_on_the_real_end_ids_as_generate_ends_them(ending):
+    pipe = Pipeline(ending).run(CASES)
+    assert_equals_reference(pipe, [c.request_id for c in CASES])
+    assert_clean(pipe)
+    text_stops = [rid for rid, f in pipe.finished.items() if f.reason is FinishReason.STOP]
+    talker_stops = [rid for rid, d in pipe.done.items() if d.reason is FinishReason.STOP]
+    # Measured: 13 of the 16 end on <|im_end|> and 13 on the codec end (one with no frame at all).
+    assert len(text_stops) >= 8 and len(talker_stops) >= 8, (text_stops, talker_stops)
+    for rid in text_stops:
+        assert pipe.tokens[rid][-1] == ending.config.thinker_config.eos_token_id
+
+
 def test_the_talker_end_id_ends_the_request_as_generate_cuts_it(tiny):
     # The tiny talker never emits its end ids; take a code it does emit as the end id instead, for
     # generate and the engine alike: both must stop at its first occurrence, without that frame.
