@@ -10,11 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from services.runtime.errors import InvalidArgument, UserError
+from services.runtime.families import DEFAULT_VOICES, Family
 
 # generate's `talker_eos_token_id` default: codec pad and codec end of the real vocabulary (8448).
 TALKER_EOS_IDS = (8292, 8294)
 # generate's `speaker` default.
-DEFAULT_VOICE = "Chelsie"
+DEFAULT_VOICE = DEFAULT_VOICES[Family.QWEN2_5_OMNI]
 # The talker prompt: every thinker prompt position, then the voice's bos token, then the first
 # generated token's reply part (docs/qwen2_5-omni-stages.md, "The talker prefill").
 TALKER_EXTRA_PREFILL = 2
