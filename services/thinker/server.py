@@ -15,7 +15,7 @@ import grpc
 
 from omni.v1 import common_pb2, omni_pb2, stages_pb2, stages_pb2_grpc
 from services.runtime import qwen2_5_omni
-from services.runtime.checkpoint import Stage, load_for_serving
+from services.runtime.checkpoint import Stage, load_for_serving, voice_bos_tokens
 from services.runtime.detokenizer import IncrementalDetokenizer
 from services.runtime.errors import InvalidArgument, run_cli
 from services.runtime.families import Family, family_of
@@ -184,8 +184,7 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         self.metrics: StageMetrics = loop.metrics
         self.family = Family(engine.config.model_type)
         # Qwen2.5-Omni: voice name -> its bos token (spk_dict.pt), what the talker's prompt starts from.
-        self.voices = (qwen2_5_omni.load_voices(config.model.checkpoint) if self.family is Family.QWEN2_5_OMNI
-                       else {})
+        self.voices = voice_bos_tokens(config.model.checkpoint) if self.family is Family.QWEN2_5_OMNI else {}
 
     def prepare(self, request: omni_pb2.GenerateRequest, talker: common_pb2.StageLimits | None) -> Prepared:
         """Validate and convert a request; runs in a worker thread (decodes audio and images).

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from services.runtime import qwen2_5_omni
-from services.runtime.checkpoint import load_voices
+from services.runtime.checkpoint import voice_bos_tokens
 from services.runtime.families import Family
 from services.runtime.prompt import PromptInputs, resolve_voice
 from services.runtime.sampling import SamplingConfig
@@ -63,8 +63,7 @@ class Qwen2_5Handoff:
     prefilled = Qwen2_5Prefilled
 
     def __init__(self, folder: str | Path, config, voice: str | None):
-        voices = {name: v.bos_token for name, v in load_voices(folder).items()}
-        _, self.voice_bos_token = qwen2_5_omni.resolve_voice(voices, voice)
+        _, self.voice_bos_token = qwen2_5_omni.resolve_voice(voice_bos_tokens(folder), voice)
 
     def thinker_job(self, prompt: PromptInputs, sampling: SamplingConfig, talker: bool = True) -> Qwen2_5ThinkerJob:
         return Qwen2_5ThinkerJob(prompt, sampling, talker, voice_bos_token=self.voice_bos_token)

@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from omni.v1 import omni_pb2, stages_pb2
+from services.runtime.checkpoint import voice_bos_tokens
 from services.runtime.finish import FinishReason
 from services.runtime.prompt import PromptBuilder
-from services.runtime.qwen2_5_omni import TALKER_EOS_IDS, load_voices, resolve_voice
+from services.runtime.qwen2_5_omni import TALKER_EOS_IDS, resolve_voice
 from services.runtime.sampling import SamplingConfig
 from services.runtime.settings import ModelConfig
 from services.serving.config import ServingConfig
@@ -46,7 +47,7 @@ class Setup:
         self.runner = ReferenceRunner(folder)
         self.thinker, self.talker, self.config = load_engine_stages(folder)
         self.builder = PromptBuilder(folder, self.config)
-        self.voices = load_voices(folder)
+        self.voices = voice_bos_tokens(folder)
         files = media()
         self.messages = {c.request_id: case_messages(c, files) for c in CASES}
         self.expected = {c.request_id: self.reference(c) for c in CASES}

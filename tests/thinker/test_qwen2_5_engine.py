@@ -14,9 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.runtime.checkpoint import voice_bos_tokens
 from services.runtime.finish import FinishReason
 from services.runtime.prompt import PromptBuilder
-from services.runtime.qwen2_5_omni import load_voices, resolve_voice
+from services.runtime.qwen2_5_omni import resolve_voice
 from services.runtime.sampling import SamplingConfig
 from services.thinker.engine import Finished, ThinkerEngineConfig, Token
 from services.thinker.qwen2_5 import Qwen2_5Prefilled, Qwen2_5ThinkerEngine, Qwen2_5ThinkerJob
@@ -40,7 +41,7 @@ class Setup:
         runner = ReferenceRunner(folder)
         self.thinker, _, self.config = load_engine_stages(folder)
         self.builder = PromptBuilder(folder, self.config)
-        self.voices = load_voices(folder)
+        self.voices = voice_bos_tokens(folder)
         files = media()
         self.messages = {c.request_id: case_messages(c, files) for c in CASES}
         self.prompts = {rid: self.builder.build(m) for rid, m in self.messages.items()}
