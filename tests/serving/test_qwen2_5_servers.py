@@ -1,7 +1,8 @@
 """The thinker and talker servers on a Qwen2.5-Omni checkpoint, built by their own `create_server`
 factories on port 0 and called over real gRPC: they load their stage (`load_for_serving`) and pick
-the family's engines by the checkpoint's model_type, and concurrent requests' text ids and codec
-frames equal transformers' generate (ReferenceRunner, tests/qwen2_5_oracle.py).
+the family's adapter (its engine and stage-message conversions) by the checkpoint's model_type,
+and concurrent requests' text ids and codec frames equal transformers' generate (ReferenceRunner,
+tests/qwen2_5_oracle.py).
 
 One stand-in: code2wav is a stub that takes the frames and reports 0 samples (Qwen2.5-Omni's
 Token2Wav stage is not on this branch).
@@ -69,6 +70,14 @@ async def stub_code2wav():
 # One torch thread (see tests/thinker/test_qwen2_5_engine.py): the oracle's generate on two
 # contended threads took 90 s here, on one about a second. The servers keep it (ModelConfig.threads 0).
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_each_server_has_an_adapter_for_every_family():
+    from services.runtime.families import Family
+
+    assert set(thinker_server.ADAPTERS) == set(talker_server.ADAPTERS) == set(Family)
+    assert thinker_server.ADAPTERS[Family.QWEN2_5_OMNI].engine is Qwen2_5ThinkerEngine
+    assert talker_server.ADAPTERS[Family.QWEN2_5_OMNI].engine is Qwen2_5TalkerEngine
 
 
 def test_concurrent_requests_over_grpc_equal_generate(tiny_qwen2_5_checkpoint):

@@ -25,12 +25,13 @@ from services.runtime.qwen2_5_omni import TALKER_EOS_IDS, resolve_voice
 from services.runtime.sampling import SamplingConfig
 from services.runtime.settings import ModelConfig
 from services.serving.config import ServingConfig
+from services.talker.config import TalkerConfig
 from services.talker.engine import Frame, TalkerDone, TalkerEngineConfig, TextEnd
 from services.talker.qwen2_5 import Qwen2_5TalkerEngine, Qwen2_5TalkerJob, ReplyPart
-from services.talker.server import TalkerConfig, qwen2_5_input_from_proto, qwen2_5_job_from_proto
+from services.talker.qwen2_5_adapter import qwen2_5_input_from_proto, qwen2_5_job_from_proto
 from services.thinker.engine import Finished, ThinkerEngineConfig, Token
 from services.thinker.qwen2_5 import Qwen2_5Prefilled, Qwen2_5ThinkerEngine, Qwen2_5ThinkerJob
-from services.thinker.server import qwen2_5_talker_start, qwen2_5_text_tokens
+from services.thinker.qwen2_5_adapter import qwen2_5_talker_start, qwen2_5_text_tokens
 from services.tools.reference import ReferenceRunner
 from tests.qwen2_5_oracle import BY_ID, CASES, case_messages, generate_reference, load_engine_stages, media
 
@@ -228,7 +229,7 @@ def alone(tiny) -> dict:
 
 def test_sixteen_concurrent_requests_through_the_wire_messages_equal_generate(tiny):
     # The stage-to-stage contract: TalkerStart fields 13-14 and TextToken.reply, serialized and
-    # parsed back, converted by the servers' functions, give the engines exactly generate's codes.
+    # parsed back, converted by the adapters' functions, give the engines exactly generate's codes.
     pipe = Pipeline(tiny, wire=True).run(CASES)
     assert_equals_reference(pipe, [c.request_id for c in CASES])
     assert_clean(pipe)
