@@ -71,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="omni-bench",
         description="Benchmark the streaming pipeline against the transformers reference (TTFT, TTFP, RTF, "
                     "throughput, first-chunk floor, playback continuity).")
-    p.add_argument("--checkpoint", help="Qwen3-Omni checkpoint folder (required with --preset tiny; with --preset "
-                                        "wide: default models/wide-qwen3-omni, generated when missing)")
+    p.add_argument("--checkpoint", help="checkpoint folder of either family, Qwen3-Omni or Qwen2.5-Omni (required "
+                                        "with --preset tiny; with --preset wide: default models/wide-qwen3-omni, "
+                                        "generated when missing)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
                    help="tiny: per-step overhead dominates (make bench); wide: a generated ~58 M-parameter "
                         "checkpoint where compute dominates, with fewer tokens per request (default %(default)s)")

@@ -1,13 +1,18 @@
 """The compute floor of the first audio chunk, timed in-process on the same modules.
 
 What must be computed before a client can hear anything, one step after the other with no
-service, queue or network between them, driven through the services' own engines:
+service, queue or network between them, driven through the services' own engines of the
+checkpoint's family (services/tools/inprocess.py, `handoff_for`):
 
-1. thinker: prefill + the first token (`ThinkerEngine` prefill step);
-2. thinker: the further tokens the first chunk needs (frame f > 0 consumes text row f, so a
-   first chunk of 4 frames needs 4 tokens unless the text ends first);
-3. talker: text projections, prefill + frame 0, then decode steps to `first_chunk_frames` frames;
-4. code2wav: one `StreamingDecoder.push` of those frames.
+1. thinker: prefill + the first token (the engine's prefill step);
+2. thinker: the further tokens the first chunk needs. Qwen3-Omni: frame f > 0 consumes text row
+   f, so a first chunk of 4 frames needs 4 tokens unless the text ends first. Qwen2.5-Omni: the
+   talker starts on reply part 0, which comes with token 1, and frame f needs reply part f, so 4
+   frames need 5 tokens;
+3. talker: prefill + frame 0, then decode steps to `first_chunk_frames` frames;
+4. code2wav: one `push` of those frames into a fresh decoder of the family's (`CODE2WAV_DECODERS`;
+   Qwen3-Omni: `StreamingDecoder`). Qwen2.5-Omni has none yet: its streaming Token2Wav engine is not
+   on this branch, and `FloorMeter` says so rather than time something else.
 
 TTFP / floor is then the cost of serving: processes, gRPC hops, queueing and scheduling. The
 floor excludes prompt building (tokenizer, audio features, image patches), reported apart as
@@ -18,23 +23,20 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from bench.prompts import BenchPrompt
 from services.code2wav.streaming import StreamingDecoder, measure_geometry
-from services.runtime.prompt import PromptBuilder, resolve_voice
+from services.runtime.errors import UserError
+from services.runtime.families import Family
+from services.runtime.prompt import PromptBuilder
 from services.runtime.sampling import SamplingConfig
-from services.talker.engine import (
-    Frame,
-    TalkerDone,
-    TalkerEngine,
-    TextEnd,
-    TextRow,
-)
-from services.thinker.engine import Prefilled, ThinkerEngine, ThinkerJob, Token
-from services.tools.inprocess import talker_job
+from services.talker.engine import Frame, TalkerDone
+from services.thinker.engine import Token
+from services.tools.inprocess import handoff_for
 from services.tools.reference import ReferenceRunner
 
 TALKER_REPETITION_PENALTY = 1.05  # the talker service's default, as in generate
@@ -74,38 +76,67 @@ class FloorSummary:
     samples: list[FloorSample]
 
 
-class FloorMeter:
+@dataclass(frozen=True)
+class FirstChunk:
+    """What the thinker and talker did before the first chunk, and the chunk."""
+
+    prompt_ms: float
+    thinker_prefill_ms: float
+    thinker_decode_ms: float
+    talker_prefill_ms: float
+    talker_decode_ms: float
+    thinker_tokens: int
+    chunk: torch.Tensor | None  # [frames, num_code_groups]; None when the talker made no frame
+
+
+def qwen3_decoders(model, left_context: int) -> Callable[[], StreamingDecoder]:
+    """Qwen3-Omni's code2wav: a fresh `StreamingDecoder` per request, whose first `push` is what
+    the code2wav service does with a request's first chunk."""
+    geometry = measure_geometry(model.code2wav)
+    return lambda: StreamingDecoder(model.code2wav, geometry, left_context)
+
+
+def qwen2_5_decoders(model, left_context: int):
+    raise UserError("omni-bench: the Qwen2.5-Omni code2wav stage (streaming Token2Wav) is not on this branch yet, "
+                    "so its first-chunk floor cannot be timed (its thinker and talker part can: bench.floor.LMFloor)")
+
+
+# family -> (the full model, left context frames) -> a factory of per-request decoders, each with
+# `push(frames [n, num_code_groups])`, the call the floor times.
+CODE2WAV_DECODERS = {Family.QWEN3_OMNI: qwen3_decoders, Family.QWEN2_5_OMNI: qwen2_5_decoders}
+
+
+class LMFloor:
+    """Steps 1-3 of the floor: the family's thinker and talker engines, in-process, to the first chunk."""
+
     def __init__(self, runner: ReferenceRunner, device: str, voice: str | None, max_new_tokens: int,
-                 talker_max_new_tokens: int, first_chunk_frames: int = 4, left_context: int = 25):
+                 talker_max_new_tokens: int, first_chunk_frames: int = 4):
         model, config = runner.model, runner.config
         self.prompts = PromptBuilder(runner.folder, config)
         self.device = device
-        self.thinker = ThinkerEngine(model.thinker, config, device=device)
-        self.talker = TalkerEngine(model.talker, config, device=device)
-        self.vocoder = model.code2wav
-        self.geometry = measure_geometry(model.code2wav)
-        self.left_context = left_context
-        _, self.speaker_id = resolve_voice(config, voice)
+        self.handoff = handoff_for(runner.family, runner.folder, config, voice)
+        self.thinker = self.handoff.thinker_engine(model.thinker, config, device=device)
+        self.talker = self.handoff.talker_engine(model.talker, config, device=device)
         self.max_new_tokens = max_new_tokens
         self.talker_max_new_tokens = talker_max_new_tokens
         self.first_chunk_frames = first_chunk_frames
 
-    def _clock(self) -> float:
+    def clock(self) -> float:
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    def measure(self, prompt: BenchPrompt, prompt_index: int = 0) -> FloorSample:
+    def measure(self, prompt: BenchPrompt, prompt_index: int = 0) -> FirstChunk:
         rid = f"floor-{prompt_index}"
-        t = self._clock()
+        t = self.clock()
         inputs = self.prompts.build(prompt.messages())
-        prompt_ms = (self._clock() - t) * 1000
+        prompt_ms = (self.clock() - t) * 1000
         spent = {"thinker_prefill": 0.0, "thinker_decode": 0.0, "talker_prefill": 0.0, "talker_decode": 0.0}
 
         def timed(bucket: str, fn, *args):
-            start = self._clock()
+            start = self.clock()
             result = fn(*args)
-            spent[bucket] += (self._clock() - start) * 1000
+            spent[bucket] += (self.clock() - start) * 1000
             return result
 
         tokens: list[Token] = []
@@ -113,12 +144,12 @@ class FloorMeter:
         talker_done = False
 
         def feed(events, talker_bucket: str) -> None:
-            # As the thinker service does: a text row per token except the last, then the end mark.
+            # As the thinker service does: what each token brings the talker (the family's handoff).
             for _, event in events:
                 if isinstance(event, Token):
                     tokens.append(event)
-                    payload = TextEnd() if event.last else TextRow(event.embedding)
-                    timed(talker_bucket, self.talker.add_input, rid, payload)
+                    for payload in self.handoff.talker_inputs(event):
+                        timed(talker_bucket, self.talker.add_input, rid, payload)
 
         def take(events) -> None:
             nonlocal talker_done
@@ -129,35 +160,53 @@ class FloorMeter:
                     talker_done = True
 
         try:
-            self.thinker.add(rid, ThinkerJob(inputs, SamplingConfig(max_new_tokens=self.max_new_tokens), True))
+            self.thinker.add(rid, self.handoff.thinker_job(inputs, SamplingConfig(max_new_tokens=self.max_new_tokens)))
             events = timed("thinker_prefill", self.thinker.step)
-            prefilled = next(e for _, e in events if isinstance(e, Prefilled))
-            self.talker.add(rid, talker_job(prefilled, inputs, self.speaker_id,
-                                            SamplingConfig(max_new_tokens=self.talker_max_new_tokens,
-                                                           repetition_penalty=TALKER_REPETITION_PENALTY)))
+            prefilled = next(e for _, e in events if isinstance(e, self.handoff.prefilled))
+            self.talker.add(rid, self.handoff.talker_job(prefilled, inputs, SamplingConfig(
+                max_new_tokens=self.talker_max_new_tokens, repetition_penalty=TALKER_REPETITION_PENALTY)))
             feed(events, "talker_prefill")
             while len(frames) < self.first_chunk_frames and not talker_done:
                 if self.talker.has_work():
                     take(timed("talker_prefill" if not frames else "talker_decode", self.talker.step))
                 elif self.thinker.has_work():
-                    feed(timed("thinker_decode", self.thinker.step), "talker_decode")
+                    # Before frame 0 (Qwen2.5-Omni: reply part 0 comes with token 1) the input is the prefill's.
+                    feed(timed("thinker_decode", self.thinker.step), "talker_prefill" if not frames else "talker_decode")
                 else:
                     break
-            chunk = torch.stack(frames[:self.first_chunk_frames]) if frames else None  # [n, num_code_groups]
-            code2wav_ms = 0.0
-            if chunk is not None:
-                decoder = StreamingDecoder(self.vocoder, self.geometry, self.left_context)
-                start = self._clock()
-                decoder.push(chunk)
-                code2wav_ms = (self._clock() - start) * 1000
         finally:
             self.thinker.abort(rid)
             self.talker.abort(rid)
-        return FloorSample(
-            prompt_index=prompt_index, prompt_ms=prompt_ms,
-            thinker_prefill_ms=spent["thinker_prefill"], thinker_decode_ms=spent["thinker_decode"],
+        return FirstChunk(
+            prompt_ms=prompt_ms, thinker_prefill_ms=spent["thinker_prefill"], thinker_decode_ms=spent["thinker_decode"],
             talker_prefill_ms=spent["talker_prefill"], talker_decode_ms=spent["talker_decode"],
-            code2wav_ms=code2wav_ms, thinker_tokens=len(tokens), frames=min(len(frames), self.first_chunk_frames),
+            thinker_tokens=len(tokens),
+            chunk=torch.stack(frames[:self.first_chunk_frames]) if frames else None,
+        )
+
+
+class FloorMeter:
+    """The whole floor: `LMFloor`, then the family's code2wav on the first chunk."""
+
+    def __init__(self, runner: ReferenceRunner, device: str, voice: str | None, max_new_tokens: int,
+                 talker_max_new_tokens: int, first_chunk_frames: int = 4, left_context: int = 25):
+        self.new_decoder = CODE2WAV_DECODERS[runner.family](runner.model, left_context)  # first: it may refuse
+        self.lms = LMFloor(runner, device, voice, max_new_tokens, talker_max_new_tokens, first_chunk_frames)
+
+    def measure(self, prompt: BenchPrompt, prompt_index: int = 0) -> FloorSample:
+        first = self.lms.measure(prompt, prompt_index)
+        code2wav_ms = 0.0
+        if first.chunk is not None:
+            decoder = self.new_decoder()
+            start = self.lms.clock()
+            decoder.push(first.chunk)
+            code2wav_ms = (self.lms.clock() - start) * 1000
+        return FloorSample(
+            prompt_index=prompt_index, prompt_ms=first.prompt_ms,
+            thinker_prefill_ms=first.thinker_prefill_ms, thinker_decode_ms=first.thinker_decode_ms,
+            talker_prefill_ms=first.talker_prefill_ms, talker_decode_ms=first.talker_decode_ms,
+            code2wav_ms=code2wav_ms, thinker_tokens=first.thinker_tokens,
+            frames=0 if first.chunk is None else first.chunk.shape[0],
         )
 
 

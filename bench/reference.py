@@ -1,12 +1,14 @@
-"""The transformers reference for the benchmark: `Qwen3OmniMoeForConditionalGeneration.generate`,
-greedy, one request per call or a batch of them.
+"""The transformers reference for the benchmark: the checkpoint family's `generate`
+(`Qwen3OmniMoeForConditionalGeneration` or `Qwen2_5OmniForConditionalGeneration`), greedy, one
+request per call or a batch of them.
 
-The model is the one `services.tools.reference.ReferenceRunner` loads (with the pipeline's prompt
-builder, whose inputs equal the runner's processor inputs, and the same greedy settings: thinker
-and talker `do_sample=False`, generate's talker repetition penalty 1.05, which the talker service
-uses too). The benchmark calls `generate` itself rather than
-`ReferenceRunner.generate` because it needs a batch (left-padded, which `generate` supports for
-text, audio and image prompts in transformers 5.19) and inputs moved to the model's device.
+The model is the one `services.tools.reference.ReferenceRunner` loads, called through its
+`generate_greedy` (thinker and talker `do_sample=False`, generate's talker repetition penalty 1.05,
+which the talker service uses too), with the pipeline's prompt builder (whose inputs equal the
+runner's processor inputs). The benchmark does not call `ReferenceRunner.generate` because it needs
+a batch (left-padded, which `generate` supports for text, audio and image prompts in transformers
+5.19) and nothing captured. Voices resolve as the runner's (`ReferenceRunner.speaker`: the family's
+default when none is given).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.prompts import BenchPrompt
-from services.runtime.prompt import PromptBuilder, PromptInputs, resolve_voice
+from services.runtime.prompt import PromptBuilder, PromptInputs
 from services.tools.reference import ReferenceRunner
 
 
@@ -65,7 +67,7 @@ class Reference:
                  talker_max_new_tokens: int):
         self.runner = runner
         self.device = device
-        self.speaker, _ = resolve_voice(runner.config, voice)
+        self.speaker = runner.speaker(voice)
         self.max_new_tokens = max_new_tokens
         self.talker_max_new_tokens = talker_max_new_tokens
         # The pipeline's prompt builder: the benchmark times the path a served request takes (the
@@ -77,19 +79,12 @@ class Reference:
     def generate(self, prompts: list[BenchPrompt]) -> list[Generated]:
         """One generate call over all `prompts` (a batch when more than one), prompt building included."""
         inputs = [self.prompts.build(p.messages()) for p in prompts]
-        batch = {k: v.to(self.device) for k, v in collate(inputs, self.pad_id).items()}
-        with torch.inference_mode():
-            sequences, wav = self.runner.model.generate(
-                **batch, speaker=self.speaker, return_audio=True,
-                thinker_max_new_tokens=self.max_new_tokens, thinker_eos_token_id=self.runner.eos_id,
-                thinker_do_sample=False, talker_max_new_tokens=self.talker_max_new_tokens, talker_do_sample=False,
-            )
-        # One request: wav [1, 1, samples]; a batch: a list of [samples_i], each cut at its own end.
-        wavs = [wav.reshape(-1)] if len(prompts) == 1 else list(wav)
+        batch = self.runner.model_inputs(collate(inputs, self.pad_id))
+        sequences, wavs = self.runner.generate_greedy(batch, self.speaker, self.max_new_tokens,
+                                                      self.talker_max_new_tokens)
         generated = sequences[:, batch["input_ids"].shape[1]:].cpu()  # [B, new]
         out = []
         for row, samples in zip(generated.tolist(), wavs):
             end = row.index(self.runner.eos_id) + 1 if self.runner.eos_id in row else len(row)
             out.append(Generated(text_tokens=end, audio_seconds=int(samples.shape[-1]) / self.runner.sample_rate))
         return out
-

@@ -117,7 +117,7 @@ class GatewaySystem:
 
         parsed = urllib.parse.urlsplit(url)
         self.host, self.port = parsed.hostname, parsed.port or 80
-        self.voice = voice or "ethan"
+        self.voice = voice  # None: the gateway's default voice (the checkpoint family's)
         self.max_new_tokens = max_new_tokens
         self.timeout_s = timeout_s
         self.local = threading.local()  # one keep-alive connection per client thread
@@ -138,7 +138,8 @@ class GatewaySystem:
         messages = ([{"role": "system", "content": prompt.system}] if prompt.system else []) + [
             {"role": "user", "content": content}]
         return json.dumps({"model": "omni", "messages": messages, "max_tokens": self.max_new_tokens,
-                           "modalities": ["text", "audio"], "audio": {"voice": self.voice, "format": "pcm16"},
+                           "modalities": ["text", "audio"],
+                           "audio": {**({"voice": self.voice} if self.voice else {}), "format": "pcm16"},
                            "stream": True, "stream_options": {"include_usage": True}}).encode()
 
     def _connection(self, fresh: bool = False):

@@ -112,5 +112,5 @@ class SpeechRequest(_Open):
 
 
 SPEECH_REFUSED = {
-    "instructions": "voice instructions are not supported: Qwen3-Omni's talker does not read the system turn",
+    "instructions": "voice instructions are not supported: the talker takes no instructions",
 }

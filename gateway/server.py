@@ -51,6 +51,7 @@ from gateway.schemas import (
 )
 from omni.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 from services.runtime.errors import UserError, run_cli
+from services.runtime.families import DEFAULT_VOICES, Family
 from services.runtime.settings import env_default
 from services.serving.grpc_server import channel_options
 from services.serving.security import (
@@ -78,16 +79,19 @@ class GatewayConfig:
     max_body_bytes: int = 96 << 20  # HTTP request bodies (base64 makes a 64 MB message about 86 MB)
     end_token_id: int = 151645  # <|im_end|>: its text is not part of an OpenAI reply
     end_token_text: str = "<|im_end|>"
+    family: Family = Family.QWEN3_OMNI  # the checkpoint's (its config.json model_type), for the default voice
 
     @property
     def default_voice(self) -> str | None:
+        """The voice a request without one gets, as the thinker picks it (families.DEFAULT_VOICES)."""
         if not self.voices:
             return None
-        return "ethan" if "ethan" in self.voices else self.voices[0]
+        default = DEFAULT_VOICES[self.family].lower()
+        return default if default in self.voices else self.voices[0]
 
 
 def read_checkpoint_config(folder: str | Path) -> dict:
-    """A Qwen3-Omni checkpoint's config.json, read as JSON (no transformers, no weights)."""
+    """A checkpoint's config.json (either family), read as JSON (no transformers, no weights)."""
     path = Path(folder) / "config.json"
     try:
         return json.loads(path.read_text())
@@ -95,9 +99,30 @@ def read_checkpoint_config(folder: str | Path) -> dict:
         raise UserError(f"--checkpoint {folder}: cannot read config.json: {exc}") from None
 
 
+def family_from_config(config: dict) -> Family:
+    """The family its model_type names; Qwen3-Omni when there is none (no --checkpoint)."""
+    try:
+        return Family(config.get("model_type", Family.QWEN3_OMNI.value))
+    except ValueError:
+        raise UserError(f"--checkpoint: model_type {config.get('model_type')!r} is no omni family") from None
+
+
 def voices_from_config(config: dict) -> tuple[str, ...]:
-    """The speakers (talker_config.speaker_id), as services/runtime/prompt.py speaker_names reads them."""
+    """Qwen3-Omni: the speakers (talker_config.speaker_id), as services/runtime/prompt.py speaker_names
+    reads them. Qwen2.5-Omni keeps its voices in spk_dict.pt, a torch file this process cannot read:
+    none here (`omni-serve up` passes them as --voices; without them the thinker checks)."""
+    if family_from_config(config) is not Family.QWEN3_OMNI:
+        return ()
     return tuple(str(name).lower() for name in (config.get("talker_config") or {}).get("speaker_id", {}))
+
+
+def end_token_from_config(config: dict) -> int:
+    """The thinker's <|im_end|> id: Qwen3-Omni's im_end_token_id, Qwen2.5-Omni's thinker eos_token_id."""
+    if family_from_config(config) is Family.QWEN2_5_OMNI:
+        value = (config.get("thinker_config") or {}).get("eos_token_id")
+    else:
+        value = config.get("im_end_token_id")
+    return GatewayConfig.end_token_id if value is None else int(value)
 
 
 @dataclass
@@ -565,7 +590,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=env_default("http_port", 8000),
                         help="HTTP port (default 8000; 0 = any free port, see --port-file)")
     parser.add_argument("--checkpoint", default=env_default("checkpoint", None),
-                        help="read the model name and voices from this checkpoint's config.json (JSON only)")
+                        help="read the model name, family and voices from this checkpoint's config.json (JSON "
+                             "only: a Qwen2.5-Omni checkpoint's voices come with --voices)")
     parser.add_argument("--model-name", default=env_default("model_name", None),
                         help="the model id /v1/models lists (default: the checkpoint folder's name, or qwen3-omni)")
     parser.add_argument("--voices", default=env_default("voices", None),
@@ -596,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
                                timeout_s=args.timeout_s, tls=tls_from_args(args),
                                max_message_bytes=args.max_message_mb << 20,
                                max_body_bytes=args.max_body_mb << 20,
-                               end_token_id=int(checkpoint.get("im_end_token_id", GatewayConfig.end_token_id)))
+                               end_token_id=end_token_from_config(checkpoint), family=family_from_config(checkpoint))
         logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(message)s")
         try:
             sock = listen_socket(config.host, config.port)

@@ -53,20 +53,28 @@ def tiny_qwen2_5_checkpoint(tmp_path_factory) -> Path:
     return build(tmp_path_factory.mktemp("ckpt25") / "tiny25", seed=0)
 
 
+# The other Qwen2.5-Omni configuration the exactness tests run on (merged over the tiny one):
+# deeper, wider, more heads, grouped-query attention in the talker; head_dim stays 16, which the
+# tiny mrope_section [2, 3, 3] fills.
+QWEN2_5_WIDE_LAYOUT = dict(
+    thinker_config=dict(
+        text_config=dict(hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=3,
+                         num_key_value_heads=1),
+        audio_config=dict(output_dim=48),
+        vision_config=dict(out_hidden_size=48),
+    ),
+    talker_config=dict(embedding_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+)
+
+
 @pytest.fixture(scope="session")
-def qwen2_5_checkpoint(tmp_path_factory) -> Path:
-    """A tiny Qwen2.5-Omni checkpoint folder (seed 0, tests/qwen2_5_tiny.py), built once per session."""
-    from tests.qwen2_5_tiny import build
+def tiny_qwen2_5_checkpoint_wide(tmp_path_factory) -> Path:
+    """`omni-tiny-checkpoint --family qwen2_5_omni --seed 1 --layout` of QWEN2_5_WIDE_LAYOUT, built
+    once per test session; read-only."""
+    from services.tools.tiny_qwen2_5_omni import build
 
-    return build(tmp_path_factory.mktemp("q25") / "tiny", seed=0)
-
-
-@pytest.fixture(scope="session")
-def qwen2_5_checkpoint_wide(tmp_path_factory) -> Path:
-    """The same at other sizes (tests/qwen2_5_tiny.py, WIDE: 3 layers, wider, more heads), seed 1."""
-    from tests.qwen2_5_tiny import WIDE, build
-
-    return build(tmp_path_factory.mktemp("q25") / "wide", seed=1, layout=WIDE)
+    return build(tmp_path_factory.mktemp("ckpt25") / "wide25", seed=1, layout=QWEN2_5_WIDE_LAYOUT)
 
 
 @pytest.fixture(scope="session")

@@ -1,26 +1,29 @@
-"""The oracle for the Qwen2.5-Omni engines: transformers' own `Qwen2_5OmniForConditionalGeneration
-.generate` (greedy thinker and talker) on inputs from transformers' own `Qwen2_5OmniProcessor`.
+"""The Qwen2.5-Omni engine tests' oracle: `ReferenceRunner` (services/tools/reference.py), i.e.
+transformers' own `Qwen2_5OmniForConditionalGeneration.generate`, greedy, on inputs from
+transformers' own `Qwen2_5OmniProcessor`, plus what the engine tests check beyond its result.
 
-It shares no input code with the pipeline (services/runtime/prompt.py): the processor renders the
-chat template and expands the placeholders itself. Its video processor needs torchvision, which
-does not import beside the CPU torch wheel, so it gets the same never-called stand-in as the
-Qwen3-Omni oracle (services/tools/reference.py, `NoVideo`).
+`generate_reference` records what generate hands its talker (`inputs_embeds` and
+`thinker_reply_part` of `talker.generate`) and the talker's own codes, so the thinker engine's
+payload can be checked against them bit for bit. Two changes to the runner's call, both inside
+generate's talker and vocoder, never its thinker: `talker_eos_ids` replaces the talker's end ids
+(generate cuts its codes at its own defaults, which the tiny checkpoint never emits; the tests cut
+the recorded codes themselves, at the first of the ids they passed), and Token2Wav's forward
+returns no audio (these tests compare ids; it costs about a second a call on the tiny checkpoint).
 
-Besides the text ids and codec ids, `generate_reference` records what generate hands its talker
-(`inputs_embeds` and `thinker_reply_part` of `talker.generate`), so the thinker engine's payload
-can be checked against them bit for bit. The one change to generate: the image pixels it passes
-on to the talker are dropped there (a transformers bug: with them the talker's generate raises).
+Also here: the requests the tests run (`CASES`), their media, and the engines' stages loaded as the
+servers load them (`load_stage`), beside the runner's own copy of the model.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from services.runtime.checkpoint import Stage, load_stage
 from services.runtime.prompt import ChatMessage
-from services.tools.reference import NoVideo, oracle_conversation
+from services.runtime.qwen2_5_omni import TALKER_EOS_IDS
+from services.tools.reference import ReferenceRunner
 
 
 @dataclass(frozen=True)
@@ -32,63 +35,30 @@ class Reference:
     prompt_tokens: int
 
 
-def oracle_processor(folder: str | Path):
-    from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer, Qwen2_5OmniProcessor
-
-    class ProcessorWithoutVideo(Qwen2_5OmniProcessor):
-        def check_argument_for_proper_class(self, argument_name, argument):
-            if argument_name == "video_processor":
-                return type(argument)
-            return super().check_argument_for_proper_class(argument_name, argument)
-
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    image_processor = AutoImageProcessor.from_pretrained(str(folder))
-    processor_dict, _ = Qwen2_5OmniProcessor.get_processor_dict(str(folder))
-    return ProcessorWithoutVideo(
-        image_processor=image_processor, video_processor=NoVideo(image_processor.merge_size),
-        feature_extractor=AutoFeatureExtractor.from_pretrained(str(folder)), tokenizer=tokenizer,
-        chat_template=processor_dict.get("chat_template") or tokenizer.chat_template,
-    )
-
-
-def oracle_inputs(processor, messages: list[ChatMessage]) -> dict:
-    out = processor.apply_chat_template(oracle_conversation(messages), add_generation_prompt=True, tokenize=True,
-                                        return_dict=True, return_tensors="pt")
-    return dict(out)
-
-
-def generate_reference(model, processor, messages: list[ChatMessage], voice: str, max_new_tokens: int,
-                       talker_max_new_tokens: int, talker_eos_ids, repetition_penalty: float = 1.05) -> Reference:
-    inputs = oracle_inputs(processor, messages)
+def generate_reference(runner: ReferenceRunner, messages: list[ChatMessage], voice: str, max_new_tokens: int,
+                       talker_max_new_tokens: int, talker_eos_ids=TALKER_EOS_IDS) -> Reference:
     captured = {}
+    model = runner.model
     talker_generate = model.talker.generate
 
     def capture(*args, **kwargs):
-        # transformers quirk: generate hands the talker the image pixels too, which its generate
-        # refuses (not a forward argument); the talker never reads them (docs/qwen2_5-omni-stages.md).
-        kwargs.pop("pixel_values", None)
-        kwargs.pop("pixel_values_videos", None)
-        captured["inputs_embeds"] = kwargs["inputs_embeds"].clone()  # before the forward touches it
-        captured["thinker_reply_part"] = kwargs["thinker_reply_part"].clone()
+        captured["inputs_embeds"] = kwargs["inputs_embeds"][0].clone()  # before the forward touches it
+        captured["thinker_reply_part"] = kwargs["thinker_reply_part"][0].clone()
+        kwargs["eos_token_id"] = list(talker_eos_ids)
         captured["codes"] = talker_generate(*args, **kwargs)
         return captured["codes"]
 
     model.talker.generate = capture
+    model.token2wav.forward = lambda codes, **kwargs: torch.zeros(0)  # no audio: see the module docstring
     try:
-        with torch.inference_mode():
-            sequences, _ = model.generate(
-                **inputs, speaker=voice, thinker_max_new_tokens=max_new_tokens, thinker_do_sample=False,
-                talker_max_new_tokens=talker_max_new_tokens, talker_do_sample=False,
-                talker_eos_token_id=list(talker_eos_ids), talker_repetition_penalty=repetition_penalty,
-            )
+        result = runner.generate(messages, voice, max_new_tokens, talker_max_new_tokens)
     finally:
         del model.talker.generate
-    prompt_tokens = int(inputs["input_ids"].shape[1])
+        del model.token2wav.forward
     return Reference(
-        token_ids=sequences[0, prompt_tokens:].tolist(),
-        codes=captured["codes"][0, prompt_tokens + 2:].tolist(),
-        talker_inputs_embeds=captured["inputs_embeds"][0], thinker_reply_part=captured["thinker_reply_part"][0],
-        prompt_tokens=prompt_tokens,
+        token_ids=result.thinker_token_ids, codes=captured["codes"][0, result.prompt_tokens + 2:].tolist(),
+        talker_inputs_embeds=captured["inputs_embeds"], thinker_reply_part=captured["thinker_reply_part"],
+        prompt_tokens=result.prompt_tokens,
     )
 
 
@@ -168,15 +138,8 @@ def case_messages(case: Case, files: dict[str, tuple[str, bytes]]) -> list[ChatM
     return system + [ChatMessage(Role.USER, tuple(parts))]
 
 
-def load_models(folder):
-    """(reference model, engine model): two copies of the checkpoint. The engines switch their
-    modules' configs to the row-wise attention, so the oracle runs on a copy of its own."""
-    import transformers
-    from transformers import Qwen2_5OmniForConditionalGeneration
-
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    try:
-        return tuple(Qwen2_5OmniForConditionalGeneration.from_pretrained(str(folder)).eval() for _ in range(2))
-    finally:
-        transformers.logging.set_verbosity(verbosity)
+def load_engine_stages(folder) -> tuple:
+    """(thinker, talker) modules as the servers load them, and the full config. The engines switch
+    their modules' configs to the row-wise attention, so they never share the runner's copy."""
+    thinker, talker = load_stage(folder, Stage.THINKER), load_stage(folder, Stage.TALKER)
+    return thinker.model, talker.model, thinker.config

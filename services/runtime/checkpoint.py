@@ -194,6 +194,11 @@ def load_voices(folder: str | Path) -> dict[str, Voice]:
     return voices
 
 
+def voice_bos_tokens(folder: str | Path) -> dict[str, int]:
+    """voice name -> its bos_token (a thinker token id): what the thinker stage needs of `load_voices`."""
+    return {name: voice.bos_token for name, voice in load_voices(folder).items()}
+
+
 def load_for_serving(config: ModelConfig, stage: Stage) -> LoadedStage:
     """A stage's module as a service loads it: torch threads set, transformers' logging quiet."""
     if config.threads > 0:

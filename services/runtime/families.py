@@ -22,6 +22,12 @@ class Family(enum.Enum):
     QWEN2_5_OMNI = "qwen2_5_omni"
 
 
+# The voice a request without one gets, as its checkpoint spells it (a checkpoint without it: its
+# first voice). Qwen3-Omni: the project's choice among the config's speakers; Qwen2.5-Omni:
+# generate's own `speaker` default among spk_dict.pt's voices. Names match case-insensitively.
+DEFAULT_VOICES = {Family.QWEN3_OMNI: "ethan", Family.QWEN2_5_OMNI: "Chelsie"}
+
+
 def family_of(folder: str | Path) -> Family:
     """The family of the checkpoint in `folder`, from its config.json `model_type`."""
     path = Path(folder) / "config.json"

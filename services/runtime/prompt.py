@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from services.runtime.errors import InvalidArgument
-from services.runtime.families import Family
+from services.runtime.families import DEFAULT_VOICES, Family
 from services.runtime.input_limits import (
     AudioHeader,
     check_image_size,
@@ -388,7 +388,8 @@ def speaker_names(config) -> list[str]:
 
 def default_voice(config) -> str:
     names = speaker_names(config)
-    return "ethan" if "ethan" in names else names[0]
+    default = DEFAULT_VOICES[Family.QWEN3_OMNI]
+    return default if default in names else names[0]
 
 
 def resolve_voice(config, voice: str | None, field_name: str = "voice") -> tuple[str, int]:

@@ -1,20 +1,19 @@
 """Facts of the Qwen2.5-Omni model that more than one stage relies on (docs/qwen2_5-omni-stages.md).
 
 Checked against `Qwen2_5OmniForConditionalGeneration.generate` (transformers 5.19,
-`models/qwen2_5_omni/modeling_qwen2_5_omni.py`). Plain functions of ids, configs and the
-checkpoint folder: no torch modules, no gRPC.
+`models/qwen2_5_omni/modeling_qwen2_5_omni.py`). Plain functions of ids and configs: no torch
+modules, no gRPC (the voices are read by checkpoint.load_voices).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from services.runtime.errors import InvalidArgument, UserError
+from services.runtime.errors import InvalidArgument
+from services.runtime.families import DEFAULT_VOICES, Family
 
 # generate's `talker_eos_token_id` default: codec pad and codec end of the real vocabulary (8448).
 TALKER_EOS_IDS = (8292, 8294)
 # generate's `speaker` default.
-DEFAULT_VOICE = "Chelsie"
+DEFAULT_VOICE = DEFAULT_VOICES[Family.QWEN2_5_OMNI]
 # The talker prompt: every thinker prompt position, then the voice's bos token, then the first
 # generated token's reply part (docs/qwen2_5-omni-stages.md, "The talker prefill").
 TALKER_EXTRA_PREFILL = 2
@@ -33,23 +32,9 @@ def text_embed_ids(config, voice_bos_token: int) -> list[int]:
     return [int(voice_bos_token), int(tc.tts_text_end_token_id), int(tc.tts_text_pad_token_id)]
 
 
-def load_voices(folder: str | Path) -> dict[str, int]:
-    """voice name -> its bos_token (a thinker token id), from the checkpoint's spk_dict.pt
-    (voice -> {bos_token, cond, ref_mel}; `cond` and `ref_mel` are Token2Wav's)."""
-    import torch
-
-    path = Path(folder) / "spk_dict.pt"
-    if not path.is_file():
-        raise UserError(f"{Path(folder)}: no spk_dict.pt (Qwen2.5-Omni's voices)")
-    speakers = torch.load(path, weights_only=True)
-    try:
-        return {str(name): int(entry["bos_token"]) for name, entry in speakers.items()}
-    except (AttributeError, KeyError, TypeError, ValueError):
-        raise UserError(f"{path}: expected voice -> {{bos_token, cond, ref_mel}}") from None
-
-
 def resolve_voice(voices: dict[str, int], voice: str | None, field_name: str = "voice") -> tuple[str, int]:
-    """A voice name (case-insensitive; None = generate's default) -> (its name in spk_dict.pt, bos token)."""
+    """A voice name (case-insensitive; None = generate's default) -> (its name in spk_dict.pt, bos token).
+    `voices`: name -> bos token (checkpoint.voice_bos_tokens)."""
     by_lower = {name.lower(): name for name in voices}
     wanted = (voice or DEFAULT_VOICE).lower()
     if wanted not in by_lower:

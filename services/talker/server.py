@@ -8,22 +8,17 @@ import asyncio
 import dataclasses
 import logging
 import sys
-from dataclasses import dataclass
 
 import grpc
 import torch
 
 from omni.v1 import common_pb2, stages_pb2, stages_pb2_grpc
-from services.runtime import qwen2_5_omni
 from services.runtime.checkpoint import Stage, load_for_serving
-from services.runtime.chunking import DEFAULT_CHUNKS, ChunkPolicy, FrameChunker
+from services.runtime.chunking import ChunkPolicy, FrameChunker
 from services.runtime.errors import InvalidArgument, run_cli
 from services.runtime.families import Family, family_of
-from services.runtime.prompt import resolve_voice
-from services.runtime.qwen3_omni import talker_prompt_len
 from services.runtime.settings import (
     GraphSettings,
-    ModelConfig,
     add_engine_flags,
     add_model_flags,
     env_default,
@@ -32,11 +27,10 @@ from services.runtime.settings import (
 )
 from services.serving.channels import ChannelPool
 from services.serving.config import (
-    ServingConfig,
     add_serving_flags,
     serving_config_from_args,
 )
-from services.serving.convert import finish_reason_to_proto, sampling_from_proto
+from services.serving.convert import finish_reason_to_proto
 from services.serving.engine_loop import (
     EngineLoop,
     EventSink,
@@ -51,126 +45,30 @@ from services.serving.metrics import StageMetrics
 from services.serving.migration import Downstream, Resume
 from services.serving.stage_main import serve_stage
 from services.serving.status import ReplayDiverged, StageUnavailable, WireError, abort_for
-from services.serving.wire import frames_to_proto, tensor_from_proto
-from services.talker.engine import (
-    Frame,
-    TalkerDone,
-    TalkerEngine,
-    TalkerEngineConfig,
-    TalkerJob,
-    TextEnd,
-    TextRow,
-)
-from services.talker.qwen2_5 import Qwen2_5TalkerEngine, Qwen2_5TalkerJob, ReplyPart
+from services.serving.wire import frames_to_proto
+from services.talker.adapter import TalkerAdapter
+from services.talker.config import TalkerConfig
+from services.talker.engine import Frame, TalkerDone, TalkerEngineConfig, TextEnd
+from services.talker.qwen2_5_adapter import Qwen2_5TalkerAdapter
+from services.talker.qwen3_adapter import Qwen3TalkerAdapter
 
 log = logging.getLogger("talker")
 SERVICE = stages_pb2.DESCRIPTOR.services_by_name["Talker"].full_name
 
 
-@dataclass(frozen=True)
-class TalkerConfig:
-    serving: ServingConfig
-    model: ModelConfig
-    engine: TalkerEngineConfig = TalkerEngineConfig()
-    chunks: ChunkPolicy = DEFAULT_CHUNKS  # how frames are cut into chunks for code2wav
-    default_max_new_tokens: int = 2048
-    max_new_tokens_limit: int = 8192
-
-
-def talker_job_from_proto(start: stages_pb2.TalkerStart, model_config, config: TalkerConfig) -> TalkerJob:
-    """Validate and convert the start message (fields named as in the proto)."""
-    hidden = model_config.thinker_config.text_config.hidden_size
-    _, speaker_id = resolve_voice(model_config, start.voice or None)
-    embeds = tensor_from_proto(start.prompt_embeds)
-    if embeds.ndim != 2 or embeds.shape[1] != hidden or embeds.shape[0] != len(start.prompt_token_ids):
-        raise InvalidArgument("start.prompt_embeds", f"must be [{len(start.prompt_token_ids)}, {hidden}], "
-                                                     f"got {list(embeds.shape)}")
-    positions = list(start.multimodal_positions)
-    mm_hidden = (tensor_from_proto(start.multimodal_hidden) if start.HasField("multimodal_hidden")
-                 else torch.zeros((0, hidden)))
-    if mm_hidden.shape != (len(positions), hidden) or any(not 0 <= p < embeds.shape[0] for p in positions):
-        raise InvalidArgument("start.multimodal_hidden", "must have one row per multimodal position inside the prompt")
-    tts = tensor_from_proto(start.tts_embeds)
-    if tts.shape != (3, hidden):
-        raise InvalidArgument("start.tts_embeds", f"must be [3, {hidden}], got {list(tts.shape)}")
-    sampling = sampling_from_proto(start.sampling, "talker_sampling", config.default_max_new_tokens,
-                                   config.max_new_tokens_limit, default_repetition_penalty=1.05)
-    needed = talker_prompt_len(list(start.prompt_token_ids), model_config) + sampling.max_new_tokens
-    if needed > config.engine.max_model_len:
-        raise InvalidArgument("talker_sampling.max_new_tokens",
-                              f"talker prompt + max_new_tokens ({needed}) exceeds the talker's per-request cache "
-                              f"({config.engine.max_model_len})")
-    return TalkerJob(
-        prompt_token_ids=list(start.prompt_token_ids), prompt_embeds=embeds, multimodal_positions=positions,
-        multimodal_hidden=mm_hidden, tts_embeds=tts, speaker_id=speaker_id,
-        sampling=sampling,
-        image_grid_thw=tensor_from_proto(start.image_grid_thw) if start.HasField("image_grid_thw") else None,
-        audio_feature_lengths=(tensor_from_proto(start.audio_feature_lengths)
-                               if start.HasField("audio_feature_lengths") else None),
-    )
-
-
-def qwen2_5_job_from_proto(start: stages_pb2.TalkerStart, model_config, config: TalkerConfig) -> Qwen2_5TalkerJob:
-    """Validate and convert Qwen2.5-Omni's start message (fields named as in the proto)."""
-    hidden = model_config.thinker_config.text_config.hidden_size
-    prompt_len = len(start.prompt_token_ids)
-    if not start.HasField("prompt_hidden") or not start.HasField("text_embeds"):
-        raise InvalidArgument("start.prompt_hidden", "Qwen2.5-Omni's talker needs prompt_hidden and text_embeds")
-    prompt_hidden = tensor_from_proto(start.prompt_hidden)
-    if prompt_hidden.shape != (prompt_len, hidden) or not prompt_hidden.is_floating_point():
-        raise InvalidArgument("start.prompt_hidden", f"must be [{prompt_len}, {hidden}] floats, "
-                                                     f"got {list(prompt_hidden.shape)} {prompt_hidden.dtype}")
-    text_embeds = tensor_from_proto(start.text_embeds)
-    if text_embeds.shape != (3, hidden) or not text_embeds.is_floating_point():
-        raise InvalidArgument("start.text_embeds", f"must be [3, {hidden}] floats, got {list(text_embeds.shape)}")
-    sampling = sampling_from_proto(start.sampling, "talker_sampling", config.default_max_new_tokens,
-                                   config.max_new_tokens_limit, default_repetition_penalty=1.05)
-    needed = qwen2_5_omni.talker_prompt_len(prompt_len) + sampling.max_new_tokens
-    if needed > config.engine.max_model_len:
-        raise InvalidArgument("talker_sampling.max_new_tokens",
-                              f"talker prompt + max_new_tokens ({needed}) exceeds the talker's per-request cache "
-                              f"({config.engine.max_model_len})")
-    return Qwen2_5TalkerJob(prompt_hidden=prompt_hidden, text_embeds=text_embeds, sampling=sampling)
-
-
-def qwen2_5_input_from_proto(message: stages_pb2.TalkerInput, hidden: int) -> ReplyPart | TextEnd:
-    """A Qwen2.5-Omni talker input after start: a token's reply part, or the text's end."""
-    if message.HasField("finished"):
-        return TextEnd()
-    if not message.HasField("token") or not message.token.HasField("reply"):
-        raise InvalidArgument("token.reply", "expected a token with its reply part, or finished")
-    reply = tensor_from_proto(message.token.reply)
-    if reply.shape != (hidden,) or not reply.is_floating_point():
-        raise InvalidArgument("token.reply", f"must be [{hidden}] floats, got {list(reply.shape)} {reply.dtype}")
-    return ReplyPart(reply)
+# family -> its adapter (adapter.py), picked once at start by the checkpoint's model_type
+ADAPTERS = {Family.QWEN3_OMNI: Qwen3TalkerAdapter, Family.QWEN2_5_OMNI: Qwen2_5TalkerAdapter}
 
 
 class TalkerServicer(stages_pb2_grpc.TalkerServicer):
-    def __init__(self, loop: EngineLoop, engine: TalkerEngine, config: TalkerConfig, model_config,
-                 handle: ServerHandle):
+    def __init__(self, loop: EngineLoop, engine, config: TalkerConfig, adapter: TalkerAdapter, handle: ServerHandle):
         self.loop = loop
         self.handle = handle
         self.engine = engine
         self.config = config
-        self.model_config = model_config
+        self.adapter = adapter  # the family's: start message -> job, text inputs -> engine inputs
         self.channels = ChannelPool(config.serving.max_message_bytes, config.serving.tls)
         self.metrics: StageMetrics = loop.metrics
-        self.family = Family(model_config.model_type)
-
-    def job_from_proto(self, start: stages_pb2.TalkerStart):
-        if self.family is Family.QWEN2_5_OMNI:
-            return qwen2_5_job_from_proto(start, self.model_config, self.config)
-        return talker_job_from_proto(start, self.model_config, self.config)
-
-    def input_from_proto(self, message: stages_pb2.TalkerInput):
-        """A text input after start: the family's text row, or the text's end (TextEnd)."""
-        if self.family is Family.QWEN2_5_OMNI:
-            return qwen2_5_input_from_proto(message, self.model_config.thinker_config.text_config.hidden_size)
-        if message.HasField("token"):
-            return TextRow(tensor_from_proto(message.token.embedding))
-        if message.HasField("finished"):
-            return TextEnd()
-        raise InvalidArgument("event", "expected token or finished after start")
 
     async def Speak(self, request_iterator, context: grpc.aio.ServicerContext):
         first = await anext(aiter(request_iterator), None)
@@ -178,7 +76,7 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
             await abort_for(context, InvalidArgument("start", "the first message must be start"))
         start = first.start
         try:
-            job = self.job_from_proto(start)
+            job = self.adapter.job_from_proto(start)
         except (InvalidArgument, WireError) as exc:
             await abort_for(context, exc)
         if not start.route.code2wav:
@@ -254,7 +152,7 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
     async def _read_text(self, key: str, request_iterator, sink: EventSink) -> None:
         try:
             async for message in request_iterator:
-                item = self.input_from_proto(message)
+                item = self.adapter.input_from_proto(message)
                 self.loop.add_input(key, item)
                 if isinstance(item, TextEnd):
                     return
@@ -276,14 +174,13 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
 
 
 async def create_server(config: TalkerConfig) -> tuple[ServerHandle, EngineLoop]:
-    engine_config, engine_cls = config.engine, TalkerEngine
-    if family_of(config.model.checkpoint) is Family.QWEN2_5_OMNI:
-        engine_cls = Qwen2_5TalkerEngine
-        if engine_config.graphs.enabled:
-            log.warning("CUDA graphs are not implemented for the Qwen2.5-Omni talker: decoding eagerly")
-            engine_config = dataclasses.replace(engine_config, graphs=GraphSettings())
+    family = family_of(config.model.checkpoint)
+    adapter_cls, engine_config = ADAPTERS[family], config.engine
+    if engine_config.graphs.enabled and not adapter_cls.cuda_graphs:
+        log.warning("CUDA graphs are not implemented for the %s talker: decoding eagerly", family.value)
+        engine_config = dataclasses.replace(engine_config, graphs=GraphSettings())
     loaded = load_for_serving(config.model, Stage.TALKER)
-    engine = engine_cls(loaded.model, loaded.config, device=config.model.device, engine_config=engine_config)
+    engine = adapter_cls.engine(loaded.model, loaded.config, device=config.model.device, engine_config=engine_config)
     metrics = StageMetrics("talker")
     metrics.cache_capacity.set(config.engine.num_slots)
     metrics.serve(config.serving.metrics_port)
@@ -292,7 +189,8 @@ async def create_server(config: TalkerConfig) -> tuple[ServerHandle, EngineLoop]
     handle = build_server(config.serving.host, config.serving.port, (SERVICE,), config.serving.max_message_bytes,
                           tls=config.serving.tls, health_port=config.serving.health_port)
     loop.streams = handle.streams  # LoadReport.in_flight counts open streams
-    stages_pb2_grpc.add_TalkerServicer_to_server(TalkerServicer(loop, engine, config, loaded.config, handle), handle.server)
+    servicer = TalkerServicer(loop, engine, config, adapter_cls(loaded.config, config), handle)
+    stages_pb2_grpc.add_TalkerServicer_to_server(servicer, handle.server)
     return handle, loop
 
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import grpc
 
 from omni.v1 import common_pb2, omni_pb2, stages_pb2, stages_pb2_grpc
-from services.runtime import qwen2_5_omni
 from services.runtime.checkpoint import Stage, load_for_serving
 from services.runtime.detokenizer import IncrementalDetokenizer
 from services.runtime.errors import InvalidArgument, run_cli
@@ -25,9 +24,7 @@ from services.runtime.prompt import (
     PromptBuilder,
     PromptLimits,
     Role,
-    resolve_voice,
 )
-from services.runtime.qwen3_omni import talker_prompt_len
 from services.runtime.settings import (
     GraphSettings,
     ModelConfig,
@@ -58,16 +55,16 @@ from services.serving.metrics import StageMetrics
 from services.serving.migration import Downstream, Resume
 from services.serving.stage_main import serve_stage
 from services.serving.status import ReplayDiverged, StageUnavailable, abort_for
-from services.serving.wire import tensor_to_proto
+from services.thinker.adapter import ThinkerAdapter
 from services.thinker.engine import (
     Finished,
-    Prefilled,
     ThinkerEngine,
     ThinkerEngineConfig,
     ThinkerJob,
     Token,
 )
-from services.thinker.qwen2_5 import Qwen2_5Prefilled, Qwen2_5ThinkerEngine, Qwen2_5ThinkerJob
+from services.thinker.qwen2_5_adapter import Qwen2_5ThinkerAdapter
+from services.thinker.qwen3_adapter import Qwen3ThinkerAdapter
 
 log = logging.getLogger("thinker")
 SERVICE = stages_pb2.DESCRIPTOR.services_by_name["Thinker"].full_name
@@ -120,28 +117,8 @@ class Prepared:
     audio: bool
 
 
-def qwen2_5_talker_start(req: omni_pb2.GenerateRequest, route: stages_pb2.Route,
-                         event: Qwen2_5Prefilled) -> stages_pb2.TalkerStart:
-    """Qwen2.5-Omni's start message: the shared fields and its prefill payload (fields 13, 14)."""
-    return stages_pb2.TalkerStart(
-        request_id=req.request_id, route=route, voice=req.voice if req.HasField("voice") else "",
-        sampling=req.talker_sampling, return_codec_frames=req.return_codec_frames,
-        prompt_token_ids=event.prompt_token_ids, prompt_hidden=tensor_to_proto(event.prompt_hidden),
-        text_embeds=tensor_to_proto(event.text_embeds),
-    )
-
-
-def qwen2_5_text_tokens(event: Token, previous_id: int | None) -> list[stages_pb2.TalkerInput]:
-    """What Qwen2.5-Omni's talker gets for one thinker token: the previous token with its reply
-    part (which this token's forward made), then after the last token the text-finished mark.
-    So, as for Qwen3-Omni, one TextToken per generated token except the last."""
-    out = []
-    if event.reply is not None:
-        out.append(stages_pb2.TalkerInput(token=stages_pb2.TextToken(token_id=previous_id,
-                                                                     reply=tensor_to_proto(event.reply))))
-    if event.last:
-        out.append(stages_pb2.TalkerInput(finished=stages_pb2.TextFinished()))
-    return out
+# family -> its adapter (adapter.py), picked once at start by the checkpoint's model_type
+ADAPTERS = {Family.QWEN3_OMNI: Qwen3ThinkerAdapter, Family.QWEN2_5_OMNI: Qwen2_5ThinkerAdapter}
 
 
 class PeerLimits:
@@ -172,8 +149,9 @@ class PeerLimits:
 
 class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
     def __init__(self, loop: EngineLoop, engine: ThinkerEngine, prompts: PromptBuilder, config: ThinkerConfig,
-                 handle: ServerHandle, build_prompt=PromptBuilder.build):
+                 handle: ServerHandle, adapter: ThinkerAdapter, build_prompt=PromptBuilder.build):
         self.loop = loop
+        self.adapter = adapter  # the family's: voices, job, talker prompt length, talker-bound messages
         self.build_prompt = build_prompt  # (PromptBuilder, messages) -> PromptInputs, per backend
         self.handle = handle
         self.engine = engine
@@ -182,23 +160,15 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         self.channels = ChannelPool(config.serving.max_message_bytes, config.serving.tls)
         self.talker_limits = PeerLimits("talker", self.channels)
         self.metrics: StageMetrics = loop.metrics
-        self.family = Family(engine.config.model_type)
-        # Qwen2.5-Omni: voice name -> its bos token (spk_dict.pt), what the talker's prompt starts from.
-        self.voices = (qwen2_5_omni.load_voices(config.model.checkpoint) if self.family is Family.QWEN2_5_OMNI
-                       else {})
 
     def prepare(self, request: omni_pb2.GenerateRequest, talker: common_pb2.StageLimits | None) -> Prepared:
         """Validate and convert a request; runs in a worker thread (decodes audio and images).
         `talker`: the limits of the talker replica in the route (None: text only)."""
         audio = wants_audio(request)
         talker_sampling = None
-        voice_bos_token = None  # Qwen2.5-Omni
+        voice = None  # what the family's job takes of the voice (adapter.resolve_voice)
         if audio:
-            voice = request.voice if request.HasField("voice") else None
-            if self.family is Family.QWEN2_5_OMNI:
-                _, voice_bos_token = qwen2_5_omni.resolve_voice(self.voices, voice)
-            else:
-                resolve_voice(self.engine.config, voice)
+            voice = self.adapter.resolve_voice(request.voice if request.HasField("voice") else None)
             # The talker's own limits, checked here so that a bad talker setting fails before any output.
             talker_sampling = sampling_from_proto(request.talker_sampling, "talker_sampling", 1,
                                                   talker.max_new_tokens_limit)
@@ -216,17 +186,12 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
                                   f"prompt ({prompt.num_tokens} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
                                   f"exceeds the thinker's per-request cache ({capacity})")
         if talker_sampling is not None and request.talker_sampling.HasField("max_new_tokens"):
-            needed = talker_sampling.max_new_tokens + (
-                qwen2_5_omni.talker_prompt_len(prompt.num_tokens) if self.family is Family.QWEN2_5_OMNI
-                else talker_prompt_len(prompt.input_ids[0].tolist(), self.engine.config))
+            needed = talker_sampling.max_new_tokens + self.adapter.talker_prompt_len(prompt)
             if needed > talker.max_model_len:
                 raise InvalidArgument("talker_sampling.max_new_tokens",
                                       f"talker prompt + max_new_tokens ({needed}) exceeds the talker's per-request "
                                       f"cache ({talker.max_model_len})")
-        if self.family is Family.QWEN2_5_OMNI:
-            return Prepared(Qwen2_5ThinkerJob(prompt, sampling, want_talker_inputs=audio, forced_ids=forced,
-                                              voice_bos_token=voice_bos_token), audio)
-        return Prepared(ThinkerJob(prompt, sampling, want_talker_inputs=audio, forced_ids=forced), audio)
+        return Prepared(self.adapter.job(prompt, sampling, audio, forced, voice), audio)
 
     def _forced_ids(self, request: omni_pb2.GenerateRequest) -> tuple[int, ...]:
         """The reply's ids for `forced_text`: the text's tokens as the assistant turn holds them
@@ -237,9 +202,7 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
             raise InvalidArgument("forced_text", "must not be empty when set")
         if request.thinker_sampling.ListFields():
             raise InvalidArgument("thinker_sampling", "must be unset with forced_text: nothing is sampled")
-        end = (self.prompts.tokenizer.convert_tokens_to_ids("<|im_end|>") if self.family is Family.QWEN2_5_OMNI
-               else self.engine.config.im_end_token_id)
-        ids = tuple(self.prompts.encode_text(request.forced_text)) + (int(end),)
+        ids = tuple(self.prompts.encode_text(request.forced_text)) + (self.adapter.end_token_id(),)
         if len(ids) > self.config.max_new_tokens_limit:
             raise InvalidArgument("forced_text", f"is {len(ids)} tokens with the end token, more than the limit of "
                                                  f"{self.config.max_new_tokens_limit}")
@@ -278,13 +241,10 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
                     resume.begin_replay()
                     continue
                 match item:
-                    case Prefilled() as prefilled:
+                    case self.adapter.prefilled() as prefilled:
                         speak = self._open_talker(request.route, sink, context)
                         await speak.write(stages_pb2.TalkerInput(
-                            start=self._talker_start(req, request.route, prefilled, prepared)))
-                    case Qwen2_5Prefilled() as prefilled:
-                        speak = self._open_talker(request.route, sink, context)
-                        await speak.write(stages_pb2.TalkerInput(start=qwen2_5_talker_start(req, request.route, prefilled)))
+                            start=self.adapter.talker_start(req, request.route, prefilled, prepared.job)))
                     case Token() as token:
                         ttft = ttft if ttft is not None else (time.perf_counter() - received) * 1000
                         yield omni_pb2.GenerateResponse(request_id=request_id, text=omni_pb2.TextDelta(
@@ -334,34 +294,11 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
     async def _feed_talker(self, speak: Downstream, event: Token, previous_id: int | None) -> None:
         """One text row per generated token except the last; then the text-finished mark. The
         talker may have ended already (its own max tokens or EOS): the relay says how."""
-        if self.family is Family.QWEN2_5_OMNI:
-            messages = qwen2_5_text_tokens(event, previous_id)  # the previous token's row comes with this one
-        elif not event.last:
-            messages = [stages_pb2.TalkerInput(token=stages_pb2.TextToken(
-                token_id=event.token_id, embedding=tensor_to_proto(event.embedding)))]
-        else:
-            messages = [stages_pb2.TalkerInput(finished=stages_pb2.TextFinished())]
         written = True
-        for message in messages:
+        for message in self.adapter.talker_inputs(event, previous_id):
             written = await speak.write(message)
         if event.last and written:
             await speak.close()
-
-    def _talker_start(self, req, route, event: Prefilled, prepared: Prepared) -> stages_pb2.TalkerStart:
-        prompt = prepared.job.prompt
-        start = stages_pb2.TalkerStart(
-            request_id=req.request_id, route=route, voice=req.voice if req.HasField("voice") else "",
-            sampling=req.talker_sampling, return_codec_frames=req.return_codec_frames,
-            prompt_token_ids=event.prompt_token_ids, prompt_embeds=tensor_to_proto(event.prompt_embeds),
-            multimodal_positions=event.multimodal_positions, tts_embeds=tensor_to_proto(event.tts_embeds),
-        )
-        if event.multimodal_positions:
-            start.multimodal_hidden.CopyFrom(tensor_to_proto(event.multimodal_hidden))
-        if prompt.image_grid_thw is not None:
-            start.image_grid_thw.CopyFrom(tensor_to_proto(prompt.image_grid_thw))
-        if prompt.audio_feature_lengths is not None:
-            start.audio_feature_lengths.CopyFrom(tensor_to_proto(prompt.audio_feature_lengths))
-        return start
 
     @staticmethod
     def _final(request_id, text: Finished, talker: stages_pb2.TalkerFinal | None, received, ttft, ttfp,
@@ -395,16 +332,15 @@ async def create_server(config: ThinkerConfig) -> tuple[ServerHandle, EngineLoop
         model_config, build_prompt = engine.config, vllm_backend.build_prompt
     else:
         family = family_of(config.model.checkpoint)
-        engine_config, engine_cls = config.engine, ThinkerEngine
-        if family is Family.QWEN2_5_OMNI:
-            engine_cls = Qwen2_5ThinkerEngine
-            if engine_config.graphs.enabled:
-                log.warning("CUDA graphs are not implemented for the Qwen2.5-Omni thinker: decoding eagerly")
-                engine_config = dataclasses.replace(engine_config, graphs=GraphSettings())
+        engine_config, engine_cls = config.engine, ADAPTERS[family].engine
+        if engine_config.graphs.enabled and not ADAPTERS[family].cuda_graphs:
+            log.warning("CUDA graphs are not implemented for the %s thinker: decoding eagerly", family.value)
+            engine_config = dataclasses.replace(engine_config, graphs=GraphSettings())
         loaded = load_for_serving(config.model, Stage.THINKER)
         engine = engine_cls(loaded.model, loaded.config, device=config.model.device, engine_config=engine_config)
         model_config = loaded.config
     prompts = PromptBuilder(config.model.checkpoint, model_config, config.limits)
+    adapter = ADAPTERS[Family(model_config.model_type)](config.model.checkpoint, model_config, prompts)
     metrics = StageMetrics("thinker")
     metrics.cache_capacity.set(config.engine.num_slots)
     metrics.serve(config.serving.metrics_port)
@@ -413,7 +349,7 @@ async def create_server(config: ThinkerConfig) -> tuple[ServerHandle, EngineLoop
     handle = build_server(config.serving.host, config.serving.port, (SERVICE,), config.serving.max_message_bytes,
                           tls=config.serving.tls, health_port=config.serving.health_port)
     loop.streams = handle.streams  # LoadReport.in_flight counts open streams
-    servicer = ThinkerServicer(loop, engine, prompts, config, handle, build_prompt)
+    servicer = ThinkerServicer(loop, engine, prompts, config, handle, adapter, build_prompt)
     stages_pb2_grpc.add_ThinkerServicer_to_server(servicer, handle.server)
     return handle, loop
 

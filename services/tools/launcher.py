@@ -28,8 +28,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.runtime.checkpoint import check_folder
+from services.runtime.checkpoint import check_folder, load_voices
 from services.runtime.errors import UserError, run_cli
+from services.runtime.families import Family, family_of
 from services.serving.security import TLSConfig, secure_or_insecure_channel, tls_from_args
 from services.tools.client import build_request, collect, connect
 from services.tools.reference import write_wav
@@ -151,7 +152,8 @@ class Stack:
             self.wait_ready("router")
             if o.http_port is not None:
                 self._add("gateway", "gateway", ["--router", self.target, "--host", o.host, "--checkpoint",
-                                                 o.checkpoint, *o.gateway_args], port=o.http_port or free_port(o.host))
+                                                 o.checkpoint, *gateway_voices(o.checkpoint), *o.gateway_args],
+                          port=o.http_port or free_port(o.host))
                 self.wait_ready("gateway")
         except BaseException:
             self.stop()
@@ -238,6 +240,15 @@ class Stack:
         self.stop()
 
 
+def gateway_voices(checkpoint: str) -> tuple[str, ...]:
+    """The gateway's --voices where its config.json reading cannot find them: a Qwen2.5-Omni
+    checkpoint keeps its voices in spk_dict.pt (torch), which the gateway (no torch) does not read.
+    Qwen3-Omni's are in config.json: nothing to add. (A later --voices in gateway_args wins.)"""
+    if family_of(checkpoint) is not Family.QWEN2_5_OMNI:
+        return ()
+    return ("--voices", ",".join(load_voices(checkpoint)))
+
+
 def health_status(target: str, service: str = "", timeout: float = 1.0, tls: TLSConfig = TLSConfig()) -> str:
     with secure_or_insecure_channel(target, tls, [], aio=False) as channel:
         try:
@@ -260,7 +271,8 @@ def http_ready(url: str, timeout: float = 1.0) -> bool:
 
 
 def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", required=True, help="Qwen3-Omni checkpoint folder")
+    parser.add_argument("--checkpoint", required=True,
+                        help="checkpoint folder of either family (Qwen3-Omni or Qwen2.5-Omni; config.json model_type)")
     parser.add_argument("--port", type=int, default=50051, help="router port (default 50051)")
     parser.add_argument("--host", default="127.0.0.1", help="address every process binds (default 127.0.0.1)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per stage (default cores/3)")

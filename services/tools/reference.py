@@ -25,7 +25,8 @@ PIL opens png/jpeg (the image processor converts to RGB itself). The chat templa
 only a folder with neither falls back to the tokenizer's.
 
 Qwen2.5-Omni differences (docs/qwen2_5-omni.md): one codec id per frame (`codec_frames` rows of
-one id); voices are spk_dict.pt's names, matched case-insensitively ("ethan" -> "Ethan"); and
+one id); voices are spk_dict.pt's names, matched case-insensitively ("ethan" -> "Ethan"), the
+default generate's own (Chelsie); and
 Token2Wav starts its flow from `torch.randn` drawn from torch's global generator, so every call
 seeds it (`seed`, default `TOKEN2WAV_SEED`) just before `generate`: with greedy decoding nothing
 else draws from it, so the noise is the first [1, 2 * codes, 80] normal draw after
@@ -46,7 +47,7 @@ import numpy as np
 
 from services.runtime.checkpoint import check_folder
 from services.runtime.errors import InvalidArgument, UserError, run_cli
-from services.runtime.families import Family, family_of
+from services.runtime.families import DEFAULT_VOICES, Family, family_of
 from services.runtime.prompt import ChatMessage, Part, Role  # plain data classes: the request's messages
 
 AUDIO_SAMPLE_RATE = 16000  # the Whisper feature extractor's rate; the oracle resamples nothing
@@ -149,6 +150,17 @@ def oracle_conversation(messages: list[ChatMessage]) -> list[dict]:
     return conversation
 
 
+def oracle_inputs(processor, messages: list[ChatMessage]) -> dict:
+    """The model inputs `processor` (`oracle_processor`) makes of the messages: input_ids,
+    attention_mask, and input_features / feature_attention_mask, pixel_values / image_grid_thw when
+    present."""
+    if not messages:
+        raise InvalidArgument("messages", "at least one message is required")
+    out = processor.apply_chat_template(oracle_conversation(messages), add_generation_prompt=True, tokenize=True,
+                                        return_dict=True, return_tensors="pt")
+    return dict(out)
+
+
 class ReferenceRunner:
     """The full transformers model, loaded once; one greedy `generate` per call."""
 
@@ -209,15 +221,12 @@ class ReferenceRunner:
         vocoder) runs unchanged on that output."""
         import torch
 
-        name = (voice or ("ethan" if "ethan" in self.voices else sorted(self.voices)[0])).lower()
-        if name not in self.voices:
-            known = ", ".join(sorted(self.voices.values()))
-            raise InvalidArgument("voice", f"unknown voice {voice!r}; known: {known}")
+        name = self.speaker(voice)
         inputs = self.inputs(messages)
         prompt_tokens = int(inputs["input_ids"].shape[1])
-        model_inputs = {k: v.to(self.device) for k, v in inputs.items()}
+        model_inputs = self.model_inputs(inputs)
         if self.family is Family.QWEN2_5_OMNI:
-            return self._generate_qwen2_5(model_inputs, self.voices[name], prompt_tokens, max_new_tokens,
+            return self._generate_qwen2_5(model_inputs, name, prompt_tokens, max_new_tokens,
                                           talker_max_new_tokens, return_audio, forced_ids, thinker_sampling,
                                           talker_sampling, seed)
         captured = []  # the codes generate hands to the vocoder, [1, Q, frames]
@@ -274,11 +283,6 @@ class ReferenceRunner:
         pre-hook on Token2Wav, which gets them after generate's cut at the first codec EOS."""
         import torch
 
-        # transformers quirk: generate hands unprefixed pixel_values to the talker too, whose generate
-        # rejects them (ValueError: model_kwargs not used); prefixed, they reach the thinker alone, and
-        # generate still zeroes the image positions it hands the talker (it reads thinker_kwargs).
-        model_inputs = {(f"thinker_{k}" if k in ("pixel_values", "pixel_values_videos") else k): v
-                        for k, v in model_inputs.items()}
         kwargs = {f"thinker_{k}": v for k, v in (thinker_sampling or {}).items()}
         kwargs.update({f"talker_{k}": v for k, v in (talker_sampling or {}).items()})
         kwargs.update(thinker_do_sample=thinker_sampling is not None, talker_do_sample=talker_sampling is not None)
@@ -315,15 +319,49 @@ class ReferenceRunner:
         )
 
     def inputs(self, messages: list[ChatMessage]) -> dict:
-        """The model inputs transformers' processor makes of the messages (input_ids, attention_mask,
-        and input_features / feature_attention_mask, pixel_values / image_grid_thw when present)."""
-        if not messages:
-            raise InvalidArgument("messages", "at least one message is required")
-        out = self.processor.apply_chat_template(
-            oracle_conversation(messages), add_generation_prompt=True, tokenize=True, return_dict=True,
-            return_tensors="pt",
-        )
-        return dict(out)
+        """The model inputs transformers' processor makes of the messages (`oracle_inputs`)."""
+        return oracle_inputs(self.processor, messages)
+
+    def speaker(self, voice: str | None) -> str:
+        """The `speaker` generate takes for a voice name, matched case-insensitively; None: the
+        family's default (families.DEFAULT_VOICES, as the pipeline picks it), else the first voice."""
+        if voice is None:
+            return self.voices.get(DEFAULT_VOICES[self.family].lower(), next(iter(self.voices.values())))
+        if voice.lower() not in self.voices:
+            known = ", ".join(sorted(self.voices.values()))
+            raise InvalidArgument("voice", f"unknown voice {voice!r}; known: {known}")
+        return self.voices[voice.lower()]
+
+    def model_inputs(self, inputs: dict) -> dict:
+        """Processor inputs (one request's, or a collated batch) as this family's generate takes
+        them, on the model's device."""
+        inputs = {k: v.to(self.device) for k, v in inputs.items()}
+        if self.family is Family.QWEN2_5_OMNI:
+            # transformers quirk: generate hands unprefixed pixel_values to the talker too, whose generate
+            # rejects them (ValueError: model_kwargs not used); prefixed, they reach the thinker alone, and
+            # generate still zeroes the image positions it hands the talker (it reads thinker_kwargs).
+            inputs = {(f"thinker_{k}" if k in ("pixel_values", "pixel_values_videos") else k): v
+                      for k, v in inputs.items()}
+        return inputs
+
+    def generate_greedy(self, model_inputs: dict, speaker: str, max_new_tokens: int,
+                        talker_max_new_tokens: int) -> tuple:
+        """Greedy text + audio `generate` on `model_inputs` (`model_inputs`; a left-padded batch
+        works too), with generate's other talker defaults (repetition penalty 1.05) and nothing
+        captured: what the benchmark times. (sequences [B, P + new], [B] waveforms [samples_b] each,
+        every one cut at its own end.)"""
+        import torch
+
+        audio_flag = {"generation_mode": "audio"} if self.family is Family.QWEN2_5_OMNI else {"return_audio": True}
+        with torch.inference_mode():
+            sequences, wav = self.model.generate(
+                **model_inputs, speaker=speaker, **audio_flag, thinker_max_new_tokens=max_new_tokens,
+                thinker_eos_token_id=self.eos_id, thinker_do_sample=False,
+                talker_max_new_tokens=talker_max_new_tokens, talker_do_sample=False,
+            )
+        # One request: one waveform ([1, 1, samples] for Qwen3-Omni, [samples] for Qwen2.5-Omni); a batch: a list.
+        wavs = [wav.reshape(-1)] if sequences.shape[0] == 1 else [w.reshape(-1) for w in wav]
+        return sequences, wavs
 
     def decode(self, ids: list[int]) -> str:
         return self.processor.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)

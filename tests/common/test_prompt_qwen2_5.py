@@ -2,8 +2,8 @@
 
 The family's differences from Qwen3-Omni sit in `AudioRules`: the feature extractor pads every
 audio to its 30 s window (cutting longer audio to it) and an audio gets
-((frames - 1) // 2 + 1 - 2) // 2 + 1 tokens; its chat template (a default system turn) comes
-from the checkpoint like Qwen3-Omni's.
+((frames - 1) // 2 + 1 - 2) // 2 + 1 tokens; its chat template comes from the checkpoint like
+Qwen3-Omni's. On the tiny checkpoint (`omni-tiny-checkpoint --family qwen2_5_omni`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from services.runtime.input_limits import declared_audio
 from services.runtime.prompt import ChatMessage, Part, PromptBuilder, Role
 from services.runtime.qwen2_5_omni import audio_placeholders
-from tests.qwen2_5_oracle import oracle_inputs, oracle_processor
+from services.tools.reference import oracle_inputs, oracle_processor
 
 
 def wav(seconds: float, rate: int = 16000) -> bytes:
@@ -30,20 +30,20 @@ def wav(seconds: float, rate: int = 16000) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def config(qwen2_5_checkpoint):
+def config(tiny_qwen2_5_checkpoint):
     from transformers import Qwen2_5OmniConfig
 
-    return Qwen2_5OmniConfig.from_pretrained(qwen2_5_checkpoint)
+    return Qwen2_5OmniConfig.from_pretrained(tiny_qwen2_5_checkpoint)
 
 
 @pytest.fixture(scope="module")
-def builder(qwen2_5_checkpoint, config) -> PromptBuilder:
-    return PromptBuilder(qwen2_5_checkpoint, config)
+def builder(tiny_qwen2_5_checkpoint, config) -> PromptBuilder:
+    return PromptBuilder(tiny_qwen2_5_checkpoint, config)
 
 
 @pytest.fixture(scope="module")
-def processor(qwen2_5_checkpoint):
-    return oracle_processor(qwen2_5_checkpoint)
+def processor(tiny_qwen2_5_checkpoint):
+    return oracle_processor(tiny_qwen2_5_checkpoint)
 
 
 def user(*parts: Part) -> list[ChatMessage]:
@@ -65,11 +65,14 @@ def test_inputs_equal_the_processors(builder, processor, wav_bytes, png_bytes, c
         assert torch.equal(value, theirs[key]), key
 
 
-def test_the_chat_template_adds_its_default_system_turn(builder):
+def test_the_chat_template_is_the_checkpoints(builder, tiny_qwen2_5_checkpoint):
+    # The tiny checkpoint's template renders only the messages given (no default system turn).
+    assert builder.chat_template == (tiny_qwen2_5_checkpoint / "chat_template.jinja").read_text()
     inputs = builder.build(user(Part(text="hi")))
-    assert builder.decode(inputs.input_ids[0].tolist()) == (
-        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert builder.decode(inputs.input_ids[0].tolist()) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    system = [ChatMessage(Role.SYSTEM, (Part(text="Be brief."),))] + user(Part(text="hi"))
+    assert builder.decode(builder.build(system).input_ids[0].tolist()) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_audio_is_padded_to_the_30_s_window_with_one_token_per_4_frames(builder, config, wav_bytes):

@@ -1,10 +1,11 @@
 """The thinker and talker servers on a Qwen2.5-Omni checkpoint, built by their own `create_server`
-factories on port 0 and called over real gRPC: they pick the family's engines by the checkpoint's
-model_type, and concurrent requests' text ids and codec frames equal transformers' generate.
+factories on port 0 and called over real gRPC: they load their stage (`load_for_serving`) and pick
+the family's adapter (its engine and stage-message conversions) by the checkpoint's model_type,
+and concurrent requests' text ids and codec frames equal transformers' generate (ReferenceRunner,
+tests/qwen2_5_oracle.py).
 
-Two stand-ins: the stages' modules come from the test's copy of the checkpoint, handed to the
-factories in place of `load_for_serving` (whose Qwen2.5-Omni loader is not on this branch), and
-code2wav is a stub that takes the frames and reports 0 samples (Token2Wav is another branch's).
+One stand-in: code2wav is a stub that takes the frames and reports 0 samples (Qwen2.5-Omni's
+Token2Wav stage is not on this branch).
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ import contextlib
 
 import grpc
 import pytest
-import torch
 
 from omni.v1 import stages_pb2, stages_pb2_grpc
-from services.runtime.checkpoint import LoadedStage, Stage
+from services.runtime.qwen2_5_omni import TALKER_EOS_IDS
 from services.runtime.settings import ModelConfig
 from services.serving.config import ServingConfig
 from services.talker import server as talker_server
@@ -27,14 +27,12 @@ from services.thinker import server as thinker_server
 from services.thinker.engine import ThinkerEngineConfig
 from services.thinker.qwen2_5 import Qwen2_5ThinkerEngine
 from services.tools.client import build_request
-from tests.qwen2_5_oracle import BY_ID, generate_reference, load_models, media, oracle_processor
+from services.tools.reference import ReferenceRunner
+from tests.qwen2_5_oracle import BY_ID, generate_reference, media
 from tests.qwen2_5_oracle import case_messages as oracle_messages
 
 LOOPBACK = ServingConfig(host="127.0.0.1", port=0, stream_idle_timeout_s=60.0)
 CASES = [BY_ID[rid] for rid in ("text-ethan", "audio-chelsie", "image-ethan", "both-chelsie", "short-ethan")]
-# The servers' talker end ids are generate's defaults (8292, 8294): outside the tiny codec vocabulary,
-# as the tiny checkpoint's own end ids never win; the oracle gets the same.
-GENERATE_EOS_IDS = (8292, 8294)
 
 
 class StubCode2Wav(stages_pb2_grpc.Code2WavServicer):
@@ -69,37 +67,26 @@ async def stub_code2wav():
         await server.stop(0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread (see tests/thinker/test_qwen2_5_engine.py): the oracle's generate on two
-    contended threads took 90 s here, on one about a second."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+# One torch thread (see tests/thinker/test_qwen2_5_engine.py): the oracle's generate on two
+# contended threads took 90 s here, on one about a second. The servers keep it (ModelConfig.threads 0).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(scope="module")
-def models(qwen2_5_checkpoint):
-    return load_models(qwen2_5_checkpoint)
+def test_each_server_has_an_adapter_for_every_family():
+    from services.runtime.families import Family
+
+    assert set(thinker_server.ADAPTERS) == set(talker_server.ADAPTERS) == set(Family)
+    assert thinker_server.ADAPTERS[Family.QWEN2_5_OMNI].engine is Qwen2_5ThinkerEngine
+    assert talker_server.ADAPTERS[Family.QWEN2_5_OMNI].engine is Qwen2_5TalkerEngine
 
 
-@pytest.fixture
-def stage_modules(models, monkeypatch):
-    """The factories' loader: the engine copy's thinker and talker."""
-    model = models[1]
-    modules = {Stage.THINKER: model.thinker, Stage.TALKER: model.talker}
-    load = lambda config, stage: LoadedStage(stage, modules[stage], model.config)  # noqa: E731
-    monkeypatch.setattr(thinker_server, "load_for_serving", load)
-    monkeypatch.setattr(talker_server, "load_for_serving", load)
-
-
-def test_concurrent_requests_over_grpc_equal_generate(qwen2_5_checkpoint, models, stage_modules):
+def test_concurrent_requests_over_grpc_equal_generate(tiny_qwen2_5_checkpoint):
     files = media()
-    expected = {c.request_id: generate_reference(models[0], oracle_processor(qwen2_5_checkpoint),
-                                                 oracle_messages(c, files), c.voice, c.max_new_tokens,
-                                                 c.talker_max_new_tokens, GENERATE_EOS_IDS) for c in CASES}
-    model = ModelConfig(checkpoint=str(qwen2_5_checkpoint))
+    runner = ReferenceRunner(tiny_qwen2_5_checkpoint)
+    # The servers' talker end ids are generate's defaults (TALKER_EOS_IDS); the oracle gets the same.
+    expected = {c.request_id: generate_reference(runner, oracle_messages(c, files), c.voice, c.max_new_tokens,
+                                                 c.talker_max_new_tokens, TALKER_EOS_IDS) for c in CASES}
+    model = ModelConfig(checkpoint=str(tiny_qwen2_5_checkpoint))
     engine = dict(max_batch_size=8, num_slots=8, max_model_len=256)
 
     async def one(stub, route, case):

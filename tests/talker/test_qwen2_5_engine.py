@@ -3,9 +3,10 @@
 The harness does what the two servers do, without gRPC: a `Qwen2_5Prefilled` event starts the
 talker request; every `Token` with a reply part hands it over as a `ReplyPart`; the last token
 also hands over `TextEnd`. Sixteen requests of every modality and both voices join at different
-steps, on the tiny checkpoint and on one of other sizes; every one's text ids and codec ids must
-equal `Qwen2_5OmniForConditionalGeneration.generate`'s (greedy, talker repetition penalty 1.05,
-the talker running to its max tokens: the tiny checkpoints' codec end rows are zero).
+steps, on the tiny checkpoint and on one of other sizes (tests/conftest.py); every one's text ids
+and codec ids must equal `Qwen2_5OmniForConditionalGeneration.generate`'s (greedy, talker
+repetition penalty 1.05, the real codec end ids 8292 and 8294, the talker running to its max
+tokens: the tiny checkpoints' codec head rows from 8192 up, those ids among them, are zero).
 """
 
 from __future__ import annotations
@@ -17,68 +18,55 @@ import pytest
 import torch
 
 from omni.v1 import omni_pb2, stages_pb2
+from services.runtime.checkpoint import voice_bos_tokens
 from services.runtime.finish import FinishReason
 from services.runtime.prompt import PromptBuilder
-from services.runtime.qwen2_5_omni import load_voices, resolve_voice
+from services.runtime.qwen2_5_omni import TALKER_EOS_IDS, resolve_voice
 from services.runtime.sampling import SamplingConfig
 from services.runtime.settings import ModelConfig
 from services.serving.config import ServingConfig
+from services.talker.config import TalkerConfig
 from services.talker.engine import Frame, TalkerDone, TalkerEngineConfig, TextEnd
 from services.talker.qwen2_5 import Qwen2_5TalkerEngine, Qwen2_5TalkerJob, ReplyPart
-from services.talker.server import TalkerConfig, qwen2_5_input_from_proto, qwen2_5_job_from_proto
+from services.talker.qwen2_5_adapter import qwen2_5_input_from_proto, qwen2_5_job_from_proto
 from services.thinker.engine import Finished, ThinkerEngineConfig, Token
 from services.thinker.qwen2_5 import Qwen2_5Prefilled, Qwen2_5ThinkerEngine, Qwen2_5ThinkerJob
-from services.thinker.server import qwen2_5_talker_start, qwen2_5_text_tokens
-from tests.qwen2_5_oracle import (
-    BY_ID,
-    CASES,
-    case_messages,
-    generate_reference,
-    load_models,
-    media,
-    oracle_processor,
-)
-from tests.qwen2_5_tiny import TALKER_EOS_IDS
+from services.thinker.qwen2_5_adapter import qwen2_5_talker_start, qwen2_5_text_tokens
+from services.tools.reference import ReferenceRunner
+from tests.qwen2_5_oracle import BY_ID, CASES, case_messages, generate_reference, load_engine_stages, media
 
 SLOTS = 16
 MAX_MODEL_LEN = 256  # prompts < 130 tokens; + 2 + 24 talker tokens
 REPETITION_PENALTY = 1.05  # generate's talker default
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread (see tests/thinker/test_qwen2_5_engine.py)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/thinker/test_qwen2_5_engine.py
 
 
 class Setup:
     def __init__(self, folder):
-        self.reference_model, self.model = load_models(folder)
-        self.config = self.model.config
+        self.runner = ReferenceRunner(folder)
+        self.thinker, self.talker, self.config = load_engine_stages(folder)
         self.builder = PromptBuilder(folder, self.config)
-        self.voices = load_voices(folder)
-        self.processor = oracle_processor(folder)
+        self.voices = voice_bos_tokens(folder)
         files = media()
         self.messages = {c.request_id: case_messages(c, files) for c in CASES}
         self.expected = {c.request_id: self.reference(c) for c in CASES}
 
     def reference(self, case, eos_ids=TALKER_EOS_IDS):
-        return generate_reference(self.reference_model, self.processor, self.messages[case.request_id], case.voice,
-                                  case.max_new_tokens, case.talker_max_new_tokens, eos_ids, REPETITION_PENALTY)
+        return generate_reference(self.runner, self.messages[case.request_id], case.voice, case.max_new_tokens,
+                                  case.talker_max_new_tokens, eos_ids)
 
 
 @pytest.fixture(scope="module", params=["tiny", "wide"])
 def setup(request) -> Setup:
-    fixture = {"tiny": "qwen2_5_checkpoint", "wide": "qwen2_5_checkpoint_wide"}[request.param]
+    fixture = {"tiny": "tiny_qwen2_5_checkpoint", "wide": "tiny_qwen2_5_checkpoint_wide"}[request.param]
     return Setup(request.getfixturevalue(fixture))
 
 
 @pytest.fixture(scope="module")
-def tiny(qwen2_5_checkpoint) -> Setup:
-    return Setup(qwen2_5_checkpoint)
+def tiny(tiny_qwen2_5_checkpoint) -> Setup:
+    return Setup(tiny_qwen2_5_checkpoint)
 
 
 class Pipeline:
@@ -92,10 +80,10 @@ class Pipeline:
         self.setup = setup
         self.wire = wire  # hand everything over as the servers do: protos, serialized and parsed back
         self.previous_id: dict[str, int] = {}  # request_id -> the last text id (wire: its TextToken comes next)
-        model, config = setup.model, setup.config
-        self.thinker = Qwen2_5ThinkerEngine(model.thinker, config, engine_config=ThinkerEngineConfig(
+        config = setup.config
+        self.thinker = Qwen2_5ThinkerEngine(setup.thinker, config, engine_config=ThinkerEngineConfig(
             max_batch_size=slots, num_slots=slots, max_model_len=MAX_MODEL_LEN))
-        self.talker = Qwen2_5TalkerEngine(model.talker, config, engine_config=TalkerEngineConfig(
+        self.talker = Qwen2_5TalkerEngine(setup.talker, config, engine_config=TalkerEngineConfig(
             max_batch_size=slots, num_slots=slots, max_model_len=MAX_MODEL_LEN))
         self.text_every = text_every or {}
         self.eos_ids = eos_ids
@@ -241,7 +229,7 @@ def alone(tiny) -> dict:
 
 def test_sixteen_concurrent_requests_through_the_wire_messages_equal_generate(tiny):
     # The stage-to-stage contract: TalkerStart fields 13-14 and TextToken.reply, serialized and
-    # parsed back, converted by the servers' functions, give the engines exactly generate's codes.
+    # parsed back, converted by the adapters' functions, give the engines exactly generate's codes.
     pipe = Pipeline(tiny, wire=True).run(CASES)
     assert_equals_reference(pipe, [c.request_id for c in CASES])
     assert_clean(pipe)
@@ -270,7 +258,7 @@ def test_generate_feeds_its_talker_no_attention_mask(tiny):
     # the all-ones mask, and the talker's forward does both only when it gets one. If a transformers
     # update changes this, this test names the cause before the exactness tests fail.
     seen = []  # (attention_mask, position_ids) of every talker forward inside generate
-    hook = tiny.reference_model.talker.register_forward_pre_hook(
+    hook = tiny.runner.model.talker.register_forward_pre_hook(
         lambda module, args, kwargs: seen.append((kwargs.get("attention_mask"), kwargs.get("position_ids"))),
         with_kwargs=True)
     try:
@@ -279,6 +267,27 @@ def test_generate_feeds_its_talker_no_attention_mask(tiny):
         hook.remove()
     assert len(seen) == BY_ID["image-ethan"].talker_max_new_tokens
     assert all(mask is None and positions is None for mask, positions in seen)
+
+
+@pytest.fixture(scope="module")
+def ending(tmp_path_factory) -> Setup:
+    """`omni-tiny-checkpoint --family qwen2_5_omni --eos`: the thinker's <|im_end|> and the talker's
+    codec end (8294) win after a few steps, so requests end on the real end ids."""
+    from services.tools.tiny_qwen2_5_omni import build
+
+    return Setup(build(tmp_path_factory.mktemp("eos25") / "eos", seed=0, eos=True))
+
+
+def test_requests_end_on_the_real_end_ids_as_generate_ends_them(ending):
+    pipe = Pipeline(ending).run(CASES)
+    assert_equals_reference(pipe, [c.request_id for c in CASES])
+    assert_clean(pipe)
+    text_stops = [rid for rid, f in pipe.finished.items() if f.reason is FinishReason.STOP]
+    talker_stops = [rid for rid, d in pipe.done.items() if d.reason is FinishReason.STOP]
+    # Measured: 13 of the 16 end on <|im_end|> and 13 on the codec end (one with no frame at all).
+    assert len(text_stops) >= 8 and len(talker_stops) >= 8, (text_stops, talker_stops)
+    for rid in text_stops:
+        assert pipe.tokens[rid][-1] == ending.config.thinker_config.eos_token_id
 
 
 def test_the_talker_end_id_ends_the_request_as_generate_cuts_it(tiny):

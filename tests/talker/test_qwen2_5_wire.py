@@ -1,5 +1,6 @@
 """The Qwen2.5-Omni half of the thinker -> talker contract (stages.proto: TalkerStart fields 13-14,
-TextToken.reply): the servers' conversion functions, and what they refuse, naming the field.
+TextToken.reply): the family adapters' conversion functions (services/thinker/qwen2_5_adapter.py,
+services/talker/qwen2_5_adapter.py), and what they refuse, naming the field.
 tests/talker/test_qwen2_5_engine.py runs sixteen requests through them against generate."""
 
 from __future__ import annotations
@@ -12,21 +13,22 @@ from services.runtime.errors import InvalidArgument
 from services.runtime.settings import ModelConfig
 from services.serving.config import ServingConfig
 from services.serving.wire import tensor_to_proto
+from services.talker.config import TalkerConfig
 from services.talker.engine import TalkerEngineConfig, TextEnd
 from services.talker.qwen2_5 import ReplyPart
-from services.talker.server import TalkerConfig, qwen2_5_input_from_proto, qwen2_5_job_from_proto
+from services.talker.qwen2_5_adapter import qwen2_5_input_from_proto, qwen2_5_job_from_proto
 from services.thinker.engine import Token
 from services.thinker.qwen2_5 import Qwen2_5Prefilled
-from services.thinker.server import qwen2_5_talker_start, qwen2_5_text_tokens
+from services.thinker.qwen2_5_adapter import qwen2_5_talker_start, qwen2_5_text_tokens
 
 P, MAX_MODEL_LEN = 7, 64
 
 
 @pytest.fixture(scope="module")
-def config(qwen2_5_checkpoint):
+def config(tiny_qwen2_5_checkpoint):
     from transformers import Qwen2_5OmniConfig
 
-    return Qwen2_5OmniConfig.from_pretrained(qwen2_5_checkpoint)
+    return Qwen2_5OmniConfig.from_pretrained(tiny_qwen2_5_checkpoint)
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,9 @@
 """Qwen2_5ThinkerEngine against transformers' `Qwen2_5OmniForConditionalGeneration.generate`.
 
 For every request of tests/qwen2_5_oracle.py (text, audio, image, audio + image; both voices;
-1 to 16 tokens), alone and 16 at once joining at different steps, on the tiny checkpoint and on
-one of other sizes: the text ids equal generate's, and what the engine hands the talker equals,
+1 to 16 tokens), alone and 16 at once joining at different steps, on the tiny checkpoint
+(`omni-tiny-checkpoint --family qwen2_5_omni`) and on one of other sizes (the same builder with a
+layout, tests/conftest.py): the text ids equal generate's, and what the engine hands the talker equals,
 bit for bit, what generate hands its talker: the prompt rows and the voice's bos row of the
 talker's `inputs_embeds`, reply part 0 (its last row), and `thinker_reply_part` (reply parts 1 to
 T - 2, then the text eos and pad embeddings).
@@ -13,35 +14,23 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.runtime.checkpoint import voice_bos_tokens
 from services.runtime.finish import FinishReason
 from services.runtime.prompt import PromptBuilder
-from services.runtime.qwen2_5_omni import load_voices, resolve_voice
+from services.runtime.qwen2_5_omni import resolve_voice
 from services.runtime.sampling import SamplingConfig
 from services.thinker.engine import Finished, ThinkerEngineConfig, Token
 from services.thinker.qwen2_5 import Qwen2_5Prefilled, Qwen2_5ThinkerEngine, Qwen2_5ThinkerJob
-from tests.qwen2_5_oracle import (
-    BY_ID,
-    CASES,
-    case_messages,
-    generate_reference,
-    load_models,
-    media,
-    oracle_processor,
-)
-from tests.qwen2_5_tiny import TALKER_EOS_IDS
+from services.tools.reference import ReferenceRunner
+from tests.qwen2_5_oracle import BY_ID, CASES, case_messages, generate_reference, load_engine_stages, media
 
 SLOTS = 16
 MAX_MODEL_LEN = 256  # the longest prompt here is ~120 tokens
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: the engine and the oracle share the process, so exactness is unaffected;
-    on the shared 2-core box tiny ops are much faster on one (see tests/thinker/test_engine.py)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+# One torch thread: the engine and the oracle share the process, so exactness is unaffected; on
+# the shared 2-core box tiny ops are much faster on one (see tests/thinker/test_engine.py).
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class Setup:
@@ -49,20 +38,18 @@ class Setup:
 
     def __init__(self, folder):
         self.folder = folder
-        self.reference_model, self.model = load_models(folder)
-        self.config = self.model.config
+        runner = ReferenceRunner(folder)
+        self.thinker, _, self.config = load_engine_stages(folder)
         self.builder = PromptBuilder(folder, self.config)
-        self.voices = load_voices(folder)
-        processor = oracle_processor(folder)
+        self.voices = voice_bos_tokens(folder)
         files = media()
         self.messages = {c.request_id: case_messages(c, files) for c in CASES}
         self.prompts = {rid: self.builder.build(m) for rid, m in self.messages.items()}
-        self.expected = {c.request_id: generate_reference(self.reference_model, processor, self.messages[c.request_id],
-                                                          c.voice, c.max_new_tokens, c.talker_max_new_tokens,
-                                                          TALKER_EOS_IDS) for c in CASES}
+        self.expected = {c.request_id: generate_reference(runner, self.messages[c.request_id], c.voice,
+                                                          c.max_new_tokens, c.talker_max_new_tokens) for c in CASES}
 
     def engine(self, slots: int = SLOTS) -> Qwen2_5ThinkerEngine:
-        return Qwen2_5ThinkerEngine(self.model.thinker, self.config, engine_config=ThinkerEngineConfig(
+        return Qwen2_5ThinkerEngine(self.thinker, self.config, engine_config=ThinkerEngineConfig(
             max_batch_size=slots, num_slots=slots, max_model_len=MAX_MODEL_LEN))
 
     def job(self, case, talker: bool = True) -> Qwen2_5ThinkerJob:
@@ -73,7 +60,7 @@ class Setup:
 
 @pytest.fixture(scope="module", params=["tiny", "wide"])
 def setup(request) -> Setup:
-    fixture = {"tiny": "qwen2_5_checkpoint", "wide": "qwen2_5_checkpoint_wide"}[request.param]
+    fixture = {"tiny": "tiny_qwen2_5_checkpoint", "wide": "tiny_qwen2_5_checkpoint_wide"}[request.param]
     return Setup(request.getfixturevalue(fixture))
 
 

@@ -56,7 +56,7 @@ def test_audio_is_token2wav_of_the_frames_from_the_seeded_noise(tiny_qwen2_5_che
     """What a code2wav stage must reproduce: Token2Wav of the codes with the voice's cond and ref_mel,
     its initial noise drawn right after torch.manual_seed(TOKEN2WAV_SEED)."""
     token2wav = load_stage(tiny_qwen2_5_checkpoint, Stage.CODE2WAV).model
-    voice = load_voices(tiny_qwen2_5_checkpoint)["Ethan"]  # the default voice
+    voice = load_voices(tiny_qwen2_5_checkpoint)["Chelsie"]  # the default voice, generate's
     codes = torch.tensor([[frame[0] for frame in text_result.codec_frames]])
     torch.manual_seed(TOKEN2WAV_SEED)
     with torch.inference_mode():
@@ -76,11 +76,11 @@ def test_generate_is_deterministic_and_the_seed_moves_only_the_audio(runner, tex
 
 def test_voice_names_match_spk_dict_case_insensitively(runner, text_result):
     assert runner.voices == {"chelsie": "Chelsie", "ethan": "Ethan"}
-    ethan = runner.generate(user(Part(text=PROMPT)), "ETHAN", MAX_NEW_TOKENS, TALKER_MAX_NEW_TOKENS)
-    assert ethan.codec_frames == text_result.codec_frames
-    chelsie = runner.generate(user(Part(text=PROMPT)), "Chelsie", MAX_NEW_TOKENS, TALKER_MAX_NEW_TOKENS)
-    assert chelsie.thinker_token_ids == text_result.thinker_token_ids  # the voice is the talker's business
-    assert chelsie.codec_frames != text_result.codec_frames  # its bos_token starts the talker's reply
+    chelsie = runner.generate(user(Part(text=PROMPT)), "CHELSIE", MAX_NEW_TOKENS, TALKER_MAX_NEW_TOKENS)
+    assert chelsie.codec_frames == text_result.codec_frames  # the default is generate's, Chelsie
+    ethan = runner.generate(user(Part(text=PROMPT)), "ethan", MAX_NEW_TOKENS, TALKER_MAX_NEW_TOKENS)
+    assert ethan.thinker_token_ids == text_result.thinker_token_ids  # the voice is the talker's business
+    assert ethan.codec_frames != text_result.codec_frames  # its bos_token starts the talker's reply
 
 
 def test_unknown_voice_is_invalid_argument(runner):
@@ -126,6 +126,12 @@ def test_transformers_generate_fails_on_a_one_token_reply(runner):
     with pytest.raises(ValueError, match="non-empty list"):
         runner.generate(user(Part(text=PROMPT)), None, 1, 4)
     assert len(runner.generate(user(Part(text=PROMPT)), None, 1, return_audio=False).thinker_token_ids) == 1
+
+
+def test_speaker_and_model_inputs_as_generate_takes_them(runner, png_bytes):
+    assert runner.speaker(None) == "Chelsie" and runner.speaker("ETHAN") == "Ethan"
+    inputs = runner.model_inputs(runner.inputs(user(Part(image=png_bytes), Part(text=PROMPT))))
+    assert "thinker_pixel_values" in inputs and "pixel_values" not in inputs  # the talker must not get them
 
 
 def test_cli_prints_one_json_object(tiny_qwen2_5_checkpoint, tmp_path, capsys):

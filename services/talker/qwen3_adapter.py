@@ -1,0 +1,74 @@
+"""Qwen3-Omni's talker as the server drives it (adapter.py): `TalkerEngine`; the start message
+carries the prompt embeddings, multimodal hidden states and tts embeddings, the voice is resolved
+to the talker's speaker id here, and each later token brings a text row (`TextToken.embedding`)
+(docs/qwen3-omni.md)."""
+
+from __future__ import annotations
+
+import torch
+
+from omni.v1 import stages_pb2
+from services.runtime.errors import InvalidArgument
+from services.runtime.prompt import resolve_voice
+from services.runtime.qwen3_omni import talker_prompt_len
+from services.serving.convert import sampling_from_proto
+from services.serving.wire import tensor_from_proto
+from services.talker.config import TalkerConfig
+from services.talker.engine import TalkerEngine, TalkerJob, TextEnd, TextRow
+
+
+def talker_job_from_proto(start: stages_pb2.TalkerStart, model_config, config: TalkerConfig) -> TalkerJob:
+    """Validate and convert the start message (fields named as in the proto)."""
+    hidden = model_config.thinker_config.text_config.hidden_size
+    _, speaker_id = resolve_voice(model_config, start.voice or None)
+    embeds = tensor_from_proto(start.prompt_embeds)
+    if embeds.ndim != 2 or embeds.shape[1] != hidden or embeds.shape[0] != len(start.prompt_token_ids):
+        raise InvalidArgument("start.prompt_embeds", f"must be [{len(start.prompt_token_ids)}, {hidden}], "
+                                                     f"got {list(embeds.shape)}")
+    positions = list(start.multimodal_positions)
+    mm_hidden = (tensor_from_proto(start.multimodal_hidden) if start.HasField("multimodal_hidden")
+                 else torch.zeros((0, hidden)))
+    if mm_hidden.shape != (len(positions), hidden) or any(not 0 <= p < embeds.shape[0] for p in positions):
+        raise InvalidArgument("start.multimodal_hidden", "must have one row per multimodal position inside the prompt")
+    tts = tensor_from_proto(start.tts_embeds)
+    if tts.shape != (3, hidden):
+        raise InvalidArgument("start.tts_embeds", f"must be [3, {hidden}], got {list(tts.shape)}")
+    sampling = sampling_from_proto(start.sampling, "talker_sampling", config.default_max_new_tokens,
+                                   config.max_new_tokens_limit, default_repetition_penalty=1.05)
+    needed = talker_prompt_len(list(start.prompt_token_ids), model_config) + sampling.max_new_tokens
+    if needed > config.engine.max_model_len:
+        raise InvalidArgument("talker_sampling.max_new_tokens",
+                              f"talker prompt + max_new_tokens ({needed}) exceeds the talker's per-request cache "
+                              f"({config.engine.max_model_len})")
+    return TalkerJob(
+        prompt_token_ids=list(start.prompt_token_ids), prompt_embeds=embeds, multimodal_positions=positions,
+        multimodal_hidden=mm_hidden, tts_embeds=tts, speaker_id=speaker_id,
+        sampling=sampling,
+        image_grid_thw=tensor_from_proto(start.image_grid_thw) if start.HasField("image_grid_thw") else None,
+        audio_feature_lengths=(tensor_from_proto(start.audio_feature_lengths)
+                               if start.HasField("audio_feature_lengths") else None),
+    )
+
+
+def text_input_from_proto(message: stages_pb2.TalkerInput) -> TextRow | TextEnd:
+    """A Qwen3-Omni talker input after start: a token's text row, or the text's end."""
+    if message.HasField("token"):
+        return TextRow(tensor_from_proto(message.token.embedding))
+    if message.HasField("finished"):
+        return TextEnd()
+    raise InvalidArgument("event", "expected token or finished after start")
+
+
+class Qwen3TalkerAdapter:
+    engine = TalkerEngine
+    cuda_graphs = True
+
+    def __init__(self, model_config, config: TalkerConfig):
+        self.model_config = model_config  # Qwen3OmniMoeConfig
+        self.config = config
+
+    def job_from_proto(self, start: stages_pb2.TalkerStart) -> TalkerJob:
+        return talker_job_from_proto(start, self.model_config, self.config)
+
+    def input_from_proto(self, message: stages_pb2.TalkerInput) -> TextRow | TextEnd:
+        return text_input_from_proto(message)

@@ -1,0 +1,75 @@
+"""`omni-serve up --checkpoint <the tiny Qwen2.5-Omni checkpoint>`: the launcher's stack (thinker,
+talker, router, gateway) on the family's checkpoint, with a stand-in code2wav stage
+(tests/tools/stub_code2wav.py: this family's Token2Wav stage is not on this branch). omni-client's
+request through the router gives the reference's text ids and codec frames (one code group), with
+the family's default voice on both sides; the gateway lists spk_dict.pt's voices, which the
+launcher read for it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from services.runtime.prompt import ChatMessage, Part, Role
+from services.tools import client, launcher
+from services.tools.reference import ReferenceRunner
+
+MAX_TEXT, MAX_TALKER = 8, 12
+PROMPT = "Hello! How are you today?"
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def post(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_qwen2_5_checkpoint):
+    parser = argparse.ArgumentParser()
+    launcher._add_stack_flags(parser)
+    args = parser.parse_args(["--checkpoint", str(tiny_qwen2_5_checkpoint), "--port", "0", "--threads", "1",
+                              "--thinker-max-new-tokens", str(MAX_TEXT), "--talker-max-new-tokens", str(MAX_TALKER)])
+    options = dataclasses.replace(launcher._options(args), http_port=0, log_prefix=False)
+    modules = dict(launcher.STAGE_MODULES)
+    launcher.STAGE_MODULES["code2wav"] = "tests.tools.stub_code2wav"
+    try:
+        with launcher.Stack(options) as running:
+            yield running
+    finally:
+        launcher.STAGE_MODULES.clear()
+        launcher.STAGE_MODULES.update(modules)
+
+
+def test_the_gateway_lists_the_voices_of_spk_dict_and_the_familys_default(stack):
+    with urllib.request.urlopen(f"{stack.http_url}/v1/models", timeout=10) as response:
+        (card,) = json.loads(response.read())["data"]
+    assert card["voices"] == ["chelsie", "ethan"] and card["default_voice"] == "chelsie"
+    status, error = post(f"{stack.http_url}/v1/chat/completions", {
+        "model": card["id"], "messages": [{"role": "user", "content": "Hi"}], "modalities": ["text", "audio"],
+        "audio": {"voice": "aiden", "format": "wav"}})
+    assert status == 400 and "known: chelsie, ethan" in error["error"]["message"]
+    status, reply = post(f"{stack.http_url}/v1/chat/completions", {
+        "model": card["id"], "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4})
+    assert status == 200 and reply["usage"]["completion_tokens"] == 4
+
+
+def test_omni_client_gets_the_references_text_and_codes(stack, tiny_qwen2_5_checkpoint, capsys):
+    want = ReferenceRunner(tiny_qwen2_5_checkpoint).generate([ChatMessage(Role.USER, (Part(text=PROMPT),))], None,
+                                                             MAX_TEXT, MAX_TALKER)
+    assert client.main(["--target", stack.target, "--prompt", PROMPT, "--json"]) == 0  # the stack's defaults
+    got = json.loads(capsys.readouterr().out)
+    assert got["thinker_token_ids"] == want.thinker_token_ids
+    assert got["codec_frames"] == want.codec_frames and len(got["codec_frames"]) == MAX_TALKER
+    assert all(len(frame) == 1 for frame in got["codec_frames"])
+    assert got["text_finish_reason"] == got["audio_finish_reason"] == "FINISH_REASON_LENGTH"
