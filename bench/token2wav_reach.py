@@ -1,7 +1,8 @@
 """How far Qwen2.5-Omni's Token2Wav reaches along the codec tokens, and what streaming costs.
 
     python -m bench.token2wav_reach reach               # per-evaluation, ODE and BigVGAN reach (tiny)
-    python -m bench.token2wav_reach table --tokens 240  # streamed vs whole decode: SNR per context
+    python -m bench.token2wav_reach table --tokens 240  # an interior chunk vs the whole decode, per context
+    python -m bench.token2wav_reach stream --tokens 240 # a whole stream vs the whole decode
     python -m bench.token2wav_reach noise               # the noise prefix facts
     python -m bench.token2wav_reach reach --layout real # the real widths (minutes on 2 cores)
 
@@ -33,6 +34,8 @@ from services.code2wav.qwen2_5 import (
     StreamContext,
     Token2WavDecoder,
     Token2WavRunner,
+    Token2WavStream,
+    VocoderWindow,
     Voice,
     decode_full,
 )
@@ -170,8 +173,6 @@ def bigvgan_reach(runner: Token2WavRunner, n_frames: int = 200, frame: int = 100
     mel = MEL_BIAS + 2 * torch.randn(n_frames, runner.geometry.mel_dim, generator=torch.Generator().manual_seed(5))
     bumped = mel.clone()
     bumped[frame] += 0.5
-    from services.code2wav.qwen2_5 import VocoderWindow
-
     wavs = [runner.vocode([VocoderWindow(0, n_frames, 0, n_frames, m)])[0].numpy() for m in (mel, bumped)]
     first, last = changed_extent(np.abs(wavs[1] - wavs[0]))
     return {"samples": [first, last], "back_mel_frames": frame - first / u, "ahead_mel_frames": (last + 1) / u - frame - 1}
@@ -211,24 +212,117 @@ def float64_answer(model, codes: torch.Tensor, voice: Voice, seed: int) -> np.nd
     return twin.vocode([window])[0].numpy()
 
 
+def plan_figures(geometry, context: StreamContext, n_tokens: int = 1200) -> dict:
+    """Without the model: tokens received when the first audio comes out, and the DiT's work per
+    token of a long stream (sum of window lengths / tokens; 1 = the whole forward's)."""
+    s = Token2WavStream(geometry, context, 0)
+    first, work = None, 0
+    for _ in range(n_tokens):
+        s.push(torch.zeros(1, dtype=torch.long))
+        for w in s.dit_windows():
+            work += w.end - w.start
+            s.accept_mel(w, w.noise)
+        for w in s.vocoder_windows():
+            s.accept_audio(w, torch.zeros((w.end - w.start) * geometry.samples_per_mel))
+            first = s.received if first is None else first
+    return {"first_audio_tokens": first, "first_audio_s": first * geometry.samples_per_frame / geometry.sample_rate,
+            "dit_work": round(work / n_tokens, 2)}
+
+
+def whole_mel(runner: Token2WavRunner, codes: torch.Tensor, voice: Voice, seed: int) -> torch.Tensor:
+    """The whole forward's mel (one window over everything: bit-identical to `sample`'s): [N*r, mel_dim]."""
+    n = codes.shape[0]
+    return runner.sample_mel([DitWindow(0, n, 0, n, codes, NoiseStream(seed, runner.geometry).draw(n))], [voice])[0]
+
+
+def chunk_error(runner: Token2WavRunner, voice: Voice, codes: torch.Tensor, seed: int, mel: torch.Tensor,
+                wav: np.ndarray, context: StreamContext) -> dict:
+    """One interior grid chunk decoded from its window (the stream's computation for it) against the
+    whole forward: SNR of its mel, and of the audio with that chunk's mel put in the whole mel
+    (over the chunk's samples plus BigVGAN's spill). Interior chunks set a long stream's SNR."""
+    g, n, c = runner.geometry, codes.shape[0], context
+    r, u = g.repeats, g.samples_per_mel
+    s = (n // 2) // c.chunk * c.chunk
+    a, b = max(0, s - c.left), min(n, s + c.chunk + c.ahead)
+    noise = NoiseStream(seed, g).draw(n)
+    window = DitWindow(a, b, s, s + c.chunk, codes[a:b], noise[a * r:b * r])
+    kept = runner.sample_mel([window], [voice])[0][(s - a) * r:(s + c.chunk - a) * r]
+    patched = mel.clone()
+    patched[s * r:(s + c.chunk) * r] = kept
+    audio = runner.vocode([VocoderWindow(0, n * r, 0, n * r, patched)])[0].numpy()
+    lo, hi = max(0, (s * r - 32) * u), min(wav.size, ((s + c.chunk) * r + 32) * u)
+    return {"mel_snr_db": round(snr_db(mel[s * r:(s + c.chunk) * r].numpy(), kept.numpy()), 1),
+            "audio_snr_db": round(snr_db(wav[lo:hi], audio[lo:hi]), 1)}
+
+
+def vocoder_error(runner: Token2WavRunner, mel: torch.Tensor, wav: np.ndarray, context: StreamContext) -> float:
+    """BigVGAN in the stream's windows (grid, `vocoder` frames each side) over the whole mel vs one pass."""
+    s = Token2WavStream(runner.geometry, context, 0)
+    n = mel.shape[0] // runner.geometry.repeats
+    s.push(torch.zeros(n, dtype=torch.long))
+    s.finish()
+    for w in s.dit_windows():
+        s.accept_mel(w, mel[w.start * runner.geometry.repeats:w.end * runner.geometry.repeats])
+    audio = np.concatenate([s.accept_audio(w, runner.vocode([w])[0]) for w in s.vocoder_windows()])
+    return round(snr_db(wav, audio), 1)
+
+
 def context_table(runner: Token2WavRunner, voice: Voice, n_tokens: int, contexts: list[StreamContext],
-                  sizes: list[int], seed: int = 0, float64: bool = True) -> list[dict]:
+                  vocoder_contexts: list[int], seed: int = 0, float64: bool = True) -> None:
     codes = random_codes(n_tokens)
-    full = decode_full(runner.model, codes, voice, seed, runner.sampling)
+    mel = whole_mel(runner, codes, voice, seed)
+    wav = runner.vocode([VocoderWindow(0, mel.shape[0], 0, mel.shape[0], mel)])[0].numpy()
     if float64:
         print(json.dumps({"float32_forward_vs_float64_db": round(snr_db(float64_answer(runner.model, codes, voice, seed),
-                                                                        full), 1)}), flush=True)
-    rows = []
+                                                                        wav), 1)}), flush=True)
+    for v in vocoder_contexts:
+        print(json.dumps({"vocoder": v, "audio_snr_db": vocoder_error(runner, mel, wav, StreamContext(vocoder=v))}),
+              flush=True)
     for ctx in contexts:
         started = time.perf_counter()
-        audio, first = stream(runner, codes, voice, seed, ctx, sizes)
-        assert audio.shape == full.shape
-        rows.append({"left": ctx.left, "ahead": ctx.ahead, "chunk": ctx.chunk, "vocoder": ctx.vocoder,
-                     "snr_db": round(snr_db(full, audio), 1), "first_audio_tokens": first,
-                     "first_audio_s": first * runner.geometry.samples_per_frame / runner.geometry.sample_rate,
-                     "seconds": round(time.perf_counter() - started, 1)})
-        print(json.dumps(rows[-1]), flush=True)
-    return rows
+        row = {"left": ctx.left, "ahead": ctx.ahead, "chunk": ctx.chunk, "vocoder": ctx.vocoder,
+               **chunk_error(runner, voice, codes, seed, mel, wav, ctx), **plan_figures(runner.geometry, ctx),
+               "seconds": round(time.perf_counter() - started, 1)}
+        print(json.dumps(row), flush=True)
+
+
+def join_samples(geometry, context: StreamContext, n_tokens: int) -> np.ndarray:
+    """Sample indices where one window's output meets the next's: DiT chunk ends and BigVGAN window ends."""
+    dit = np.arange(context.chunk, n_tokens, context.chunk) * geometry.samples_per_frame
+    step = context.chunk * geometry.repeats
+    voc = (np.arange(step, n_tokens * geometry.repeats, step) - context.vocoder) * geometry.samples_per_mel
+    return np.unique(np.concatenate([dit, voc[voc > 0]]))
+
+
+def join_figures(full: np.ndarray, audio: np.ndarray, joins: np.ndarray, half_width: int = 60) -> dict:
+    """The error near joins (within `half_width` samples, 2.5 ms) against the error elsewhere: SNR
+    of each part, and the largest jump of the error from one sample to the next at a join against
+    the 99th percentile of those jumps everywhere (a click would be a jump far above it)."""
+    near = np.zeros(full.size, dtype=bool)
+    for j in joins:
+        near[max(0, j - half_width):j + half_width] = True
+    error = audio.astype(np.float64) - full.astype(np.float64)
+    jumps = np.abs(np.diff(error))
+    return {"near_joins_snr_db": round(snr_db(full[near], audio[near]), 1),
+            "elsewhere_snr_db": round(snr_db(full[~near], audio[~near]), 1),
+            "max_jump_at_joins": float(jumps[joins - 1].max()) if joins.size else 0.0,
+            "p99_jump": float(np.percentile(jumps, 99)), "signal_rms": float(np.sqrt(np.mean(full.astype(np.float64) ** 2)))}
+
+
+def stream_check(runner: Token2WavRunner, voice: Voice, n_tokens: int, context: StreamContext, sizes: list[int],
+                 seed: int = 0, float64: bool = True) -> dict:
+    """A whole stream against the whole forward (and the forward's float64 answer), and its joins."""
+    codes = random_codes(n_tokens)
+    full = decode_full(runner.model, codes, voice, seed, runner.sampling)
+    audio, first = stream(runner, codes, voice, seed, context, sizes)
+    out = {"tokens": n_tokens, "context": [context.left, context.ahead, context.chunk, context.vocoder],
+           "snr_db": round(snr_db(full, audio), 1), "first_audio_tokens": first,
+           **join_figures(full, audio, join_samples(runner.geometry, context, n_tokens))}
+    if float64:
+        truth = float64_answer(runner.model, codes, voice, seed)
+        out |= {"float32_forward_vs_float64_db": round(snr_db(truth, full), 1),
+                "stream_vs_float64_db": round(snr_db(truth, audio), 1)}
+    return out
 
 
 def noise_facts(n_tokens: int = 500) -> dict:
@@ -249,12 +343,14 @@ def noise_facts(n_tokens: int = 500) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=["reach", "table", "noise"])
+    p.add_argument("what", choices=["reach", "table", "stream", "noise"])
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="tiny")
     p.add_argument("--tokens", type=int, default=240)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--sizes", type=int, nargs="+", default=[4, 8, 16, 25])
     p.add_argument("--contexts", nargs="+", default=None, help="left:ahead:chunk:vocoder, tokens (vocoder: mel frames)")
+    p.add_argument("--vocoder", type=int, nargs="*", default=[8, 16, 24, 26, 28, 30, 32])
+    p.add_argument("--no-float64", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.what == "noise":
@@ -268,10 +364,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"evaluation": [evaluation_reach(runner, voice, args.tokens, t) for t in (mid, mid + 5, mid + 11)]}))
         print(json.dumps({"bigvgan": bigvgan_reach(runner), "bigvgan_analytic": bigvgan_reach_analytic(model.config)}))
         print(json.dumps({"ode": ode_reach(runner, voice, args.tokens, mid)}))
+    elif args.what == "stream":
+        ctx = StreamContext(*(int(x) for x in args.contexts[0].split(":"))) if args.contexts else StreamContext()
+        print(json.dumps(stream_check(runner, voice, args.tokens, ctx, args.sizes, float64=not args.no_float64)))
     else:
-        specs = args.contexts or ["24:12:12:32", "48:24:12:32", "96:48:12:32"]
+        specs = args.contexts or ["96:96:12:32", "48:24:12:32"]
         contexts = [StreamContext(*(int(x) for x in s.split(":"))) for s in specs]
-        context_table(runner, voice, args.tokens, contexts, args.sizes)
+        context_table(runner, voice, args.tokens, contexts, args.vocoder, float64=not args.no_float64)
     return 0
 
 

@@ -76,16 +76,29 @@ def geometry_of(model) -> Token2WavGeometry:
 
 @dataclass(frozen=True)
 class StreamContext:
-    """How much context each window decodes with, in codec tokens (mel frames for the vocoder)."""
+    """How much context each window decodes with, in codec tokens (mel frames for the vocoder).
 
-    left: int = 48  # tokens of DiT context before each chunk
-    ahead: int = 24  # tokens the DiT waits for after each chunk (the look-ahead latency)
-    chunk: int = 12  # tokens of mel made final per DiT window: the grid (one block at the defaults)
-    vocoder: int = 32  # mel frames of BigVGAN context each side of the frames it emits
+    The DiT's reach is counted in whole attention blocks (12 tokens): a window edge inside a
+    block loses up to one block of context, so `left`, `ahead` and `chunk` are best multiples of
+    12 (docs/qwen2_5-omni-token2wav.md, the context table)."""
+
+    left: int = 48  # tokens of DiT context before each chunk (4 blocks)
+    ahead: int = 24  # tokens the DiT waits for after each chunk (2 blocks: the look-ahead latency)
+    chunk: int = 24  # tokens of mel made final per DiT window: the grid
+    vocoder: int = 32  # mel frames of BigVGAN context each side of the frames it emits (reach: 29)
 
     def __post_init__(self):
         if self.chunk < 1 or self.left < 0 or self.ahead < 0 or self.vocoder < 0:
             raise ValueError(f"invalid token2wav context {self}")
+
+    @classmethod
+    def parse(cls, text: str) -> StreamContext:
+        """"LEFT:AHEAD[:CHUNK[:VOCODER]]" (a `--token2wav-context` flag's value); omitted fields keep the defaults."""
+        parts = text.split(":")
+        if not 2 <= len(parts) <= 4 or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(f"token2wav context must be LEFT:AHEAD[:CHUNK[:VOCODER]] (integers), got {text!r}")
+        names = ("left", "ahead", "chunk", "vocoder")
+        return cls(**{name: int(p) for name, p in zip(names, parts)})
 
 
 @dataclass(frozen=True)
@@ -103,6 +116,13 @@ class Voice:
 
     conditioning: torch.Tensor  # [enc_emb_dim] float32 ("cond")
     reference_mel: torch.Tensor  # [T, mel_dim] float32 ("ref_mel")
+
+
+def voices_from_speakers(speakers: dict, mel_dim: int = 80) -> dict[str, Voice]:
+    """The checkpoint's speaker dictionary (spk_dict.pt: name -> {"cond", "ref_mel", "bos_token"})
+    -> name -> Voice, shaped as Qwen2_5OmniForConditionalGeneration.generate passes them on."""
+    return {name: Voice(p["cond"].float().reshape(-1), p["ref_mel"].float().reshape(-1, mel_dim))
+            for name, p in speakers.items()}
 
 
 class NoiseStream:
