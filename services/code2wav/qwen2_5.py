@@ -17,8 +17,8 @@ window of context recovers the whole-sequence answer to a measured SNR:
     noise, absolute rotary positions and absolute block indices (so every rounding that depends
     on position is the whole forward's), the chunk's mel kept. Windows depend on tokens and
     noise only, never on earlier windows, so all windows ready at a step decode as one batch.
-  - BigVGAN (finite receptive field, ~`vocoder_context` mel frames each side): audio is emitted
-    for mel frames whose whole receptive field is final mel, or the true edges of the stream.
+  - BigVGAN (a finite receptive field, 29 mel frames each side): audio is emitted for mel
+    frames with `vocoder` frames of final mel (or the stream's true edge) on both sides.
   - Noise: the CPU generator's normal draws of any multiple of 16 values are a prefix of a longer
     draw from the same state, and a token's noise is repeats*mel_dim = 160 values, so drawing
     each token's noise as it arrives reproduces the whole-sequence draw without knowing N.
@@ -58,10 +58,6 @@ class Token2WavGeometry:
         """Samples per codec token (480): a frame of this family is one token."""
         return self.repeats * self.samples_per_mel
 
-    @property
-    def block_tokens(self) -> float:
-        return self.block_size / self.repeats
-
 
 def geometry_of(model) -> Token2WavGeometry:
     """The stream's sizes from a `Qwen2_5OmniToken2WavModel`'s config."""
@@ -93,7 +89,7 @@ class StreamContext:
 
     @classmethod
     def parse(cls, text: str) -> StreamContext:
-        """"LEFT:AHEAD[:CHUNK[:VOCODER]]" (a `--token2wav-context` flag's value); omitted fields keep the defaults."""
+        """`LEFT:AHEAD[:CHUNK[:VOCODER]]` (a `--token2wav-context` flag's value); omitted fields keep the defaults."""
         parts = text.split(":")
         if not 2 <= len(parts) <= 4 or not all(p.strip().isdigit() for p in parts):
             raise ValueError(f"token2wav context must be LEFT:AHEAD[:CHUNK[:VOCODER]] (integers), got {text!r}")
@@ -414,7 +410,8 @@ class Token2WavDecoder:
 
 def decode_full(model, codes: torch.Tensor, voice: Voice, seed: int, sampling: Sampling = Sampling()) -> np.ndarray:
     """The true answer: one `Qwen2_5OmniToken2WavModel.forward` over codes [N] after
-    `torch.manual_seed(seed)` (the global CPU generator is restored after) -> float32 [N*r*240]."""
+    `torch.manual_seed(seed)` (the global CPU generator is restored after) -> float32 [N*r*240].
+    A CPU model's: on a GPU the forward draws its noise there, which the stream never does."""
     device = next(model.parameters()).device
     with torch.random.fork_rng(devices=[]), torch.inference_mode():
         torch.manual_seed(seed)

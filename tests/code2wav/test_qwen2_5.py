@@ -25,6 +25,7 @@ from bench.token2wav_reach import (
 from services.code2wav.engine import Audio, CodecChunk, CodecEnd, Decoded
 from services.code2wav.qwen2_5 import (
     NoiseStream,
+    Sampling,
     StreamContext,
     Token2WavDecoder,
     Token2WavRunner,
@@ -153,6 +154,14 @@ def test_one_window_over_everything_is_bit_identical_to_the_forward(model, runne
 def streamed(runner, voice, codes):
     """The stream of `codes` in the talker's chunk sizes, default context."""
     return stream(runner, codes, voice, [4, 8, 16, 25])[1]
+
+
+def test_without_guidance_one_window_is_still_the_forward(model, voice, codes):
+    # guidance_scale below 1e-5: sample() evaluates the conditioned row alone.
+    sampling = Sampling(guidance_scale=0.0)
+    everything = StreamContext(left=10**6, ahead=10**6, chunk=10**6, vocoder=10**6)
+    _, audio = stream(Token2WavRunner(model, sampling), codes[:12], voice, [12], everything)
+    assert np.array_equal(audio, decode_full(model, codes[:12], voice, SEED, sampling))
 
 
 def test_streamed_audio_equals_one_forward_for_any_chunking(model, runner, voice, codes, full, streamed):
