@@ -1,0 +1,161 @@
+"""The code2wav engine for Qwen2.5-Omni: streaming Token2Wav over the stage's engine interface.
+
+The same calls and events as `Code2WavEngine` (engine.py), so the engine loop and the servicer
+drive it unchanged: `add(request_id, Token2WavStart | None)`, `add_input(request_id, CodecChunk |
+CodecEnd)` with frames [n, 1] (one codec token a frame), `step() -> [(request_id, Audio |
+Decoded)]`, `abort`, `has_work`, `queue_depth`, `running`, `geometry.samples_per_frame` (480
+samples a token) and `geometry.sample_rate`, `num_quantizers` (1).
+
+Each step takes every request's oldest pending item (as engine.py does), then decodes every DiT
+window that became ready (qwen2_5.py: they depend on tokens and noise only), windows of equal
+length as one batch across requests, then every BigVGAN window that became ready, again batched by
+length. After the first chunks nearly every DiT window is left + chunk + ahead tokens long and
+every BigVGAN window chunk*r + 2*vocoder mel frames, so they batch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from services.code2wav.engine import Audio, CodecChunk, CodecEnd, Decoded
+from services.code2wav.qwen2_5 import (
+    DitWindow,
+    Sampling,
+    StreamContext,
+    Token2WavRunner,
+    Token2WavStream,
+    VocoderWindow,
+    Voice,
+)
+from services.runtime.timing import ForwardTimer
+
+
+@dataclass(frozen=True)
+class Token2WavStart:
+    """What a request may choose; None keeps the engine's default (a fixed seed, so a replayed
+    request decodes the same audio)."""
+
+    voice: str | None = None
+    seed: int | None = None
+
+
+@dataclass
+class _Request:
+    stream: Token2WavStream
+    voice: Voice
+    pending: deque = field(default_factory=deque)  # CodecChunk | CodecEnd, in arrival order
+    queued_tokens: int = 0  # tokens received by add_input, pending or pushed
+
+
+class Token2WavEngine:
+    def __init__(self, model, voices: dict[str, Voice], default_voice: str | None = None,
+                 context: StreamContext = StreamContext(), sampling: Sampling = Sampling(), seed: int = 0,
+                 max_batch: int = 16):
+        if not voices:
+            raise ValueError("token2wav needs at least one voice")
+        self.runner = Token2WavRunner(model, sampling)
+        self.geometry = self.runner.geometry
+        self.voices = voices  # name -> conditioning
+        self.default_voice = default_voice if default_voice is not None else next(iter(voices))
+        if self.default_voice not in voices:
+            raise ValueError(f"default voice {self.default_voice!r} is not one of {sorted(voices)}")
+        self.context = context
+        self.seed = seed
+        self.max_batch = max_batch
+        self.num_quantizers = 1
+        self.timer = ForwardTimer()  # seconds in DiT and BigVGAN forwards (services/runtime/timing.py)
+        self._requests: dict[str, _Request] = {}  # request_id -> its stream
+
+    def add(self, request_id: str, payload: Token2WavStart | None = None) -> None:
+        start = payload or Token2WavStart()
+        name = start.voice or self.default_voice
+        if name not in self.voices:
+            raise ValueError(f"unknown voice {name!r}; expected one of {sorted(self.voices)}")
+        seed = self.seed if start.seed is None else start.seed
+        self._requests[request_id] = _Request(Token2WavStream(self.geometry, self.context, seed), self.voices[name])
+
+    def add_input(self, request_id: str, payload) -> None:
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        if isinstance(payload, CodecChunk):
+            frames = payload.frames
+            if frames.ndim != 2 or frames.shape[1] != 1:
+                raise ValueError(f"codec frames must be [n, 1], got {list(frames.shape)}")
+            if frames.numel() and (frames.min() < 0 or frames.max() >= self.geometry.num_embeds):
+                raise ValueError(f"codec ids must be in [0, {self.geometry.num_embeds})")
+            request.queued_tokens += frames.shape[0]
+            if request.queued_tokens * self.geometry.repeats > self.geometry.max_mel_frames:
+                raise ValueError(f"more than {self.geometry.max_mel_frames // self.geometry.repeats} codec tokens")
+        request.pending.append(payload)
+
+    def abort(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def has_work(self) -> bool:
+        return any(r.pending for r in self._requests.values())
+
+    @property
+    def queue_depth(self) -> int:
+        return sum(len(r.pending) for r in self._requests.values())
+
+    @property
+    def running(self) -> int:
+        return len(self._requests)
+
+    def step(self) -> list[tuple[str, object]]:
+        for request in self._requests.values():
+            if request.pending:
+                item = request.pending.popleft()
+                if isinstance(item, CodecEnd):
+                    request.stream.finish()
+                elif item.frames.shape[0]:
+                    request.stream.push(item.frames[:, 0])
+        self._decode_mel()
+        events = self._vocode()
+        for request_id, request in list(self._requests.items()):
+            if request.stream.done:
+                events.append((request_id, Decoded(request.stream.samples_emitted, request.stream.received)))
+                del self._requests[request_id]
+        return events
+
+    def _decode_mel(self) -> None:
+        # Every ready DiT window of every request; equal lengths in one ODE. Each request's
+        # windows are accepted in token order (a request's windows may fall in different groups).
+        groups: dict[int, list[tuple[_Request, DitWindow]]] = {}  # window tokens -> (request, window)
+        for request in self._requests.values():
+            for window in request.stream.dit_windows():
+                groups.setdefault(window.end - window.start, []).append((request, window))
+        results: list[tuple[_Request, DitWindow, torch.Tensor]] = []
+        for group in groups.values():
+            for i in range(0, len(group), self.max_batch):
+                batch = group[i:i + self.max_batch]
+                with self.timer:
+                    mel = self.runner.sample_mel([w for _, w in batch], [r.voice for r, _ in batch])
+                results.extend((r, w, m) for (r, w), m in zip(batch, mel))
+        for request, window, mel in sorted(results, key=lambda item: item[1].keep_start):
+            request.stream.accept_mel(window, mel)
+
+    def _vocode(self) -> list[tuple[str, object]]:
+        groups: dict[int, list[tuple[str, VocoderWindow]]] = {}  # mel frames -> (request_id, window)
+        for request_id, request in self._requests.items():
+            for window in request.stream.vocoder_windows():
+                groups.setdefault(window.end - window.start, []).append((request_id, window))
+        results: list[tuple[str, VocoderWindow, torch.Tensor]] = []
+        for group in groups.values():
+            for i in range(0, len(group), self.max_batch):
+                batch = group[i:i + self.max_batch]
+                with self.timer:
+                    wavs = self.runner.vocode([w for _, w in batch])
+                results.extend((request_id, w, wav) for (request_id, w), wav in zip(batch, wavs))
+        events: list[tuple[str, object]] = []
+        for request_id, window, wav in sorted(results, key=lambda item: item[1].keep_start):
+            stream = self._requests[request_id].stream
+            first = stream.samples_emitted
+            samples = stream.accept_audio(window, wav)
+            if samples.size:
+                events.append((request_id, Audio(samples, first)))
+        return events
