@@ -78,8 +78,13 @@ class StreamContext:
     block loses up to one block of context, so `left`, `ahead` and `chunk` are best multiples of
     12 (docs/qwen2_5-omni-token2wav.md, the context table)."""
 
-    left: int = 48  # tokens of DiT context before each chunk (4 blocks)
-    ahead: int = 24  # tokens the DiT waits for after each chunk (2 blocks: the look-ahead latency)
+    # Measured on the tiny checkpoint (`omni-tiny-checkpoint --family qwen2_5_omni`, whose DiT has
+    # the 7B's look-back/look-ahead pattern: layers 0 and 3 look back, layer 2 ahead): 48:24 gives
+    # 68.6 dB against one whole forward, 48:48 81.2 dB, 96:24 68.8 dB, 96:48 109.1 dB. The reach
+    # depends on the weights, so measure a real checkpoint (bench/token2wav_reach.py) and set
+    # --token2wav-context; these defaults keep the tiny checkpoint above 100 dB.
+    left: int = 96  # tokens of DiT context before each chunk (8 blocks)
+    ahead: int = 48  # tokens the DiT waits for after each chunk (4 blocks: the look-ahead latency)
     chunk: int = 24  # tokens of mel made final per DiT window: the grid
     vocoder: int = 32  # mel frames of BigVGAN context each side of the frames it emits (reach: 29)
 

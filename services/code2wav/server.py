@@ -18,9 +18,12 @@ from services.code2wav.engine import (
     CodecEnd,
     Decoded,
 )
-from services.runtime.checkpoint import Stage, load_for_serving
+from services.code2wav.qwen2_5 import StreamContext, Voice
+from services.code2wav.qwen2_5_engine import Token2WavEngine, Token2WavStart
+from services.runtime.checkpoint import Stage, load_for_serving, load_voices
 from services.runtime.chunking import DEFAULT_CHUNKS
-from services.runtime.errors import InvalidArgument, run_cli
+from services.runtime.errors import InvalidArgument, UserError, run_cli
+from services.runtime.families import DEFAULT_VOICES, Family
 from services.runtime.settings import (
     ModelConfig,
     add_model_flags,
@@ -57,6 +60,8 @@ class Code2WavConfig:
     # Window lengths captured as CUDA graphs at start-up (others on first use): those of the
     # talker's default chunks (services/runtime/chunking.py) with `left_context` frames of context.
     graph_windows: tuple[int, ...] = DEFAULT_CHUNKS.windows(25)
+    # Qwen2.5-Omni's streaming Token2Wav: tokens of context around each chunk (services/code2wav/qwen2_5.py).
+    token2wav_context: StreamContext = StreamContext()
 
 
 class Code2WavServicer(stages_pb2_grpc.Code2WavServicer):
@@ -74,7 +79,7 @@ class Code2WavServicer(stages_pb2_grpc.Code2WavServicer):
         request_id = first.start.request_id or "anonymous"
         key = engine_key(request_id)  # unique per stream, whatever ids callers reuse
         sink = EventSink(asyncio.get_running_loop())
-        self.loop.add(key, None, sink)
+        self.loop.add(key, self._start_payload(first.start), sink)
         reader = asyncio.create_task(self._read_inputs(key, request_iterator, sink))
         index = 0
         finished = False
@@ -98,6 +103,19 @@ class Code2WavServicer(stages_pb2_grpc.Code2WavServicer):
             reader.cancel()
             if not finished:
                 self.loop.abort(key)
+
+    def _start_payload(self, start: stages_pb2.Code2WavStart):
+        """What the engine takes with a new request: Token2Wav's voice; nothing for Qwen3's vocoder."""
+        if isinstance(self.engine, Token2WavEngine):
+            return Token2WavStart(voice=self.engine_voice(start.voice))
+        return None
+
+    def engine_voice(self, voice: str) -> str | None:
+        """The engine's spelling of `voice` (matched case-insensitively, as the thinker does)."""
+        if not voice:
+            return None
+        names = {name.lower(): name for name in self.engine.voices}
+        return names.get(voice.lower(), voice)  # an unknown one fails in the engine, naming it
 
     async def _read_inputs(self, key: str, request_iterator, sink: EventSink) -> None:
         try:
@@ -128,8 +146,11 @@ class Code2WavServicer(stages_pb2_grpc.Code2WavServicer):
 
 async def create_server(config: Code2WavConfig) -> tuple[ServerHandle, EngineLoop]:
     loaded = load_for_serving(config.model, Stage.CODE2WAV)
-    engine = Code2WavEngine(loaded.model, loaded.config, left_context=config.left_context, decoder=config.decoder,
-                            graphs=config.model.graphs, graph_windows=config.graph_windows)
+    if loaded.family is Family.QWEN2_5_OMNI:
+        engine = token2wav_engine(loaded, config)
+    else:
+        engine = Code2WavEngine(loaded.model, loaded.config, left_context=config.left_context,
+                                decoder=config.decoder, graphs=config.model.graphs, graph_windows=config.graph_windows)
     metrics = StageMetrics("code2wav")
     metrics.serve(config.serving.metrics_port)
     loop = EngineLoop(engine, "code2wav", metrics)
@@ -140,6 +161,17 @@ async def create_server(config: Code2WavConfig) -> tuple[ServerHandle, EngineLoo
     servicer = Code2WavServicer(loop, engine, handle, config.serving.stream_idle_timeout_s)
     stages_pb2_grpc.add_Code2WavServicer_to_server(servicer, handle.server)
     return handle, loop
+
+
+def token2wav_engine(loaded, config: Code2WavConfig) -> Token2WavEngine:
+    """Qwen2.5-Omni's code2wav: streaming Token2Wav conditioned on the checkpoint's voices."""
+    if config.model.graphs.enabled:
+        log.warning("CUDA graphs are not implemented for Token2Wav: decoding eagerly")
+    mel_dim = loaded.config.token2wav_config.dit_config.mel_dim
+    voices = {name: Voice(v.cond.float().reshape(-1), v.ref_mel.float().reshape(-1, mel_dim))
+              for name, v in load_voices(config.model.checkpoint).items()}
+    default = next((n for n in voices if n.lower() == DEFAULT_VOICES[Family.QWEN2_5_OMNI].lower()), next(iter(voices)))
+    return Token2WavEngine(loaded.model, voices, default_voice=default, context=config.token2wav_context)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,13 +188,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="chunk window lengths (context + chunk frames) captured as CUDA graphs at start-up; "
                              "others are captured on first use (default: those of the talker's default chunks, "
                              "4, 8, 16, 25, ..., with --left-context frames of context)")
+    parser.add_argument("--token2wav-context", default=env_default("token2wav_context", ""),
+                        help="Qwen2.5-Omni only: LEFT:AHEAD[:CHUNK[:VOCODER]] codec tokens of context around each "
+                             "streamed chunk (default 96:48:24:32: 109 dB against one whole Token2Wav call on the tiny "
+                             "checkpoint, where 48:24 gives 69 dB; "
+                             "docs/qwen2_5-omni-token2wav.md has the trade-off table)")
     args = parser.parse_args(argv)
 
     def run() -> None:
+        try:
+            context = StreamContext.parse(args.token2wav_context) if args.token2wav_context else StreamContext()
+        except ValueError as exc:
+            raise UserError(f"--token2wav-context: {exc}") from None
         windows = (parse_buckets(args.graph_windows, "--graph-windows")  # the same syntax: positive integers
                    if args.graph_windows else DEFAULT_CHUNKS.windows(args.left_context))
         config = Code2WavConfig(serving=serving_config_from_args(args), model=model_config_from_args(args),
-                                left_context=args.left_context, decoder=args.decoder, graph_windows=windows)
+                                left_context=args.left_context, decoder=args.decoder, graph_windows=windows,
+                                token2wav_context=context)
         serve_stage("code2wav", create_server, config, args.port_file)
 
     return run_cli(run)

@@ -97,7 +97,8 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
         chunker = FrameChunker(self.config.chunks)
         done: TalkerDone | None = None
         try:
-            await decode.write(stages_pb2.Code2WavInput(start=stages_pb2.Code2WavStart(request_id=request_id)))
+            await decode.write(stages_pb2.Code2WavInput(start=stages_pb2.Code2WavStart(request_id=request_id,
+                                                                                         voice=start.voice)))
             while True:
                 try:
                     item = await sink.get(self.config.serving.stall_timeout_s(stages_below=1), "talker")
