@@ -2,10 +2,9 @@
 factories on port 0 and called over real gRPC: they load their stage (`load_for_serving`) and pick
 the family's adapter (its engine and stage-message conversions) by the checkpoint's model_type,
 and concurrent requests' text ids and codec frames equal transformers' generate (ReferenceRunner,
-tests/qwen2_5_oracle.py).
-
-One stand-in: code2wav is a stub that takes the frames and reports 0 samples (Qwen2.5-Omni's
-Token2Wav stage is not on this branch).
+tests/qwen2_5_oracle.py). Code2wav is the real stage too (streaming Token2Wav): every request's
+audio has one codec token's samples per frame (its values against generate's Token2Wav call are
+checked through the launcher's stack, tests/tools/test_launcher_qwen2_5.py).
 """
 
 from __future__ import annotations
@@ -17,6 +16,9 @@ import grpc
 import pytest
 
 from omni.v1 import stages_pb2, stages_pb2_grpc
+from services.code2wav.qwen2_5_engine import Token2WavEngine
+from services.code2wav.server import Code2WavConfig
+from services.code2wav.server import create_server as create_code2wav
 from services.runtime.qwen2_5_omni import TALKER_EOS_IDS
 from services.runtime.settings import ModelConfig
 from services.serving.config import ServingConfig
@@ -35,14 +37,6 @@ LOOPBACK = ServingConfig(host="127.0.0.1", port=0, stream_idle_timeout_s=60.0)
 CASES = [BY_ID[rid] for rid in ("text-ethan", "audio-chelsie", "image-ethan", "both-chelsie", "short-ethan")]
 
 
-class StubCode2Wav(stages_pb2_grpc.Code2WavServicer):
-    async def Decode(self, request_iterator, context):
-        async for message in request_iterator:
-            if message.HasField("end"):
-                yield stages_pb2.Code2WavOutput(final=stages_pb2.Code2WavFinal(audio_samples=0))
-                return
-
-
 @contextlib.asynccontextmanager
 async def serving(create, config):
     handle, loop = await create(config)
@@ -53,18 +47,6 @@ async def serving(create, config):
     finally:
         await handle.server.stop(0)
         loop.stop()
-
-
-@contextlib.asynccontextmanager
-async def stub_code2wav():
-    server = grpc.aio.server()
-    stages_pb2_grpc.add_Code2WavServicer_to_server(StubCode2Wav(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.stop(0)
 
 
 # One torch thread (see tests/thinker/test_qwen2_5_engine.py): the oracle's generate on two
@@ -110,11 +92,13 @@ def test_concurrent_requests_over_grpc_equal_generate(tiny_qwen2_5_checkpoint):
     async def scenario():
         thinker_config = thinker_server.ThinkerConfig(serving=LOOPBACK, model=model, engine=ThinkerEngineConfig(**engine))
         talker_config = talker_server.TalkerConfig(serving=LOOPBACK, model=model, engine=TalkerEngineConfig(**engine))
-        async with stub_code2wav() as code2wav, \
+        code2wav_config = Code2WavConfig(serving=LOOPBACK, model=model)
+        async with serving(create_code2wav, code2wav_config) as (code2wav, code2wav_engine), \
                 serving(talker_server.create_server, talker_config) as (talker, talker_engine), \
                 serving(thinker_server.create_server, thinker_config) as (thinker, thinker_engine), \
                 grpc.aio.insecure_channel(thinker) as channel:
             assert isinstance(thinker_engine, Qwen2_5ThinkerEngine) and isinstance(talker_engine, Qwen2_5TalkerEngine)
+            assert isinstance(code2wav_engine, Token2WavEngine)
             stub = stages_pb2_grpc.ThinkerStub(channel)
             route = stages_pb2.Route(talker=talker, code2wav=code2wav)
             results = await asyncio.gather(*(one(stub, route, case) for case in CASES))
@@ -127,3 +111,4 @@ def test_concurrent_requests_over_grpc_equal_generate(tiny_qwen2_5_checkpoint):
         assert ids == want.token_ids, f"{case.request_id}: text ids"
         assert codes == want.codes and len(codes) == case.talker_max_new_tokens, f"{case.request_id}: codec ids"
         assert final.usage.codec_frames == len(codes) and final.usage.text_tokens == len(ids)
+        assert final.usage.audio_seconds == pytest.approx(len(codes) * 480 / 24000), f"{case.request_id}: audio"
