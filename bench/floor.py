@@ -11,8 +11,9 @@ checkpoint's family (services/tools/inprocess.py, `handoff_for`):
    frames need 5 tokens;
 3. talker: prefill + frame 0, then decode steps to `first_chunk_frames` frames;
 4. code2wav: one `push` of those frames into a fresh decoder of the family's (`CODE2WAV_DECODERS`;
-   Qwen3-Omni: `StreamingDecoder`). Qwen2.5-Omni has none yet: its streaming Token2Wav engine is not
-   on this branch, and `FloorMeter` says so rather than time something else.
+   Qwen3-Omni: `StreamingDecoder` on the first chunk; Qwen2.5-Omni: streaming Token2Wav, whose
+   first audio needs a chunk plus its look-ahead of tokens (`--token2wav-context`, 24 + 48 by
+   default), so the talker part of its floor runs to that many frames).
 
 TTFP / floor is then the cost of serving: processes, gRPC hops, queueing and scheduling. The
 floor excludes prompt building (tokenizer, audio features, image patches), reported apart as
@@ -29,8 +30,10 @@ from dataclasses import dataclass
 import torch
 
 from bench.prompts import BenchPrompt
+from services.code2wav.qwen2_5 import StreamContext, Token2WavDecoder, Token2WavRunner
+from services.code2wav.qwen2_5 import Voice as Token2WavVoice
 from services.code2wav.streaming import StreamingDecoder, measure_geometry
-from services.runtime.errors import UserError
+from services.runtime.checkpoint import load_voices
 from services.runtime.families import Family
 from services.runtime.prompt import PromptBuilder
 from services.runtime.sampling import SamplingConfig
@@ -89,20 +92,39 @@ class FirstChunk:
     chunk: torch.Tensor | None  # [frames, num_code_groups]; None when the talker made no frame
 
 
-def qwen3_decoders(model, left_context: int) -> Callable[[], StreamingDecoder]:
+def qwen3_decoders(runner: ReferenceRunner, left_context: int,
+                   first_chunk_frames: int) -> tuple[Callable[[], StreamingDecoder], int]:
     """Qwen3-Omni's code2wav: a fresh `StreamingDecoder` per request, whose first `push` is what
     the code2wav service does with a request's first chunk."""
-    geometry = measure_geometry(model.code2wav)
-    return lambda: StreamingDecoder(model.code2wav, geometry, left_context)
+    geometry = measure_geometry(runner.model.code2wav)
+    return lambda: StreamingDecoder(runner.model.code2wav, geometry, left_context), first_chunk_frames
 
 
-def qwen2_5_decoders(model, left_context: int):
-    raise UserError("omni-bench: the Qwen2.5-Omni code2wav stage (streaming Token2Wav) is not on this branch yet, "
-                    "so its first-chunk floor cannot be timed (its thinker and talker part can: bench.floor.LMFloor)")
+class Token2WavFirstAudio:
+    """Qwen2.5-Omni's code2wav as the floor times it: the tokens its first audio needs, pushed at once
+    into a fresh stream of the service's streaming Token2Wav (default context, the voice's conditioning)."""
+
+    def __init__(self, runner: Token2WavRunner, voice: Token2WavVoice):
+        self.decoder = Token2WavDecoder(runner, voice, seed=0)
+
+    def push(self, frames: torch.Tensor):
+        return self.decoder.push(frames[:, 0])
 
 
-# family -> (the full model, left context frames) -> a factory of per-request decoders, each with
-# `push(frames [n, num_code_groups])`, the call the floor times.
+def qwen2_5_decoders(runner: ReferenceRunner, left_context: int,
+                     first_chunk_frames: int) -> tuple[Callable[[], Token2WavFirstAudio], int]:
+    context = StreamContext()
+    mel_dim = runner.model.config.token2wav_config.dit_config.mel_dim
+    voices = {name.lower(): v for name, v in load_voices(runner.folder).items()}
+    chosen = voices[runner.speaker(None).lower()]
+    voice = Token2WavVoice(chosen.cond.float().reshape(-1), chosen.ref_mel.float().reshape(-1, mel_dim))
+    t2w = Token2WavRunner(runner.model.token2wav)
+    return lambda: Token2WavFirstAudio(t2w, voice), context.chunk + context.ahead
+
+
+# family -> (the reference runner, left context frames, first chunk frames) -> (a factory of
+# per-request decoders, each with `push(frames [n, num_code_groups])`, the call the floor times;
+# the frames that first push takes).
 CODE2WAV_DECODERS = {Family.QWEN3_OMNI: qwen3_decoders, Family.QWEN2_5_OMNI: qwen2_5_decoders}
 
 
@@ -190,8 +212,9 @@ class FloorMeter:
 
     def __init__(self, runner: ReferenceRunner, device: str, voice: str | None, max_new_tokens: int,
                  talker_max_new_tokens: int, first_chunk_frames: int = 4, left_context: int = 25):
-        self.new_decoder = CODE2WAV_DECODERS[runner.family](runner.model, left_context)  # first: it may refuse
-        self.lms = LMFloor(runner, device, voice, max_new_tokens, talker_max_new_tokens, first_chunk_frames)
+        self.new_decoder, first_audio_frames = CODE2WAV_DECODERS[runner.family](runner, left_context,
+                                                                                first_chunk_frames)
+        self.lms = LMFloor(runner, device, voice, max_new_tokens, talker_max_new_tokens, first_audio_frames)
 
     def measure(self, prompt: BenchPrompt, prompt_index: int = 0) -> FloorSample:
         first = self.lms.measure(prompt, prompt_index)

@@ -1,21 +1,15 @@
-"""The benchmark's pieces on the tiny Qwen2.5-Omni checkpoint, where they need no code2wav stage:
+"""The benchmark's pieces on the tiny Qwen2.5-Omni checkpoint:
 the transformers reference (one request and a left-padded batch), the thinker + talker part of the
-first-chunk floor, and the clear refusal where the family's code2wav is missing (its streaming
-Token2Wav engine is not on this branch)."""
+first-chunk floor, and the whole floor to streaming Token2Wav's first audio."""
 
 from __future__ import annotations
-
-import contextlib
-import io
 
 import pytest
 
 from bench.floor import FloorMeter, LMFloor
-from bench.harness import main
 from bench.prompts import BenchPrompt
 from bench.reference import Reference
 from bench.systems import GatewaySystem
-from services.runtime.errors import UserError
 from services.tools.reference import ReferenceRunner
 
 MAX_TEXT, MAX_TALKER = 8, 12
@@ -62,18 +56,14 @@ def test_floor_lms_codes_are_generates(runner):
     assert floor.measure(prompt).chunk[:, 0].tolist() == [frame[0] for frame in want.codec_frames[:4]]
 
 
-def test_floor_meter_refuses_without_the_familys_code2wav(runner):
-    with pytest.raises(UserError, match="Qwen2.5-Omni code2wav stage .* not on this branch"):
-        FloorMeter(runner, "cpu", None, MAX_TEXT, MAX_TALKER)
+def test_the_floor_runs_to_token2wav_s_first_audio(runner):
+    # Streaming Token2Wav's first audio needs a chunk plus its look-ahead of codes (24 + 48): the
+    # talker part runs to that many frames, and the one push gives the first chunk's samples.
+    meter = FloorMeter(runner, "cpu", None, MAX_TEXT, 80)
+    sample = meter.measure(BenchPrompt("Hello! How are you today?"))
+    assert sample.frames == 72 and sample.code2wav_ms > 0
+    assert meter.lms.first_chunk_frames == 72
 
-
-def test_omni_bench_stops_with_that_error_before_starting_a_stack(tiny_qwen2_5_checkpoint, tmp_path, capsys):
-    with contextlib.redirect_stdout(io.StringIO()):
-        code = main(["--checkpoint", str(tiny_qwen2_5_checkpoint), "--out", str(tmp_path), "--concurrency", "1",
-                     "--requests", "1", "--rounds", "1"])
-    assert code == 2
-    assert "Qwen2.5-Omni code2wav stage" in capsys.readouterr().err
-    assert not list(tmp_path.iterdir())
 
 
 def test_gateway_requests_leave_the_voice_to_the_stack_when_none_is_given():
