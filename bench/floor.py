@@ -108,7 +108,10 @@ class Token2WavFirstAudio:
         self.decoder = Token2WavDecoder(runner, voice, seed=0)
 
     def push(self, frames: torch.Tensor):
-        return self.decoder.push(frames[:, 0])
+        audio = self.decoder.push(frames[:, 0])
+        # A request with fewer codes than a chunk plus its look-ahead hears its first audio when it
+        # ends: the stream flushes then.
+        return audio if audio.size else self.decoder.finish()
 
 
 def qwen2_5_decoders(runner: ReferenceRunner, left_context: int,

@@ -69,3 +69,8 @@ def test_the_floor_runs_to_token2wav_s_first_audio(runner):
 def test_gateway_requests_leave_the_voice_to_the_stack_when_none_is_given():
     body = GatewaySystem("http://127.0.0.1:1", None, 16, 5).request(BenchPrompt("Hi"))
     assert b'"audio": {"format": "pcm16"}' in body
+
+
+def test_a_request_shorter_than_a_chunk_and_its_look_ahead_hears_its_audio_at_its_end(runner):
+    sample = FloorMeter(runner, "cpu", None, MAX_TEXT, MAX_TALKER).measure(BenchPrompt("Hello! How are you today?"))
+    assert 0 < sample.frames < 72 and sample.code2wav_ms > 0  # the flush decoded it
