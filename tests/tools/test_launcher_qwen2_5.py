@@ -12,6 +12,7 @@ import dataclasses
 import json
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ import pytest
 from services.runtime.prompt import ChatMessage, Part, Role
 from services.tools import client, launcher
 from services.tools.reference import ReferenceRunner
+from tests.qwen2_5_oracle import CASES, case_messages, media
 
 MAX_TEXT, MAX_TALKER = 8, 60  # 60 codes: more than one streamed Token2Wav chunk (24) plus its look-ahead
 PROMPT = "Hello! How are you today?"
@@ -83,3 +85,34 @@ def test_omni_client_gets_the_references_text_and_codes(stack, tiny_qwen2_5_chec
     assert streamed.audio.shape == want.audio.shape
     assert np.sqrt(np.mean(want.audio.astype(np.float64) ** 2)) > 0.01  # audible: the comparison means something
     assert snr_db(want.audio, streamed.audio) >= 100.0
+
+
+@pytest.mark.slow  # minutes on 2 cores (16 references with Token2Wav, then 16 streams at once)
+def test_sixteen_concurrent_text_audio_and_image_requests_through_the_stack_equal_generate(
+        stack, tiny_qwen2_5_checkpoint):
+    # The 16 oracle cases (text, audio, image, audio + image, system turns, both voices, 2-16 text
+    # tokens, 8-24 codes) at once through router, thinker, talker and code2wav: ids, codes and
+    # the streamed audio each against generate's own run of that request alone.
+    files = media()
+    runner = ReferenceRunner(tiny_qwen2_5_checkpoint)
+    want = {c.request_id: runner.generate(case_messages(c, files), c.voice, c.max_new_tokens, c.talker_max_new_tokens)
+            for c in CASES}
+
+    def one(case):
+        audio = files[case.audio][1] if case.audio else None
+        image = files[case.image][1] if case.image else None
+        request = client.build_request(case.prompt, case.system, audio, image, voice=case.voice.lower(),
+                                       max_new_tokens=case.max_new_tokens,
+                                       talker_max_new_tokens=case.talker_max_new_tokens,
+                                       return_codec_frames=True, request_id=case.request_id)
+        return client.collect(stub, request, timeout=300)
+
+    channel, stub = client.connect(stack.target)
+    with channel, ThreadPoolExecutor(len(CASES)) as pool:
+        got = dict(zip([c.request_id for c in CASES], pool.map(one, CASES)))
+    for case in CASES:
+        result, expected = got[case.request_id], want[case.request_id]
+        assert result.thinker_token_ids == expected.thinker_token_ids, case.request_id
+        assert result.codec_frames == expected.codec_frames, case.request_id
+        assert result.audio.shape == expected.audio.shape, case.request_id
+        assert snr_db(expected.audio, result.audio) >= 100.0, case.request_id
