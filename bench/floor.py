@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.prompts import BenchPrompt
-from services.code2wav.qwen2_5 import StreamContext, Token2WavDecoder, Token2WavRunner
+from services.code2wav.qwen2_5 import StreamContext, Token2WavDecoder, Token2WavRunner, voices_of
 from services.code2wav.qwen2_5 import Voice as Token2WavVoice
 from services.code2wav.streaming import StreamingDecoder, measure_geometry
 from services.runtime.checkpoint import load_voices
@@ -118,9 +118,8 @@ def qwen2_5_decoders(runner: ReferenceRunner, left_context: int,
                      first_chunk_frames: int) -> tuple[Callable[[], Token2WavFirstAudio], int]:
     context = StreamContext()
     mel_dim = runner.model.config.token2wav_config.dit_config.mel_dim
-    voices = {name.lower(): v for name, v in load_voices(runner.folder).items()}
-    chosen = voices[runner.speaker(None).lower()]
-    voice = Token2WavVoice(chosen.cond.float().reshape(-1), chosen.ref_mel.float().reshape(-1, mel_dim))
+    voices = {name.lower(): v for name, v in voices_of(load_voices(runner.folder), mel_dim).items()}
+    voice = voices[runner.speaker(None).lower()]
     t2w = Token2WavRunner(runner.model.token2wav)
     return lambda: Token2WavFirstAudio(t2w, voice), context.chunk + context.ahead
 

@@ -119,6 +119,13 @@ class Voice:
     reference_mel: torch.Tensor  # [T, mel_dim] float32 ("ref_mel")
 
 
+def voices_of(checkpoint_voices: dict, mel_dim: int) -> dict[str, Voice]:
+    """`services.runtime.checkpoint.load_voices`'s voices (name -> Voice with cond [1, E] and
+    ref_mel [1, T, mel]) -> name -> this module's Voice, the conditioning Token2Wav takes."""
+    return {name: Voice(v.cond.float().reshape(-1), v.ref_mel.float().reshape(-1, mel_dim))
+            for name, v in checkpoint_voices.items()}
+
+
 def voices_from_speakers(speakers: dict, mel_dim: int = 80) -> dict[str, Voice]:
     """The checkpoint's speaker dictionary (spk_dict.pt: name -> {"cond", "ref_mel", "bos_token"})
     -> name -> Voice, shaped as Qwen2_5OmniForConditionalGeneration.generate passes them on."""

@@ -18,7 +18,7 @@ from services.code2wav.engine import (
     CodecEnd,
     Decoded,
 )
-from services.code2wav.qwen2_5 import StreamContext, Voice
+from services.code2wav.qwen2_5 import StreamContext, voices_of
 from services.code2wav.qwen2_5_engine import Token2WavEngine, Token2WavStart
 from services.runtime.checkpoint import Stage, load_for_serving, load_voices
 from services.runtime.chunking import DEFAULT_CHUNKS
@@ -168,8 +168,7 @@ def token2wav_engine(loaded, config: Code2WavConfig) -> Token2WavEngine:
     if config.model.graphs.enabled:
         log.warning("CUDA graphs are not implemented for Token2Wav: decoding eagerly")
     mel_dim = loaded.config.token2wav_config.dit_config.mel_dim
-    voices = {name: Voice(v.cond.float().reshape(-1), v.ref_mel.float().reshape(-1, mel_dim))
-              for name, v in load_voices(config.model.checkpoint).items()}
+    voices = voices_of(load_voices(config.model.checkpoint), mel_dim)
     default = next((n for n in voices if n.lower() == DEFAULT_VOICES[Family.QWEN2_5_OMNI].lower()), next(iter(voices)))
     return Token2WavEngine(loaded.model, voices, default_voice=default, context=config.token2wav_context)
 
