@@ -32,7 +32,8 @@ from tests.stacks import stack_of
 REQUESTS = 8
 # Several seconds of streaming on 2 cores, so the kill lands mid-stream. The greedy requests (the
 # ones checked against the fault-free run) are longer: on a loaded machine the last of the 8 can
-# start streaming over a second after the first, and every greedy one must still be streaming then.
+# start streaming over a second after the first, and every greedy one must still be streaming when
+# the last greedy one starts.
 TALKER_FRAMES = 100
 GREEDY_TALKER_FRAMES = 250
 SEED = 20261201
@@ -82,12 +83,17 @@ class Running:
         except grpc.RpcError as exc:
             self.errors[i] = exc
 
-    def wait_all_streaming(self, timeout_s: float = 120.0) -> None:
-        """Until every request streams audio (a sampled one may also have ended: it can draw EOS)."""
+    def wait_greedy_streaming(self, timeout_s: float = 120.0) -> None:
+        """Until every greedy request (the ones compared with the fault-free run) streams audio.
+
+        Only those: waiting for all 8 let the start skew of the last one (over a second under
+        load) outlast a greedy request, so the fault found nothing to compare. A sampled request
+        that has not started yet is admitted to a surviving replica, which the test allows."""
         deadline = time.monotonic() + timeout_s
-        while any(chunks < 1 and thread.is_alive() for chunks, thread in zip(self.audio_chunks, self.threads)):
+        greedy = range(0, REQUESTS, 2)
+        while any(self.audio_chunks[i] < 1 for i in greedy):
             assert not any(self.errors), [e.details() for e in self.errors if e is not None]
-            assert all(t.is_alive() for t in self.threads[::2]), "a greedy request ended before the fault"
+            assert all(self.threads[i].is_alive() for i in greedy), "a greedy request ended before the fault"
             assert time.monotonic() < deadline, "the requests never streamed audio"
             time.sleep(0.01)
 
@@ -158,7 +164,7 @@ def test_a_killed_replica_s_requests_move_and_complete_with_the_same_audio(migra
     channel, stub = connect(migrating.target)
     with channel:
         running = Running(stub)
-        running.wait_all_streaming()
+        running.wait_greedy_streaming()
         time.sleep(rng.uniform(0.0, 0.3))  # a seeded moment inside the stream
         victim = victim_of(migrating, stage)
         migrating.kill(victim)
@@ -198,7 +204,7 @@ def test_when_every_replica_of_a_stage_dies_the_request_ends_unavailable_naming_
     talkers = [name for name, p in migrating.processes.items() if p.stage == "talker"]
     with channel:
         running = Running(stub)
-        running.wait_all_streaming()
+        running.wait_greedy_streaming()
         for name in talkers:
             migrating.kill(name)
         running.join()
