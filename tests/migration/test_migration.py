@@ -31,12 +31,11 @@ from tests.stacks import stack_of
 
 REQUESTS = 8
 # Several seconds of streaming on 2 cores, so the kill lands mid-stream. The greedy requests (the
-# ones checked against the fault-free run) are longer: on a loaded machine the last of the 8 can
-# start streaming over a second after the first, and every greedy one must still be streaming when
-# the last greedy one starts.
+# ones checked against the fault-free run) are longer, and held until all of them stream (Running).
 TALKER_FRAMES = 100
 GREEDY_TALKER_FRAMES = 250
 SEED = 20261201
+BARRIER_TIMEOUT_S = 120.0
 SETTLE_S = 15.0
 
 
@@ -62,12 +61,21 @@ def requests() -> list:
 
 
 class Running:
-    """REQUESTS calls in threads; their results or errors, and how far each has streamed."""
+    """REQUESTS calls in threads; their results or errors, and how far each has streamed.
 
-    def __init__(self, stub):
+    With `hold`, each greedy request (even index: the ones compared with the fault-free run) stops
+    reading after its first audio chunk until every greedy one has one (`wait_greedy_streaming`),
+    so none can end before the fault whatever the start skew: under load the last request can
+    start streaming seconds after the first (a just restarted replica pays its first-call costs),
+    longer than a whole greedy request takes. While a client does not read, gRPC flow control
+    holds its stream; the stages keep working and the stream resumes when it reads again."""
+
+    def __init__(self, stub, hold: bool = False):
         self.results: list[ClientResult | None] = [None] * REQUESTS
         self.errors: list[grpc.RpcError | None] = [None] * REQUESTS
         self.audio_chunks = [0] * REQUESTS
+        self.hold = hold
+        self.greedy_streaming = threading.Barrier(len(range(0, REQUESTS, 2)) + 1)  # the greedy calls and the test
         self.threads = [threading.Thread(target=self._run, args=(stub, i, r), daemon=True)
                         for i, r in enumerate(requests())]
         for thread in self.threads:
@@ -77,25 +85,25 @@ class Running:
         def progress(kind, response, result):
             if kind == "audio":
                 self.audio_chunks[i] += 1
+                if self.hold and i % 2 == 0 and self.audio_chunks[i] == 1:
+                    self.greedy_streaming.wait(timeout=BARRIER_TIMEOUT_S)
 
         try:
             self.results[i] = collect(stub, request, timeout=180, on_event=progress)
         except grpc.RpcError as exc:
             self.errors[i] = exc
+            self.greedy_streaming.abort()  # the test's wait fails now, with this error
+        except threading.BrokenBarrierError:
+            pass  # another call failed first; the test reports that one
 
-    def wait_greedy_streaming(self, timeout_s: float = 120.0) -> None:
-        """Until every greedy request (the ones compared with the fault-free run) streams audio.
-
-        Only those: waiting for all 8 let the start skew of the last one (over a second under
-        load) outlast a greedy request, so the fault found nothing to compare. A sampled request
-        that has not started yet is admitted to a surviving replica, which the test allows."""
-        deadline = time.monotonic() + timeout_s
-        greedy = range(0, REQUESTS, 2)
-        while any(self.audio_chunks[i] < 1 for i in greedy):
+    def wait_greedy_streaming(self) -> None:
+        """Until every greedy request streams audio (each one held after its first chunk)."""
+        assert self.hold
+        try:
+            self.greedy_streaming.wait(timeout=BARRIER_TIMEOUT_S)
+        except threading.BrokenBarrierError:
             assert not any(self.errors), [e.details() for e in self.errors if e is not None]
-            assert all(self.threads[i].is_alive() for i in greedy), "a greedy request ended before the fault"
-            assert time.monotonic() < deadline, "the requests never streamed audio"
-            time.sleep(0.01)
+            raise AssertionError("the greedy requests did not all stream audio") from None
 
     def join(self) -> None:
         for thread in self.threads:
@@ -163,7 +171,7 @@ def test_a_killed_replica_s_requests_move_and_complete_with_the_same_audio(migra
     rng = random.Random(f"{SEED}-{stage}")
     channel, stub = connect(migrating.target)
     with channel:
-        running = Running(stub)
+        running = Running(stub, hold=True)
         running.wait_greedy_streaming()
         time.sleep(rng.uniform(0.0, 0.3))  # a seeded moment inside the stream
         victim = victim_of(migrating, stage)
@@ -203,7 +211,7 @@ def test_when_every_replica_of_a_stage_dies_the_request_ends_unavailable_naming_
     channel, stub = connect(migrating.target)
     talkers = [name for name, p in migrating.processes.items() if p.stage == "talker"]
     with channel:
-        running = Running(stub)
+        running = Running(stub, hold=True)
         running.wait_greedy_streaming()
         for name in talkers:
             migrating.kill(name)
