@@ -11,9 +11,10 @@ init, no safetensors, seconds even at 31.7 B parameters (thinker 31.7 B, talker 
 
 NOTE: init. Matrices get normal(0, 1/sqrt(fan_in)) so activations keep unit scale through the
 layers (a fixed std of 0.02 or 0.2 collapses or explodes at hidden 2048), norms 1, biases 0;
-code2wav follows services/common/tiny_checkpoint.init_weights (gammas 1, log-scales 0, output
-scaled to an rms of about 0.2) so the audio is audible; the codec EOS row of the talker head is
-zeroed so every request runs to its max tokens (deterministic benchmark lengths).
+code2wav follows the tiny checkpoint's init (services/tools/tiny_weights.py and
+tiny_checkpoint.init_weights: gammas 1, log-scales 0, output scaled to an rms of about 0.2) so the
+audio is audible; the codec EOS row of the talker head is zeroed so every request runs to its max
+tokens (deterministic benchmark lengths).
 """
 
 from __future__ import annotations
@@ -107,12 +108,14 @@ def check_layout(config) -> None:
         raise ValueError("inconsistent layout: " + "; ".join(problems))
 
 
-def init_random_(model, seed: int, stage: str, device) -> None:
-    """Seeded in-place init on the model's device (see the module docstring)."""
+def fill_random_(model, gen) -> None:
+    """Every parameter of `model` drawn in place from `gen`, in name order: matrices (and conv
+    kernels) normal(0, 1/sqrt(fan_in)), SnakeBeta log-scales 0, norm weights, ConvNeXt gammas and
+    layer scales 1, biases 0. The part of init_random_ both families share (Qwen2.5-Omni's modules
+    have no gamma or layer scale); its stage fix-ups come after."""
     import torch
     from torch import nn
 
-    gen = torch.Generator(device=device).manual_seed(seed)
     convs = {id(p) for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd)
              for p in m.parameters(recurse=False)}
     with torch.no_grad():
@@ -126,6 +129,15 @@ def init_random_(model, seed: int, stage: str, device) -> None:
                 p.fill_(1.0)
             else:  # biases
                 p.zero_()
+
+
+def init_random_(model, seed: int, stage: str, device) -> None:
+    """Seeded in-place init on the model's device (see the module docstring)."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    fill_random_(model, gen)
+    with torch.no_grad():
         if stage == "talker":
             model.codec_head.weight[model.config.codec_eos_token_id].zero_()
         if stage == "code2wav":

@@ -15,7 +15,7 @@ out here, defaults or not; docs/qwen2_5-omni.md, "Full size", lists the fields a
 
 from __future__ import annotations
 
-import math
+from services.runtime.full_size import fill_random_
 
 REAL_MROPE = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}
 REAL_LAYOUT = dict(
@@ -96,26 +96,15 @@ def check_layout(config) -> None:
 
 
 def init_random_(model, seed: int, stage: str, device) -> None:
-    """Seeded in-place init on the model's device: matrices normal(0, 1/sqrt(fan_in)), norms 1, biases
-    and SnakeBeta log-scales 0; the talker's non-code rows zeroed (greedy runs to its max tokens, no id
-    past Token2Wav's code embedding); Token2Wav's output scaled to an rms of about 0.1."""
+    """Seeded in-place init on the model's device: Qwen3-Omni's `fill_random_` (matrices normal(0,
+    1/sqrt(fan_in)), norms 1, biases and SnakeBeta log-scales 0), then the talker's non-code rows zeroed
+    (greedy runs to its max tokens, no id past Token2Wav's code embedding) and Token2Wav's output scaled
+    to an rms of about 0.1."""
     import torch
-    from torch import nn
 
     gen = torch.Generator(device=device).manual_seed(seed)
-    convs = {id(p) for m in model.modules() if isinstance(m, nn.modules.conv._ConvNd)
-             for p in m.parameters(recurse=False)}
+    fill_random_(model, gen)
     with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if p.ndim >= 2:
-                fan_in = p[0].numel() if id(p) in convs else p.shape[-1]
-                p.normal_(0.0, 1.0 / math.sqrt(max(fan_in, 1)), generator=gen)
-            elif name.endswith(("alpha", "beta")):
-                p.zero_()
-            elif name.endswith("weight"):
-                p.fill_(1.0)
-            else:
-                p.zero_()
         if stage == "talker":
             model.codec_head.weight[CODEBOOK_SIZE:].zero_()
         if stage == "code2wav":

@@ -111,6 +111,22 @@ class _State:
         return len(self.rows) > self.frames or self.text_done
 
 
+def end_text(state, payload) -> None:
+    """Either family's talker input that is not a text part: a TextEnd ends the request's text (its
+    state's `text_done`); anything else is a wiring mistake."""
+    if not isinstance(payload, TextEnd):
+        raise TypeError(f"unexpected talker input {type(payload).__name__}")
+    state.text_done = True
+
+
+def refresh_ready(scheduler: LMScheduler, requests: dict, request_ids) -> None:
+    """Mark each request of `request_ids` still held ready or waiting, by its state's `ready`: after
+    an input arrives, and after a step (its next step may have to wait for text not yet streamed)."""
+    for request_id in request_ids:
+        if request_id in requests:
+            scheduler.set_ready(request_id, requests[request_id].ready)
+
+
 class TalkerEngine(SlotScheduledEngine):
     def __init__(self, model, config, device: str = "cpu", engine_config: TalkerEngineConfig = TalkerEngineConfig()):
         self.model = model
@@ -171,16 +187,12 @@ class TalkerEngine(SlotScheduledEngine):
             with torch.inference_mode():
                 embedding = payload.embedding.to(self.device, self.dtype)  # any dtype the thinker sent
                 state.rows.append(self.model.text_projection(embedding.view(1, 1, -1)))
-        elif isinstance(payload, TextEnd):
-            state.text_done = True
         else:
-            raise TypeError(f"unexpected talker input {type(payload).__name__}")
-        self.scheduler.set_ready(request_id, state.ready)
+            end_text(state, payload)
+        refresh_ready(self.scheduler, self._requests, [request_id])
 
     def after_step(self, plan) -> None:
-        for request_id in plan.prefill + plan.decode:
-            if request_id in self._requests:  # its next step may have to wait for text
-                self.scheduler.set_ready(request_id, self._requests[request_id].ready)
+        refresh_ready(self.scheduler, self._requests, plan.prefill + plan.decode)
 
     # Model work.
     @torch.inference_mode()

@@ -33,7 +33,7 @@ from services.runtime.qwen2_5_omni import TALKER_EOS_IDS, talker_prompt_len
 from services.runtime.sampling import SamplingConfig, select_token
 from services.runtime.scheduler import LMScheduler
 from services.runtime.timing import ForwardTimer
-from services.talker.engine import Frame, TalkerDone, TalkerEngineConfig, TextEnd
+from services.talker.engine import Frame, TalkerDone, TalkerEngineConfig, end_text, refresh_ready
 
 
 @dataclass(frozen=True)
@@ -109,16 +109,12 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
             if state.text_done:
                 raise ValueError("reply part after the end of the text")
             state.replies.append(payload.reply.to(self.device, self.dtype).view(1, 1, -1))
-        elif isinstance(payload, TextEnd):
-            state.text_done = True
         else:
-            raise TypeError(f"unexpected talker input {type(payload).__name__}")
-        self.scheduler.set_ready(request_id, state.ready)
+            end_text(state, payload)
+        refresh_ready(self.scheduler, self._requests, [request_id])
 
     def after_step(self, plan) -> None:
-        for request_id in plan.prefill + plan.decode:
-            if request_id in self._requests:  # its next step may have to wait for a reply part
-                self.scheduler.set_ready(request_id, self._requests[request_id].ready)
+        refresh_ready(self.scheduler, self._requests, plan.prefill + plan.decode)  # a step may wait for a reply part
 
     # Model work.
     @torch.inference_mode()

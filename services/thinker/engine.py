@@ -144,14 +144,28 @@ class ThinkerEngine(SlotScheduledEngine):
     @torch.inference_mode()
     def prefill(self, request_id: str, slot: int) -> list[tuple[str, object]]:
         """One request through the module's own path (as generate runs it), then into its slot."""
+        request = self._requests[request_id]
+        out, kwargs = self._prefill_forward(request, slot)
+        events: list[tuple[str, object]] = []
+        if request.job.want_talker_inputs:
+            events.append((request_id, self._prefilled(kwargs["input_ids"][0], out.hidden_states)))
+        return events + self._sample(request_id, request, out.logits[0, -1].cpu())
+
+    def _prefill_forward(self, request: _Request, slot: int, drop_attention_mask: bool = False):
+        """The prompt's forward as every family's prefill runs it: positions from the model's own
+        `_prepare_position_ids_for_generation` (which reads the attention mask), the forward into a
+        fresh cache that then goes into `slot`, all hidden states where the talker needs them.
+        `drop_attention_mask`: the forward gets no mask (the positions are still made with it).
+        Returns the forward's output and the inputs it got."""
         from transformers import DynamicCache
 
-        request = self._requests[request_id]
         job = request.job
         # Prompt tensors arrive as float32 on the CPU: floating inputs take the model's dtype.
         kwargs = {k: v.to(self.device, self.dtype) if v.is_floating_point() else v.to(self.device)
                   for k, v in job.prompt.model_kwargs().items()}
         position_ids = self.model._prepare_position_ids_for_generation(kwargs["input_ids"], dict(kwargs))
+        if drop_attention_mask:
+            kwargs.pop("attention_mask")
         cache = DynamicCache(config=self.model.config.text_config)
         with self.timer:
             out = self.model(
@@ -160,10 +174,7 @@ class ThinkerEngine(SlotScheduledEngine):
             )
         self.cache.load(slot, cache)
         request.last_position = position_ids[..., -1:].clone()
-        events: list[tuple[str, object]] = []
-        if job.want_talker_inputs:
-            events.append((request_id, self._prefilled(kwargs["input_ids"][0], out.hidden_states)))
-        return events + self._sample(request_id, request, out.logits[0, -1].cpu())
+        return out, kwargs
 
     @torch.inference_mode()
     def decode(self, request_ids: list[str], slots: list[int]) -> list[tuple[str, object]]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, GenerationConfig
+from transformers import GenerationConfig
 
 from services.runtime.batching import batch_invariant
 from services.runtime.events import EngineEvent
@@ -79,18 +79,9 @@ class Qwen2_5ThinkerEngine(ThinkerEngine):
     def prefill(self, request_id: str, slot: int) -> list[tuple[str, object]]:
         request = self._requests[request_id]
         job = request.job
-        kwargs = {k: v.to(self.device, self.dtype) if v.is_floating_point() else v.to(self.device)
-                  for k, v in job.prompt.model_kwargs().items()}
-        position_ids = self.model._prepare_position_ids_for_generation(kwargs["input_ids"], dict(kwargs))  # [4, 1, P]
         # NOTE: generate drops the attention mask once it is all ones (a prompt's always is), after the
-        # positions above are made from it, so the forward runs without one.
-        kwargs.pop("attention_mask")
-        cache = DynamicCache(config=self.model.config.text_config)
-        with self.timer:
-            out = self.model(**kwargs, position_ids=position_ids, past_key_values=cache, use_cache=True,
-                             output_hidden_states=job.want_talker_inputs)
-        self.cache.load(slot, cache)
-        request.last_position = position_ids[..., -1:].clone()
+        # 4-row positions ([4, 1, P]) are made from it, so the forward runs without one.
+        out, kwargs = self._prefill_forward(request, slot, drop_attention_mask=True)
         events: list[tuple[str, object]] = []
         if job.want_talker_inputs:
             events.append((request_id, self._prefilled(job, kwargs, out.hidden_states)))

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from services.runtime.full_size import REAL_LAYOUT, check_layout, merge_layout
 from services.runtime.full_size_qwen2_5 import REAL_LAYOUT as QWEN2_5_REAL_LAYOUT
 from services.tools import tiny_qwen2_5_omni
 from services.tools.tiny_tokenizer import train_tokenizer, write_preprocessor_config
+from services.tools.tiny_weights import init_weights_, save_config_only, save_model
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -161,28 +161,13 @@ def build_config(ids: dict[str, int], layout: dict | None = None):
 
 
 def init_weights(model, seed: int) -> None:
-    """Seeded init that makes every stage do something visible (see module docstring)."""
+    """Seeded init that makes every stage do something visible: tiny_weights.init_weights_, then this
+    family's head rows and output level (see module docstring)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
+    init_weights_(model, gen, "code2wav.")
     with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if name.startswith("code2wav."):
-                if name.endswith(("gamma", ".scale")):  # ConvNeXt gamma, layer scale
-                    p.fill_(1.0)
-                elif name.endswith(("alpha", "beta")):  # SnakeBeta, log-scale parameters
-                    p.zero_()
-                elif "norm" in name and p.ndim == 1:
-                    p.fill_(1.0)
-                elif p.ndim == 1:
-                    p.zero_()
-                else:
-                    fan_in = p[0].numel() if p.ndim > 1 else p.numel()
-                    p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(max(fan_in, 1)))
-            elif p.ndim == 1:
-                continue  # norms keep 1, biases keep 0
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
         # Random weights would end the speech after a few frames or never; make the codec EOS
         # logit 0 so greedy decoding runs to talker max tokens, which gives tests long,
         # deterministic audio (docs/qwen3-omni.md, section "Random weights").
@@ -252,19 +237,14 @@ def build(out: Path, seed: int, layout: dict | None = None, weights: bool = True
     write_processor_files(out)
     config = build_config(ids, layout)
     if not weights:
-        for stale in out.glob("*.safetensors*"):  # a folder re-written without weights has none
-            stale.unlink()
-        config.save_pretrained(out)
+        save_config_only(out, config)
         return out
     torch.manual_seed(seed)
     model = Qwen3OmniMoeForConditionalGeneration(config).eval()
     init_weights(model, seed)
     if eos:
         make_eos_win(model, out, ids)
-    model.save_pretrained(out, safe_serialization=True)
-    gen_config = out / "generation_config.json"
-    if gen_config.exists():
-        gen_config.unlink()
+    save_model(out, model)
     return out
 
 

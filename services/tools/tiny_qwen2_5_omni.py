@@ -24,12 +24,12 @@ SnakeBeta log-scales 0, and BigVGAN's last convolution is scaled so the audio ha
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from services.runtime.full_size import merge_layout
 from services.runtime.full_size_qwen2_5 import check_layout
 from services.tools.tiny_tokenizer import train_tokenizer, write_preprocessor_config
+from services.tools.tiny_weights import init_weights_, save_config_only, save_model
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -163,28 +163,12 @@ def build_config(ids: dict[str, int], layout: dict | None = None):
 
 
 def init_weights(model, seed: int) -> None:
-    """Seeded init that makes every stage do something visible (see the module docstring)."""
+    """Seeded init that makes every stage do something visible: tiny_weights.init_weights_, then this
+    family's head rows and output level (see the module docstring)."""
     import torch
 
-    gen = torch.Generator().manual_seed(seed)
+    init_weights_(model, torch.Generator().manual_seed(seed), "token2wav.")
     with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if name.startswith("token2wav."):
-                if name.endswith(("alpha", "beta")):  # SnakeBeta log-scales
-                    p.zero_()
-                elif p.ndim == 1 and "norm" in name:
-                    p.fill_(1.0)
-                elif p.ndim == 1:
-                    p.zero_()
-                elif name.endswith("codec_embed.weight"):
-                    p.copy_(torch.randn(p.shape, generator=gen))
-                else:
-                    fan_in = p[0].numel()
-                    p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(max(fan_in, 1)))
-            elif p.ndim == 1:
-                continue  # norms keep 1, biases keep 0
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
         thinker_cfg = model.config.thinker_config
         for token_id in (thinker_cfg.eos_token_id, thinker_cfg.pad_token_id):
             model.thinker.lm_head.weight[token_id].zero_()
@@ -297,9 +281,7 @@ def build(out: Path, seed: int, layout: dict | None = None, weights: bool = True
     config = build_config(ids, layout)
     voices = make_voices(config, ids, seed)
     if not weights:  # voices are data, not weights: a --random-weights stage still needs them
-        for stale in out.glob("*.safetensors*"):
-            stale.unlink()
-        config.save_pretrained(out)
+        save_config_only(out, config)
         torch.save(voices, out / "spk_dict.pt")
         return out
     # One thread while the weights are made: the calibration passes then give the same floats (and
@@ -316,9 +298,6 @@ def build(out: Path, seed: int, layout: dict | None = None, weights: bool = True
             make_eos_win(model, out, ids, voices)
     finally:
         torch.set_num_threads(threads)
-    model.save_pretrained(out, safe_serialization=True)
+    save_model(out, model)
     torch.save(voices, out / "spk_dict.pt")
-    gen_config = out / "generation_config.json"
-    if gen_config.exists():
-        gen_config.unlink()
     return out

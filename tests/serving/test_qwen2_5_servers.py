@@ -10,7 +10,6 @@ checked through the launcher's stack, tests/tools/test_launcher_qwen2_5.py).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import grpc
 import pytest
@@ -32,21 +31,10 @@ from services.tools.client import build_request
 from services.tools.reference import ReferenceRunner
 from tests.qwen2_5_oracle import BY_ID, generate_reference, media
 from tests.qwen2_5_oracle import case_messages as oracle_messages
+from tests.serving.inprocess import serving
 
 LOOPBACK = ServingConfig(host="127.0.0.1", port=0, stream_idle_timeout_s=60.0)
 CASES = [BY_ID[rid] for rid in ("text-ethan", "audio-chelsie", "image-ethan", "both-chelsie", "short-ethan")]
-
-
-@contextlib.asynccontextmanager
-async def serving(create, config):
-    handle, loop = await create(config)
-    await handle.server.start()
-    await handle.set_serving(True)
-    try:
-        yield f"127.0.0.1:{handle.port}", loop.engine
-    finally:
-        await handle.server.stop(0)
-        loop.stop()
 
 
 # One torch thread (see tests/thinker/test_qwen2_5_engine.py): the oracle's generate on two

@@ -5,7 +5,6 @@ stage before it, without the launcher or the router."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import grpc
 import numpy as np
@@ -27,21 +26,9 @@ from services.talker.server import create_server as create_talker
 from services.thinker.server import ThinkerConfig
 from services.thinker.server import create_server as create_thinker
 from services.tools.client import build_request
+from tests.serving.inprocess import serving
 
 LOOPBACK = ServingConfig(host="127.0.0.1", port=0, stream_idle_timeout_s=30.0)
-
-
-@contextlib.asynccontextmanager
-async def serving(create, config):
-    """A stage server from its factory, started; stopped (engine loop too) on exit."""
-    handle, loop = await create(config)
-    await handle.server.start()
-    await handle.set_serving(True)
-    try:
-        yield f"127.0.0.1:{handle.port}"
-    finally:
-        await handle.server.stop(0)
-        loop.stop()
 
 
 def test_code2wav_decodes_streamed_frames_like_one_vocoder_forward(tiny_checkpoint):
@@ -51,7 +38,7 @@ def test_code2wav_decodes_streamed_frames_like_one_vocoder_forward(tiny_checkpoi
 
     async def scenario():
         config = Code2WavConfig(serving=LOOPBACK, model=ModelConfig(checkpoint=str(tiny_checkpoint)))
-        async with serving(create_code2wav, config) as address, grpc.aio.insecure_channel(address) as channel:
+        async with serving(create_code2wav, config) as (address, _), grpc.aio.insecure_channel(address) as channel:
             stub = stages_pb2_grpc.Code2WavStub(channel)
 
             async def inputs():
@@ -74,7 +61,7 @@ def test_code2wav_decodes_streamed_frames_like_one_vocoder_forward(tiny_checkpoi
 def test_code2wav_refuses_a_stream_that_does_not_start_with_start(tiny_checkpoint):
     async def scenario():
         config = Code2WavConfig(serving=LOOPBACK, model=ModelConfig(checkpoint=str(tiny_checkpoint)))
-        async with serving(create_code2wav, config) as address, grpc.aio.insecure_channel(address) as channel:
+        async with serving(create_code2wav, config) as (address, _), grpc.aio.insecure_channel(address) as channel:
             async def inputs():
                 yield stages_pb2.Code2WavInput(end=stages_pb2.CodecEnd())
 
@@ -95,8 +82,8 @@ def test_the_thinker_checks_a_request_against_the_limits_the_talker_reports(tiny
     async def scenario():
         talker_config = TalkerConfig(serving=LOOPBACK, model=model, engine=TalkerEngineConfig(max_model_len=512),
                                      max_new_tokens_limit=1000)
-        async with serving(create_talker, talker_config) as talker, \
-                serving(create_thinker, ThinkerConfig(serving=LOOPBACK, model=model)) as thinker, \
+        async with serving(create_talker, talker_config) as (talker, _), \
+                serving(create_thinker, ThinkerConfig(serving=LOOPBACK, model=model)) as (thinker, _), \
                 grpc.aio.insecure_channel(talker) as talker_channel, \
                 grpc.aio.insecure_channel(thinker) as thinker_channel:
             report = await stages_pb2_grpc.TalkerStub(talker_channel).GetLoad(common_pb2.LoadRequest(), timeout=5)

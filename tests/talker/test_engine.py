@@ -9,7 +9,7 @@ text ids and codec frames must equal `ReferenceRunner` (transformers' own genera
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import defaultdict
 from dataclasses import dataclass, replace
 
 import pytest
@@ -37,6 +37,7 @@ from services.thinker.engine import (
 )
 from services.tools.inprocess import talker_job
 from services.tools.reference import ReferenceRunner, messages_from_args
+from tests.talker.pipeline import TwoStagePipeline, assert_clean
 
 # transformers warns on every talker generate that the penalty skips the prompt; expected here.
 pytestmark = pytest.mark.filterwarnings("ignore:Passing `repetition_penalty`:UserWarning")
@@ -125,63 +126,34 @@ def expected(tiny_checkpoint, messages) -> dict:
     return out
 
 
-class Pipeline:
-    """Thinker and talker engines stepped in turn, text handed over in-process.
-
-    `text_every[request_id] = k` holds that request's text back and hands the talker one input
-    every k steps (a slow thinker, or a slow network), instead of as soon as it is generated.
-    """
+class Pipeline(TwoStagePipeline):
+    """Thinker and talker engines stepped in turn (tests/talker/pipeline.py), text handed over
+    in-process: a TextRow per token, TextEnd for the last."""
 
     def __init__(self, stages, builder, exact: bool = True, slots: int = SLOTS, text_every: dict | None = None):
         thinker, talker = stages
+        super().__init__(
+            ThinkerEngine(thinker.model, thinker.config, engine_config=ThinkerEngineConfig(
+                max_batch_size=slots, num_slots=slots, max_model_len=MAX_MODEL_LEN, exact_batching=exact)),
+            TalkerEngine(talker.model, talker.config, engine_config=TalkerEngineConfig(
+                max_batch_size=slots, num_slots=slots, max_model_len=MAX_MODEL_LEN, exact_batching=exact)),
+            text_every)
         self.config = thinker.config
         self.builder = builder
-        self.thinker = ThinkerEngine(thinker.model, thinker.config, engine_config=ThinkerEngineConfig(
-            max_batch_size=slots, num_slots=slots, max_model_len=MAX_MODEL_LEN, exact_batching=exact))
-        self.talker = TalkerEngine(talker.model, talker.config, engine_config=TalkerEngineConfig(
-            max_batch_size=slots, num_slots=slots, max_model_len=MAX_MODEL_LEN, exact_batching=exact))
-        self.text_every = text_every or {}
         self.cases: dict[str, Case] = {}
         self.prompts: dict = {}  # request_id -> PromptInputs
-        self.text: dict[str, deque] = defaultdict(deque)  # request_id -> TextRow/TextEnd not handed over yet
         self.tokens: dict[str, list[int]] = defaultdict(list)  # request_id -> text ids
         self.frames: dict[str, list[list[int]]] = defaultdict(list)  # request_id -> codec frames
-        self.frame_steps: dict[str, list[int]] = defaultdict(list)  # request_id -> talker steps that made a frame
-        self.waited: dict[str, list[int]] = defaultdict(list)  # request_id -> steps it held a slot, not ready
         self.finished: dict[str, Finished] = {}  # request_id -> the thinker's end
-        self.done: dict[str, TalkerDone] = {}  # request_id -> the talker's end
-        self.steps = 0
 
     def add(self, case: Case, messages) -> None:
         self.cases[case.request_id] = case
         self.prompts[case.request_id] = prompt = self.builder.build(messages)
         self.thinker.add(case.request_id, ThinkerJob(prompt, SamplingConfig(max_new_tokens=case.max_new_tokens), True))
 
-    def busy(self) -> bool:
-        return self.thinker.has_work() or self.talker.has_work() or any(self.text.values())
-
-    def step(self) -> None:
-        if self.thinker.has_work():
-            for rid, event in self.thinker.step():
-                self.on_thinker_event(rid, event)
-        for rid, queue in self.text.items():
-            every = self.text_every.get(rid, 0)
-            while queue and (not every or self.steps % every == 0):
-                self.talker.add_input(rid, queue.popleft())
-                if every:
-                    break
-        for rid, seq in self.talker.scheduler.seqs.items():
-            if seq.slot is not None and not seq.ready:
-                self.waited[rid].append(self.steps)
-        if self.talker.has_work():
-            for rid, event in self.talker.step():
-                if isinstance(event, Frame):
-                    assert event.index == len(self.frames[rid])
-                    self.frames[rid].append(event.codes.tolist())
-                    self.frame_steps[rid].append(self.steps)
-                elif isinstance(event, TalkerDone):
-                    self.done[rid] = event
-        self.steps += 1
+    def on_frame(self, rid: str, event: Frame) -> None:
+        assert event.index == len(self.frames[rid])
+        self.frames[rid].append(event.codes.tolist())
 
     def on_thinker_event(self, rid: str, event) -> None:
         case = self.cases[rid]
@@ -192,26 +164,12 @@ class Pipeline:
                                                            repetition_penalty=TALKER_REPETITION_PENALTY)))
         elif isinstance(event, Token):
             self.tokens[rid].append(event.token_id)
-            self.text[rid].append(TextEnd() if event.last else TextRow(event.embedding))
+            self.inbox[rid].append(TextEnd() if event.last else TextRow(event.embedding))
         elif isinstance(event, Finished):
             self.finished[rid] = event
 
     def run(self, cases, messages, max_steps: int = 400) -> Pipeline:
-        pending = sorted(cases, key=lambda c: c.join_step)
-        while pending or self.busy():
-            while pending and pending[0].join_step <= self.steps:
-                case = pending.pop(0)
-                self.add(case, messages[case.request_id])
-            self.step()
-            assert self.steps < max_steps, "the pipeline stopped making progress"
-        return self
-
-
-def assert_clean(pipe: Pipeline) -> None:
-    for engine in (pipe.thinker, pipe.talker):
-        assert engine.running == 0 and engine.queue_depth == 0 and not engine.has_work()
-        assert sorted(engine.scheduler.free_slots) == list(range(engine.engine_config.num_slots))
-    assert not pipe.thinker._requests and not pipe.talker._requests
+        return self.drive(cases, lambda case: self.add(case, messages[case.request_id]), max_steps)
 
 
 def assert_equals_reference(pipe: Pipeline, expected: dict, request_ids) -> None:
@@ -280,10 +238,7 @@ def test_abort_mid_batch_frees_the_talker_slot(stages, builder, messages, expect
     while len(pipe.frames[drop.request_id]) < 3:
         pipe.step()
     assert pipe.talker.running == 2
-    # Cancelled everywhere, as the thinker servicer and the talker loop do.
-    pipe.thinker.abort(drop.request_id)
-    pipe.talker.abort(drop.request_id)
-    pipe.text.pop(drop.request_id, None)
+    pipe.abort(drop.request_id)
     assert pipe.talker.running == 1 and len(pipe.talker.scheduler.free_slots) == SLOTS - 1
     pipe.talker.abort(drop.request_id)  # twice: no double free
     assert len(pipe.talker.scheduler.free_slots) == SLOTS - 1

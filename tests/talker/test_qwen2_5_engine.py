@@ -11,7 +11,7 @@ tokens: the tiny checkpoints' codec head rows from 8192 up, those ids among them
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import defaultdict
 from dataclasses import replace
 
 import pytest
@@ -34,6 +34,7 @@ from services.thinker.qwen2_5 import Qwen2_5Prefilled, Qwen2_5ThinkerEngine, Qwe
 from services.thinker.qwen2_5_adapter import qwen2_5_talker_start, qwen2_5_text_tokens
 from services.tools.reference import ReferenceRunner
 from tests.qwen2_5_oracle import BY_ID, CASES, case_messages, generate_reference, load_engine_stages, media
+from tests.talker.pipeline import TwoStagePipeline, assert_clean
 
 SLOTS = 16
 MAX_MODEL_LEN = 256  # prompts < 130 tokens; + 2 + 24 talker tokens
@@ -69,32 +70,27 @@ def tiny(tiny_qwen2_5_checkpoint) -> Setup:
     return Setup(tiny_qwen2_5_checkpoint)
 
 
-class Pipeline:
-    """The two engines stepped in turn, the thinker's outputs handed over in-process.
-
-    `text_every[request_id] = k` holds that request's talker inputs back and hands over one every
-    k steps (a slow thinker or network) instead of as soon as they exist."""
+class Pipeline(TwoStagePipeline):
+    """The two Qwen2.5-Omni engines stepped in turn (tests/talker/pipeline.py), the thinker's outputs
+    handed over in-process: a reply part per token, TextEnd after the last."""
 
     def __init__(self, setup: Setup, slots: int = SLOTS, text_every: dict | None = None,
                  eos_ids: tuple[int, ...] = TALKER_EOS_IDS, wire: bool = False):
+        config = setup.config
+        super().__init__(
+            Qwen2_5ThinkerEngine(setup.thinker, config, engine_config=ThinkerEngineConfig(
+                max_batch_size=slots, num_slots=slots, max_model_len=MAX_MODEL_LEN)),
+            Qwen2_5TalkerEngine(setup.talker, config, engine_config=TalkerEngineConfig(
+                max_batch_size=slots, num_slots=slots, max_model_len=MAX_MODEL_LEN)),
+            text_every)
         self.setup = setup
         self.wire = wire  # hand everything over as the servers do: protos, serialized and parsed back
         self.previous_id: dict[str, int] = {}  # request_id -> the last text id (wire: its TextToken comes next)
-        config = setup.config
-        self.thinker = Qwen2_5ThinkerEngine(setup.thinker, config, engine_config=ThinkerEngineConfig(
-            max_batch_size=slots, num_slots=slots, max_model_len=MAX_MODEL_LEN))
-        self.talker = Qwen2_5TalkerEngine(setup.talker, config, engine_config=TalkerEngineConfig(
-            max_batch_size=slots, num_slots=slots, max_model_len=MAX_MODEL_LEN))
-        self.text_every = text_every or {}
         self.eos_ids = eos_ids
         self.cases: dict = {}
-        self.inbox: dict[str, deque] = defaultdict(deque)  # request_id -> talker inputs not handed over yet
         self.tokens: dict[str, list[int]] = defaultdict(list)  # request_id -> text ids
         self.codes: dict[str, list[int]] = defaultdict(list)  # request_id -> codec ids of its frames
-        self.frame_steps: dict[str, list[int]] = defaultdict(list)  # request_id -> steps that made a frame
-        self.waited: dict[str, list[int]] = defaultdict(list)  # request_id -> steps it held a slot, not ready
         self.finished: dict[str, Finished] = {}
-        self.done: dict[str, TalkerDone] = {}
         self.logits: dict[str, list[torch.Tensor]] = defaultdict(list)  # request_id -> talker logits per step
         self.steps = 0
         after_forward = self.talker._after_forward
@@ -151,47 +147,12 @@ class Pipeline:
                               engine=TalkerEngineConfig(max_model_len=MAX_MODEL_LEN))
         return qwen2_5_job_from_proto(start, self.setup.config, config)
 
-    def busy(self) -> bool:
-        return self.thinker.has_work() or self.talker.has_work() or any(self.inbox.values())
-
-    def step(self) -> None:
-        if self.thinker.has_work():
-            for rid, event in self.thinker.step():
-                self.on_thinker_event(rid, event)
-        for rid, queue in self.inbox.items():
-            every = self.text_every.get(rid, 0)
-            while queue and (not every or self.steps % every == 0):
-                self.talker.add_input(rid, queue.popleft())
-                if every:
-                    break
-        for rid, seq in self.talker.scheduler.seqs.items():
-            if seq.slot is not None and not seq.ready:
-                self.waited[rid].append(self.steps)
-        if self.talker.has_work():
-            for rid, event in self.talker.step():
-                if isinstance(event, Frame):
-                    assert event.index == len(self.codes[rid]) and event.codes.shape == (1,)
-                    self.codes[rid].append(int(event.codes[0]))
-                    self.frame_steps[rid].append(self.steps)
-                elif isinstance(event, TalkerDone):
-                    self.done[rid] = event
-        self.steps += 1
+    def on_frame(self, rid: str, event: Frame) -> None:
+        assert event.index == len(self.codes[rid]) and event.codes.shape == (1,)
+        self.codes[rid].append(int(event.codes[0]))
 
     def run(self, cases, max_steps: int = 400) -> Pipeline:
-        pending = sorted(cases, key=lambda c: c.join_step)
-        while pending or self.busy():
-            while pending and pending[0].join_step <= self.steps:
-                self.add(pending.pop(0))
-            self.step()
-            assert self.steps < max_steps, "the pipeline stopped making progress"
-        return self
-
-
-def assert_clean(pipe: Pipeline) -> None:
-    for engine in (pipe.thinker, pipe.talker):
-        assert engine.running == 0 and engine.queue_depth == 0 and not engine.has_work()
-        assert sorted(engine.scheduler.free_slots) == list(range(engine.engine_config.num_slots))
-        assert not engine._requests
+        return self.drive(cases, self.add, max_steps)
 
 
 def assert_equals_reference(pipe: Pipeline, request_ids, expected: dict | None = None) -> None:
@@ -359,9 +320,7 @@ def test_abort_mid_batch_frees_the_talker_slot(tiny):
     while len(pipe.codes[drop.request_id]) < 3:
         pipe.step()
     assert pipe.talker.running == 2
-    pipe.thinker.abort(drop.request_id)
-    pipe.talker.abort(drop.request_id)
-    pipe.inbox.pop(drop.request_id, None)
+    pipe.abort(drop.request_id)
     assert pipe.talker.running == 1 and len(pipe.talker.scheduler.free_slots) == SLOTS - 1
     pipe.talker.abort(drop.request_id)  # twice: no double free
     assert len(pipe.talker.scheduler.free_slots) == SLOTS - 1
