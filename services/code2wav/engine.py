@@ -2,8 +2,9 @@
 
 Two decoders (`--decoder`): "incremental" (the default, exact for any vocoder: the
 pre-transformer keeps a KV cache per request, see incremental.py) decodes each request's chunk
-on its own, one chunk per step, earliest playback deadline first (below); "window" re-decodes a left context before every chunk (exact only while the context
-covers the vocoder's reach: the tiny checkpoint, not the real 8-layer, window-72 one) and batches.
+on its own, one chunk per step, earliest playback deadline first (below); "window" re-decodes
+a left context before every chunk (exact only while the context covers the vocoder's reach: the
+tiny checkpoint, not the real 8-layer, window-72 one) and batches.
 
 With "window", each request owns a `StreamingDecoder` (left context + held-back tail, see
 streaming.py); the engine keeps a FIFO of received chunks per request; each step takes the oldest
