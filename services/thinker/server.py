@@ -247,11 +247,13 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
                             start=self.adapter.talker_start(req, request.route, prefilled, prepared.job)))
                     case Token() as token:
                         ttft = ttft if ttft is not None else (time.perf_counter() - received) * 1000
-                        yield omni_pb2.GenerateResponse(request_id=request_id, text=omni_pb2.TextDelta(
-                            text=detok.add(token.token_id, last=token.last), token_ids=[token.token_id]))
+                        # The talker first: its next frame waits on this row (and a client slow to read
+                        # the text then does not hold the row back).
                         if speak is not None and talker_done is None:
                             await self._feed_talker(speak, token, previous_id)
                         previous_id = token.token_id
+                        yield omni_pb2.GenerateResponse(request_id=request_id, text=omni_pb2.TextDelta(
+                            text=detok.add(token.token_id, last=token.last), token_ids=[token.token_id]))
                     case Finished() as finished:
                         text_done = finished
                     case stages_pb2.TalkerOutput() as out if out.HasField("audio"):
