@@ -18,6 +18,13 @@ checkpoint's family (services/tools/inprocess.py, `handoff_for`):
 TTFP / floor is then the cost of serving: processes, gRPC hops, queueing and scheduling. The
 floor excludes prompt building (tokenizer, audio features, image patches), reported apart as
 `prompt_ms`, though the pipeline's TTFP includes it.
+
+The burst floor (`FloorMeter.measure_burst`) is the same for n requests that arrive together:
+the same engines batch them as the services do (default engine settings: one prefill per step
+beside the decode batch), stepped one after the other on one thread, each request's first chunk
+vocoded the moment it is complete. Its median is what TTFP at concurrency n cannot go below
+on one core without serving overhead (the pipeline has its stages on separate cores, so it could
+overlap them), which says how much of TTFP at n is the compute of the other requests ahead.
 """
 
 from __future__ import annotations
@@ -233,6 +240,48 @@ class FloorMeter:
             code2wav_ms=code2wav_ms, thinker_tokens=first.thinker_tokens,
             frames=0 if first.chunk is None else first.chunk.shape[0],
         )
+
+
+    def measure_burst(self, prompts: list[BenchPrompt]) -> list[float]:
+        """ms from the burst's arrival to each request's first audio (sorted); see the module note."""
+        lms = self.lms
+        handoff, thinker, talker = lms.handoff, lms.thinker, lms.talker
+        inputs = {f"burst-{i}": lms.prompts.build(p.messages()) for i, p in enumerate(prompts)}  # not timed
+        frames: dict[str, list[torch.Tensor]] = {rid: [] for rid in inputs}
+        first_audio: dict[str, float] = {}
+        ended: set[str] = set()  # no audio to make (the talker ended before a frame)
+        start = lms.clock()
+        try:
+            for rid, prompt in inputs.items():
+                thinker.add(rid, handoff.thinker_job(prompt, SamplingConfig(max_new_tokens=lms.max_new_tokens)))
+            while len(first_audio) + len(ended) < len(inputs) and (thinker.has_work() or talker.has_work()):
+                if thinker.has_work():
+                    events = thinker.step()
+                    for rid, event in events:  # every prefilled request joins the talker before its first row
+                        if isinstance(event, handoff.prefilled):
+                            talker.add(rid, handoff.talker_job(event, inputs[rid], SamplingConfig(
+                                max_new_tokens=lms.talker_max_new_tokens, repetition_penalty=TALKER_REPETITION_PENALTY)))
+                    for rid, event in events:
+                        if isinstance(event, Token):
+                            for payload in handoff.talker_inputs(event):
+                                talker.add_input(rid, payload)
+                if talker.has_work():
+                    for rid, event in talker.step():
+                        if rid in first_audio or rid in ended:
+                            continue
+                        if isinstance(event, Frame):
+                            frames[rid].append(event.codes)
+                        done = isinstance(event, TalkerDone)
+                        if len(frames[rid]) >= lms.first_chunk_frames or (done and frames[rid]):
+                            self.new_decoder().push(torch.stack(frames[rid][:lms.first_chunk_frames]))
+                            first_audio[rid] = (lms.clock() - start) * 1000
+                        elif done:
+                            ended.add(rid)
+        finally:
+            for rid in inputs:
+                thinker.abort(rid)
+                talker.abort(rid)
+        return sorted(first_audio.values())
 
 
 def summarize_floor(samples: list[FloorSample], first_chunk_frames: int) -> FloorSummary:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import statistics
 import sys
 import time
 import warnings
@@ -108,6 +109,7 @@ class Bench:
         self.setup_s: dict[str, float] = {}  # step -> seconds
         self.systems: dict = {}  # System -> ReferenceSystem | BatchedReferenceSystem | PipelineSystem
         self.floor_samples: list[FloorSample] = []
+        self.burst_floor: dict[int, float] = {}  # concurrency -> median ms to first audio (floor.py)
         self.records: list[RequestRecord] = []
         self.block_log: list[BlockLog] = []
         self.walls: dict[tuple[System, int], float] = {}  # (system, level) -> block walls summed over rounds
@@ -197,6 +199,22 @@ class Bench:
             self._step("floor", lambda: self.floor_samples.extend(
                 self.meter.measure(p, i) for _ in range(passes) for i, p in enumerate(self.prompts[:FLOOR_PROMPTS])))
 
+    def measure_burst_floor(self, passes: int = 2) -> None:
+        """The burst floor at each concurrency above 1 the pipeline runs: the median of `passes`
+        bursts' medians, on the prompts the pipeline's blocks start with."""
+        levels = [n for n in self.config.concurrency if n > 1]
+        if System.PIPELINE not in self.config.systems or not levels:
+            return
+
+        def measure() -> None:
+            for n in levels:
+                bursts = [self.meter.measure_burst([self.prompts[i % len(self.prompts)] for i in range(n)])
+                          for _ in range(passes)]
+                medians = [statistics.median(b) for b in bursts if b]
+                if medians:
+                    self.burst_floor[n] = statistics.median(medians)
+        self._step("burst floor", measure)
+
     def run_blocks(self) -> None:
         cfg, progress = self.config, self.progress
         for block in self.blocks:
@@ -243,7 +261,7 @@ class Bench:
             results=results, ratios=ratios_for(results), gateway_cost=gateway_cost_for(results),
             skipped=self.skipped, requests=self.records,
             blocks=self.block_log, setup_s=self.setup_s, wall_s=time.perf_counter() - self.started,
-            stage_times=self.stage_times,
+            stage_times=self.stage_times, burst_floor=self.burst_floor,
         )
 
 
@@ -256,6 +274,7 @@ def run(config: BenchConfig, progress_stream=None) -> BenchReport:
         bench.measure_floor(before)
         bench.run_blocks()
         bench.measure_floor(config.floor_repeats - before)
+        bench.measure_burst_floor()
     return bench.report()
 
 

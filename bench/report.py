@@ -98,6 +98,9 @@ class BenchReport:
     # (system, concurrency) -> stage process name -> its time over that level's blocks (the stages'
     # own metrics; empty with --target)
     stage_times: dict[tuple[System, int], dict[str, StageTimes]] = dataclasses.field(default_factory=dict)
+    # concurrency -> median ms from a burst of that many requests to each one's first audio, in-process
+    # (bench/floor.py, the burst floor); levels above 1 with the pipeline measured
+    burst_floor: dict[int, float] = dataclasses.field(default_factory=dict)
 
     def row(self, system: System, concurrency: int) -> ResultRow | None:
         return next((r for r in self.results if r.system is system and r.concurrency == concurrency), None)
@@ -290,6 +293,12 @@ def _grid(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
     return [fmt(header), fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in rows]
 
 
+def _burst_cell(report: BenchReport, level: int, floor_ms: float) -> str:
+    row = report.row(System.PIPELINE, level)
+    ttfp = row.summary.ttfp_ms.p50 if row is not None else None
+    return f"c={level} {floor_ms:.0f} ms" + (f" (pipeline TTFP p50 = {ttfp / floor_ms:.1f}x)" if ttfp else "")
+
+
 def render_table(report: BenchReport) -> str:
     cfg = report.config
     lines = [
@@ -306,6 +315,10 @@ def render_table(report: BenchReport) -> str:
             f"{f.floor_ms:.0f} ms = thinker prefill {f.thinker_prefill_ms:.0f} + decode {f.thinker_decode_ms:.0f}"
             f" + talker prefill {f.talker_prefill_ms:.0f} + decode {f.talker_decode_ms:.0f} + code2wav "
             f"{f.code2wav_ms:.0f} (prompt building {f.prompt_ms:.0f} ms, not counted)")
+    if report.burst_floor:
+        cells = ", ".join(_burst_cell(report, n, ms) for n, ms in sorted(report.burst_floor.items()))
+        lines.append("  burst floor (n requests arriving together, in-process on one thread, the engines batching "
+                     f"them; median first audio): {cells}")
     lines.append("")
     rows = sorted(report.results, key=lambda r: (r.concurrency, list(System).index(r.system)))
     lines += _grid(COLUMNS, [_result_cells(r) for r in rows])

@@ -63,6 +63,9 @@ def test_the_floor_runs_to_token2wav_s_first_audio(runner):
     sample = meter.measure(BenchPrompt("Hello! How are you today?"))
     assert sample.frames == 72 and sample.code2wav_ms > 0
     assert meter.lms.first_chunk_frames == 72
+    # A burst of two: both reach Token2Wav's first audio, and the engines hold nothing afterwards.
+    assert len(meter.measure_burst([BenchPrompt("Hello! How are you today?"), BenchPrompt("Tell me a story.")])) == 2
+    assert meter.lms.thinker.running == meter.lms.talker.running == 0
 
 
 

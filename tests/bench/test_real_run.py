@@ -68,6 +68,7 @@ def test_short_real_run_writes_json_and_png_with_every_figure(bench_run):
 
     floor = report["floor"]
     assert floor["floor_ms"] > 0 and floor["first_chunk_frames"] == 4
+    assert set(report["burst_floor"]) == {"2"} and report["burst_floor"]["2"] > 0  # levels above 1
     assert all(s["frames"] == 4 and s["thinker_tokens"] == 4 for s in floor["samples"])
 
     machine = report["machine"]
@@ -105,6 +106,7 @@ def test_short_real_run_prints_the_table(bench_run):
                    "underruns/req", "TTFP/floor"):
         assert column in header
     assert "pipeline / baseline" in printed and f"wrote {out / 'bench.json'}" in printed
+    assert "burst floor" in printed and "c=2 " in printed
     assert "pipeline stages: where the time goes" in printed and "bottleneck at concurrency 2:" in printed
     # About 25 s on 2 idle cores (stack start-up is half of it); not asserted, as a busy machine may double it.
     print(f"short real run: {wall:.0f} s")
