@@ -10,6 +10,7 @@ from pathlib import Path
 from bench.presets import PRESETS, ensure_checkpoint
 from bench.systems import System
 from services.runtime.errors import UserError
+from services.runtime.families import Family, family_of
 
 # Defaults sized so that `make bench` (tiny checkpoint, all three systems at concurrency 1, 4
 # and 16) ends in about 3 minutes on 2 idle CPU cores and in about 5 with other work loading
@@ -66,6 +67,12 @@ def resolved_threads(threads: int) -> int:
     return threads if threads > 0 else max(1, (os.cpu_count() or 1) // 3)
 
 
+# The presets' talker budgets are Qwen3-Omni codec frames (12.5 a second); Qwen2.5-Omni's talker
+# makes 50 codes a second, so the same seconds of audio take 4x the tokens (64 frames = 256 codes
+# = 5.1 s), and its first audio needs 72 codes (a Token2Wav chunk and its look-ahead) anyway.
+QWEN2_5_CODES_PER_QWEN3_FRAME = 4
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="omni-bench",
@@ -92,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"thinker (default {DEFAULT_MAX_NEW_TOKENS}; wide {PRESETS['wide'].max_new_tokens})")
     p.add_argument("--talker-max-new-tokens", type=int,
                    help=f"talker; N tokens give at most N - 1 frames (default {DEFAULT_TALKER_MAX_NEW_TOKENS}; "
-                        f"wide {PRESETS['wide'].talker_max_new_tokens})")
+                        f"wide {PRESETS['wide'].talker_max_new_tokens}; a Qwen2.5-Omni checkpoint "
+                        f"{QWEN2_5_CODES_PER_QWEN3_FRAME}x those codes, the same seconds of audio)")
     p.add_argument("--voice", help="speaker (default: the checkpoint's default)")
     p.add_argument("--target", help="router host:port of a running stack (default: start one here)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ... for the reference, the floor and every "
@@ -143,13 +151,16 @@ def _systems(skip: str, gateway: bool = False) -> tuple[System, ...]:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     preset = PRESETS[getattr(args, "preset", None) or "tiny"]
-    for name in ("requests", "rounds", "max_new_tokens", "talker_max_new_tokens"):  # unset: the preset's
-        if getattr(args, name, None) is None:
-            setattr(args, name, getattr(preset, name))
     if args.checkpoint is None:
         if preset.checkpoint is None:
             raise UserError("--checkpoint is required (or --preset wide, which generates its own)")
         args.checkpoint = str(ensure_checkpoint(preset))
+    if getattr(args, "talker_max_new_tokens", None) is None and (Path(args.checkpoint) / "config.json").is_file() \
+            and family_of(args.checkpoint) is Family.QWEN2_5_OMNI:
+        args.talker_max_new_tokens = preset.talker_max_new_tokens * QWEN2_5_CODES_PER_QWEN3_FRAME
+    for name in ("requests", "rounds", "max_new_tokens", "talker_max_new_tokens"):  # unset: the preset's
+        if getattr(args, name, None) is None:
+            setattr(args, name, getattr(preset, name))
     for name in ("requests", "rounds", "max_new_tokens", "talker_max_new_tokens", "floor_repeats",
                  "first_chunk_frames"):
         if getattr(args, name) < 1:

@@ -90,3 +90,16 @@ def test_the_wide_layout_is_consistent_and_wide(tmp_path):
             counts[stage] = sum(p.numel() for p in cls._from_config(getattr(config, sub)).parameters())
     assert 20e6 < counts[Stage.THINKER] < 60e6 and 20e6 < counts[Stage.TALKER] < 60e6
     assert config.talker_config.code_predictor_config.hidden_size == config.talker_config.text_config.hidden_size
+
+
+def test_a_qwen2_5_checkpoint_gets_the_same_seconds_of_audio_in_its_own_codes(tiny_qwen2_5_checkpoint, tiny_checkpoint):
+    from bench.config import QWEN2_5_CODES_PER_QWEN3_FRAME
+    from bench.presets import PRESETS
+
+    def talker_tokens(checkpoint, *extra):
+        return config_from_args(build_parser().parse_args(["--checkpoint", str(checkpoint), *extra])).talker_max_new_tokens
+
+    frames = PRESETS["tiny"].talker_max_new_tokens
+    assert talker_tokens(tiny_checkpoint) == frames  # Qwen3-Omni: codec frames
+    assert talker_tokens(tiny_qwen2_5_checkpoint) == frames * QWEN2_5_CODES_PER_QWEN3_FRAME == 256
+    assert talker_tokens(tiny_qwen2_5_checkpoint, "--talker-max-new-tokens", "80") == 80  # given: kept
