@@ -1,4 +1,5 @@
-"""Facts of the Qwen2.5-Omni model that more than one stage relies on (docs/qwen2_5-omni-stages.md).
+"""Facts of the Qwen2.5-Omni model that more than one stage relies on (docs/qwen2_5-omni.md, sections
+"What the talker needs from the thinker" and "Voices").
 
 Checked against `Qwen2_5OmniForConditionalGeneration.generate` (transformers 5.19,
 `models/qwen2_5_omni/modeling_qwen2_5_omni.py`). Plain functions of ids and configs: no torch
@@ -15,7 +16,7 @@ TALKER_EOS_IDS = (8292, 8294)
 # generate's `speaker` default.
 DEFAULT_VOICE = DEFAULT_VOICES[Family.QWEN2_5_OMNI]
 # The talker prompt: every thinker prompt position, then the voice's bos token, then the first
-# generated token's reply part (docs/qwen2_5-omni-stages.md, "The talker prefill").
+# generated token's reply part (docs/qwen2_5-omni.md, section "The talker stage: prefill and the wait-for-reply rule").
 TALKER_EXTRA_PREFILL = 2
 # The 3 thinker embeddings the talker needs beside the reply parts, in this order.
 TEXT_EMBEDS = ("voice_bos", "text_eos", "text_pad")

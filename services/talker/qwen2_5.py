@@ -2,7 +2,7 @@
 group) per step, fed by the thinker's reply parts as they stream in.
 
 Mirrors the talker part of `Qwen2_5OmniForConditionalGeneration.generate` exactly under greedy
-decoding (docs/qwen2_5-omni-stages.md):
+decoding (docs/qwen2_5-omni.md, section "The talker stage: prefill and the wait-for-reply rule"):
 
 - Prefill = the thinker's `prompt_hidden` (one row per prompt position), the thinker embedding
   of the voice's bos token, then reply part 0 (the first generated token's). It runs as soon as

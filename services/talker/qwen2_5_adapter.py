@@ -1,7 +1,7 @@
 """Qwen2.5-Omni's talker as the server drives it (adapter.py): `Qwen2_5TalkerEngine` (no CUDA
 graphs); the start message carries `prompt_hidden` and `text_embeds` (TalkerStart fields 13, 14;
 the voice already chose the thinker's bos row), and each later token brings its reply part
-(`TextToken.reply`) (docs/qwen2_5-omni-stages.md)."""
+(`TextToken.reply`) (docs/qwen2_5-omni.md, section "What crosses the thinker -> talker boundary")."""
 
 from __future__ import annotations
 

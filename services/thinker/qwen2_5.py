@@ -2,7 +2,7 @@
 batch-invariant decode, with this family's model facts and the inputs its talker needs.
 
 Mirrors the thinker part of `Qwen2_5OmniForConditionalGeneration.generate` exactly under greedy
-decoding (docs/qwen2_5-omni-stages.md):
+decoding (docs/qwen2_5-omni.md, section "The thinker stage"):
 
 - Prefill runs through the module's own path. Its 4-row position ids (text row + the 3 rows of
   `get_rope_index`) come from the model's own `_prepare_position_ids_for_generation`, which reads

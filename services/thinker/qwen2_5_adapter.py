@@ -2,7 +2,8 @@
 graphs); the voice is the thinker's business here (its bos token, spk_dict.pt, starts the talker's
 prompt); the talker starts from `prompt_hidden` and `text_embeds` (TalkerStart fields 13, 14), and
 token i's reply part travels with token i + 1 (`TextToken.reply`), so as for Qwen3-Omni there is
-one TextToken per generated token except the last (docs/qwen2_5-omni-stages.md).
+one TextToken per generated token except the last
+(docs/qwen2_5-omni.md, section "What crosses the thinker -> talker boundary").
 """
 
 from __future__ import annotations

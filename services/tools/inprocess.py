@@ -56,7 +56,8 @@ class Qwen3Handoff:
 
 class Qwen2_5Handoff:
     """Qwen2.5-Omni: the voice is the thinker's (its bos token, spk_dict.pt); token i + 1 brings
-    token i's reply part, the last token also the text's end (docs/qwen2_5-omni-stages.md)."""
+    token i's reply part, the last token also the text's end
+    (docs/qwen2_5-omni.md, section "What crosses the thinker -> talker boundary")."""
 
     thinker_engine = Qwen2_5ThinkerEngine
     talker_engine = Qwen2_5TalkerEngine
