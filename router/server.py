@@ -26,7 +26,7 @@ from router.metrics import RouterMetrics
 from router.replicas import Replica, ReplicaSet, ReplicaSource, publish_state
 from services.runtime.errors import run_cli
 from services.runtime.settings import env_default
-from services.serving.config import add_health_port_flag
+from services.serving.config import add_serving_flags, serving_config_from_args
 from services.serving.grpc_server import (
     DEFAULT_MAX_MESSAGE_BYTES,
     ServerHandle,
@@ -41,9 +41,7 @@ from services.serving.migration import Passed, Resume
 from services.serving.security import (
     BearerTokenInterceptor,
     TLSConfig,
-    add_tls_flags,
     load_tokens,
-    tls_from_args,
 )
 from services.serving.status import (
     STAGE_UNAVAILABLE,
@@ -330,8 +328,9 @@ async def create_server(config: RouterConfig) -> tuple[ServerHandle, Router]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="omni-router", description=__doc__.splitlines()[0])
-    parser.add_argument("--host", default=env_default("host", "0.0.0.0"))
-    parser.add_argument("--port", type=int, default=env_default("port", 50051))
+    # Clients' messages are smaller than what stages pass each other (a whole prompt's hidden states).
+    add_serving_flags(parser, default_port=50051, max_message_mb=64, idle_timeout_help=(
+        "the stages' idle timeout: a thinker replica silent for 2.5x this is taken as hung (default 120)"))
     for stage, port in (("thinker", 50061), ("talker", 50062), ("code2wav", 50063)):
         parser.add_argument(f"--{stage}", default=env_default(stage, f"localhost:{port}"),
                             help=f"{stage} replicas: host:port[,host:port] or dns:///name:port")
@@ -344,36 +343,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--poll-interval-s", type=float, default=env_default("poll_interval_s", 1.0),
                         help="health and load poll of every replica (default 1)")
     parser.add_argument("--dns-refresh-s", type=float, default=env_default("dns_refresh_s", 5.0))
-    parser.add_argument("--max-message-mb", type=int, default=env_default("max_message_mb", 64),
-                        help="largest request or response message, both directions (default 64)")
-    parser.add_argument("--grace-s", type=float, default=env_default("grace_s", 30.0))
-    parser.add_argument("--metrics-port", type=int, default=env_default("metrics_port", 0),
-                        help="serve Prometheus metrics on this HTTP port (0 = off)")
     parser.add_argument("--auth-token-file", default=env_default("auth_token_file", None),
                         help="bearer tokens callers must present, one per line (also OMNI_AUTH_TOKENS, "
                              "comma-separated); none given = no authentication")
     parser.add_argument("--max-migrations", type=int, default=env_default("max_migrations", 2),
                         help="times a request may move to another replica of a stage whose replica dies "
                              "mid-stream, per hop (default 2; 0 = fail the request instead)")
-    parser.add_argument("--stream-idle-timeout-s", type=float, default=env_default("stream_idle_timeout_s", 120.0),
-                        help="the stages' idle timeout: a thinker replica silent for 2.5x this is taken as hung "
-                             "(default 120)")
-    parser.add_argument("--port-file")
-    add_tls_flags(parser)
-    add_health_port_flag(parser)
     args = parser.parse_args(argv)
 
     def run() -> None:
+        serving = serving_config_from_args(args)
         config = RouterConfig(
             thinker=ReplicaSource.parse(args.thinker, "--thinker"),
             talker=ReplicaSource.parse(args.talker, "--talker"),
             code2wav=ReplicaSource.parse(args.code2wav, "--code2wav"),
-            host=args.host, port=args.port,
+            host=serving.host, port=serving.port,
             admission=AdmissionConfig(args.max_in_flight, args.max_queue, args.queue_timeout_s),
             poll_interval_s=args.poll_interval_s, dns_refresh_s=args.dns_refresh_s,
-            max_message_bytes=args.max_message_mb << 20, grace_s=args.grace_s, metrics_port=args.metrics_port,
-            tls=tls_from_args(args), auth_tokens=load_tokens(args.auth_token_file), health_port=args.health_port,
-            max_migrations=args.max_migrations, stream_idle_timeout_s=args.stream_idle_timeout_s,
+            max_message_bytes=serving.max_message_bytes, grace_s=serving.grace_s, metrics_port=serving.metrics_port,
+            tls=serving.tls, auth_tokens=load_tokens(args.auth_token_file), health_port=serving.health_port,
+            max_migrations=args.max_migrations, stream_idle_timeout_s=serving.stream_idle_timeout_s,
         )
         setup_logging("router")
 

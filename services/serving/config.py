@@ -35,16 +35,20 @@ class ServingConfig:
         return self.stream_idle_timeout_s * (1 + 0.5 * stages_below)
 
 
-def add_serving_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
+def add_serving_flags(parser: argparse.ArgumentParser, default_port: int,
+                      idle_timeout_help: str = "end a stream that made no progress for this long (default 120)",
+                      max_message_mb: int = DEFAULT_MAX_MESSAGE_BYTES >> 20) -> None:
+    """The flags every process serving gRPC has (stages and router): one definition, one ServingConfig."""
     parser.add_argument("--host", default=env_default("host", "0.0.0.0"))
     parser.add_argument("--port", type=int, default=env_default("port", default_port), help="0 = any free port")
-    parser.add_argument("--max-message-mb", type=int, default=env_default("max_message_mb", DEFAULT_MAX_MESSAGE_BYTES >> 20))
+    parser.add_argument("--max-message-mb", type=int, default=env_default("max_message_mb", max_message_mb),
+                        help=f"largest request or response message, both directions (default {max_message_mb})")
     parser.add_argument("--grace-s", type=float, default=env_default("grace_s", 30.0),
                         help="on SIGTERM, seconds to let in-flight streams finish")
     parser.add_argument("--metrics-port", type=int, default=env_default("metrics_port", 0),
                         help="serve Prometheus metrics on this HTTP port (0 = off)")
     parser.add_argument("--stream-idle-timeout-s", type=float, default=env_default("stream_idle_timeout_s", 120.0),
-                        help="end a stream that made no progress for this long (default 120)")
+                        help=idle_timeout_help)
     parser.add_argument("--port-file", help="write the bound port here once serving (for port 0)")
     add_tls_flags(parser)
     add_health_port_flag(parser)
