@@ -13,6 +13,17 @@ from services.tools.soak import Call, read_load
 from .support import MAX_IN_FLIGHT, assert_recovered
 
 
+def router_view(stack) -> dict[str, float]:
+    """The router's count of requests it sent to each talker, and its view of their health."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(stack.metrics_url, timeout=5).read().decode()
+    return {f"{s.name}{{{s.labels.get('replica', '')}}}": s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.labels.get("stage") == "talker"}
+
+
 def start_all(calls: list[Call]) -> list[threading.Thread]:
     threads = [threading.Thread(target=call.run, daemon=True) for call in calls]
     for thread in threads:
@@ -44,7 +55,8 @@ def test_a_killed_talker_s_requests_move_to_the_survivor_which_takes_new_ones(st
     survivor_name = next(name for name in loads if name != victim_name)
     victim = stack.address(victim_name)
     on_victim, on_survivor = loads[victim_name], loads[survivor_name]
-    assert on_victim >= 1 and on_victim + on_survivor == len(calls), loads
+    assert on_victim >= 1 and on_victim + on_survivor == len(calls), (
+        loads, {name: read_load("talker", stack.address(name)) for name in loads}, router_view(stack))
 
     stack.kill(victim_name)
     for thread in threads:
