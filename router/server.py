@@ -26,9 +26,8 @@ from router.metrics import RouterMetrics
 from router.replicas import Replica, ReplicaSet, ReplicaSource, publish_state
 from services.runtime.errors import run_cli
 from services.runtime.settings import env_default
-from services.serving.config import add_serving_flags, serving_config_from_args
+from services.serving.config import ServingConfig, add_serving_flags, serving_config_from_args
 from services.serving.grpc_server import (
-    DEFAULT_MAX_MESSAGE_BYTES,
     ServerHandle,
     build_server,
     channel_options,
@@ -40,7 +39,6 @@ from services.serving.grpc_server import (
 from services.serving.migration import Passed, Resume
 from services.serving.security import (
     BearerTokenInterceptor,
-    TLSConfig,
     load_tokens,
 )
 from services.serving.status import (
@@ -64,25 +62,21 @@ class RouterConfig:
     thinker: ReplicaSource
     talker: ReplicaSource
     code2wav: ReplicaSource
-    host: str = "0.0.0.0"
-    port: int = 50051
+    # Where it listens, message limit, grace, metrics, TLS (client -> router and router -> thinker,
+    # and the stages' health/load), health port, the stages' idle timeout: what every server has.
+    serving: ServingConfig = ServingConfig(port=50051)
     admission: AdmissionConfig = AdmissionConfig()
     poll_interval_s: float = 1.0
     dns_refresh_s: float = 5.0
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    grace_s: float = 30.0
-    metrics_port: int = 0
-    tls: TLSConfig = TLSConfig()  # client -> router and router -> thinker (and the stages' health/load)
     auth_tokens: tuple[bytes, ...] = ()  # bearer tokens callers must present; empty = no authentication
-    health_port: int = 0  # a plaintext grpc.health.v1-only port (probes when TLS is on); 0 = none
     max_migrations: int = 2  # moves to another replica per request and hop when one dies mid-stream
-    # A thinker replica that sends nothing this long is taken as hung (it waits on the talker at
-    # most 2x this, the talker on code2wav 1x: services/serving/config.py, stall_timeout_s).
-    stream_idle_timeout_s: float = 120.0
 
     @property
     def thinker_stall_s(self) -> float:
-        return self.stream_idle_timeout_s * 2.5
+        """A thinker replica that sends nothing this long is taken as hung: one step above the
+        thinker's own wait on the two stages below it (ServingConfig.stall_timeout_s), 2.5x the
+        idle timeout."""
+        return self.serving.stall_timeout_s(stages_below=3)
 
 
 def fix_seeds(request: omni_pb2.GenerateRequest) -> None:
@@ -267,10 +261,10 @@ class Router:
     def __init__(self, config: RouterConfig):
         self.config = config
         self.metrics = RouterMetrics()
-        options = channel_options(config.max_message_bytes)
+        options = channel_options(config.serving.max_message_bytes)
         self.stages = {
             stage: ReplicaSet(stage, getattr(config, stage), options, config.poll_interval_s, config.dns_refresh_s,
-                              config.tls)
+                              config.serving.tls)
             for stage in STAGES
         }
         self.servicer = OmniServicer(config, self.stages, self.metrics)
@@ -319,10 +313,11 @@ async def create_server(config: RouterConfig) -> tuple[ServerHandle, Router]:
     router = Router(config)
     await router.start()
     interceptors = (BearerTokenInterceptor(config.auth_tokens),) if config.auth_tokens else ()
-    handle = build_server(config.host, config.port, (SERVICE,), config.max_message_bytes, tls=config.tls,
-                          interceptors=interceptors, health_port=config.health_port)
+    serving = config.serving
+    handle = build_server(serving.host, serving.port, (SERVICE,), serving.max_message_bytes, tls=serving.tls,
+                          interceptors=interceptors, health_port=serving.health_port)
     omni_pb2_grpc.add_OmniServicer_to_server(router.servicer, handle.server)
-    router.metrics.serve(config.metrics_port)
+    router.metrics.serve(serving.metrics_port)
     return handle, router
 
 
@@ -352,17 +347,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def run() -> None:
-        serving = serving_config_from_args(args)
         config = RouterConfig(
             thinker=ReplicaSource.parse(args.thinker, "--thinker"),
             talker=ReplicaSource.parse(args.talker, "--talker"),
             code2wav=ReplicaSource.parse(args.code2wav, "--code2wav"),
-            host=serving.host, port=serving.port,
+            serving=serving_config_from_args(args),
             admission=AdmissionConfig(args.max_in_flight, args.max_queue, args.queue_timeout_s),
             poll_interval_s=args.poll_interval_s, dns_refresh_s=args.dns_refresh_s,
-            max_message_bytes=serving.max_message_bytes, grace_s=serving.grace_s, metrics_port=serving.metrics_port,
-            tls=serving.tls, auth_tokens=load_tokens(args.auth_token_file), health_port=serving.health_port,
-            max_migrations=args.max_migrations, stream_idle_timeout_s=serving.stream_idle_timeout_s,
+            auth_tokens=load_tokens(args.auth_token_file), max_migrations=args.max_migrations,
         )
         setup_logging("router")
 
@@ -376,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                 write_port_file(args.port_file, handle.port)
                 health = asyncio.get_running_loop().create_task(router.keep_health(handle))
 
-            await serve_until_signal(handle, config.grace_s, on_started=started)
+            await serve_until_signal(handle, config.serving.grace_s, on_started=started)
 
             if health is not None:
                 health.cancel()
