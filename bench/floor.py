@@ -152,6 +152,14 @@ class LMFloor:
         self.talker_max_new_tokens = talker_max_new_tokens
         self.first_chunk_frames = first_chunk_frames
 
+    def thinker_job(self, inputs):
+        return self.handoff.thinker_job(inputs, SamplingConfig(max_new_tokens=self.max_new_tokens))
+
+    def talker_job(self, prefilled, inputs):
+        """The talker's job as the thinker service starts it (the talker service's sampling defaults)."""
+        return self.handoff.talker_job(prefilled, inputs, SamplingConfig(
+            max_new_tokens=self.talker_max_new_tokens, repetition_penalty=TALKER_REPETITION_PENALTY))
+
     def clock(self) -> float:
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
@@ -191,11 +199,10 @@ class LMFloor:
                     talker_done = True
 
         try:
-            self.thinker.add(rid, self.handoff.thinker_job(inputs, SamplingConfig(max_new_tokens=self.max_new_tokens)))
+            self.thinker.add(rid, self.thinker_job(inputs))
             events = timed("thinker_prefill", self.thinker.step)
             prefilled = next(e for _, e in events if isinstance(e, self.handoff.prefilled))
-            self.talker.add(rid, self.handoff.talker_job(prefilled, inputs, SamplingConfig(
-                max_new_tokens=self.talker_max_new_tokens, repetition_penalty=TALKER_REPETITION_PENALTY)))
+            self.talker.add(rid, self.talker_job(prefilled, inputs))
             feed(events, "talker_prefill")
             while len(frames) < self.first_chunk_frames and not talker_done:
                 if self.talker.has_work():
@@ -253,14 +260,13 @@ class FloorMeter:
         start = lms.clock()
         try:
             for rid, prompt in inputs.items():
-                thinker.add(rid, handoff.thinker_job(prompt, SamplingConfig(max_new_tokens=lms.max_new_tokens)))
+                thinker.add(rid, lms.thinker_job(prompt))
             while len(first_audio) + len(ended) < len(inputs) and (thinker.has_work() or talker.has_work()):
                 if thinker.has_work():
                     events = thinker.step()
                     for rid, event in events:  # every prefilled request joins the talker before its first row
                         if isinstance(event, handoff.prefilled):
-                            talker.add(rid, handoff.talker_job(event, inputs[rid], SamplingConfig(
-                                max_new_tokens=lms.talker_max_new_tokens, repetition_penalty=TALKER_REPETITION_PENALTY)))
+                            talker.add(rid, lms.talker_job(event, inputs[rid]))
                     for rid, event in events:
                         if isinstance(event, Token):
                             for payload in handoff.talker_inputs(event):
