@@ -18,8 +18,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
 from services.code2wav.engine import Audio, CodecChunk, CodecEnd, Decoded
 from services.code2wav.qwen2_5 import (
     DitWindow,
@@ -122,37 +120,35 @@ class Token2WavEngine:
                 del self._requests[request_id]
         return events
 
+    def _batched(self, items: list[tuple[object, DitWindow | VocoderWindow]], forward) -> list[tuple]:
+        """(key, window) -> (key, window, output) in token order (`keep_start`): windows of equal
+        length go through `forward([(key, window), ...])` together, at most `max_batch` at a time."""
+        groups: dict[int, list] = {}  # window length -> (key, window)
+        for key, window in items:
+            groups.setdefault(window.end - window.start, []).append((key, window))
+        results: list[tuple] = []
+        for group in groups.values():
+            for i in range(0, len(group), self.max_batch):
+                batch = group[i:i + self.max_batch]
+                with self.timer:
+                    outputs = forward(batch)
+                results.extend((key, window, out) for (key, window), out in zip(batch, outputs))
+        return sorted(results, key=lambda item: item[1].keep_start)
+
     def _decode_mel(self) -> None:
         # Every ready DiT window of every request; equal lengths in one ODE. Each request's
         # windows are accepted in token order (a request's windows may fall in different groups).
-        groups: dict[int, list[tuple[_Request, DitWindow]]] = {}  # window tokens -> (request, window)
-        for request in self._requests.values():
-            for window in request.stream.dit_windows():
-                groups.setdefault(window.end - window.start, []).append((request, window))
-        results: list[tuple[_Request, DitWindow, torch.Tensor]] = []
-        for group in groups.values():
-            for i in range(0, len(group), self.max_batch):
-                batch = group[i:i + self.max_batch]
-                with self.timer:
-                    mel = self.runner.sample_mel([w for _, w in batch], [r.voice for r, _ in batch])
-                results.extend((r, w, m) for (r, w), m in zip(batch, mel))
-        for request, window, mel in sorted(results, key=lambda item: item[1].keep_start):
+        windows = [(request, window) for request in self._requests.values() for window in request.stream.dit_windows()]
+        mels = self._batched(windows, lambda batch: self.runner.sample_mel([w for _, w in batch], [r.voice for r, _ in batch]))
+        for request, window, mel in mels:
             request.stream.accept_mel(window, mel)
 
     def _vocode(self) -> list[tuple[str, object]]:
-        groups: dict[int, list[tuple[str, VocoderWindow]]] = {}  # mel frames -> (request_id, window)
-        for request_id, request in self._requests.items():
-            for window in request.stream.vocoder_windows():
-                groups.setdefault(window.end - window.start, []).append((request_id, window))
-        results: list[tuple[str, VocoderWindow, torch.Tensor]] = []
-        for group in groups.values():
-            for i in range(0, len(group), self.max_batch):
-                batch = group[i:i + self.max_batch]
-                with self.timer:
-                    wavs = self.runner.vocode([w for _, w in batch])
-                results.extend((request_id, w, wav) for (request_id, w), wav in zip(batch, wavs))
+        windows = [(request_id, window) for request_id, request in self._requests.items()
+                   for window in request.stream.vocoder_windows()]
+        wavs = self._batched(windows, lambda batch: self.runner.vocode([w for _, w in batch]))
         events: list[tuple[str, object]] = []
-        for request_id, window, wav in sorted(results, key=lambda item: item[1].keep_start):
+        for request_id, window, wav in wavs:
             stream = self._requests[request_id].stream
             first = stream.samples_emitted
             samples = stream.accept_audio(window, wav)
