@@ -58,8 +58,11 @@ def measured(tiny_checkpoint):
             with pytest.raises(grpc.RpcError) as bad:
                 collect(omni, build_request("hi", voice="nobody"), timeout=60)
             assert bad.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-            cancelled = omni.Generate(build_request("cancel me", max_new_tokens=8, talker_max_new_tokens=500),
-                                      timeout=120)
+            # Text only, and long: the cancel lands before it ends and it can never have a first audio
+            # (with audio, a loaded machine can relay the first chunk before the cancel reaches the
+            # router, and its TTFP would count). Cancels through the talker and code2wav are
+            # tests/reliability/test_aborts_stop_work.py's.
+            cancelled = omni.Generate(build_request("cancel me", text_only=True, max_new_tokens=2000), timeout=120)
             next(iter(cancelled))  # started: the first response is here
             cancelled.cancel()
             replicas = {stage: tuple(stack.addresses(stage)) for stage in ("thinker", "talker", "code2wav")}
