@@ -45,6 +45,16 @@ def one_torch_thread():
 
 
 @pytest.fixture(scope="session")
+def wide_checkpoint(tmp_path_factory) -> Path:
+    """The wide bench preset's Qwen3-Omni checkpoint (bench/presets.py: hidden 512, weights up to
+    3 MB, so the column-tiled batch-invariant products run), built once per session; read-only."""
+    from bench.presets import WIDE_LAYOUT
+    from services.tools.tiny_checkpoint import build
+
+    return build(tmp_path_factory.mktemp("ckpt") / "wide", seed=0, layout=WIDE_LAYOUT)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_5_checkpoint(tmp_path_factory) -> Path:
     """A complete tiny Qwen2.5-Omni checkpoint folder (seed 0, spk_dict.pt included), built once per
     test session. Treat it as read-only: every test of the session shares it."""

@@ -32,7 +32,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from services.runtime.batching import _BMM_KERNEL_MIN_SIZE, batch_invariant
+from services.runtime.batching import _BMM_KERNEL_MIN_SIZE, batch_invariant, rowwise_matmul, tile_columns
 
 
 def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
@@ -100,6 +100,8 @@ class CodePredictor:
         batch, tokens = x.shape[:2]
         if not exact or batch == 1 or tokens * weight.shape[0] * weight.shape[1] < _BMM_KERNEL_MIN_SIZE:
             return F.linear(x, weight)
+        if tile_columns(weight, tokens) is not None:
+            return rowwise_matmul(x, weight)
         key = (id(weight), batch)
         expanded = self._expanded.get(key)
         if expanded is None:

@@ -98,6 +98,39 @@ def test_batch_invariant_linear_is_bit_exact_in_bfloat16(with_bias):
     assert torch.equal(out, per_request(x, w, bias))
 
 
+# Weights past L2 size go column tile by column tile (batching.rowwise_matmul): each output is
+# still one GEMV's dot product, so the rows keep the single-request bits. 1000 x 3001 has a
+# ragged last tile; bf16 at 1.5 MB is the smallest tiled weight.
+@pytest.mark.parametrize("threads", [1], indirect=True)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("shape,n_out,dtype", [((16, 1, 512), 1536, torch.float32), ((5, 1, 1000), 3001, torch.float32),
+                                               ((4, 1536), 512, torch.float32), ((3, 1, 512), 1536, torch.bfloat16)],
+                         ids=["512x1536", "ragged_1000x3001", "2d_1536x512", "bf16_512x1536"])
+def test_column_tiled_linear_equals_single_request_linear_bit_for_bit(shape, n_out, dtype, with_bias, threads):
+    x, w, b = make(shape, n_out=n_out, dtype=dtype)
+    bias = b if with_bias else None
+    cols = batching.tile_columns(w, tokens=1)
+    assert cols is not None and cols < n_out  # the tiled path, more than one tile
+    with batch_invariant():
+        out = F.linear(x, w, bias)
+    assert torch.equal(out, per_request(x, w, bias))
+
+
+def test_column_tiles_only_for_large_weights_one_token_and_one_thread():
+    big, small = torch.zeros(1536, 512), torch.zeros(512, 512)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert batching.tile_columns(big, tokens=1) == 512  # 1 MB tiles of 512-float rows
+        assert batching.tile_columns(torch.zeros(1024, 1536), tokens=1) == 128  # rounded down to 64s
+        assert batching.tile_columns(small, tokens=1) is None  # 1 MB fits the cache whole
+        assert batching.tile_columns(big, tokens=2) is None  # GEMMs per row: not checked for tiling
+        torch.set_num_threads(2)
+        assert batching.tile_columns(big, tokens=1) is None  # MKL splits a GEMV by shape there
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_plain_batched_linear_is_not_bit_equal_to_single_rows():
     # Measured on the 2-core dev box (fp32, 1 and 2 threads): every shape below differs, by up to
     # ~1e-4 at K=N=2048. The claim is only that some shape differs, so a different CPU whose GEMM
@@ -321,8 +354,9 @@ def experts_module(num_experts: int, hidden: int, inter: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
-@pytest.mark.parametrize("experts,hidden,inter,top_k", [(4, 32, 32, 2), (8, 32, 16, 3), (16, 1024, 384, 6)],
-                         ids=["tiny_talker", "small", "real_talker_width"])
+@pytest.mark.parametrize("experts,hidden,inter,top_k", [(4, 32, 32, 2), (8, 32, 16, 3), (16, 1024, 384, 6),
+                                                    (4, 512, 1024, 2)],
+                         ids=["tiny_talker", "small", "real_talker_width", "column_tiled"])
 def test_batched_experts_equal_grouped_mm_of_each_row_alone(experts, hidden, inter, top_k, threads):
     from transformers.integrations.moe import grouped_mm_experts_forward
 

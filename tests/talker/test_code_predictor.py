@@ -74,3 +74,39 @@ def test_batched_greedy_code_selection_equals_select_token_per_row():
     picked = TalkerEngine._greedy_codes(engine, states, logits)
     assert picked == {row: select_token(logits[row], s.job.sampling, s.codes, None, suppress)
                       for row, s in enumerate(states)}
+
+
+def test_lean_loop_rows_keep_their_logits_bits_through_column_tiles(wide_checkpoint):
+    # On the wide preset the predictor's MLP weights are 3 MB: exact batching multiplies them a
+    # column tile at a time (batching.rowwise_matmul). Every step's logits of a batched row must
+    # equal, bit for bit, the row's logits alone (batch 1: plain F.linear, the reference's kernel).
+    from services.runtime import batching
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiles are used on one thread only
+    try:
+        talker = load_stage(wide_checkpoint, Stage.TALKER).model
+        use_rowwise_attention(talker.config.text_config, talker.code_predictor.config)
+        assert batching.tile_columns(talker.code_predictor.model.layers[0].mlp.gate_proj.weight, tokens=1)
+        lean = CodePredictor(talker, 5, "cpu", torch.float32)
+        g = torch.Generator().manual_seed(0)
+        past = torch.randn(5, 1, talker.config.text_config.hidden_size, generator=g)
+        codes0 = torch.randint(0, talker.code_predictor.config.vocab_size, (5, 1), generator=g)
+
+        def run(rows):
+            seen = []
+
+            def pick(logits):
+                seen.append(logits.clone())
+                return torch.argmax(logits, dim=-1)
+            with torch.inference_mode():
+                codes, _ = lean(past[rows], codes0[rows], pick, True)
+            return codes, seen
+
+        codes, together = run(slice(0, 5))
+        for row in range(5):
+            alone_codes, alone = run(slice(row, row + 1))
+            assert torch.equal(codes[row:row + 1], alone_codes)
+            assert all(torch.equal(t[row:row + 1], a) for t, a in zip(together, alone, strict=True))
+    finally:
+        torch.set_num_threads(previous)

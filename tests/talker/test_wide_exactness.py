@@ -1,0 +1,61 @@
+"""Thinker + talker engines on the wide preset's checkpoint against transformers' generate.
+
+The tiny checkpoint's weights are kilobytes; here the code predictor's MLP, the talker's codec
+head and the thinker's expert weights are 2-3 MB, so exact batching takes the column-tiled
+products of services/runtime/batching.py (`rowwise_matmul`) on them: the whole batched path at
+other widths, whose greedy text ids and codec frames must equal the reference for every request.
+Greedy ids are blunt (random weights leave wide margins); the bits of each tiled row are pinned
+by tests/common/test_batching.py and tests/talker/test_code_predictor.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.runtime import batching
+from services.runtime.checkpoint import Stage, load_stage
+from services.runtime.prompt import PromptBuilder
+from services.tools.reference import ReferenceRunner, messages_from_args
+from tests.talker.pipeline import assert_clean
+from tests.talker.test_engine import Case, Expected, Pipeline, assert_equals_reference
+
+pytestmark = [pytest.mark.filterwarnings("ignore:Passing `repetition_penalty`:UserWarning"),
+              pytest.mark.usefixtures("one_thread")]
+
+CASES = [
+    Case("wide-ethan", "Hello there!", "ethan", False, False, 6, 9, 0),
+    Case("wide-chelsie", "Tell me about the sea.", "chelsie", False, False, 9, 8, 0),
+    Case("wide-aiden", "Hi", "aiden", False, False, 5, 10, 2),
+]
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    # Column tiles are taken on one torch thread only (the stages' default on small machines).
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def stages(wide_checkpoint, one_thread):
+    return load_stage(wide_checkpoint, Stage.THINKER), load_stage(wide_checkpoint, Stage.TALKER)
+
+
+def test_batched_requests_equal_the_reference_through_column_tiles(wide_checkpoint, stages):
+    talker = stages[1].model
+    tiled = [w for w in (talker.code_predictor.model.layers[0].mlp.gate_proj.weight, talker.codec_head.weight)
+             if batching.tile_columns(w, tokens=1) is not None]
+    assert len(tiled) == 2  # both go through the tiled path here
+    messages = {c.request_id: messages_from_args(c.prompt, None, None, None) for c in CASES}
+    runner = ReferenceRunner(wide_checkpoint)
+    expected = {}
+    for c in CASES:
+        result = runner.generate(messages[c.request_id], voice=c.voice, max_new_tokens=c.max_new_tokens,
+                                 talker_max_new_tokens=c.talker_max_new_tokens)
+        expected[c.request_id] = Expected(result.thinker_token_ids, result.codec_frames)
+    pipe = Pipeline(stages, PromptBuilder(wide_checkpoint, stages[0].config)).run(CASES, messages)
+    assert_equals_reference(pipe, expected, [c.request_id for c in CASES])
+    assert_clean(pipe)
