@@ -239,6 +239,13 @@ class EngineLoop:
         if self.metrics is not None and seconds > 0:
             self.metrics.phase[phase].inc(seconds)
 
+    def _idle_wait(self) -> float:
+        """How long an idle loop blocks for a command: 0.5 s, or less when the engine wants a step
+        by a time of its own (`wake_in`, optional: the thinker's text holds end on their own)."""
+        wake_in = getattr(self.engine, "wake_in", None)
+        due = wake_in() if wake_in is not None else None
+        return 0.5 if due is None else min(0.5, due)
+
     def _run(self) -> None:
         timer = getattr(self.engine, "timer", None)  # a ForwardTimer: seconds in model forwards
         cpu = time.thread_time()
@@ -246,7 +253,8 @@ class EngineLoop:
             # Block for a command only when the engine has nothing to do.
             waited = time.perf_counter()
             try:
-                command = self._commands.get(timeout=0.5) if not self.engine.has_work() else self._commands.get_nowait()
+                command = self._commands.get(timeout=self._idle_wait()) if not self.engine.has_work() \
+                    else self._commands.get_nowait()
             except queue.Empty:
                 command = None
             applied = time.perf_counter()

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from omni.v1 import stages_pb2
+from services.runtime.chunking import ChunkPolicy
 from services.talker.engine import TextEnd
 
 
@@ -24,3 +25,6 @@ class TalkerAdapter(Protocol):
 
     def input_from_proto(self, message: stages_pb2.TalkerInput) -> object | TextEnd:
         """A text input after start: the family's per-token payload, or the text's end (TextEnd)."""
+
+    def text_rows_to_first_chunk(self, chunks: ChunkPolicy) -> int:
+        """Text inputs the first chunk of `chunks` needs, or 0 when that is not known here."""

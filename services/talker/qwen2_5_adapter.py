@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from omni.v1 import stages_pb2
 from services.runtime import qwen2_5_omni
+from services.runtime.chunking import ChunkPolicy
 from services.runtime.errors import InvalidArgument
 from services.serving.convert import sampling_from_proto
 from services.serving.wire import tensor_from_proto
@@ -64,3 +65,6 @@ class Qwen2_5TalkerAdapter:
 
     def input_from_proto(self, message: stages_pb2.TalkerInput) -> ReplyPart | TextEnd:
         return qwen2_5_input_from_proto(message, self.hidden)
+
+    def text_rows_to_first_chunk(self, chunks: ChunkPolicy) -> int:
+        return 0  # Token2Wav's first audio needs its look-ahead too, which code2wav's flags set

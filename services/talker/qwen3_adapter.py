@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from omni.v1 import stages_pb2
+from services.runtime.chunking import ChunkPolicy
 from services.runtime.errors import InvalidArgument
 from services.runtime.prompt import resolve_voice
 from services.runtime.qwen3_omni import talker_prompt_len
@@ -72,3 +73,7 @@ class Qwen3TalkerAdapter:
 
     def input_from_proto(self, message: stages_pb2.TalkerInput) -> TextRow | TextEnd:
         return text_input_from_proto(message)
+
+    def text_rows_to_first_chunk(self, chunks: ChunkPolicy) -> int:
+        # Frame 0 (the prefill) takes row 0, frame f row f: a first chunk of n frames takes n rows.
+        return chunks.first

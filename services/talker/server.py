@@ -171,7 +171,8 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
         """The talker's own limits; the thinker learns them from here (one owner per setting)."""
         return common_pb2.StageLimits(max_model_len=self.config.engine.max_model_len,
                                       max_new_tokens_limit=self.config.max_new_tokens_limit,
-                                      default_max_new_tokens=self.config.default_max_new_tokens)
+                                      default_max_new_tokens=self.config.default_max_new_tokens,
+                                      text_rows_to_first_chunk=self.adapter.text_rows_to_first_chunk(self.config.chunks))
 
 
 async def create_server(config: TalkerConfig) -> tuple[ServerHandle, EngineLoop]:

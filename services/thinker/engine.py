@@ -11,10 +11,17 @@ does, and passed explicitly (no per-module `rope_deltas` state, so requests can 
 Events per request: `Prefilled` (what the talker needs from the prompt), then `Token` per
 generated token, then `Finished`. A job with `forced_ids` takes those ids in place of sampling
 (its `max_new_tokens` is their count): text-to-speech of a given text.
+
+Audio first: a `HoldText` input stops a request after `lead` tokens until `ReleaseText` (the
+server sends it when the talker answers) or until its time is up; the request then sits the steps
+out like a talker request waiting for text. Where the stages share cores, text nobody hears yet
+then does not compete with the first audio chunk's compute. Holding changes when tokens come,
+never which.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -77,12 +84,26 @@ class Finished(EngineEvent):
     final: ClassVar[bool] = True
 
 
+@dataclass(frozen=True)
+class HoldText:
+    """Thinker input: generate at most `lead` tokens of the request until `ReleaseText` comes, for
+    `seconds` at most (then it runs freely: a talker that never answers cannot stall its text)."""
+    lead: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ReleaseText:
+    """Thinker input: the talker has answered; the request's text runs freely."""
+
+
 @dataclass
 class _Request:
     job: ThinkerJob
     last_position: torch.Tensor | None = None  # [4, 1, 1] position ids of the last fed token
     generated: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    hold: tuple[int, float] | None = None  # HoldText's (lead, monotonic deadline) until released
 
 
 @dataclass(frozen=True)
@@ -138,7 +159,42 @@ class ThinkerEngine(SlotScheduledEngine):
         self._requests[request_id] = _Request(job=job, generator=job.sampling.generator())
 
     def add_input(self, request_id: str, payload) -> None:
-        raise ValueError("the thinker takes no streamed input")
+        request = self._requests.get(request_id)
+        match payload:
+            case HoldText(lead, seconds):
+                if request is not None:
+                    request.hold = (lead, time.monotonic() + seconds)
+                    self._refresh_hold(request_id, request)
+            case ReleaseText():
+                if request is not None and request.hold is not None:
+                    request.hold = None
+                    self.scheduler.set_ready(request_id, True)
+            case _:
+                raise ValueError(f"the thinker takes no streamed input ({type(payload).__name__})")
+
+    def _refresh_hold(self, request_id: str, request: _Request) -> None:
+        """Sit the request out from its `lead`-th token on, until released or its deadline."""
+        lead, deadline = request.hold
+        if time.monotonic() >= deadline:
+            request.hold = None
+        self.scheduler.set_ready(request_id, request.hold is None or len(request.generated) < lead)
+
+    def has_work(self) -> bool:
+        for request_id, request in self._requests.items():  # holds past their deadline end here
+            if request.hold is not None and request.hold[1] <= time.monotonic():
+                self._refresh_hold(request_id, request)
+        return self.scheduler.has_work
+
+    def wake_in(self) -> float | None:
+        """Seconds until the earliest hold ends (the loop then steps without a command), or None."""
+        deadlines = [r.hold[1] for r in self._requests.values() if r.hold is not None]
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+
+    def after_step(self, plan) -> None:
+        for request_id in plan.prefill + plan.decode:
+            request = self._requests.get(request_id)
+            if request is not None and request.hold is not None:
+                self._refresh_hold(request_id, request)
 
     # Model work.
     @torch.inference_mode()

@@ -58,6 +58,8 @@ from services.serving.status import ReplayDiverged, StageUnavailable, abort_for
 from services.thinker.adapter import ThinkerAdapter
 from services.thinker.engine import (
     Finished,
+    HoldText,
+    ReleaseText,
     ThinkerEngine,
     ThinkerEngineConfig,
     ThinkerJob,
@@ -83,6 +85,13 @@ class ThinkerConfig:
     backend: str = "transformers"  # or "vllm" (services/thinker/vllm_backend.py; optional install)
     vllm_kv_cache_bytes: int | None = None  # vLLM's KV cache; None: its own sizing (GPU memory fraction)
     vllm_gpu_memory_utilization: float = 0.9
+    audio_first: bool = False  # hold a spoken request's text near the talker's need until it answers
+
+
+# Audio first (ThinkerConfig.audio_first): a spoken request's text is held at the talker's first
+# chunk plus this many tokens until the talker answers, for at most AUDIO_FIRST_HOLD_S.
+AUDIO_FIRST_MARGIN = 4
+AUDIO_FIRST_HOLD_S = 1.0
 
 
 def messages_from_proto(request: omni_pb2.GenerateRequest) -> list[ChatMessage]:
@@ -224,6 +233,7 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         key = engine_key(request_id)  # unique per stream, whatever ids callers reuse
         sink = EventSink(asyncio.get_running_loop())
         self.loop.add(key, prepared.job, sink)
+        held = prepared.audio and self._hold_text(key, talker)
         detok = IncrementalDetokenizer(self.prompts.decode)
         speak: Downstream | None = None  # the talker stream, opened after prefill; moves if its replica dies
         resume = Resume("talker")  # what went up from the talker, across moves
@@ -240,6 +250,9 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
                         raise
                     resume.begin_replay()
                     continue
+                if held and isinstance(item, stages_pb2.TalkerOutput):
+                    self.loop.add_input(key, ReleaseText())  # audio (or the talker's end) is coming
+                    held = False
                 match item:
                     case self.adapter.prefilled() as prefilled:
                         speak = self._open_talker(request.route, sink, context)
@@ -283,6 +296,15 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
             if speak is not None:
                 speak.cancel()
             self.loop.abort(key)
+
+    def _hold_text(self, key: str, talker: common_pb2.StageLimits) -> bool:
+        """Audio first: hold the request's text at what the talker's first chunk needs plus a
+        margin, until the talker answers (services/thinker/engine.py); True when held."""
+        rows = talker.text_rows_to_first_chunk
+        if not self.config.audio_first or not rows or not isinstance(self.engine, ThinkerEngine):
+            return False
+        self.loop.add_input(key, HoldText(rows + AUDIO_FIRST_MARGIN, AUDIO_FIRST_HOLD_S))
+        return True
 
     def _open_talker(self, route: stages_pb2.Route, sink: EventSink, context) -> Downstream:
         speak = Downstream(
@@ -371,6 +393,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-gpu-memory-utilization", type=float,
                         default=env_default("vllm_gpu_memory_utilization", 0.9),
                         help="vLLM backend: fraction of GPU memory vLLM may take (default 0.9)")
+    parser.add_argument("--audio-first", choices=["auto", "on", "off"], default=env_default("audio_first", "auto"),
+                        help="hold a spoken request's text at the talker's first chunk + 4 tokens until the talker "
+                             "answers, so text nobody hears yet does not slow the first audio where the stages "
+                             "share cores (auto: on for cpu)")
     parser.add_argument("--max-prompt-tokens", type=int, default=env_default("max_prompt_tokens", 0),
                         help="longest prompt in tokens (default: the model's maximum)")
     parser.add_argument("--max-audio-seconds", type=float, default=env_default("max_audio_seconds", 300.0),
@@ -393,7 +419,9 @@ def main(argv: list[str] | None = None) -> int:
                                backend=args.backend,
                                vllm_kv_cache_bytes=(args.vllm_kv_cache_mb or (512 if args.device == "cpu" else 0)) << 20
                                or None,
-                               vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization)
+                               vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                               audio_first=args.audio_first == "on" or (args.audio_first == "auto"
+                                                                        and not args.device.startswith("cuda")))
         serve_stage("thinker", create_server, config, args.port_file)
 
     return run_cli(run)
