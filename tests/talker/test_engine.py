@@ -114,16 +114,21 @@ def builder(tiny_checkpoint, stages):
     return PromptBuilder(tiny_checkpoint, stages[0].config)
 
 
-@pytest.fixture(scope="module")
-def expected(tiny_checkpoint, messages) -> dict:
-    """request_id -> what transformers' generate produces (the slow part of this module: ~1.5 s each)."""
-    runner = ReferenceRunner(tiny_checkpoint)
+def reference_results(checkpoint, cases, messages) -> dict:
+    """request_id -> what transformers' generate produces for each case."""
+    runner = ReferenceRunner(checkpoint)
     out = {}
-    for c in CASES:
+    for c in cases:
         result = runner.generate(messages[c.request_id], voice=c.voice, max_new_tokens=c.max_new_tokens,
                                  talker_max_new_tokens=c.talker_max_new_tokens)
         out[c.request_id] = Expected(result.thinker_token_ids, result.codec_frames)
     return out
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_checkpoint, messages) -> dict:
+    """request_id -> generate's output (the slow part of this module: ~1.5 s each)."""
+    return reference_results(tiny_checkpoint, CASES, messages)
 
 
 class Pipeline(TwoStagePipeline):

@@ -16,9 +16,9 @@ import torch
 from services.runtime import batching
 from services.runtime.checkpoint import Stage, load_stage
 from services.runtime.prompt import PromptBuilder
-from services.tools.reference import ReferenceRunner, messages_from_args
+from services.tools.reference import messages_from_args
 from tests.talker.pipeline import assert_clean
-from tests.talker.test_engine import Case, Expected, Pipeline, assert_equals_reference
+from tests.talker.test_engine import Case, Pipeline, assert_equals_reference, reference_results
 
 pytestmark = [pytest.mark.filterwarnings("ignore:Passing `repetition_penalty`:UserWarning"),
               pytest.mark.usefixtures("one_thread")]
@@ -50,12 +50,7 @@ def test_batched_requests_equal_the_reference_through_column_tiles(wide_checkpoi
              if batching.tile_columns(w, tokens=1) is not None]
     assert len(tiled) == 2  # both go through the tiled path here
     messages = {c.request_id: messages_from_args(c.prompt, None, None, None) for c in CASES}
-    runner = ReferenceRunner(wide_checkpoint)
-    expected = {}
-    for c in CASES:
-        result = runner.generate(messages[c.request_id], voice=c.voice, max_new_tokens=c.max_new_tokens,
-                                 talker_max_new_tokens=c.talker_max_new_tokens)
-        expected[c.request_id] = Expected(result.thinker_token_ids, result.codec_frames)
+    expected = reference_results(wide_checkpoint, CASES, messages)
     pipe = Pipeline(stages, PromptBuilder(wide_checkpoint, stages[0].config)).run(CASES, messages)
     assert_equals_reference(pipe, expected, [c.request_id for c in CASES])
     assert_clean(pipe)
