@@ -13,10 +13,10 @@ generated token, then `Finished`. A job with `forced_ids` takes those ids in pla
 (its `max_new_tokens` is their count): text-to-speech of a given text.
 
 Audio first: a `HoldText` input stops a request after `lead` tokens until `ReleaseText` (the
-server sends it when the talker answers) or until its time is up; the request then sits the steps
-out like a talker request waiting for text. Where the stages share cores, text nobody hears yet
-then does not compete with the first audio chunk's compute. Holding changes when tokens come,
-never which.
+server sends it when the talker answers) or until its time is up: the request sits out the steps
+no other request takes (it rides along in those another one does). Where the stages share cores,
+text nobody hears yet then does not compete with the first audio chunk's compute when the thinker
+has nothing else to do. Holding changes when tokens come, never which.
 """
 
 from __future__ import annotations
@@ -164,37 +164,41 @@ class ThinkerEngine(SlotScheduledEngine):
             case HoldText(lead, seconds):
                 if request is not None:
                     request.hold = (lead, time.monotonic() + seconds)
-                    self._refresh_hold(request_id, request)
             case ReleaseText():
-                if request is not None and request.hold is not None:
+                if request is not None:
                     request.hold = None
                     self.scheduler.set_ready(request_id, True)
             case _:
                 raise ValueError(f"the thinker takes no streamed input ({type(payload).__name__})")
 
-    def _refresh_hold(self, request_id: str, request: _Request) -> None:
-        """Sit the request out from its `lead`-th token on, until released or its deadline."""
-        lead, deadline = request.hold
-        if time.monotonic() >= deadline:
-            request.hold = None
-        self.scheduler.set_ready(request_id, request.hold is None or len(request.generated) < lead)
+    def _apply_holds(self) -> None:
+        """Holds past their deadline end; a request at its lead sits out the steps, unless another
+        request takes the step anyway: then it rides along (a row more in a batched step costs
+        little, and a thinker that steps for held requests one at a time later costs more)."""
+        now = time.monotonic()
+        held = []
+        for request_id, request in self._requests.items():
+            if request.hold is not None and now >= request.hold[1]:
+                request.hold = None
+                self.scheduler.set_ready(request_id, True)
+            elif request.hold is not None and len(request.generated) >= request.hold[0]:
+                held.append(request_id)
+        others = len(held) < len(self._requests)
+        for request_id in held:
+            self.scheduler.set_ready(request_id, others)
 
     def has_work(self) -> bool:
-        for request_id, request in self._requests.items():  # holds past their deadline end here
-            if request.hold is not None and request.hold[1] <= time.monotonic():
-                self._refresh_hold(request_id, request)
+        self._apply_holds()
         return self.scheduler.has_work
+
+    def step(self) -> list[tuple[str, object]]:
+        self._apply_holds()
+        return super().step()
 
     def wake_in(self) -> float | None:
         """Seconds until the earliest hold ends (the loop then steps without a command), or None."""
         deadlines = [r.hold[1] for r in self._requests.values() if r.hold is not None]
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
-
-    def after_step(self, plan) -> None:
-        for request_id in plan.prefill + plan.decode:
-            request = self._requests.get(request_id)
-            if request is not None and request.hold is not None:
-                self._refresh_hold(request_id, request)
 
     # Model work.
     @torch.inference_mode()
