@@ -110,3 +110,35 @@ def test_inputs_for_gone_requests_are_ignored_and_others_refused(stage):
     engine.add("r", job)
     with pytest.raises(ValueError, match="no streamed input"):
         engine.add_input("r", object())
+
+
+def test_the_server_holds_only_at_light_load_with_a_talker_that_knows_its_first_chunk(stage):
+    # ThinkerServicer._hold_text, the server's half: which spoken requests get a HoldText.
+    from types import SimpleNamespace
+
+    from omni.v1 import common_pb2
+    from services.thinker.server import (
+        AUDIO_FIRST_HOLD_S,
+        AUDIO_FIRST_MARGIN,
+        AUDIO_FIRST_MAX_STREAMS,
+        ThinkerServicer,
+    )
+
+    engine, _ = engine_and_job(stage)
+    sent = []
+    servicer = ThinkerServicer.__new__(ThinkerServicer)
+    servicer.engine = engine
+    servicer.config = SimpleNamespace(audio_first=True)
+    servicer.loop = SimpleNamespace(in_flight=1, add_input=lambda key, payload: sent.append(payload))
+    talker = common_pb2.StageLimits(text_rows_to_first_chunk=4)
+    assert servicer._hold_text("k", talker)
+    assert sent == [HoldText(4 + AUDIO_FIRST_MARGIN, AUDIO_FIRST_HOLD_S)]
+    servicer.loop.in_flight = AUDIO_FIRST_MAX_STREAMS + 1  # busy: no hold
+    assert not servicer._hold_text("k", talker)
+    servicer.loop.in_flight = 1
+    assert not servicer._hold_text("k", common_pb2.StageLimits())  # the talker does not say (Qwen2.5-Omni)
+    servicer.config.audio_first = False
+    assert not servicer._hold_text("k", talker)
+    servicer.config.audio_first, servicer.engine = True, object()  # another backend (vLLM) takes no holds
+    assert not servicer._hold_text("k", talker)
+    assert len(sent) == 1
