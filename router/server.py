@@ -297,16 +297,45 @@ class Router:
 
 async def _watched(call, stage: str, replica: str, stall_s: float):
     """The responses of `call`; StreamIdle naming `stage` at `replica` when none comes for `stall_s`
-    (the call is cancelled)."""
+    (the call is cancelled).
+
+    Each read runs in a task of its own that is never cancelled: when the client goes away (this
+    task is cancelled) or the stream stalls, the call is cancelled and the read left to end by
+    itself. grpc.aio leaks the native batch of a read whose awaiting task is cancelled (grpc/grpc
+    #43360), which `asyncio.wait_for(anext(...))` does: a bare grpc.aio client leaked ~316 B of
+    malloc in-use memory per stream that way, ~45 B with cancel-then-drain (2-core Xeon, grpcio
+    1.85.3). In the router (one run each, 3,000 cancelled + 3,000 deadline-expired requests)
+    malloc in-use grew +1.1 MB with wait_for, +0.1 MB with this; single runs, noise ~0.6 MB."""
     responses = aiter(call)
     while True:
+        read = asyncio.ensure_future(anext(responses))
         try:
-            yield await asyncio.wait_for(anext(responses), stall_s)
+            done, _ = await asyncio.wait((read,), timeout=stall_s)
+        except asyncio.CancelledError:
+            await _drain(call, read)
+            raise
+        if not done:
+            await _drain(call, read)
+            raise StreamIdle(stage, stall_s, replica) from None
+        try:
+            response = read.result()
         except StopAsyncIteration:
             return
-        except TimeoutError:
-            call.cancel()
-            raise StreamIdle(stage, stall_s, replica) from None
+        yield response
+
+
+async def _drain(call, read: asyncio.Future) -> None:
+    """Cancel `call` and let its pending `read` end (it does at once), without cancelling it."""
+    call.cancel()
+    try:
+        await asyncio.shield(read)
+    except asyncio.CancelledError:
+        if not read.done():  # we were cancelled (again) ourselves, not the read
+            raise
+    except Exception:  # noqa: BLE001 - how the read ended (the call's error, the stream's end) is not asked
+        pass
+    if read.done() and not read.cancelled():
+        read.exception()  # retrieved, so asyncio does not log it as never retrieved
 
 
 async def create_server(config: RouterConfig) -> tuple[ServerHandle, Router]:
