@@ -295,6 +295,9 @@ class Router:
             await asyncio.sleep(self.config.poll_interval_s / 2)
 
 
+_DRAIN_S = 5.0  # a cancelled call's pending read ends at once; this only bounds a broken one
+
+
 async def _watched(call, stage: str, replica: str, stall_s: float):
     """The responses of `call`; StreamIdle naming `stage` at `replica` when none comes for `stall_s`
     (the call is cancelled).
@@ -325,17 +328,17 @@ async def _watched(call, stage: str, replica: str, stall_s: float):
 
 
 async def _drain(call, read: asyncio.Future) -> None:
-    """Cancel `call` and let its pending `read` end (it does at once), without cancelling it."""
+    """Cancel `call` and let its pending `read` end (it does at once), without cancelling it;
+    `asyncio.wait` neither cancels the read nor waits past _DRAIN_S."""
     call.cancel()
-    try:
-        await asyncio.shield(read)
-    except asyncio.CancelledError:
-        if not read.done():  # we were cancelled (again) ourselves, not the read
-            raise
-    except Exception:  # noqa: BLE001 - how the read ended (the call's error, the stream's end) is not asked
-        pass
-    if read.done() and not read.cancelled():
-        read.exception()  # retrieved, so asyncio does not log it as never retrieved
+    read.add_done_callback(_retrieve)
+    await asyncio.wait((read,), timeout=_DRAIN_S)
+
+
+def _retrieve(read: asyncio.Future) -> None:
+    """How a drained read ended is not asked; retrieved, so asyncio does not log it as never retrieved."""
+    if not read.cancelled():
+        read.exception()
 
 
 async def create_server(config: RouterConfig) -> tuple[ServerHandle, Router]:
