@@ -122,5 +122,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                              "(auto: on for cpu, off for cuda)")
 
 
+def on_unless_cuda(choice: str, device: str) -> bool:
+    """An auto|on|off flag whose auto is on everywhere but on CUDA devices."""
+    return choice == "on" or (choice == "auto" and not device.startswith("cuda"))
+
+
 def exact_batching(args: argparse.Namespace) -> bool:
-    return args.exact_batching == "on" or (args.exact_batching == "auto" and not args.device.startswith("cuda"))
+    return on_unless_cuda(args.exact_batching, args.device)

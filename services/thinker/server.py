@@ -33,6 +33,7 @@ from services.runtime.settings import (
     env_default,
     exact_batching,
     model_config_from_args,
+    on_unless_cuda,
 )
 from services.serving.channels import ChannelPool
 from services.serving.config import (
@@ -425,8 +426,7 @@ def main(argv: list[str] | None = None) -> int:
                                vllm_kv_cache_bytes=(args.vllm_kv_cache_mb or (512 if args.device == "cpu" else 0)) << 20
                                or None,
                                vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                               audio_first=args.audio_first == "on" or (args.audio_first == "auto"
-                                                                        and not args.device.startswith("cuda")))
+                               audio_first=on_unless_cuda(args.audio_first, args.device))
         serve_stage("thinker", create_server, config, args.port_file)
 
     return run_cli(run)
