@@ -60,6 +60,7 @@ from services.serving.security import (
     secure_or_insecure_channel,
     tls_from_args,
 )
+from services.serving.streams import read
 
 log = logging.getLogger("gateway")
 OMNI_SERVICE = "omni.v1.Omni"
@@ -160,7 +161,7 @@ class Call:
     async def start(self) -> None:
         self.gateway.metrics.in_flight.inc()
         try:
-            self.first = await self.call.read()
+            self.first = await read(self.call)  # never cancelled mid-read (services/serving/streams.py)
         except grpc.RpcError as err:
             self.done()
             raise from_rpc(err, speech=self.endpoint == "speech") from None
@@ -183,7 +184,7 @@ class Call:
             elif kind == "final":
                 self.final = response.final
             yield response
-            response = await self.call.read()
+            response = await read(self.call)
 
     def cancel(self) -> None:
         self.call.cancel()  # a no-op once the call ended

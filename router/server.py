@@ -51,6 +51,7 @@ from services.serving.status import (
     error_info,
     failure_of_call,
 )
+from services.serving.streams import read
 
 log = logging.getLogger("router")
 SERVICE = omni_pb2.DESCRIPTOR.services_by_name["Omni"].full_name
@@ -295,50 +296,16 @@ class Router:
             await asyncio.sleep(self.config.poll_interval_s / 2)
 
 
-_DRAIN_S = 5.0  # a cancelled call's pending read ends at once; this only bounds a broken one
-
-
 async def _watched(call, stage: str, replica: str, stall_s: float):
     """The responses of `call`; StreamIdle naming `stage` at `replica` when none comes for `stall_s`
-    (the call is cancelled).
-
-    Each read runs in a task of its own that is never cancelled: when the client goes away (this
-    task is cancelled) or the stream stalls, the call is cancelled and the read left to end by
-    itself. grpc.aio leaks the native batch of a read whose awaiting task is cancelled (grpc/grpc
-    #43360), which `asyncio.wait_for(anext(...))` does: a bare grpc.aio client leaked ~316 B of
-    malloc in-use memory per stream that way, ~45 B with cancel-then-drain (2-core Xeon, grpcio
-    1.85.3). In the router (one run each, 3,000 cancelled + 3,000 deadline-expired requests)
-    malloc in-use grew +1.1 MB with wait_for, +0.1 MB with this; single runs, noise ~0.6 MB."""
-    responses = aiter(call)
+    (the call is cancelled). Reads are never cancelled mid-flight (services/serving/streams.py): in
+    the router, over 3,000 cancelled and 3,000 deadline-expired requests (one run each), malloc
+    in-use memory grew +1.1 MB with `asyncio.wait_for(anext(...))`, +0.1 MB this way."""
     while True:
-        read = asyncio.ensure_future(anext(responses))
-        try:
-            done, _ = await asyncio.wait((read,), timeout=stall_s)
-        except asyncio.CancelledError:
-            await _drain(call, read)
-            raise
-        if not done:
-            await _drain(call, read)
-            raise StreamIdle(stage, stall_s, replica) from None
-        try:
-            response = read.result()
-        except StopAsyncIteration:
+        response = await read(call, stall_s, lambda: StreamIdle(stage, stall_s, replica))
+        if response is grpc.aio.EOF:
             return
         yield response
-
-
-async def _drain(call, read: asyncio.Future) -> None:
-    """Cancel `call` and let its pending `read` end (it does at once), without cancelling it;
-    `asyncio.wait` neither cancels the read nor waits past _DRAIN_S."""
-    call.cancel()
-    read.add_done_callback(_retrieve)
-    await asyncio.wait((read,), timeout=_DRAIN_S)
-
-
-def _retrieve(read: asyncio.Future) -> None:
-    """How a drained read ended is not asked; retrieved, so asyncio does not log it as never retrieved."""
-    if not read.cancelled():
-        read.exception()
 
 
 async def create_server(config: RouterConfig) -> tuple[ServerHandle, Router]:

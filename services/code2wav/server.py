@@ -45,6 +45,7 @@ from services.serving.grpc_server import ServerHandle, build_server
 from services.serving.metrics import StageMetrics
 from services.serving.stage_main import serve_stage
 from services.serving.status import WireError, abort_for
+from services.serving.streams import let_end
 from services.serving.wire import audio_to_proto, frames_from_proto
 
 log = logging.getLogger("code2wav")
@@ -100,7 +101,7 @@ class Code2WavServicer(stages_pb2_grpc.Code2WavServicer):
         except Exception as exc:  # a failed engine or a bad input stream
             await abort_for(context, exc)
         finally:
-            reader.cancel()
+            let_end(reader)  # never cancelled mid-read (services/serving/streams.py); ends with the call
             if not finished:
                 self.loop.abort(key)
 

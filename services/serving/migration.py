@@ -26,7 +26,7 @@ from omni.v1 import common_pb2
 from services.serving.engine_loop import EventSink
 from services.serving.metrics import StageMetrics
 from services.serving.status import ReplayDiverged, StageUnavailable, StreamIdle
-from services.serving.streams import close_quietly, relay_responses, write_quietly
+from services.serving.streams import Gate, close_quietly, let_end, relay_responses, write_quietly
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +132,7 @@ class Downstream:
         self.replica = ""
         self.call = None
         self._relay: asyncio.Task | None = None
+        self._gate: Gate | None = None  # what the current relay delivers through
         self.moved_at: float | None = None  # perf_counter of the last move, until its first new output
         # No response from the replica for this long (since the stream opened or its last
         # response) fails the sink with StreamIdle naming it: a hung replica (SIGSTOP, a stuck
@@ -147,8 +148,9 @@ class Downstream:
         self.replica = replica
         self.call = self._open_call(replica)
         self._last_response = time.monotonic()
+        self._gate = Gate(self._sink)
         self._relay = asyncio.create_task(
-            relay_responses(self.call, self.stage, replica, self._sink, self._is_final, self._responded))
+            relay_responses(self.call, self.stage, replica, self._gate, self._is_final, self._responded))
         if self.stall_timeout_s:
             self._watch = asyncio.create_task(self._watch_stall(self._relay, replica))
 
@@ -218,10 +220,14 @@ class Downstream:
             self._metrics.migrations.labels(self.owner, self.stage, outcome).inc()
 
     def cancel(self) -> None:
-        """Free the request on the current replica (no-op when its call is over)."""
-        if self._relay is not None:
-            self._relay.cancel()
+        """Free the request on the current replica (no-op when its call is over). Its relay is not
+        cancelled (it may be waiting on a read: see services/serving/streams.py): the gate shuts,
+        the call is cancelled, and the relay's read, then the relay, end by themselves."""
+        if self._gate is not None:
+            self._gate.open = False
         if self._watch is not None:
-            self._watch.cancel()
+            self._watch.cancel()  # it waits on the relay, not on a read
         if self.call is not None:
             self.call.cancel()
+        if self._relay is not None:
+            let_end(self._relay)

@@ -45,6 +45,7 @@ from services.serving.metrics import StageMetrics
 from services.serving.migration import Downstream, Resume
 from services.serving.stage_main import serve_stage
 from services.serving.status import ReplayDiverged, StageUnavailable, WireError, abort_for
+from services.serving.streams import let_end
 from services.serving.wire import frames_to_proto
 from services.talker.adapter import TalkerAdapter
 from services.talker.config import TalkerConfig
@@ -139,7 +140,7 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
                 decode.diverged()
             await abort_for(context, exc)
         finally:
-            reader.cancel()
+            let_end(reader)  # never cancelled mid-read (services/serving/streams.py); ends with the call
             decode.cancel()
             self.loop.abort(key)
 

@@ -1,6 +1,8 @@
 """Talking to the next stage (services/serving/streams.py): the relay trusts the final message and
-turns any other end into one failure naming the stage; writes never raise. Over real bidi
-streams on loopback, with raw-bytes messages (b"final" marks the last one)."""
+turns any other end into one failure naming the stage; writes never raise; a stream given up
+(a cancel, a stall, a move) is ended by cancelling its call, never a task waiting on one of its
+reads (grpc.aio leaks such a read's native batch). Over real bidi streams on loopback, with
+raw-bytes messages (b"final" marks the last one)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ import grpc
 import pytest
 
 from services.runtime.errors import InvalidArgument
+from services.serving import streams
 from services.serving.engine_loop import EventSink
-from services.serving.status import StageUnavailable, abort_for, error_info
-from services.serving.streams import close_quietly, relay_responses, write_quietly
+from services.serving.migration import Downstream
+from services.serving.status import StageUnavailable, StreamIdle, abort_for, error_info
+from services.serving.streams import close_quietly, let_end, read, relay_responses, write_quietly
 
 
 def is_final(message: bytes) -> bool:
@@ -130,3 +134,147 @@ def test_the_relay_reports_a_dead_peer_by_name(writes):
 
     error = asyncio.run(scenario())
     assert (error.stage, error.replica) == ("talker", "127.0.0.1:1")
+
+
+class Spied:
+    """A real call whose reads record whether the task awaiting them was cancelled (asyncio's
+    `cancelling()`): grpc.aio raises CancelledError itself from a read of a call cancelled
+    locally, which is fine; a task cancelled while it awaits a read is the leak."""
+
+    def __init__(self, call):
+        self.call = call
+        self.cancelled_mid_read = 0
+        self.responses = 0
+
+    def __getattr__(self, name):
+        return getattr(self.call, name)
+
+    async def read(self):
+        try:
+            response = await self.call.read()
+        except asyncio.CancelledError:
+            self.cancelled_mid_read += asyncio.current_task().cancelling() > 0
+            raise
+        self.responses += response is not grpc.aio.EOF
+        return response
+
+    async def __aiter__(self):
+        while (response := await self.read()) is not grpc.aio.EOF:
+            yield response
+
+
+async def endless(requests, context):
+    """A peer that streams until its caller goes away."""
+    i = 0
+    while True:
+        yield b"audio %d" % i
+        i += 1
+        await asyncio.sleep(0.01)
+
+
+async def silent_after_one(requests, context):
+    yield b"first"
+    await asyncio.sleep(30)
+
+
+async def with_peer(handler, body):
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "test.Peer", {"Chat": grpc.stream_stream_rpc_method_handler(handler)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            return await body(lambda _address="": Spied(channel.stream_stream("/test.Peer/Chat")(timeout=10)),
+                              f"127.0.0.1:{port}")
+    finally:
+        await server.stop(0)
+
+
+async def settled() -> None:
+    """Until every task left to end by itself has ended (each read returns once its call is cancelled)."""
+    for _ in range(100):
+        if not streams._ending:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{len(streams._ending)} tasks left to end never ended")
+
+
+def test_a_read_whose_caller_is_cancelled_cancels_the_call_and_ends_by_itself():
+    async def body(open_call, _):
+        call = open_call()
+        assert await read(call) == b"first"
+        reader = asyncio.create_task(read(call))
+        await asyncio.sleep(0.1)  # the read is in flight: the peer sends nothing more
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        await settled()
+        return call
+
+    call = asyncio.run(with_peer(silent_after_one, body))
+    assert call.cancelled()
+    assert call.cancelled_mid_read == 0
+
+
+def test_a_read_that_stalls_raises_what_the_caller_names_and_cancels_the_call():
+    async def body(open_call, address):
+        call = open_call()
+        assert await read(call, 5.0) == b"first"
+        with pytest.raises(StreamIdle) as raised:
+            await read(call, 0.2, lambda: StreamIdle("code2wav", 0.2, address))
+        await settled()
+        return call, raised.value
+
+    call, error = asyncio.run(with_peer(silent_after_one, body))
+    assert error.stage == "code2wav"
+    assert call.cancelled()
+    assert call.cancelled_mid_read == 0
+
+
+def test_a_downstream_given_up_cancels_its_call_and_its_relay_delivers_nothing_more():
+    async def body(open_call, address):
+        calls = []
+        sink = EventSink(asyncio.get_running_loop())
+        downstream = Downstream("talker", "code2wav", [address], lambda a: calls.append(open_call(a)) or calls[-1],
+                                sink, is_final, max_moves=0)
+        downstream.open()
+        for _ in range(3):
+            await sink.get(5.0)
+        downstream.cancel()
+        delivered = calls[0].responses  # the relay may have read more than the 3 taken
+        await settled()
+        late = []
+        while True:
+            try:
+                late.append(await sink.get(0.3))
+            except StreamIdle:
+                break
+        return calls[0], delivered, late
+
+    call, delivered, late = asyncio.run(with_peer(endless, body))
+    assert call.cancelled()
+    assert call.cancelled_mid_read == 0
+    assert len(late) <= delivered - 3  # what was in the sink at the cancel, and no failure or response after
+    assert all(message.startswith(b"audio") for message in late)
+
+
+def test_a_task_left_to_end_is_kept_until_it_does_and_its_failure_is_not_logged():
+    async def scenario():
+        logged = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: logged.append(context))
+        gate = asyncio.Event()
+
+        async def fails_later():
+            await gate.wait()
+            raise ValueError("how it ended is nobody's business")
+
+        let_end(asyncio.create_task(fails_later()))
+        assert len(streams._ending) == 1
+        gate.set()
+        await settled()
+        import gc
+        gc.collect()
+        return logged
+
+    assert asyncio.run(scenario()) == []
