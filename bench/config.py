@@ -45,6 +45,7 @@ class BenchConfig:
     timeout_s: float
     preset: str = "tiny"  # bench/presets.py
     gateway_url: str | None = None  # with --target: that stack's HTTP gateway (for the gateway system)
+    cpu_layout: str = "auto"  # the stacks started here: the talker on CPUs of its own (services/tools/launcher.py)
 
     @property
     def gateway(self) -> bool:
@@ -109,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads per stage process and for the in-process reference "
                         "(default 0: a third of the cores, at least 1)")
+    p.add_argument("--cpu-layout", choices=["auto", "on", "off"], default="auto",
+                   help="the stacks started here: each talker on CPUs of its own, the other processes on the rest "
+                        "(as omni-serve up; auto = on unless --device is cuda)")
     p.add_argument("--skip", default="", help="comma-separated systems not to run: reference, reference-batched, "
                                               "pipeline, pipeline-unbatched (the same stack at batch size 1)")
     p.add_argument("--floor-repeats", type=int, default=2, help="floor samples per prompt (default %(default)s)")
@@ -175,4 +179,5 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         systems=_systems(args.skip, args.gateway),
         floor_repeats=args.floor_repeats, first_chunk_frames=args.first_chunk_frames,
         prebuffer_ms=args.prebuffer_ms, timeout_s=args.timeout, gateway_url=args.gateway_url, preset=preset.name,
+        cpu_layout=args.cpu_layout,
     )

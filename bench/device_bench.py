@@ -171,7 +171,8 @@ class DeviceBench:
         thinker, talker, code2wav = self.stage_args(graphs)
         stack = Stack(StackOptions(checkpoint=self.args.checkpoint, port=0, threads=self.args.threads,
                                    thinker_args=thinker, talker_args=talker, code2wav_args=code2wav,
-                                   startup_timeout_s=max(30.0, min(self.args.startup_timeout_s, budget * 0.7))))
+                                   startup_timeout_s=max(30.0, min(self.args.startup_timeout_s, budget * 0.7)),
+                                   device=self.args.device))
         self.say(f"graphs {graphs}: starting the stack (budget {budget:.0f} s)")
         t = time.monotonic()
         try:

@@ -97,6 +97,7 @@ class Bench:
         check_folder(config.checkpoint)
         quiet_libraries()
         torch.set_num_threads(config.threads)
+        self.layouts: dict[str, str] = {}  # system -> its stack's CPU layout (a note in the report)
         self.config = config
         self.started = time.perf_counter()
         self.machine = describe_machine()
@@ -150,8 +151,10 @@ class Bench:
                 stack = Stack(StackOptions(
                     checkpoint=cfg.checkpoint, port=0, threads=cfg.threads, thinker_args=cfg.stage_args() + batch,
                     talker_args=cfg.talker_args() + batch + talker_default, code2wav_args=cfg.stage_args(),
-                    log_prefix=False, http_port=0 if gateway else None, metrics_base_port=free_port_block()))
+                    log_prefix=False, http_port=0 if gateway else None, metrics_base_port=free_port_block(),
+                    device=cfg.device, cpu_layout=cfg.cpu_layout))
                 self._step(f"start stack ({system.value})", lambda stack=stack: cleanup.enter_context(stack))
+                self.layouts[system.value] = stack.describe_layout()
                 target = stack.target
                 gateway_url = stack.http_url
                 self.scrapers[system] = StageScraper.for_stack(stack)
@@ -257,7 +260,8 @@ class Bench:
         return BenchReport(
             created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             machine=self.machine, config=cfg, checkpoint_name=Path(cfg.checkpoint).resolve().name,
-            prompts=[f"{p.label} ({p.modalities})" for p in self.prompts], notes=NOTES, floor=floor,
+            prompts=[f"{p.label} ({p.modalities})" for p in self.prompts],
+            notes=NOTES + tuple(f"{system} stack: {layout}" for system, layout in self.layouts.items()), floor=floor,
             results=results, ratios=ratios_for(results), gateway_cost=gateway_cost_for(results),
             skipped=self.skipped, requests=self.records,
             blocks=self.block_log, setup_s=self.setup_s, wall_s=time.perf_counter() - self.started,
