@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from services.runtime.settings import env_default
 from services.serving.grpc_server import DEFAULT_MAX_MESSAGE_BYTES
+from services.serving.placement import parse_cpus
 from services.serving.security import TLSConfig, add_tls_flags, tls_from_args
 
 
@@ -25,6 +26,7 @@ class ServingConfig:
     stream_idle_timeout_s: float = 120.0  # a stream with no progress this long is ended (dead peer)
     tls: TLSConfig = TLSConfig()  # plaintext unless certificates are given
     health_port: int = 0  # a plaintext grpc.health.v1-only port (for probes when TLS is on); 0 = none
+    light_load_cpus: frozenset[int] | None = None  # services/serving/placement.py; None = anywhere
 
     def stall_timeout_s(self, stages_below: int) -> float:
         """How long a stage waits on a stream whose far end itself waits on `stages_below` further
@@ -50,6 +52,9 @@ def add_serving_flags(parser: argparse.ArgumentParser, default_port: int,
     parser.add_argument("--stream-idle-timeout-s", type=float, default=env_default("stream_idle_timeout_s", 120.0),
                         help=idle_timeout_help)
     parser.add_argument("--port-file", help="write the bound port here once serving (for port 0)")
+    parser.add_argument("--light-load-cpus", default=env_default("light_load_cpus", ""), metavar="CPUS",
+                        help="run on these CPUs (e.g. 1 or 0,2) while at most 4 streams are open, anywhere "
+                             "above (omni-serve up sets it: --cpu-layout); default: anywhere")
     add_tls_flags(parser)
     add_health_port_flag(parser)
 
@@ -58,7 +63,7 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
     return ServingConfig(
         host=args.host, port=args.port, max_message_bytes=args.max_message_mb << 20, grace_s=args.grace_s,
         metrics_port=args.metrics_port, stream_idle_timeout_s=args.stream_idle_timeout_s,
-        tls=tls_from_args(args), health_port=args.health_port,
+        tls=tls_from_args(args), health_port=args.health_port, light_load_cpus=parse_cpus(args.light_load_cpus),
     )
 
 

@@ -26,6 +26,7 @@ def serve_stage(name: str, create_server, config, port_file: str | None) -> None
                 close()
 
         await serve_until_signal(handle, config.serving.grace_s,
-                                 on_started=lambda: write_port_file(port_file, handle.port), on_stop=stop)
+                                 on_started=lambda: write_port_file(port_file, handle.port), on_stop=stop,
+                                 light_load_cpus=config.serving.light_load_cpus)
 
     asyncio.run(serve())

@@ -53,12 +53,13 @@ class Process:
     port: int
     popen: subprocess.Popen | None = None
     output: deque = field(default_factory=lambda: deque(maxlen=5000))  # its last log lines
-    cpus: frozenset[int] | None = None  # the CPUs it may run on (`cpu_layout`); None = any
+    cpus: frozenset[int] | None = None  # where it runs at light load (`cpu_layout`); None = anywhere
 
 
 def cpu_layout(cpus: list[int], threads: int, talkers: int) -> tuple[list[frozenset[int]], frozenset[int]] | None:
-    """CPU sets for the stack's processes: each talker replica `threads` CPUs of its own (the last
-    ones), every other process the rest; None when that leaves the rest no CPU.
+    """CPU sets for the stack's processes at light load (each process's `--light-load-cpus`,
+    services/serving/placement.py): each talker replica `threads` CPUs of its own (the last ones),
+    every other process the rest; None when that leaves the rest no CPU.
 
     NOTE: why the talker. It is the stage that works the most per request (a codec LM step and
     the code predictor's 15 per frame, 85-90 % of a core at concurrency 1 on the tiny checkpoint)
@@ -67,8 +68,9 @@ def cpu_layout(cpus: list[int], threads: int, talkers: int) -> tuple[list[frozen
     against 3.9 ms alone. On a CPU of its own: omni-bench (tiny, 2-core Xeon, two alternating
     runs each) TTFP p50 at concurrency 1 53/51 -> 45/43 ms and at 16 293/331 -> 211/211 ms, for
     3-10 % fewer requests a second at 16 (10.19/11.04 -> 9.86/10.10), the other processes now
-    sharing one core. Letting the router and code2wav float over both cores gave back half of
-    that throughput and most of the TTFP gain (250-286 ms at 16), so they stay off the talker's."""
+    sharing one core, and 0.97 underruns per request at 16 (none before). Letting the router and
+    code2wav float over both cores gave back half of that throughput and most of the TTFP gain
+    (250-286 ms at 16). Hence a layout for light load only: placement.py."""
     need = talkers * threads
     if talkers < 1 or len(cpus) <= need:
         return None
@@ -78,18 +80,6 @@ def cpu_layout(cpus: list[int], threads: int, talkers: int) -> tuple[list[frozen
 
 def _cpus(cpus: frozenset[int]) -> str:
     return ",".join(map(str, sorted(cpus)))
-
-
-def pin(pid: int, cpus: frozenset[int]) -> None:
-    """Every thread of process `pid` onto `cpus` (threads it starts later inherit its mask)."""
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                os.sched_setaffinity(int(tid), cpus)
-            except (ProcessLookupError, FileNotFoundError):
-                pass  # a thread that just ended
-    except (ProcessLookupError, FileNotFoundError):
-        pass  # the process ended; its supervisor sees to it
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -157,8 +147,6 @@ class Stack:
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, start_new_session=True,
         )
         threading.Thread(target=self._pump, args=(process, process.popen), daemon=True).start()
-        if process.cpus is not None:
-            pin(process.popen.pid, process.cpus)  # again once it serves: threads started before this
 
     def _pump(self, process: Process, popen: subprocess.Popen) -> None:
         for line in popen.stdout:
@@ -171,10 +159,12 @@ class Stack:
         if base:  # distinct ports: one OMNI_METRICS_PORT would give every process the same one
             offset = 0 if stage == "router" else 1 + sum(p.stage != "router" for p in self.processes.values())
             args = args + ["--metrics-port", str(base + offset)]
-        process = Process(name, stage, args, port or free_port(self.options.host))
-        if self.layout is not None:
+        cpus = None
+        if self.layout is not None and stage != "gateway":  # the gateway takes no serving flags
             talkers, rest = self.layout
-            process.cpus = talkers[int(name.rsplit("-", 1)[1])] if stage == "talker" else rest
+            cpus = talkers[int(name.rsplit("-", 1)[1])] if stage == "talker" else rest
+            args = args + ["--light-load-cpus", _cpus(cpus)]
+        process = Process(name, stage, args, port or free_port(self.options.host), cpus=cpus)
         self.processes[name] = process
         self._launch(process)
         return process
@@ -215,7 +205,8 @@ class Stack:
             return f"CPU layout: none ({why}); every process may run on any CPU"
         talkers, rest = self.layout
         own = ", ".join(f"talker-{i} on CPU {_cpus(cpus)}" for i, cpus in enumerate(talkers))
-        return f"CPU layout: {own}; the other processes on CPU {_cpus(rest)}"
+        return (f"CPU layout at light load (at most 4 streams open on a process): {own}; the other stage "
+                f"processes and the router on CPU {_cpus(rest)}; anywhere above that load")
 
     def wait_ready(self, name: str, timeout_s: float | None = None) -> int:
         """Wait until the process reports SERVING on grpc.health.v1 (the router: for omni.v1.Omni,
@@ -228,8 +219,6 @@ class Stack:
                 raise UserError(f"{name} exited with code {process.popen.returncode} during start-up (see its log)")
             if (http_ready(f"http://{self.options.host}:{process.port}/health") if process.stage == "gateway"
                     else health_status(f"{self.options.host}:{process.port}", service, tls=self.options.tls) == "SERVING"):
-                if process.cpus is not None:
-                    pin(process.popen.pid, process.cpus)
                 return process.port
             time.sleep(0.1)
         raise UserError(f"{name} did not become healthy within {self.options.startup_timeout_s:.0f} s")
@@ -351,8 +340,9 @@ def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
                         help="serve Prometheus metrics: the router on this port, each stage process on the "
                              "next ones in start order (code2wav, talker, thinker replicas); 0 = off")
     parser.add_argument("--cpu-layout", choices=["auto", "on", "off"], default="auto",
-                        help="on: each talker replica runs on CPUs of its own (its --threads' worth, the last "
-                             "ones), every other process on the rest; skipped when that leaves them none. "
+                        help="on: while a process has at most 4 streams open, each talker replica runs on CPUs "
+                             "of its own (its --threads' worth, the last ones) and the other processes on the "
+                             "rest (--light-load-cpus); anywhere above that. Skipped when it leaves them none. "
                              "auto (default): on unless --device is cuda")
     parser.add_argument("--tls-cert", help="every process serves with this certificate (and presents it onward)")
     parser.add_argument("--tls-key", help="private key of --tls-cert")

@@ -24,3 +24,14 @@ def test_cpus_the_caller_may_not_use_are_never_handed_out():
 @pytest.mark.parametrize("cpus, threads, talkers", [([0], 1, 1), ([0, 1], 1, 2), ([0, 1, 2, 3], 2, 2), ([0, 1], 2, 1)])
 def test_no_layout_when_the_other_processes_would_be_left_no_cpu(cpus, threads, talkers):
     assert cpu_layout(cpus, threads, talkers) is None
+
+
+def test_light_load_cpus_parse_and_refuse_what_is_not_a_cpu_list():
+    from services.runtime.errors import UserError
+    from services.serving.placement import parse_cpus
+
+    assert parse_cpus("") is None
+    assert parse_cpus("1") == frozenset({1}) and parse_cpus("0,2") == frozenset({0, 2})
+    for bad in ("a", "1-3", "-1", "1,,2"):
+        with pytest.raises(UserError, match="--light-load-cpus"):
+            parse_cpus(bad)
