@@ -23,119 +23,6 @@ def is_final(message: bytes) -> bool:
     return message == b"final"
 
 
-async def relay_against(handler, writes: int = 0):
-    """Everything the relay put into the sink, with `handler(requests, context)` as the peer."""
-    server = grpc.aio.server()
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        "test.Peer", {"Chat": grpc.stream_stream_rpc_method_handler(handler)}),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    got = []
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            call = channel.stream_stream("/test.Peer/Chat")(timeout=10)
-            sink = EventSink(asyncio.get_running_loop())
-            relay = asyncio.create_task(relay_responses(call, "code2wav", f"127.0.0.1:{port}", sink, is_final))
-            for i in range(writes):
-                await write_quietly(call, b"w%d" % i)
-            await close_quietly(call)
-            await relay
-            while True:
-                try:
-                    got.append(await sink.get(0.2))
-                except Exception as exc:  # noqa: BLE001  (the failure the relay put in, or idle)
-                    got.append(exc)
-                    break
-    finally:
-        await server.stop(0)
-    return got, port
-
-
-def test_messages_up_to_the_final_one_are_relayed_and_nothing_after():
-    async def peer(requests, context):
-        yield b"audio 0"
-        yield b"audio 1"
-        yield b"final"
-        await context.abort(grpc.StatusCode.INTERNAL, "a status after the final message does not count")
-
-    got, _ = asyncio.run(relay_against(peer))
-    assert got[:3] == [b"audio 0", b"audio 1", b"final"]
-    assert type(got[3]).__name__ == "StreamIdle"  # the relay ended: nothing else arrives
-
-
-def test_a_stream_that_ends_without_its_final_message_is_the_stage_unavailable():
-    async def peer(requests, context):
-        yield b"audio 0"
-
-    got, port = asyncio.run(relay_against(peer))
-    assert got[0] == b"audio 0"
-    assert isinstance(got[1], StageUnavailable)
-    assert (got[1].stage, got[1].replica) == ("code2wav", f"127.0.0.1:{port}")
-    assert "ended without a final message" in str(got[1])
-
-
-def test_a_status_the_peer_chose_passes_through_with_its_details():
-    async def peer(requests, context):
-        await abort_for(context, InvalidArgument("frames.num_code_groups", "must be 16, got 3"))
-        yield b""  # pragma: no cover
-
-    got, _ = asyncio.run(relay_against(peer))
-    assert isinstance(got[0], grpc.aio.AioRpcError)
-    assert got[0].code() is grpc.StatusCode.INVALID_ARGUMENT
-    assert got[0].details() == "frames.num_code_groups: must be 16, got 3"
-
-
-def test_an_unavailable_naming_a_stage_further_down_is_kept():
-    async def peer(requests, context):
-        await abort_for(context, StageUnavailable("vocoder-shard", "10.1.1.1:1", "gone"))
-        yield b""  # pragma: no cover
-
-    got, _ = asyncio.run(relay_against(peer))
-    assert dict(error_info(got[0]).metadata) == {"stage": "vocoder-shard", "replica": "10.1.1.1:1"}
-
-
-def test_writes_to_a_stream_the_peer_ended_return_false_instead_of_raising():
-    async def scenario():
-        async def peer(requests, context):
-            yield b"final"
-
-        server = grpc.aio.server()
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-            "test.Peer", {"Chat": grpc.stream_stream_rpc_method_handler(peer)}),))
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                call = channel.stream_stream("/test.Peer/Chat")(timeout=10)
-                assert await call.read() == b"final"
-                await call.code()  # the peer's stream is over
-                results = [await write_quietly(call, b"late") for _ in range(3)]
-                await close_quietly(call)  # no error either
-                return results
-        finally:
-            await server.stop(0)
-
-    assert asyncio.run(scenario()) == [False, False, False]
-
-
-@pytest.mark.parametrize("writes", [0, 3])
-def test_the_relay_reports_a_dead_peer_by_name(writes):
-    async def scenario():
-        async with grpc.aio.insecure_channel("127.0.0.1:1") as channel:  # nothing listens on port 1
-            call = channel.stream_stream("/test.Peer/Chat")(timeout=5)
-            sink = EventSink(asyncio.get_running_loop())
-            relay = asyncio.create_task(relay_responses(call, "talker", "127.0.0.1:1", sink, is_final))
-            for i in range(writes):
-                assert await write_quietly(call, b"w%d" % i) in (True, False)
-            await relay
-            with pytest.raises(StageUnavailable) as raised:
-                await sink.get(1.0)
-            return raised.value
-
-    error = asyncio.run(scenario())
-    assert (error.stage, error.replica) == ("talker", "127.0.0.1:1")
-
-
 class Spied:
     """A real call whose reads record whether the task awaiting them was cancelled (asyncio's
     `cancelling()`): grpc.aio raises CancelledError itself from a read of a call cancelled
@@ -178,6 +65,8 @@ async def silent_after_one(requests, context):
 
 
 async def with_peer(handler, body):
+    """`await body(open_call, address)` with `handler(requests, context)` as the peer on loopback;
+    `open_call()` opens a (spied) bidi call to it."""
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
         "test.Peer", {"Chat": grpc.stream_stream_rpc_method_handler(handler)}),))
@@ -189,6 +78,104 @@ async def with_peer(handler, body):
                               f"127.0.0.1:{port}")
     finally:
         await server.stop(0)
+
+
+async def relay_against(handler, writes: int = 0):
+    """Everything the relay put into the sink, with `handler(requests, context)` as the peer, and
+    the peer's address."""
+    async def body(open_call, address):
+        call = open_call()
+        sink = EventSink(asyncio.get_running_loop())
+        relay = asyncio.create_task(relay_responses(call, "code2wav", address, sink, is_final))
+        for i in range(writes):
+            await write_quietly(call, b"w%d" % i)
+        await close_quietly(call)
+        await relay
+        got = []
+        while True:
+            try:
+                got.append(await sink.get(0.2))
+            except Exception as exc:  # noqa: BLE001  (the failure the relay put in, or idle)
+                got.append(exc)
+                return got, address
+
+    return await with_peer(handler, body)
+
+
+def test_messages_up_to_the_final_one_are_relayed_and_nothing_after():
+    async def peer(requests, context):
+        yield b"audio 0"
+        yield b"audio 1"
+        yield b"final"
+        await context.abort(grpc.StatusCode.INTERNAL, "a status after the final message does not count")
+
+    got, _ = asyncio.run(relay_against(peer))
+    assert got[:3] == [b"audio 0", b"audio 1", b"final"]
+    assert type(got[3]).__name__ == "StreamIdle"  # the relay ended: nothing else arrives
+
+
+def test_a_stream_that_ends_without_its_final_message_is_the_stage_unavailable():
+    async def peer(requests, context):
+        yield b"audio 0"
+
+    got, address = asyncio.run(relay_against(peer))
+    assert got[0] == b"audio 0"
+    assert isinstance(got[1], StageUnavailable)
+    assert (got[1].stage, got[1].replica) == ("code2wav", address)
+    assert "ended without a final message" in str(got[1])
+
+
+def test_a_status_the_peer_chose_passes_through_with_its_details():
+    async def peer(requests, context):
+        await abort_for(context, InvalidArgument("frames.num_code_groups", "must be 16, got 3"))
+        yield b""  # pragma: no cover
+
+    got, _ = asyncio.run(relay_against(peer))
+    assert isinstance(got[0], grpc.aio.AioRpcError)
+    assert got[0].code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert got[0].details() == "frames.num_code_groups: must be 16, got 3"
+
+
+def test_an_unavailable_naming_a_stage_further_down_is_kept():
+    async def peer(requests, context):
+        await abort_for(context, StageUnavailable("vocoder-shard", "10.1.1.1:1", "gone"))
+        yield b""  # pragma: no cover
+
+    got, _ = asyncio.run(relay_against(peer))
+    assert dict(error_info(got[0]).metadata) == {"stage": "vocoder-shard", "replica": "10.1.1.1:1"}
+
+
+def test_writes_to_a_stream_the_peer_ended_return_false_instead_of_raising():
+    async def peer(requests, context):
+        yield b"final"
+
+    async def body(open_call, _):
+        call = open_call()
+        assert await call.read() == b"final"
+        await call.code()  # the peer's stream is over
+        results = [await write_quietly(call, b"late") for _ in range(3)]
+        await close_quietly(call)  # no error either
+        return results
+
+    assert asyncio.run(with_peer(peer, body)) == [False, False, False]
+
+
+@pytest.mark.parametrize("writes", [0, 3])
+def test_the_relay_reports_a_dead_peer_by_name(writes):
+    async def scenario():
+        async with grpc.aio.insecure_channel("127.0.0.1:1") as channel:  # nothing listens on port 1
+            call = channel.stream_stream("/test.Peer/Chat")(timeout=5)
+            sink = EventSink(asyncio.get_running_loop())
+            relay = asyncio.create_task(relay_responses(call, "talker", "127.0.0.1:1", sink, is_final))
+            for i in range(writes):
+                assert await write_quietly(call, b"w%d" % i) in (True, False)
+            await relay
+            with pytest.raises(StageUnavailable) as raised:
+                await sink.get(1.0)
+            return raised.value
+
+    error = asyncio.run(scenario())
+    assert (error.stage, error.replica) == ("talker", "127.0.0.1:1")
 
 
 async def settled() -> None:
