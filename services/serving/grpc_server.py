@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.serving.decode_guard import DecodeGuard
 from services.serving.open_streams import OpenStreams
-from services.serving.placement import place_by_load
+from services.serving.placement import Placement
 from services.serving.security import TLSConfig
 
 log = logging.getLogger(__name__)
@@ -105,10 +105,10 @@ def build_server(host: str, port: int, service_names: tuple[str, ...],
 async def serve_until_signal(handle: ServerHandle, grace_s: float, on_started=None, on_stop=None,
                              initially_serving: bool = True, drain_delay_s: float = 2.0,
                              light_load_cpus: frozenset[int] | None = None) -> None:
-    placement = None
     if light_load_cpus is not None and handle.streams is not None:
-        streams = handle.streams
-        placement = asyncio.get_running_loop().create_task(place_by_load(lambda: streams.open, light_load_cpus))
+        placement = Placement(light_load_cpus)
+        placement.update(handle.streams.open)
+        handle.streams.on_change = placement.update
     await handle.server.start()
     if handle.health_server is not None:
         await handle.health_server.start()
@@ -130,8 +130,6 @@ async def serve_until_signal(handle: ServerHandle, grace_s: float, on_started=No
     await handle.server.stop(grace_s)
     if handle.health_server is not None:
         await handle.health_server.stop(0)
-    if placement is not None:
-        placement.cancel()
     if on_stop is not None:
         on_stop()
 

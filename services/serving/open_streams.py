@@ -9,6 +9,7 @@ handler starts to the moment it returns, whatever way it ends: a leaked stream s
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 
 import grpc
 
@@ -19,6 +20,12 @@ class OpenStreams(grpc.aio.ServerInterceptor):
     def __init__(self, service_names: tuple[str, ...]):
         self.prefixes = tuple(f"/{name}/" for name in service_names)
         self.open = 0
+        self.on_change: Callable[[int], None] | None = None  # called with the new count (placement.py)
+
+    def _count(self, delta: int) -> None:
+        self.open += delta
+        if self.on_change is not None:
+            self.on_change(self.open)
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -29,17 +36,17 @@ class OpenStreams(grpc.aio.ServerInterceptor):
         inner = getattr(handler, kind)
         if inspect.isasyncgenfunction(inner):
             async def counted(request, context):
-                self.open += 1
+                self._count(1)
                 try:
                     async for response in inner(request, context):
                         yield response
                 finally:
-                    self.open -= 1
+                    self._count(-1)
         else:
             async def counted(request, context):
-                self.open += 1
+                self._count(1)
                 try:
                     return await inner(request, context)
                 finally:
-                    self.open -= 1
+                    self._count(-1)
         return handler._replace(**{kind: counted})

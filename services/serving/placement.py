@@ -13,7 +13,6 @@ open streams; they rise and fall together, since every request passes every stag
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 
@@ -22,7 +21,6 @@ from services.runtime.errors import UserError
 log = logging.getLogger(__name__)
 
 LIGHT_LOAD_STREAMS = 4  # at most this many open streams: the light-load CPUs
-CHECK_EVERY_S = 0.05
 
 
 def parse_cpus(text: str) -> frozenset[int] | None:
@@ -47,21 +45,25 @@ def place_threads(cpus: frozenset[int]) -> None:
             pass  # a thread that just ended
 
 
-async def place_by_load(open_streams, light: frozenset[int]) -> None:
-    """Until cancelled: this process on `light` while `open_streams()` <= LIGHT_LOAD_STREAMS, on
-    every CPU it was started with otherwise."""
-    anywhere = frozenset(os.sched_getaffinity(0))
-    light = light & anywhere or anywhere  # CPUs it may not use are not asked for
-    current = None
-    while True:
-        want = light if open_streams() <= LIGHT_LOAD_STREAMS else anywhere
-        if want != current:
+class Placement:
+    """This process on `light` while at most LIGHT_LOAD_STREAMS streams are open, on every CPU it
+    was started with otherwise. `update(open_streams)` is called on every open and close of a
+    stream (OpenStreams), so the process moves the moment its load crosses the line: polling
+    every 50 ms held a burst's first requests on the light-load CPUs for up to 50 ms, and engine
+    steps then ran 2-10x their CPU time in wall time (waiting for a CPU)."""
+
+    def __init__(self, light: frozenset[int]):
+        self.anywhere = frozenset(os.sched_getaffinity(0))
+        self.light = light & self.anywhere or self.anywhere  # CPUs it may not use are not asked for
+        self.current: frozenset[int] | None = None
+        log.info("CPUs %s at light load (at most %d open streams), %s above", _text(self.light),
+                 LIGHT_LOAD_STREAMS, _text(self.anywhere))
+
+    def update(self, open_streams: int) -> None:
+        want = self.light if open_streams <= LIGHT_LOAD_STREAMS else self.anywhere
+        if want != self.current:
             place_threads(want)
-            if current is None:
-                log.info("CPUs %s at light load (at most %d open streams), %s above", _text(light),
-                         LIGHT_LOAD_STREAMS, _text(anywhere))
-            current = want
-        await asyncio.sleep(CHECK_EVERY_S)
+            self.current = want
 
 
 def _text(cpus: frozenset[int]) -> str:
