@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from services.runtime.settings import env_default
 from services.serving.grpc_server import DEFAULT_MAX_MESSAGE_BYTES
+from services.serving.open_streams import LIGHT_LOAD_STREAMS
 from services.serving.placement import parse_cpus
 from services.serving.security import TLSConfig, add_tls_flags, tls_from_args
 
@@ -53,7 +54,7 @@ def add_serving_flags(parser: argparse.ArgumentParser, default_port: int,
                         help=idle_timeout_help)
     parser.add_argument("--port-file", help="write the bound port here once serving (for port 0)")
     parser.add_argument("--light-load-cpus", default=env_default("light_load_cpus", ""), metavar="CPUS",
-                        help="run on these CPUs (e.g. 1 or 0,2) while at most 4 streams are open, anywhere "
+                        help=f"run on these CPUs (e.g. 1 or 0,2) while at most {LIGHT_LOAD_STREAMS} streams are open, anywhere "
                              "above (omni-serve up sets it: --cpu-layout); default: anywhere")
     add_tls_flags(parser)
     add_health_port_flag(parser)

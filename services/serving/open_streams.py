@@ -13,6 +13,11 @@ from collections.abc import Callable
 
 import grpc
 
+# A process with at most this many streams open is lightly loaded: there the thinker holds text
+# for audio first (services/thinker/server.py) and a process runs on its light-load CPUs
+# (placement.py); above it the stages are busy anyway and both only cost throughput.
+LIGHT_LOAD_STREAMS = 4
+
 
 class OpenStreams(grpc.aio.ServerInterceptor):
     """Counts the open streaming calls of `service_names` (health and reflection not included)."""

@@ -17,11 +17,9 @@ import logging
 import os
 
 from services.runtime.errors import UserError
+from services.serving.open_streams import LIGHT_LOAD_STREAMS
 
 log = logging.getLogger(__name__)
-
-LIGHT_LOAD_STREAMS = 4  # at most this many open streams: the light-load CPUs
-
 
 def parse_cpus(text: str) -> frozenset[int] | None:
     """'1' or '0,2,3' -> the CPU set; '' -> None (no placement)."""
@@ -56,8 +54,8 @@ class Placement:
         self.anywhere = frozenset(os.sched_getaffinity(0))
         self.light = light & self.anywhere or self.anywhere  # CPUs it may not use are not asked for
         self.current: frozenset[int] | None = None
-        log.info("CPUs %s at light load (at most %d open streams), %s above", _text(self.light),
-                 LIGHT_LOAD_STREAMS, _text(self.anywhere))
+        log.info("CPUs %s at light load (at most %d open streams), %s above", cpu_list(self.light),
+                 LIGHT_LOAD_STREAMS, cpu_list(self.anywhere))
 
     def update(self, open_streams: int) -> None:
         want = self.light if open_streams <= LIGHT_LOAD_STREAMS else self.anywhere
@@ -66,5 +64,6 @@ class Placement:
             self.current = want
 
 
-def _text(cpus: frozenset[int]) -> str:
+def cpu_list(cpus: frozenset[int]) -> str:
+    """The CPU set as `--light-load-cpus` takes it (parse_cpus' inverse): '0,2'."""
     return ",".join(map(str, sorted(cpus)))

@@ -54,6 +54,7 @@ from services.serving.grpc_server import (
 )
 from services.serving.metrics import StageMetrics
 from services.serving.migration import Downstream, Resume
+from services.serving.open_streams import LIGHT_LOAD_STREAMS
 from services.serving.stage_main import serve_stage
 from services.serving.status import ReplayDiverged, StageUnavailable, abort_for
 from services.thinker.adapter import ThinkerAdapter
@@ -91,11 +92,10 @@ class ThinkerConfig:
 
 # Audio first (ThinkerConfig.audio_first): a spoken request's text is held at the talker's first
 # chunk plus this many tokens until the talker answers, for at most AUDIO_FIRST_HOLD_S, when it
-# arrives with at most AUDIO_FIRST_MAX_STREAMS streams open here (itself included). Under more load
+# arrives with at most LIGHT_LOAD_STREAMS streams open here (itself included). Under more load
 # the stages are busy anyway and holds only move text work around (measured at 16: TTFP p50 +10 %).
 AUDIO_FIRST_MARGIN = 4
 AUDIO_FIRST_HOLD_S = 1.0
-AUDIO_FIRST_MAX_STREAMS = 4
 
 
 def messages_from_proto(request: omni_pb2.GenerateRequest) -> list[ChatMessage]:
@@ -307,7 +307,7 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         loaded; True when held."""
         rows = talker.text_rows_to_first_chunk
         if (not self.config.audio_first or not rows or not isinstance(self.engine, ThinkerEngine)
-                or self.loop.in_flight > AUDIO_FIRST_MAX_STREAMS):
+                or self.loop.in_flight > LIGHT_LOAD_STREAMS):
             return False
         self.loop.add_input(key, HoldText(rows + AUDIO_FIRST_MARGIN, AUDIO_FIRST_HOLD_S))
         return True

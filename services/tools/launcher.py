@@ -32,6 +32,8 @@ from services.runtime.checkpoint import check_folder, load_voices
 from services.runtime.errors import UserError, run_cli
 from services.runtime.families import Family, family_of
 from services.runtime.settings import on_unless_cuda
+from services.serving.open_streams import LIGHT_LOAD_STREAMS
+from services.serving.placement import cpu_list
 from services.serving.security import TLSConfig, secure_or_insecure_channel, tls_from_args
 from services.tools.client import build_request, collect, connect
 from services.tools.reference import write_wav
@@ -66,20 +68,15 @@ def cpu_layout(cpus: list[int], threads: int, talkers: int) -> tuple[list[frozen
     and the first chunk waits on it. Sharing cores, its steps were descheduled by the thinker's
     tokens and every process's gRPC work: on 2 cores a talker frame took 5.1-6.4 ms in the stack
     against 3.9 ms alone. On a CPU of its own: omni-bench (tiny, 2-core Xeon, two alternating
-    runs each) TTFP p50 at concurrency 1 53/51 -> 45/43 ms and at 16 293/331 -> 211/211 ms, for
-    3-10 % fewer requests a second at 16 (10.19/11.04 -> 9.86/10.10), the other processes now
-    sharing one core, and 0.97 underruns per request at 16 (none before). Letting the router and
-    code2wav float over both cores gave back half of that throughput and most of the TTFP gain
-    (250-286 ms at 16). Hence a layout for light load only: placement.py."""
+    runs each) TTFP p50 at concurrency 1 53/51 -> 45/43 ms and at 16 293/331 -> 211/211 ms.
+    Letting the router and code2wav float over both cores gave back most of the TTFP gain
+    (250-286 ms at 16). Held at every load, the layout cost throughput and continuity at 16, so
+    it holds at light load only (services/serving/placement.py has those figures)."""
     need = talkers * threads
     if talkers < 1 or len(cpus) <= need:
         return None
     own = [frozenset(cpus[len(cpus) - (i + 1) * threads:len(cpus) - i * threads]) for i in range(talkers)]
     return own, frozenset(cpus[:len(cpus) - need])
-
-
-def _cpus(cpus: frozenset[int]) -> str:
-    return ",".join(map(str, sorted(cpus)))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -163,7 +160,7 @@ class Stack:
         if self.layout is not None and stage != "gateway":  # the gateway takes no serving flags
             talkers, rest = self.layout
             cpus = talkers[int(name.rsplit("-", 1)[1])] if stage == "talker" else rest
-            args = args + ["--light-load-cpus", _cpus(cpus)]
+            args = args + ["--light-load-cpus", cpu_list(cpus)]
         process = Process(name, stage, args, port or free_port(self.options.host), cpus=cpus)
         self.processes[name] = process
         self._launch(process)
@@ -204,9 +201,9 @@ class Stack:
                    and self.options.device.startswith("cuda") else "too few CPUs for a talker's own")
             return f"CPU layout: none ({why}); every process may run on any CPU"
         talkers, rest = self.layout
-        own = ", ".join(f"talker-{i} on CPU {_cpus(cpus)}" for i, cpus in enumerate(talkers))
-        return (f"CPU layout at light load (at most 4 streams open on a process): {own}; the other stage "
-                f"processes and the router on CPU {_cpus(rest)}; anywhere above that load")
+        own = ", ".join(f"talker-{i} on CPU {cpu_list(cpus)}" for i, cpus in enumerate(talkers))
+        return (f"CPU layout at light load (at most {LIGHT_LOAD_STREAMS} streams open on a process): {own}; the other stage "
+                f"processes and the router on CPU {cpu_list(rest)}; anywhere above that load")
 
     def wait_ready(self, name: str, timeout_s: float | None = None) -> int:
         """Wait until the process reports SERVING on grpc.health.v1 (the router: for omni.v1.Omni,
@@ -340,9 +337,9 @@ def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
                         help="serve Prometheus metrics: the router on this port, each stage process on the "
                              "next ones in start order (code2wav, talker, thinker replicas); 0 = off")
     parser.add_argument("--cpu-layout", choices=["auto", "on", "off"], default="auto",
-                        help="on: while a process has at most 4 streams open, each talker replica runs on CPUs "
-                             "of its own (its --threads' worth, the last ones) and the other processes on the "
-                             "rest (--light-load-cpus); anywhere above that. Skipped when it leaves them none. "
+                        help=f"on: while a process has at most {LIGHT_LOAD_STREAMS} streams open, each talker replica "
+                             "runs on CPUs of its own (its --threads' worth, the last ones) and the other processes on "
+                             "the rest (--light-load-cpus); anywhere above that. Skipped when it leaves them none. "
                              "auto (default): on unless --device is cuda")
     parser.add_argument("--tls-cert", help="every process serves with this certificate (and presents it onward)")
     parser.add_argument("--tls-key", help="private key of --tls-cert")

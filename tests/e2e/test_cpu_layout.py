@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from services.serving.placement import LIGHT_LOAD_STREAMS
+from services.serving.open_streams import LIGHT_LOAD_STREAMS
 from services.tools.client import build_request, collect, connect
 from services.tools.launcher import cpu_layout
 

@@ -117,12 +117,8 @@ def test_the_server_holds_only_at_light_load_with_a_talker_that_knows_its_first_
     from types import SimpleNamespace
 
     from omni.v1 import common_pb2
-    from services.thinker.server import (
-        AUDIO_FIRST_HOLD_S,
-        AUDIO_FIRST_MARGIN,
-        AUDIO_FIRST_MAX_STREAMS,
-        ThinkerServicer,
-    )
+    from services.serving.open_streams import LIGHT_LOAD_STREAMS
+    from services.thinker.server import AUDIO_FIRST_HOLD_S, AUDIO_FIRST_MARGIN, ThinkerServicer
 
     engine, _ = engine_and_job(stage)
     sent = []
@@ -133,7 +129,7 @@ def test_the_server_holds_only_at_light_load_with_a_talker_that_knows_its_first_
     talker = common_pb2.StageLimits(text_rows_to_first_chunk=4)
     assert servicer._hold_text("k", talker)
     assert sent == [HoldText(4 + AUDIO_FIRST_MARGIN, AUDIO_FIRST_HOLD_S)]
-    servicer.loop.in_flight = AUDIO_FIRST_MAX_STREAMS + 1  # busy: no hold
+    servicer.loop.in_flight = LIGHT_LOAD_STREAMS + 1  # busy: no hold
     assert not servicer._hold_text("k", talker)
     servicer.loop.in_flight = 1
     assert not servicer._hold_text("k", common_pb2.StageLimits())  # the talker does not say (Qwen2.5-Omni)
