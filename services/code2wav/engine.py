@@ -35,7 +35,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from services.code2wav.incremental import DEFAULT_CONV_CONTEXT, IncrementalDecoder
+from services.code2wav.incremental import IncrementalDecoder
 from services.code2wav.streaming import (
     StreamingDecoder,
     VocoderGeometry,
@@ -124,8 +124,7 @@ class Code2WavGraphs:
 
 class Code2WavEngine:
     def __init__(self, model, config, left_context: int = 25, graphs: GraphSettings = GraphSettings(),
-                 graph_windows: tuple[int, ...] = (), decoder: str = "incremental",
-                 conv_context: int = DEFAULT_CONV_CONTEXT):
+                 graph_windows: tuple[int, ...] = (), decoder: str = "incremental"):
         if decoder not in ("incremental", "window"):
             raise ValueError(f"decoder must be incremental or window, got {decoder!r}")
         self.model = model
@@ -133,7 +132,6 @@ class Code2WavEngine:
         self.timer = ForwardTimer()  # seconds in vocoder forwards (services/runtime/timing.py)
         self.left_context = left_context
         self.decoder = decoder
-        self.conv_context = conv_context
         self.geometry: VocoderGeometry = measure_geometry(model)
         self.graphs = None
         if graphs.enabled:
@@ -144,7 +142,7 @@ class Code2WavEngine:
         self._states: dict[str, _State] = {}  # request_id -> decoder state
 
     def add(self, request_id: str, _payload=None) -> None:
-        decoder = (IncrementalDecoder(self.model, self.geometry, self.conv_context) if self.decoder == "incremental"
+        decoder = (IncrementalDecoder(self.model, self.geometry) if self.decoder == "incremental"
                    else StreamingDecoder(self.model, self.geometry, self.left_context))
         self._states[request_id] = _State(decoder)
 

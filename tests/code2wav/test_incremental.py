@@ -3,8 +3,8 @@
 The real Qwen3-Omni vocoder (8 transformer layers, sliding window 72) looks back ~580 frames; a
 25-frame left context cannot cover it (docs/qwen3-omni.md, "The vocoder"). Measured here (160
 frames, generator seed 1) against the float64 forward (tests/audio_checks.py): tiny layout:
-float32 forward 103.6 dB, incremental 103.3-104.1 dB at chunks 1, 4, 25; tiny widths with the
-real reach: float32 forward 102.8 dB, incremental 102.2-103.3 dB, left-context re-decoding
+float32 forward 103.6 dB, incremental 103.3-104.5 dB at chunks 1, 4, 25; tiny widths with the
+real reach: float32 forward 102.8 dB, incremental 102.2-103.9 dB, left-context re-decoding
 4.8 dB (chunk 25). The real widths: test_real_width.py.
 """
 
@@ -55,3 +55,20 @@ def test_left_context_re_decoding_cannot_cover_the_real_reach(vocoders):
     reference = decode_full(model, frames)
     windowed = stream(StreamingDecoder(model, measure_geometry(model), left_context=25), frames, 25)
     assert snr_db(reference, windowed) < 30  # why incremental is the default decoder
+
+
+def test_each_frame_is_convolved_once(vocoders):
+    # Every convolution keeps its own history, so the stack sees each frame once, not a left
+    # context again before every chunk (what the decoder did before: 1.6x the work for 64 frames).
+    model = vocoders["tiny"]
+    decoder = IncrementalDecoder(model, measure_geometry(model))
+    first = model.upsample[0][0].conv  # the first layer after the transformer
+    seen = []
+    handle = first.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[-1]))
+    try:
+        frames = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(2))
+        streamed = stream(decoder, frames, 4)
+    finally:
+        handle.remove()
+    assert seen == [4] * 16
+    check_streamed_audio(model, frames, streamed)
