@@ -10,6 +10,8 @@ from prometheus_client import (
     start_http_server,
 )
 
+from services.serving.gc_heap import GCCollector
+
 LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 
@@ -17,6 +19,7 @@ RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = r = registry or CollectorRegistry()
+        r.register(GCCollector())
         self.requests = Counter("omni_router_requests", "Requests by outcome", ["outcome"], registry=r)
         self.queue_depth = Gauge("omni_router_queue_depth", "Requests waiting for admission", registry=r)
         self.in_flight = Gauge("omni_router_in_flight", "Requests admitted and streaming", registry=r)

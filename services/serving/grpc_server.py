@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.serving.decode_guard import DecodeGuard
+from services.serving.gc_heap import freeze_startup_heap
 from services.serving.open_streams import OpenStreams
 from services.serving.placement import Placement
 from services.serving.security import TLSConfig
@@ -109,6 +110,7 @@ async def serve_until_signal(handle: ServerHandle, grace_s: float, on_started=No
         placement = Placement(light_load_cpus)
         placement.update(handle.streams.open)
         handle.streams.on_change = placement.update
+    log.info("froze %d start-up objects out of garbage collection", freeze_startup_heap())
     await handle.server.start()
     if handle.health_server is not None:
         await handle.health_server.start()

@@ -19,6 +19,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from services.serving.gc_heap import GCCollector
+
 
 class _WireTime:
     """Seconds this process spent in services/serving/wire.py's encoders and decoders."""
@@ -50,6 +52,7 @@ STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.
 class StageMetrics:
     def __init__(self, stage: str, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
+        self.registry.register(GCCollector())
         labels = {"stage": stage}
         r = self.registry
         self.queue_depth = Gauge("omni_stage_queue_depth", "Requests admitted, waiting for a slot or input",

@@ -108,3 +108,15 @@ def test_stage_batch_slot_and_queue_figures_follow_from_the_lengths(measured):
             assert value(final[stage], gauge, stage=stage) == 0, (stage, gauge)
     for stage in ("thinker", "talker"):
         assert value(final[stage], "omni_stage_cache_slots", stage=stage) > 0, stage
+
+
+def test_every_process_froze_its_start_up_heap_and_reports_its_collections(measured):
+    # services/serving/gc_heap.py: a full collection over a stage's start-up heap stalls it for a
+    # quarter of a second; frozen, collections skip it. Each gc pause is a histogram sample.
+    final = measured[1]
+    for name, samples in final.items():
+        assert value(samples, "omni_gc_frozen_objects") > 10_000, name
+        collections = sum(value(samples, "omni_gc_pause_seconds_count", generation=str(g)) for g in range(3))
+        assert collections > 0, name
+        assert value(samples, "omni_gc_pause_seconds_bucket", generation="0", le="+Inf") == \
+            value(samples, "omni_gc_pause_seconds_count", generation="0"), name
