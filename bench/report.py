@@ -212,7 +212,7 @@ def write_json(report: BenchReport, path: Path) -> None:
 # Terminal table.
 
 STAGE_COLUMNS = ("stage", "conc", "steps", "batch", "step ms", "busy %wall", "forward", "engine py", "commands",
-                 "wire", "grpc+handlers")
+                 "wire", "grpc+handlers", "cpu wait %wall")
 
 
 def _stage_cells(name: str, level: int, times: StageTimes, wall_s: float) -> tuple[str, ...]:
@@ -222,7 +222,8 @@ def _stage_cells(name: str, level: int, times: StageTimes, wall_s: float) -> tup
     step_ms = 1000 * times.step_s / times.steps if times.steps else None
     return (name, str(level), f"{times.steps:.0f}", _num(batch, 1), _num(step_ms, 1),
             _num(100 * times.busy_s / wall_s if wall_s else None, 0), pct("model forward"), pct("engine python"),
-            pct("commands"), pct("wire (de)serialization"), pct("grpc + handlers"))
+            pct("commands"), pct("wire (de)serialization"), pct("grpc + handlers"),
+            _num(100 * times.cpu_wait_s / wall_s if wall_s else None, 0))
 
 
 def bottleneck(report: BenchReport, system: System = System.PIPELINE) -> tuple[str, int, StageTimes, float] | None:
@@ -260,7 +261,9 @@ def render_stage_times(report: BenchReport) -> list[str]:
                      f"wall; its largest part: {top} ({100 * shares[top]:.0f}%)")
     lines.append("  forward = model forwards incl. their module dispatch; engine py = scheduling, sampling, "
                  "bookkeeping; commands = handler inputs applied on the engine thread; wire = tensor/audio "
-                 "encoding; grpc+handlers = the rest of the process's CPU")
+                 "encoding; grpc+handlers = the rest of the process's CPU; cpu wait = seconds its threads were "
+                 "ready to run but had no CPU, summed over threads (above 100: several waited at once; "
+                 "the CPU is oversubscribed)")
     return lines
 
 def _num(value: float | None, digits: int = 0) -> str:

@@ -70,6 +70,7 @@ class StageTimes:
     engine_cpu_s: float = 0.0
     process_cpu_s: float = 0.0
     wire_s: float = 0.0
+    cpu_wait_s: float = 0.0  # the process's threads ready to run, waiting for a CPU
 
     @classmethod
     def from_samples(cls, samples: dict, stage: str) -> StageTimes:
@@ -85,6 +86,7 @@ class StageTimes:
             engine_cpu_s=_get(samples, "omni_stage_engine_thread_cpu_seconds_total", stage=stage),
             process_cpu_s=_get(samples, "omni_stage_process_cpu_seconds", stage=stage),
             wire_s=_get(samples, "omni_stage_wire_seconds", stage=stage),
+            cpu_wait_s=_get(samples, "omni_stage_process_cpu_wait_seconds", stage=stage),
         )
 
     def minus(self, other: StageTimes) -> StageTimes:

@@ -9,12 +9,14 @@ included), `engine` (the rest of a step: scheduling, sampling, bookkeeping), `co
 (handlers' adds and inputs applied on the engine thread, e.g. the talker's text projection),
 `idle` (waiting for work); CPU seconds of the engine thread and of the whole process (the
 difference is the gRPC handlers, the event loop and gRPC's own threads), and the seconds spent
-encoding and decoding tensors, audio and frames for the wire (`omni_stage_wire_seconds`).
+encoding and decoding tensors, audio and frames for the wire (`omni_stage_wire_seconds`), and
+the seconds its threads waited for a CPU (`omni_stage_process_cpu_wait_seconds`).
 """
 
 from __future__ import annotations
 
 import functools
+import glob
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -43,6 +45,20 @@ def timed_wire(fn):
             WIRE_TIME.seconds += time.perf_counter() - start
 
     return wrapper
+
+
+def run_queue_wait_seconds() -> float:
+    """Seconds this process's live threads spent ready to run but waiting for a CPU, from
+    /proc/self/task/*/schedstat (its second field, ns). As long as threads run, this grows as
+    fast as the wall clock times the threads waiting: the CPU is oversubscribed."""
+    total = 0
+    for path in glob.glob("/proc/self/task/*/schedstat"):
+        try:
+            with open(path) as f:
+                total += int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):  # a thread that just ended; no schedstat here
+            continue
+    return total / 1e9
 
 
 PAUSE_BUCKETS = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
@@ -80,6 +96,9 @@ class StageMetrics:
                                   ["stage"], registry=r).labels(**labels)
         Gauge("omni_stage_process_cpu_seconds", "CPU time of the whole stage process (every thread)", ["stage"],
               registry=r).labels(**labels).set_function(time.process_time)
+        Gauge("omni_stage_process_cpu_wait_seconds",
+              "Seconds the process's threads were runnable but waited for a CPU (Linux schedstat; 0 elsewhere)",
+              ["stage"], registry=r).labels(**labels).set_function(run_queue_wait_seconds)
         Gauge("omni_stage_wire_seconds", "Seconds encoding and decoding tensors, audio and frames for the wire",
               ["stage"], registry=r).labels(**labels).set_function(lambda: WIRE_TIME.seconds)
         # Moves of a request to another replica of the next stage (services/serving/migration.py):

@@ -52,7 +52,7 @@ Code = grpc.StatusCode
 
 class CancelWhen(Enum):
     BEFORE_FIRST = "before_first"  # after `delay_s`, whatever has arrived (usually nothing)
-    AFTER_TEXT = "after_text"  # once `count` text deltas have arrived
+    AFTER_TEXT = "after_text"  # once `count` text tokens have arrived
     AFTER_AUDIO = "after_audio"  # once `count` audio chunks have arrived
 
 
@@ -73,7 +73,7 @@ class CancelPoint:
 class Call:
     """One `Omni/Generate` call, run to its end by `run()` on the calling thread.
 
-    Other threads may read its progress (`texts`, `audios`) or `cancel()` it. `method` is a stub's
+    Other threads may read its progress (`texts`: text tokens, `audios`: chunks) or `cancel()` it. `method` is a stub's
     `Generate`, or a raw `channel.unary_stream(GENERATE)` for a request given as bytes."""
 
     def __init__(self, method, request, timeout: float, cancel_at: CancelPoint | None = None):
@@ -121,7 +121,7 @@ class Call:
             self.first_message = time.perf_counter()
         kind = response.WhichOneof("event") if isinstance(response, omni_pb2.GenerateResponse) else None
         if kind == "text":
-            self.texts += 1
+            self.texts += len(response.text.token_ids)  # a delta carries one or more tokens
         elif kind == "audio":
             self.audios += 1
         elif kind == "final":

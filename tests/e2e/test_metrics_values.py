@@ -108,6 +108,9 @@ def test_stage_batch_slot_and_queue_figures_follow_from_the_lengths(measured):
             assert value(final[stage], gauge, stage=stage) == 0, (stage, gauge)
     for stage in ("thinker", "talker"):
         assert value(final[stage], "omni_stage_cache_slots", stage=stage) > 0, stage
+    for stage in ("thinker", "talker", "code2wav"):  # Linux schedstat: some wakeup always waits a little
+        waited = value(final[stage], "omni_stage_process_cpu_wait_seconds", stage=stage)
+        assert 0 < waited < value(final[stage], "omni_stage_process_cpu_seconds", stage=stage) + 60, stage
 
 
 def test_every_process_froze_its_start_up_heap_and_reports_its_collections(measured):

@@ -33,7 +33,7 @@ def test_every_open_stream_counts_as_in_flight_after_its_text_is_done(stack, omn
         while texts < 2 or not audio:
             response = next(call)
             kind = response.WhichOneof("event")
-            texts += kind == "text"
+            texts += len(response.text.token_ids) if kind == "text" else 0
             audio += kind == "audio"
     assert thinker_in_flight(stack) == 4
     for call in calls:
