@@ -3,7 +3,8 @@
 A subclass owns the model work (`prefill(request_id, slot)`, `decode(request_ids, slots)`, each
 returning (request_id, EngineEvent) pairs; a `final` event ends its request) and keeps its
 per-request state in `self._requests`. This class runs the step: schedule, prefill the new
-requests, one batched decode of the running ones, then hand the results to the scheduler.
+requests, one batched decode of the running ones, what both left to do together (`end_step`:
+the talker's code predictor over all their rows), then hand the results to the scheduler.
 """
 
 from __future__ import annotations
@@ -37,12 +38,18 @@ class SlotScheduledEngine:
             events += self.prefill(request_id, plan.slots[request_id])
         if plan.decode:
             events += self.decode(list(plan.decode), [plan.slots[r] for r in plan.decode])
+        events += self.end_step()
         finished = {request_id for request_id, event in events if event.final}
         self.scheduler.update(plan, finished)
         for request_id in finished:
             self._requests.pop(request_id, None)
         self.after_step(plan)
         return events
+
+    def end_step(self) -> list[tuple[str, object]]:
+        """Hook: work this step's prefills and decode left to be done together (the talker's code
+        predictor over all their rows); its events."""
+        return []
 
     def after_step(self, plan: StepPlan) -> None:
         """Hook: e.g. mark requests whose next step must wait for input."""

@@ -201,6 +201,24 @@ def test_eight_concurrent_requests_equal_the_reference(stages, builder, messages
     assert max(per_step.values()) >= 5
 
 
+def test_a_step_runs_the_code_predictor_once_for_its_prefilled_and_decoded_rows(stages, builder, messages, expected,
+                                                                               monkeypatch):
+    # TalkerEngine.end_step: a prefill's first frame joins the decode batch's code predictor
+    # instead of running its 15 steps for one row alone; the frames stay the reference's.
+    calls = []
+    predict = TalkerEngine.predict_residuals
+
+    def counted(self, states, past_hidden):
+        calls.append(len(states))
+        return predict(self, states, past_hidden)
+
+    monkeypatch.setattr(TalkerEngine, "predict_residuals", counted)
+    pipe = Pipeline(stages, builder).run(CASES, messages)
+    steps_with_frames = {s for steps in pipe.frame_steps.values() for s in steps}
+    assert len(calls) == len(steps_with_frames) and sum(calls) == sum(len(f) for f in pipe.frames.values())
+    assert_equals_reference(pipe, expected, BY_ID)
+
+
 def test_inexact_batching_still_runs(stages, builder, messages):
     # exact_batching=False: plain batched GEMMs (the GPU default). On the 2-core dev box every
     # request's text ids and frames still matched the reference; not asserted: only that every
