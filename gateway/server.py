@@ -53,6 +53,7 @@ from omni.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 from services.runtime.errors import UserError, run_cli
 from services.runtime.families import DEFAULT_VOICES, Family
 from services.runtime.settings import env_default
+from services.serving.gc_heap import GCCollector, freeze_startup_heap
 from services.serving.grpc_server import channel_options
 from services.serving.security import (
     TLSConfig,
@@ -132,6 +133,7 @@ class Metrics:
 
     def __post_init__(self) -> None:
         r = self.registry
+        r.register(GCCollector())
         self.requests = Counter("omni_gateway_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
         self.in_flight = Gauge("omni_gateway_in_flight", "router calls in progress", registry=r)
@@ -640,6 +642,7 @@ def main(argv: list[str] | None = None) -> int:
                                                timeout_graceful_shutdown=args.grace_s))
         log.info("omni-gateway on %s:%d -> router %s (model %s, voices %s)", config.host, port, config.router,
                  config.model, ",".join(voices) or "?")
+        log.info("froze %d start-up objects out of garbage collection", freeze_startup_heap())
         if args.port_file:
             Path(args.port_file).write_text(str(port))
         server.run(sockets=[sock])

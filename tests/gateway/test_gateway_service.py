@@ -42,6 +42,9 @@ def test_metrics_count_requests(gateway, client):
     assert status == 200
     assert 'omni_gateway_requests_total{endpoint="chat",status="200"}' in text
     assert "omni_gateway_first_event_seconds_bucket" in text and "omni_gateway_in_flight 0.0" in text
+    # Its start-up heap is frozen out of garbage collection, as every stage's (services/serving/gc_heap.py).
+    frozen = next(line for line in text.splitlines() if line.startswith("omni_gc_frozen_objects "))
+    assert float(frozen.split()[1]) > 10_000
 
 
 def test_the_gateway_process_holds_no_model_code(gateway):
