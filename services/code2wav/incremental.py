@@ -49,7 +49,9 @@ class _CausalConv:
         keep = self.history.shape[-1]
         full = torch.cat([self.history, x], dim=-1) if keep else x
         if keep:
-            self.history = full[..., full.shape[-1] - keep:]
+            # Clone: a view would keep the whole chunk's input alive (152 MiB a request at the real
+            # widths, measured).
+            self.history = full[..., full.shape[-1] - keep:].clone()
         return self.conv(full)
 
 
@@ -76,7 +78,7 @@ class _TransConv:
         self.emitted = end
         keep = min(self.keep, full.shape[-1])
         self.start += full.shape[-1] - keep
-        self.history = full[..., full.shape[-1] - keep:]
+        self.history = full[..., full.shape[-1] - keep:].clone()  # not a view of the chunk (above)
         return y
 
 
