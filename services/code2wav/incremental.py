@@ -17,7 +17,7 @@ Here nothing is re-decoded:
 A transposed convolution with kernel 2 x stride needs the next input for its last output block;
 one forward trims that block, and so does each chunk here, and the next chunk makes it. So each
 chunk yields global samples [emitted, frames_seen*U - L), the same L held back as one forward.
-Until the previous version re-ran the convolutions over 12 frames of left context per chunk:
+The previous version re-ran the convolutions over 12 frames of left context per chunk:
 1.6x the convolution work of one forward for a 64-frame stream in the talker's chunks (4, 8, 16,
 25, 11).
 """
