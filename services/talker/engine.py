@@ -196,6 +196,11 @@ class TalkerEngine(SlotScheduledEngine):
     def after_step(self, plan) -> None:
         refresh_ready(self.scheduler, self._requests, plan.prefill + plan.decode)
 
+    def abort(self, request_id: str) -> None:
+        super().abort(request_id)
+        # A step that raised between its forwards and end_step leaves rows behind: not this one's.
+        self._to_predict = [row for row in self._to_predict if row[0] != request_id]
+
     # Model work.
     @torch.inference_mode()
     def prefill(self, request_id: str, slot: int) -> list[tuple[str, object]]:

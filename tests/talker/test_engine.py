@@ -24,6 +24,7 @@ from services.talker.engine import (
     TalkerDone,
     TalkerEngine,
     TalkerEngineConfig,
+    TalkerJob,
     TextEnd,
     TextRow,
 )
@@ -306,3 +307,28 @@ def test_text_that_ends_before_any_row_ends_the_talker_request(stages, builder, 
     pipe.talker.add_input(case.request_id, TextEnd())
     assert pipe.talker.step() == [(case.request_id, TalkerDone(FinishReason.STOP, 0))]
     assert_clean(pipe)
+
+
+def test_an_aborted_request_leaves_no_row_for_the_steps_code_predictor(stages):
+    # A step that raised after a prefill queued its row (end_step never ran) fails its requests
+    # through abort: the next step must not make a frame for one of them.
+    talker_stage = stages[1]
+    cfg = talker_stage.config
+    engine = TalkerEngine(talker_stage.model, cfg, engine_config=TalkerEngineConfig(
+        max_batch_size=2, num_slots=2, max_model_len=MAX_MODEL_LEN))
+    hidden = cfg.thinker_config.text_config.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    ids = [cfg.im_start_token_id, cfg.user_token_id, 20, 21, cfg.im_start_token_id, cfg.assistant_token_id, 23]
+    for rid in ("gone", "kept"):
+        engine.add(rid, TalkerJob(prompt_token_ids=ids, prompt_embeds=torch.randn(len(ids), hidden, generator=gen),
+                                  multimodal_positions=[], multimodal_hidden=torch.zeros(0, hidden),
+                                  tts_embeds=torch.randn(3, hidden, generator=gen),
+                                  speaker_id=int(next(iter(cfg.talker_config.speaker_id.values()))),
+                                  sampling=SamplingConfig(max_new_tokens=8)))
+        for _ in range(4):
+            engine.add_input(rid, TextRow(torch.randn(hidden, generator=gen)))
+    plan = engine.scheduler.schedule()
+    engine.prefill("gone", plan.slots["gone"])  # its row waits for end_step, which never comes
+    engine.abort("gone")
+    events = engine.step()  # prefills "kept"
+    assert {rid for rid, _ in events} == {"kept"} and all(isinstance(e, Frame) for _, e in events)
