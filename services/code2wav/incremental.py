@@ -33,6 +33,14 @@ from torch import nn
 from services.code2wav.streaming import EMPTY, VocoderGeometry
 
 
+def _extend(history: torch.Tensor, x: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(history then x, its last `keep` samples as the next history). The next history is a copy:
+    a view would keep the whole chunk's input alive (152 MiB a request at the real widths,
+    measured)."""
+    full = torch.cat([history, x], dim=-1) if history.shape[-1] else x
+    return full, full[..., full.shape[-1] - min(keep, full.shape[-1]):].clone()
+
+
 class _CausalConv:
     """Qwen3OmniMoeCausalConvNet (stride 1): left padding (k - 1) x dilation, kept across chunks."""
 
@@ -46,12 +54,7 @@ class _CausalConv:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] == 0:
             return x.new_zeros((1, self.conv.out_channels, 0))
-        keep = self.history.shape[-1]
-        full = torch.cat([self.history, x], dim=-1) if keep else x
-        if keep:
-            # Clone: a view would keep the whole chunk's input alive (152 MiB a request at the real
-            # widths, measured).
-            self.history = full[..., full.shape[-1] - keep:].clone()
+        full, self.history = _extend(self.history, x, self.history.shape[-1])
         return self.conv(full)
 
 
@@ -72,13 +75,12 @@ class _TransConv:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] == 0:
             return x.new_zeros((1, self.conv.out_channels, 0))
-        full = torch.cat([self.history, x], dim=-1) if self.history.shape[-1] else x
-        end = (self.start + full.shape[-1]) * self.stride  # outputs before it have all their inputs
-        y = self.conv(full)[..., self.emitted - self.start * self.stride:end - self.start * self.stride]
+        start = self.start
+        full, self.history = _extend(self.history, x, self.keep)
+        end = (start + full.shape[-1]) * self.stride  # outputs before it have all their inputs
+        y = self.conv(full)[..., self.emitted - start * self.stride:end - start * self.stride]
         self.emitted = end
-        keep = min(self.keep, full.shape[-1])
-        self.start += full.shape[-1] - keep
-        self.history = full[..., full.shape[-1] - keep:].clone()  # not a view of the chunk (above)
+        self.start += full.shape[-1] - self.history.shape[-1]
         return y
 
 

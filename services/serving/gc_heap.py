@@ -12,8 +12,8 @@ skip: a full collection then took under 0.1 ms. Objects made later, per request,
 as before. A cycle among frozen objects is never freed; `freeze_startup_heap` collects first, so
 only what is live at start-up is frozen.
 
-`omni_gc_pause_seconds{generation}` (a histogram on every stage's and router's /metrics) shows
-what is left: the wall time of each collection, from `gc.callbacks`.
+`omni_gc_pause_seconds{generation}` (a histogram on every stage's, the router's and the
+gateway's /metrics) shows what is left: the wall time of each collection, from `gc.callbacks`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import time
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-PAUSE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+GC_PAUSE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
 
 def freeze_startup_heap() -> int:
@@ -42,7 +42,7 @@ class _Pauses:
     def __init__(self):
         # Reentrant: a collection can start inside `snapshot`, in the same thread (it allocates).
         self.lock = threading.RLock()
-        self.buckets = [[0] * (len(PAUSE_BUCKETS) + 1) for _ in range(3)]
+        self.buckets = [[0] * (len(GC_PAUSE_BUCKETS) + 1) for _ in range(3)]
         self.sums = [0.0] * 3
         self._started = 0.0
         gc.callbacks.append(self._callback)
@@ -55,7 +55,7 @@ class _Pauses:
         seconds = time.perf_counter() - self._started
         generation = info["generation"]
         with self.lock:
-            self.buckets[generation][bisect.bisect_left(PAUSE_BUCKETS, seconds)] += 1
+            self.buckets[generation][bisect.bisect_left(GC_PAUSE_BUCKETS, seconds)] += 1
             self.sums[generation] += seconds
 
     def snapshot(self) -> tuple[list[list[int]], list[float]]:
@@ -83,7 +83,7 @@ class GCCollector(Collector):
         buckets, sums = self._pauses.snapshot()
         for generation in range(3):
             cumulative, total = [], 0
-            for bound, count in zip((*map(str, PAUSE_BUCKETS), "+Inf"), buckets[generation]):
+            for bound, count in zip((*map(str, GC_PAUSE_BUCKETS), "+Inf"), buckets[generation]):
                 total += count
                 cumulative.append((bound, total))
             pauses.add_metric([str(generation)], cumulative, sums[generation])
