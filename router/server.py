@@ -36,7 +36,7 @@ from services.serving.grpc_server import (
     time_remaining,
     write_port_file,
 )
-from services.serving.migration import Passed, Resume
+from services.serving.migration import Passed, Resume, with_cuts
 from services.serving.security import (
     BearerTokenInterceptor,
     load_tokens,
@@ -240,6 +240,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                 moved_at = time.perf_counter()
                 text.begin_replay()
                 resume.begin_replay()
+                thinker_request = with_cuts(thinker_request, resume.cuts)  # the audio repeats bit for bit
             finally:
                 call.cancel()  # no-op when finished; frees every stage when the client went away
         if audio_samples:

@@ -20,8 +20,12 @@ request's first 4 frames (about 3.5 ms on the tiny checkpoint) wait for fifteen 
 25-frame chunks (about 40 ms each) before anyone heard it. So each step decodes one chunk: the
 one of the request whose listener runs dry first, that is, before any audio the time it arrived
 (a first chunk is always late), after it the time of its first audio plus the seconds of audio
-it has had. A request that has audio in hand waits; one about to underrun, or not yet heard, goes
-first. Its audio is handed up the moment it is decoded.
+it has had, less the time audio takes from here to the listener (`delivery_ms`: three hops
+through the talker, thinker and router, tens of ms on a loaded CPU). A request that has audio in
+hand waits; one about to underrun, or not yet heard, goes first. Its audio is handed up the moment
+it is decoded. Without that margin a running request's second chunk counted as due only when its
+listener had already run dry, so during a burst it waited behind every new request's first chunk
+(up to 180 ms in a probe at concurrency 16) and arrived after the first chunk had played.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ class CodecEnd:
 class Audio(EngineEvent):
     samples: np.ndarray  # float32 [n]
     first_sample: int
+    end_frame: int = 0  # frames decoded when it was made: the talker's cut (AudioChunk.end_frame)
 
 
 @dataclass(frozen=True)
@@ -80,11 +85,12 @@ class _State:
     added_at: float = field(default_factory=time.monotonic)
     first_audio_at: float | None = None  # monotonic time of its first audio
 
-    def deadline(self, sample_rate: int) -> float:
-        """When this request's listener runs out of audio (see the module note)."""
+    def deadline(self, sample_rate: int, delivery_s: float) -> float:
+        """When this request's next audio must leave here for its listener not to run dry (see the
+        module note)."""
         if self.first_audio_at is None:
             return self.added_at
-        return self.first_audio_at + self.decoder.samples_emitted / sample_rate
+        return self.first_audio_at + self.decoder.samples_emitted / sample_rate - delivery_s
 
 
 class Code2WavGraphs:
@@ -124,7 +130,7 @@ class Code2WavGraphs:
 
 class Code2WavEngine:
     def __init__(self, model, config, left_context: int = 25, graphs: GraphSettings = GraphSettings(),
-                 graph_windows: tuple[int, ...] = (), decoder: str = "incremental"):
+                 graph_windows: tuple[int, ...] = (), decoder: str = "incremental", delivery_ms: float = 100.0):
         if decoder not in ("incremental", "window"):
             raise ValueError(f"decoder must be incremental or window, got {decoder!r}")
         self.model = model
@@ -132,6 +138,7 @@ class Code2WavEngine:
         self.timer = ForwardTimer()  # seconds in vocoder forwards (services/runtime/timing.py)
         self.left_context = left_context
         self.decoder = decoder
+        self.delivery_s = delivery_ms / 1000  # audio's way from here to its listener (the module note)
         self.geometry: VocoderGeometry = measure_geometry(model)
         self.graphs = None
         if graphs.enabled:
@@ -197,14 +204,14 @@ class Code2WavEngine:
                 first = decoder.samples_emitted
                 samples = decoder.accept(window, wav)
                 if samples.size:
-                    events.append((request_id, Audio(samples, first)))
+                    events.append((request_id, Audio(samples, first, decoder.frames_seen)))
         return events
 
     def _step_incremental(self) -> list[tuple[str, object]]:
         """One chunk (or end) of the request with the earliest deadline; its audio goes up now."""
         rate = self.geometry.sample_rate
         request_id, state = min(((r, s) for r, s in self._states.items() if s.pending),
-                                key=lambda item: item[1].deadline(rate))
+                                key=lambda item: item[1].deadline(rate, self.delivery_s))
         item = state.pending.popleft()
         if isinstance(item, CodecEnd):
             return self._finish(request_id, state)
@@ -217,7 +224,7 @@ class Code2WavEngine:
             return []
         if state.first_audio_at is None:
             state.first_audio_at = time.monotonic()
-        return [(request_id, Audio(samples, first))]
+        return [(request_id, Audio(samples, first, state.decoder.frames_seen))]
 
     def _finish(self, request_id: str, state: _State) -> list[tuple[str, object]]:
         """The request's end: the decoder's held-back tail, then Decoded; its state goes."""
@@ -226,7 +233,7 @@ class Code2WavEngine:
         with self.timer:
             tail = state.decoder.finish()
         if tail.size:
-            events.append((request_id, Audio(tail, first)))
+            events.append((request_id, Audio(tail, first, state.decoder.frames_seen)))
         events.append((request_id, Decoded(state.decoder.samples_emitted, state.decoder.frames_seen)))
         del self._states[request_id]
         return events

@@ -58,6 +58,7 @@ class Code2WavConfig:
     model: ModelConfig
     left_context: int = 25  # --decoder window: frames of context decoded before each chunk
     decoder: str = "incremental"  # or "window" (see services/code2wav/engine.py)
+    delivery_ms: float = 100.0  # a running request's chunk is due this long before its listener runs dry
     # Window lengths captured as CUDA graphs at start-up (others on first use): those of the
     # talker's default chunks (services/runtime/chunking.py) with `left_context` frames of context.
     graph_windows: tuple[int, ...] = DEFAULT_CHUNKS.windows(25)
@@ -90,7 +91,7 @@ class Code2WavServicer(stages_pb2_grpc.Code2WavServicer):
                     case Audio() as audio:
                         yield stages_pb2.Code2WavOutput(audio=audio_to_proto(
                             audio.samples, self.sample_rate, index,
-                            audio.first_sample // self.engine.geometry.samples_per_frame))
+                            audio.first_sample // self.engine.geometry.samples_per_frame, audio.end_frame))
                         index += 1
                     case Decoded(samples=samples):
                         finished = True
@@ -151,7 +152,8 @@ async def create_server(config: Code2WavConfig) -> tuple[ServerHandle, EngineLoo
         engine = token2wav_engine(loaded, config)
     else:
         engine = Code2WavEngine(loaded.model, loaded.config, left_context=config.left_context,
-                                decoder=config.decoder, graphs=config.model.graphs, graph_windows=config.graph_windows)
+                                decoder=config.decoder, graphs=config.model.graphs, graph_windows=config.graph_windows,
+                                delivery_ms=config.delivery_ms)
     metrics = StageMetrics("code2wav")
     metrics.serve(config.serving.metrics_port)
     loop = EngineLoop(engine, "code2wav", metrics)
@@ -184,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
                              "across requests (exact only for short-reach vocoders such as the tiny checkpoint's)")
     parser.add_argument("--left-context", type=int, default=env_default("left_context", 25),
                         help="frames of left context decoded before each chunk (default 25)")
+    parser.add_argument("--delivery-ms", type=float, default=env_default("delivery_ms", 100.0),
+                        help="incremental decoder: how long audio takes from here to the listener; a running "
+                             "request's next chunk is decoded first once its listener's audio runs out within "
+                             "this (default 100)")
     parser.add_argument("--graph-windows", default=env_default("graph_windows", ""),
                         help="chunk window lengths (context + chunk frames) captured as CUDA graphs at start-up; "
                              "others are captured on first use (default: those of the talker's default chunks, "
@@ -200,10 +206,13 @@ def main(argv: list[str] | None = None) -> int:
             context = StreamContext.parse(args.token2wav_context) if args.token2wav_context else StreamContext()
         except ValueError as exc:
             raise UserError(f"--token2wav-context: {exc}") from None
+        if args.delivery_ms < 0:
+            raise UserError(f"--delivery-ms must be >= 0, got {args.delivery_ms}")
         windows = (parse_buckets(args.graph_windows, "--graph-windows")  # the same syntax: positive integers
                    if args.graph_windows else DEFAULT_CHUNKS.windows(args.left_context))
         config = Code2WavConfig(serving=serving_config_from_args(args), model=model_config_from_args(args),
                                 left_context=args.left_context, decoder=args.decoder, graph_windows=windows,
+                                delivery_ms=args.delivery_ms,
                                 token2wav_context=context)
         serve_stage("code2wav", create_server, config, args.port_file)
 

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-DEFAULT_SAMPLE_RATE = 24000
+from services.runtime.qwen3_omni import DEFAULT_SAMPLE_RATE
+
 EMPTY = np.zeros(0, dtype=np.float32)
 
 

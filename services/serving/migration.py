@@ -79,6 +79,9 @@ class Resume:
         self.audio = Passed(stage, "audio")
         self.frames = Passed(stage, "codec frames")
         self.chunks = 0  # audio chunks passed up
+        # The talker's cuts (AudioChunk.end_frame) of the audio passed up, increasing: a replay
+        # cuts there again (TalkerStart.replay_cuts), so that its audio repeats bit for bit.
+        self.cuts: list[int] = []
 
     def begin_replay(self) -> None:
         self.audio.begin_replay()
@@ -89,8 +92,11 @@ class Resume:
         skip = self.audio.admit(chunk.pcm, chunk.num_samples)
         if skip == chunk.num_samples:
             return None
+        if chunk.end_frame > (self.cuts[-1] if self.cuts else 0):
+            self.cuts.append(chunk.end_frame)
         out = common_pb2.AudioChunk(pcm=chunk.pcm[skip * 4:], sample_rate=chunk.sample_rate, index=self.chunks,
-                                    num_samples=chunk.num_samples - skip, first_frame=chunk.first_frame)
+                                    num_samples=chunk.num_samples - skip, first_frame=chunk.first_frame,
+                                    end_frame=chunk.end_frame)
         self.chunks += 1
         return out
 
@@ -106,6 +112,16 @@ class Resume:
     def finish(self) -> None:
         self.audio.check_complete()
         self.frames.check_complete()
+
+
+def with_cuts(start, cuts: list[int]):
+    """A copy of `start` (a TalkerStart or ThinkerRequest: its `replay_cuts`) told to cut where
+    the audio already passed up was cut (`Resume.cuts`)."""
+    replay = type(start)()
+    replay.CopyFrom(start)
+    del replay.replay_cuts[:]
+    replay.replay_cuts.extend(cuts)
+    return replay
 
 
 class Downstream:
@@ -181,10 +197,11 @@ class Downstream:
         """Whether `exc` says the replica this stream is on died (not one further down)."""
         return isinstance(exc, StageUnavailable) and exc.stage == self.stage and exc.replica == self.replica
 
-    async def recover(self, exc: BaseException) -> bool:
+    async def recover(self, exc: BaseException, first=None) -> bool:
         """False when `exc` is not this stream's replica dying; else move to the next fallback
         replica and replay everything written (True), or re-raise `exc` when no fallback is left
-        or the moves are spent."""
+        or the moves are spent. `first`: the message to replay in place of the first one written
+        (the start, told where to cut: `Resume.cuts`)."""
         if not self.failed_here(exc):
             return False
         if not self._replicas or self.moves >= self.max_moves:
@@ -198,6 +215,8 @@ class Downstream:
         self._count("moved")
         log.warning("%s: %s replica %s failed mid-stream (%s); moved the request to %s (move %d of at most %d)",
                     self.owner, self.stage, left, exc.detail, self.replica, self.moves, self.max_moves)
+        if first is not None and self._sent:
+            self._sent[0] = first
         for message in self._sent:
             if not await write_quietly(self.call, message):
                 return  # the relay says how the new stream ended

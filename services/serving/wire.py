@@ -60,11 +60,11 @@ def tensor_from_proto(p: common_pb2.Tensor) -> torch.Tensor:
 
 
 @_timed
-def audio_to_proto(samples: np.ndarray, sample_rate: int, index: int, first_frame: int = 0) -> common_pb2.AudioChunk:
+def audio_to_proto(samples: np.ndarray, sample_rate: int, index: int, first_frame: int = 0,
+                   end_frame: int = 0) -> common_pb2.AudioChunk:
     pcm = np.ascontiguousarray(samples, dtype="<f4")
-    return common_pb2.AudioChunk(
-        pcm=pcm.tobytes(), sample_rate=sample_rate, index=index, num_samples=pcm.size, first_frame=first_frame
-    )
+    return common_pb2.AudioChunk(pcm=pcm.tobytes(), sample_rate=sample_rate, index=index, num_samples=pcm.size,
+                                 first_frame=first_frame, end_frame=end_frame)
 
 
 @_timed

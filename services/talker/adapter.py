@@ -19,6 +19,9 @@ from services.talker.engine import TextEnd
 class TalkerAdapter(Protocol):
     engine: type  # the engine class: (model, config, device=, engine_config=)
     cuda_graphs: bool  # False: not implemented for the family; the server decodes eagerly
+    # Seconds of audio one frame becomes, where code2wav hands a chunk's audio on as soon as it is
+    # decoded; None where audio lags the frames sent (then chunks are cut by size alone).
+    seconds_per_frame: float | None
 
     def job_from_proto(self, start: stages_pb2.TalkerStart):
         """The engine job of a start message, checked against the model and the service's limits."""

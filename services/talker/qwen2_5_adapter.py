@@ -54,6 +54,7 @@ def qwen2_5_input_from_proto(message: stages_pb2.TalkerInput, hidden: int) -> Re
 class Qwen2_5TalkerAdapter:
     engine = Qwen2_5TalkerEngine
     cuda_graphs = False
+    seconds_per_frame = None  # Token2Wav's audio trails the codes sent by its look-ahead
 
     def __init__(self, model_config, config: TalkerConfig):
         self.model_config = model_config  # Qwen2_5OmniConfig

@@ -11,7 +11,7 @@ from omni.v1 import stages_pb2
 from services.runtime.chunking import ChunkPolicy
 from services.runtime.errors import InvalidArgument
 from services.runtime.prompt import resolve_voice
-from services.runtime.qwen3_omni import talker_prompt_len
+from services.runtime.qwen3_omni import seconds_per_frame, talker_prompt_len
 from services.serving.convert import sampling_from_proto
 from services.serving.wire import tensor_from_proto
 from services.talker.config import TalkerConfig
@@ -67,6 +67,7 @@ class Qwen3TalkerAdapter:
     def __init__(self, model_config, config: TalkerConfig):
         self.model_config = model_config  # Qwen3OmniMoeConfig
         self.config = config
+        self.seconds_per_frame = seconds_per_frame(model_config.code2wav_config)
 
     def job_from_proto(self, start: stages_pb2.TalkerStart) -> TalkerJob:
         return talker_job_from_proto(start, self.model_config, self.config)

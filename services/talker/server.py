@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import logging
 import sys
+import time
 
 import grpc
 import torch
@@ -15,7 +16,7 @@ import torch
 from omni.v1 import common_pb2, stages_pb2, stages_pb2_grpc
 from services.runtime.checkpoint import Stage, load_for_serving
 from services.runtime.chunking import ChunkPolicy, FrameChunker
-from services.runtime.errors import InvalidArgument, run_cli
+from services.runtime.errors import InvalidArgument, UserError, run_cli
 from services.runtime.families import Family, family_of
 from services.runtime.settings import (
     GraphSettings,
@@ -61,6 +62,14 @@ SERVICE = stages_pb2.DESCRIPTOR.services_by_name["Talker"].full_name
 ADAPTERS = {Family.QWEN3_OMNI: Qwen3TalkerAdapter, Family.QWEN2_5_OMNI: Qwen2_5TalkerAdapter}
 
 
+def replay_cuts_from_proto(start: stages_pb2.TalkerStart) -> tuple[int, ...]:
+    """A replay's cuts (services/runtime/chunking.py, "replays"): increasing frame counts."""
+    cuts = tuple(start.replay_cuts)
+    if any(b <= a for a, b in zip((0, *cuts), cuts)):
+        raise InvalidArgument("start.replay_cuts", f"must be increasing frame counts above 0, got {list(cuts)}")
+    return cuts
+
+
 class TalkerServicer(stages_pb2_grpc.TalkerServicer):
     def __init__(self, loop: EngineLoop, engine, config: TalkerConfig, adapter: TalkerAdapter, handle: ServerHandle):
         self.loop = loop
@@ -78,6 +87,7 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
         start = first.start
         try:
             job = self.adapter.job_from_proto(start)
+            cuts = replay_cuts_from_proto(start)
         except (InvalidArgument, WireError) as exc:
             await abort_for(context, exc)
         if not start.route.code2wav:
@@ -95,7 +105,7 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
             stall_timeout_s=self.config.serving.stall_timeout_s(stages_below=0))
         decode.open()
         resume = Resume("code2wav")  # what went up from code2wav, across moves
-        chunker = FrameChunker(self.config.chunks)
+        chunker = FrameChunker(self.config.chunks, self.adapter.seconds_per_frame, cuts)
         done: TalkerDone | None = None
         try:
             await decode.write(stages_pb2.Code2WavInput(start=stages_pb2.Code2WavStart(request_id=request_id,
@@ -110,7 +120,7 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
                     continue
                 match item:
                     case Frame(codes=codes):
-                        chunk = chunker.add(codes)
+                        chunk = chunker.add(codes, time.monotonic())
                         if chunk is not None:
                             async for out in self._send_chunk(decode, chunk, chunker, start.return_codec_frames):
                                 yield out
@@ -125,6 +135,7 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
                     case stages_pb2.Code2WavOutput() as out if out.HasField("audio"):
                         audio = resume.audio_chunk(out.audio)
                         if audio is not None:
+                            chunker.playing(time.monotonic())
                             decode.output()
                             yield stages_pb2.TalkerOutput(audio=audio)
                     case stages_pb2.Code2WavOutput() as out:
@@ -209,11 +220,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-growth", type=int, default=env_default("chunk_growth", 2),
                         help="each chunk this many times the previous, up to --chunk-frames; 1 = straight "
                              "from the first chunk to --chunk-frames (default 2: 4, 8, 16, 25, ...)")
+    parser.add_argument("--delivery-ms", type=float, default=env_default("delivery_ms", 100.0),
+                        help="how long a chunk takes from here to the listener (code2wav and the hops up): a chunk "
+                             "goes out before it is full when waiting for the next frame would make it arrive "
+                             "after the audio already sent has played (Qwen3-Omni; 0 = never; default 100)")
     parser.add_argument("--default-max-new-tokens", type=int, default=env_default("talker_default_max_new_tokens", 2048))
     parser.add_argument("--max-new-tokens-limit", type=int, default=env_default("talker_max_new_tokens_limit", 8192))
     args = parser.parse_args(argv)
 
     def run() -> None:
+        try:
+            chunks = ChunkPolicy(args.first_chunk_frames, args.chunk_frames, args.chunk_growth, args.delivery_ms)
+        except ValueError as exc:
+            raise UserError(f"--first-chunk-frames, --chunk-frames, --chunk-growth, --delivery-ms: {exc}") from None
         model = model_config_from_args(args)
         engine = TalkerEngineConfig(max_batch_size=args.max_batch_size, num_slots=args.num_slots,
                                     max_prefills_per_step=args.max_prefills_per_step,
@@ -221,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                                     graphs=model.graphs)
         config = TalkerConfig(
             serving=serving_config_from_args(args), model=model, engine=engine,
-            chunks=ChunkPolicy(args.first_chunk_frames, args.chunk_frames, args.chunk_growth),
+            chunks=chunks,
             default_max_new_tokens=args.default_max_new_tokens, max_new_tokens_limit=args.max_new_tokens_limit,
         )
         serve_stage("talker", create_server, config, args.port_file)

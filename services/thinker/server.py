@@ -53,7 +53,7 @@ from services.serving.grpc_server import (
     time_remaining,
 )
 from services.serving.metrics import StageMetrics
-from services.serving.migration import Downstream, Resume
+from services.serving.migration import Downstream, Resume, with_cuts
 from services.serving.open_streams import LIGHT_LOAD_STREAMS
 from services.serving.stage_main import serve_stage
 from services.serving.status import ReplayDiverged, StageUnavailable, abort_for
@@ -240,6 +240,7 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         held = prepared.audio and self._hold_text(key, talker)
         detok = IncrementalDetokenizer(self.prompts.decode)
         speak: Downstream | None = None  # the talker stream, opened after prefill; moves if its replica dies
+        talker_start: stages_pb2.TalkerStart | None = None
         resume = Resume("talker")  # what went up from the talker, across moves
         text_done: Finished | None = None
         talker_done: stages_pb2.TalkerFinal | None = None
@@ -250,7 +251,10 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
                 try:
                     item = await sink.get(self.config.serving.stall_timeout_s(stages_below=2), "thinker")
                 except StageUnavailable as exc:
-                    if speak is None or not await speak.recover(exc):
+                    # The new talker cuts where this stream's audio was cut (and the router's replay before it).
+                    cuts = sorted({*request.replay_cuts, *resume.cuts})
+                    replay = stages_pb2.TalkerInput(start=with_cuts(talker_start, cuts)) if talker_start else None
+                    if speak is None or not await speak.recover(exc, replay):
                         raise
                     resume.begin_replay()
                     continue
@@ -260,8 +264,9 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
                 match item:
                     case self.adapter.prefilled() as prefilled:
                         speak = self._open_talker(request.route, sink, context)
-                        await speak.write(stages_pb2.TalkerInput(
-                            start=self.adapter.talker_start(req, request.route, prefilled, prepared.job)))
+                        talker_start = self.adapter.talker_start(req, request.route, prefilled, prepared.job)
+                        talker_start.replay_cuts.extend(request.replay_cuts)  # a replay of the router's
+                        await speak.write(stages_pb2.TalkerInput(start=talker_start))
                     case Token() as token:
                         ttft = ttft if ttft is not None else (time.perf_counter() - received) * 1000
                         # The talker first: its next frame waits on this row (and a client slow to read

@@ -1,6 +1,6 @@
 """The incremental code2wav engine decodes one chunk per step, earliest playback deadline first
 (services/code2wav/engine.py, module note): a request not yet heard is due from when it arrived,
-a running one when its listener's audio runs out."""
+a running one `delivery_ms` before its listener's audio runs out."""
 
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ def frames(n: int) -> CodecChunk:
     return CodecChunk(torch.randint(0, 64, (n, 16), generator=torch.Generator().manual_seed(n)))
 
 
-def decoded_first(loaded, first_frames: int, wait_s: float) -> str:
+def decoded_first(loaded, first_frames: int, wait_s: float, delivery_ms: float = 100.0) -> str:
     """"a" is heard (its first chunk of `first_frames` frames decoded); `wait_s` later "b" arrives;
     both have a chunk waiting. Which does the next step decode?"""
-    engine = Code2WavEngine(loaded.model, loaded.config)
+    engine = Code2WavEngine(loaded.model, loaded.config, delivery_ms=delivery_ms)
     engine.add("a")
     engine.add_input("a", frames(first_frames))
     assert [request for request, event in engine.step() if isinstance(event, Audio)] == ["a"]
@@ -46,4 +46,9 @@ def test_a_new_request_s_first_chunk_goes_before_a_listener_with_audio_in_hand(l
 def test_a_listener_that_ran_dry_goes_before_a_request_that_arrived_after(loaded):
     # One frame is 57 ms of audio (1920 - 555 samples): 0.1 s later "a" has run dry, before "b" came.
     assert (SAMPLES_PER_FRAME - LOOKAHEAD) / RATE < 0.1
-    assert decoded_first(loaded, first_frames=1, wait_s=0.1) == "a"
+    assert decoded_first(loaded, first_frames=1, wait_s=0.1, delivery_ms=0) == "a"
+
+
+def test_a_listener_about_to_run_dry_on_the_way_up_goes_first(loaded):
+    # 57 ms of audio in hand, but audio takes 100 ms to reach the listener: "a" is already due.
+    assert decoded_first(loaded, first_frames=1, wait_s=0, delivery_ms=100) == "a"

@@ -265,3 +265,32 @@ def test_a_task_left_to_end_is_kept_until_it_does_and_its_failure_is_not_logged(
         return logged
 
     assert asyncio.run(scenario()) == []
+
+
+def test_a_moved_downstream_replays_what_it_wrote_with_the_start_the_owner_amended():
+    """The talker's new replica gets the thinker's start told where to cut (TalkerStart.replay_cuts),
+    then every row written before the move."""
+    received: list[list[bytes]] = []  # per call: the messages the peer read
+
+    async def recorder(requests, context):
+        messages = []
+        received.append(messages)
+        async for message in requests:
+            messages.append(message)
+        yield b"final"
+
+    async def body(open_call, address):
+        sink = EventSink(asyncio.get_running_loop())
+        downstream = Downstream("thinker", "talker", [address, address], open_call, sink, is_final, max_moves=1)
+        downstream.open()
+        await downstream.write(b"start")
+        await downstream.write(b"row 0")
+        moved = await downstream.recover(StageUnavailable("talker", address, "killed"), first=b"start, cut at 4 6")
+        await downstream.write(b"row 1")
+        await downstream.close()
+        while await sink.get(5.0) != b"final":
+            pass
+        return moved
+
+    assert asyncio.run(with_peer(recorder, body)) is True
+    assert received[-1] == [b"start, cut at 4 6", b"row 0", b"row 1"]
