@@ -23,9 +23,10 @@ one of the request whose listener runs dry first, that is, before any audio the 
 it has had, less the time audio takes from here to the listener (`delivery_ms`: three hops
 through the talker, thinker and router, tens of ms on a loaded CPU). A request that has audio in
 hand waits; one about to underrun, or not yet heard, goes first. Its audio is handed up the moment
-it is decoded. Without that margin a running request's second chunk counted as due only when its
+it is decoded. Without that margin a running request's chunk counted as due only once its
 listener had already run dry, so during a burst it waited behind every new request's first chunk
-(up to 180 ms in a probe at concurrency 16) and arrived after the first chunk had played.
+(up to 180 ms in a probe at concurrency 16), the talker's early chunks too (chunking.py, "running
+dry"): the two together cut underruns at 16; either alone did not (README, "Playback underruns").
 """
 
 from __future__ import annotations
