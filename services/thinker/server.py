@@ -251,10 +251,11 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
                 try:
                     item = await sink.get(self.config.serving.stall_timeout_s(stages_below=2), "thinker")
                 except StageUnavailable as exc:
+                    if speak is None or not speak.failed_here(exc):
+                        raise
                     # The new talker cuts where this stream's audio was cut (and the router's replay before it).
                     cuts = sorted({*request.replay_cuts, *resume.cuts})
-                    replay = stages_pb2.TalkerInput(start=with_cuts(talker_start, cuts)) if talker_start else None
-                    if speak is None or not await speak.recover(exc, replay):
+                    if not await speak.recover(exc, stages_pb2.TalkerInput(start=with_cuts(talker_start, cuts))):
                         raise
                     resume.begin_replay()
                     continue
