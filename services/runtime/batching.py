@@ -8,27 +8,82 @@ slot (a custom attention function registered with transformers), so requests of 
 lengths share a step without padding.
 
 NOTE: exactness. A GEMM over B rows does not give bit-identical rows to B separate GEMVs
-(different CPU kernels and blocking; measured up to 1e-4 absolute on 2048-wide layers). Greedy
-decoding must not depend on who else is in the batch, so in exact mode every linear layer
-computes each request's rows with one `bmm` batch item per request: bmm's per-item kernel equals
-the single-request `F.linear` bit for bit (checked for 1 and 2 rows per item, 1 and 2 threads,
-with and without bias: tests/common/test_batching.py). That keeps the per-step Python and
-dispatch work shared by the batch (what limits small models) but gives up GEMM efficiency, so
-on GPUs, where FLOPs matter, exact mode is off by default (`--exact-batching` toggles it).
+(different CPU kernels and blocking; measured up to 1e-4 absolute on 2048-wide layers), and
+whether a batched kernel happens to match is a property of one kernel on one CPU (batched SDPA
+matched on an Intel host and not on AMD ones). Greedy decoding must not depend on who else is in
+the batch, so exact mode (`batch_invariant`) computes every op along one of these paths, chosen
+once per engine (`ExactKernels`, from the start-up probe in services/runtime/invariance.py):
+
+Each engine enters its choice (`using_kernels`) around its model work, on the thread that runs it.
+
+- ROWS, invariant by construction: one call per request row of the op `generate` itself calls,
+  with the shape that row has alone ([1, T, K] for a linear layer, one token for the experts,
+  [1, heads, T, L] for attention). Same kernel, same shape, same thread count, same input bits:
+  the same output bits, whatever the batch. It costs one kernel launch and one weight read per row.
+- BATCHED, invariant where probed: one bmm with an item per row (`rowwise_matmul`), the experts'
+  per-pair bmm (`_batched_experts`), one SDPA over equal-length rows. Used only where the probe
+  found it bit-identical to ROWS on this CPU, at this thread count, for the shapes the engine runs.
+- GEMM (`--exact-batching gemm`): omni's own GEMM (services/runtime/invariant_gemm.py), whose
+  per-element operations are fixed in its source, so no probe is needed; it is applied to every
+  float32 linear layer of the process (prefill, encoders and decode), and exact against
+  `generate` run through the same op. It reuses each weight across the batch's rows.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import threading
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from services.runtime import invariant_gemm
+
 ROWWISE_ATTENTION = "omni_rowwise"
 _original_linear = F.linear
 _local = threading.local()
+
+
+class KernelPath(enum.StrEnum):
+    ROWS = "rows"  # one call per row with the row's own shape: invariant by construction
+    BATCHED = "batched"  # one batched call: invariant where the start-up probe passed
+    GEMM = "gemm"  # omni's invariant GEMM (linear layers and experts only)
+
+
+@dataclass(frozen=True)
+class ExactKernels:
+    """How exact mode computes each batched op (an engine's probed choice, services/runtime/invariance.py)."""
+
+    linear: KernelPath = KernelPath.ROWS
+    experts: KernelPath = KernelPath.ROWS
+    attention: KernelPath = KernelPath.ROWS  # equal-length rows in one SDPA (the code predictor)
+
+
+_ROWS = ExactKernels()
+
+
+def exact_kernels() -> ExactKernels:
+    """The paths in force on this thread: ROWS outside an engine's `using_kernels` block."""
+    return getattr(_local, "kernels", _ROWS)
+
+
+@contextlib.contextmanager
+def using_kernels(kernels: ExactKernels):
+    """These paths on this thread inside the block (an engine's step, the reference's generate).
+    GEMM puts the F.linear replacement in place (every float32 linear layer the block runs)."""
+    if kernels.linear is KernelPath.GEMM:
+        _install()
+    previous = getattr(_local, "kernels", _ROWS)
+    _local.kernels = kernels
+    try:
+        yield kernels
+    finally:
+        _local.kernels = previous
+
+
+GEMM_KERNELS = ExactKernels(KernelPath.GEMM, KernelPath.GEMM, KernelPath.ROWS)
 
 
 # torch.bmm computes problems with T*K*N below this with a naive loop, not the GEMV/GEMM kernels
@@ -57,8 +112,9 @@ def tile_columns(weight: torch.Tensor, tokens: int) -> int | None:
 
 
 def rowwise_matmul(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """rows [B, T, K] @ weight[N, K].T (+ bias) with one bmm item per row, so every row gets the
-    bits the single-request `F.linear` gives it; column-tiled for weights past L2 size."""
+    """rows [B, T, K] @ weight[N, K].T (+ bias) with one bmm item per row (the BATCHED linear:
+    bit-identical to each row's own `F.linear` where the probe says so); column-tiled for
+    weights past L2 size."""
     batch, tokens = rows.shape[:2]
     transposed = weight.t()  # [K, N], no copy
     cols = tile_columns(weight, tokens)
@@ -79,29 +135,58 @@ def rowwise_matmul(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return out
 
 
+def _alone(row: torch.Tensor) -> torch.Tensor:
+    """A row as `generate` would hold it alone: at an address of torch's own alignment (64 bytes),
+    so a BLAS whose blocking follows alignment sees the same input."""
+    return row if row.data_ptr() % 64 == 0 else row.clone()
+
+
+def linear_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """rows [B, T, K] (or [R, K]) -> each row through `F.linear` alone, [1, T, K] (or [1, K]) as its
+    own request's forward calls it: the ROWS linear."""
+    return torch.cat([_original_linear(_alone(rows[i:i + 1]), weight, bias) for i in range(rows.shape[0])])
+
+
+def exact_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A linear layer over rows [B, T, K] of B requests along this process's exact path."""
+    path = exact_kernels().linear
+    if path is KernelPath.GEMM and invariant_gemm.covers(rows, weight, bias):
+        return invariant_gemm.linear(rows, weight, bias)
+    if rows.shape[0] <= 1:
+        return _original_linear(rows, weight, bias)
+    if path is KernelPath.BATCHED and rows.shape[1] * weight.shape[1] * weight.shape[0] >= _BMM_KERNEL_MIN_SIZE:
+        return rowwise_matmul(rows, weight, bias)
+    return linear_rows(rows, weight, bias)
+
+
 def _batch_invariant_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    # [B, T, K]: B requests of T tokens each; [R, K]: R single-token requests; else unchanged.
+    # GEMM: every float32 linear layer in the engine's (or the reference's) block, any batch, any
+    # shape. Otherwise, in an exact block: [B, T, K]: B requests of T tokens each; [R, K]: R
+    # single-token requests; else unchanged.
+    if exact_kernels().linear is KernelPath.GEMM and invariant_gemm.covers(input, weight, bias):
+        return invariant_gemm.linear(input, weight, bias)
     if not getattr(_local, "active", False) or input.ndim not in (2, 3) or input.shape[0] <= 1:
         return _original_linear(input, weight, bias)
-    rows = input if input.ndim == 3 else input.unsqueeze(1)  # [B, T, K]
-    batch, tokens = rows.shape[:2]
-    if tokens * weight.shape[1] * weight.shape[0] < _BMM_KERNEL_MIN_SIZE:
-        out = torch.cat([_original_linear(rows[i], weight, bias).unsqueeze(0) for i in range(batch)])
-    else:
-        out = rowwise_matmul(rows, weight, bias)  # [B, T, N]
-    return out if input.ndim == 3 else out.squeeze(1)
+    return exact_linear(input if input.ndim == 3 else input.unsqueeze(1), weight, bias).view(*input.shape[:-1], -1)
+
+
+def _install() -> None:
+    """Put `_batch_invariant_linear` in F.linear's place, for the process (idempotent)."""
+    if F.linear is not _batch_invariant_linear:
+        F.linear = _batch_invariant_linear
 
 
 @contextlib.contextmanager
 def batch_invariant(enabled: bool = True):
-    """Within this block, on this thread, linear layers compute each request separately.
+    """Within this block, on this thread, linear layers compute each request separately (along the
+    process's `ExactKernels` path).
 
     NOTE: transformers' modules call `F.linear` directly (nn.Linear, the MoE routers), so the
     first block that enables this puts `_batch_invariant_linear` in its place, for the process.
     Outside an enabled block, on any thread, it is the plain `F.linear` plus one attribute read;
     a process that never enables exact batching never replaces anything."""
-    if enabled and F.linear is not _batch_invariant_linear:
-        F.linear = _batch_invariant_linear
+    if enabled:
+        _install()
     previous = getattr(_local, "active", False)
     _local.active = enabled
     try:
@@ -131,39 +216,57 @@ ROWWISE_EXPERTS = "omni_rowwise_experts"
 
 
 def _rowwise_experts(module, hidden_states, top_k_index, top_k_weights):
-    """MoE experts that, in batch-invariant mode, compute each token row as it is computed alone.
-    transformers groups a batch's tokens by expert into one matmul per expert (its `grouped_mm`),
-    whose rounding depends on how many tokens share the expert. On CPU `_batched_experts` gives
-    every (token, expert) pair its own bmm item (per expert: one bmm over its pairs), which is
-    bit-identical to the single-token grouped_mm (tests/common/test_batching.py); elsewhere, or
-    for an experts layout it does not cover, one row at a time."""
+    """MoE experts along the process's exact path. transformers groups a batch's tokens by expert
+    into one matmul per expert (its `grouped_mm`), whose rounding depends on how many tokens share
+    the expert. ROWS: each token through the configured experts alone, as its own request's
+    decode step calls them. BATCHED (where probed): `_batched_experts`, every (token, expert) pair
+    its own bmm item. GEMM: `_gemm_experts` for any number of tokens, prefill included (the
+    reference runs the same)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward
 
     base = ALL_EXPERTS_FUNCTIONS.get_interface(module.config._omni_base_experts, type(module).forward.__wrapped__)
+    path = exact_kernels().experts
+    if path is KernelPath.GEMM and _gemm_experts_cover(module, hidden_states):
+        return _gemm_experts(module, hidden_states, top_k_index, top_k_weights)
     if not getattr(_local, "active", False) or hidden_states.shape[0] <= 1:
         return base(module, hidden_states, top_k_index, top_k_weights)
-    if base is grouped_mm_experts_forward and _batched_experts_cover(module, hidden_states):
+    if (path is KernelPath.BATCHED and base is grouped_mm_experts_forward
+            and _batched_experts_cover(module, hidden_states)):
         return _batched_experts(module, hidden_states, top_k_index, top_k_weights)
+    return experts_rows(base, module, hidden_states, top_k_index, top_k_weights)
+
+
+def experts_rows(base, module, hidden_states, top_k_index, top_k_weights):
+    """The ROWS experts: each token [1, H] through `base` alone."""
     return torch.cat([base(module, hidden_states[i:i + 1], top_k_index[i:i + 1], top_k_weights[i:i + 1])
                       for i in range(hidden_states.shape[0])])
 
 
+def _experts_layout_is_plain(module) -> bool:
+    # Gated, no biases, [E, out, in] weights: the Qwen3-Omni experts (and what both fast paths cover).
+    return (not getattr(module, "_is_expert_parallel", False) and getattr(module, "has_gate", False)
+            and not getattr(module, "has_bias", True) and not getattr(module, "is_transposed", True))
+
+
 def _batched_experts_cover(module, hidden_states) -> bool:
-    if hidden_states.device.type != "cpu" or getattr(module, "_is_expert_parallel", False):
-        return False
-    if not getattr(module, "has_gate", False) or getattr(module, "has_bias", True) or getattr(module, "is_transposed", True):
+    if hidden_states.device.type != "cpu" or not _experts_layout_is_plain(module):
         return False
     two_inter, hidden = module.gate_up_proj.shape[1:]
     # Below the bmm kernel size bmm rounds differently (see _BMM_KERNEL_MIN_SIZE).
     return min(two_inter * hidden, hidden * two_inter // 2) >= _BMM_KERNEL_MIN_SIZE
 
 
-def _batched_experts(module, hidden_states, top_k_index, top_k_weights):
-    """grouped_mm_experts_forward of every row alone, in one pass: hidden_states [N, H],
-    top_k_index / top_k_weights [N, k] -> [N, H]. Per expert, its pairs' rows go through one bmm
-    with one item per pair (the weight expanded, not copied); the gate as the module applies it;
-    the routing weight multiplied per pair; each row's k results summed over the k axis in its
-    top-k order, as the single-row forward sums them."""
+def _gemm_experts_cover(module, hidden_states) -> bool:
+    return (_experts_layout_is_plain(module) and hidden_states.shape[0] > 0
+            and invariant_gemm.covers(hidden_states, module.gate_up_proj[0], None)
+            and invariant_gemm.covers(hidden_states, module.down_proj[0], None))
+
+
+def _per_expert(module, hidden_states, top_k_index, top_k_weights, matmul):
+    """hidden_states [N, H], top_k_index / top_k_weights [N, k] -> [N, H]: per expert, its pairs'
+    rows through `matmul(rows [n, 1, K], weight [out, K]) -> [n, 1, out]` (gate_up, the gate as the
+    module applies it, down), times the routing weight; each row's k results summed in its top-k
+    order, one add at a time (elementwise adds: no reduction whose order could follow the batch)."""
     tokens, top_k = top_k_index.shape
     hidden = hidden_states.shape[-1]
     flat = top_k_index.reshape(-1)
@@ -178,26 +281,53 @@ def _batched_experts(module, hidden_states, top_k_index, top_k_weights):
         chosen = order[start:start + n]
         start += n
         rows = hidden_states[chosen // top_k].to(module.gate_up_proj.dtype).unsqueeze(1)  # [n, 1, H]
-        gate_up = rowwise_matmul(rows, module.gate_up_proj[expert])[:, 0]
+        gate_up = matmul(rows, module.gate_up_proj[expert])[:, 0]
         projected = module._apply_gate(gate_up)  # [n, I]
         projected = projected.to(module.down_proj.dtype).unsqueeze(1)
-        weighted = rowwise_matmul(projected, module.down_proj[expert])[:, 0] * weights[chosen, None]
+        weighted = matmul(projected, module.down_proj[expert])[:, 0] * weights[chosen, None]
         if pairs is None:
             pairs = weighted.new_zeros((tokens * top_k, hidden))
         pairs[chosen] = weighted
-    return pairs.view(tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
+    return pairs.view(tokens, top_k, hidden)
+
+
+def _batched_experts(module, hidden_states, top_k_index, top_k_weights):
+    """grouped_mm_experts_forward of every row alone, in one pass (the BATCHED experts): each pair
+    one bmm item (the weight expanded, not copied); the k results summed over the k axis in top-k
+    order, as the single-row forward sums them."""
+    pairs = _per_expert(module, hidden_states, top_k_index, top_k_weights, rowwise_matmul)
+    return pairs.sum(dim=1).to(hidden_states.dtype)
+
+
+def _gemm_experts(module, hidden_states, top_k_index, top_k_weights):
+    """The GEMM experts: each expert's pairs through the invariant GEMM at once, the k results
+    added in top-k order one at a time."""
+    pairs = _per_expert(module, hidden_states, top_k_index, top_k_weights,
+                        lambda rows, weight: invariant_gemm.linear(rows, weight))
+    total = pairs[:, 0]
+    for j in range(1, pairs.shape[1]):
+        total = total + pairs[:, j]
+    return total.to(hidden_states.dtype)
 
 
 def use_rowwise_attention(*configs) -> None:
     """Switch these (text) configs to the row-wise attention and experts; with one request both
     are exactly what transformers runs (SDPA; its configured experts implementation)."""
     from transformers import AttentionInterface
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     AttentionInterface.register(ROWWISE_ATTENTION, _rowwise_attention)
-    ALL_EXPERTS_FUNCTIONS.register(ROWWISE_EXPERTS, _rowwise_experts)
     for config in configs:
         config._attn_implementation = ROWWISE_ATTENTION
+    use_exact_experts(*configs)
+
+
+def use_exact_experts(*configs) -> None:
+    """Switch these configs' MoE experts (where they have any) to `_rowwise_experts`, which is the
+    configured implementation itself outside exact mode and for one token."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register(ROWWISE_EXPERTS, _rowwise_experts)
+    for config in configs:
         current = getattr(config, "_experts_implementation", None)
         if current is not None and current != ROWWISE_EXPERTS:
             config._omni_base_experts = current

@@ -9,12 +9,21 @@ the talker's code predictor over all their rows), then hand the results to the s
 
 from __future__ import annotations
 
+import contextlib
+
+from services.runtime.batching import using_kernels
+from services.runtime.invariance import ProbeReport
 from services.runtime.scheduler import LMScheduler, StepPlan
 
 
 class SlotScheduledEngine:
     scheduler: LMScheduler
     _requests: dict  # request_id -> the subclass's per-request state
+    exact_report: ProbeReport | None = None  # exact mode's kernel paths here (services/runtime/invariance.py)
+
+    def kernels(self):
+        """The engine's exact-mode kernel paths on this thread, for a block of its model work."""
+        return using_kernels(self.exact_report.kernels) if self.exact_report is not None else contextlib.nullcontext()
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
@@ -32,6 +41,10 @@ class SlotScheduledEngine:
         return self.scheduler.running
 
     def step(self) -> list[tuple[str, object]]:
+        with self.kernels():
+            return self._step()
+
+    def _step(self) -> list[tuple[str, object]]:
         plan = self.scheduler.schedule()
         events: list[tuple[str, object]] = []
         for request_id in plan.prefill:

@@ -96,8 +96,11 @@ def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
     # argparse checks `choices` on the command line only, not on defaults read from OMNI_* variables.
     if args.dtype not in DTYPES:
         raise UserError(f"--dtype / OMNI_DTYPE: {args.dtype!r} is not one of {', '.join(DTYPES)}")
-    if getattr(args, "exact_batching", "auto") not in ("auto", "on", "off"):
-        raise UserError(f"--exact-batching / OMNI_EXACT_BATCHING: {args.exact_batching!r} is not auto, on or off")
+    if getattr(args, "exact_batching", "auto") not in EXACT_CHOICES:
+        raise UserError(f"--exact-batching / OMNI_EXACT_BATCHING: {args.exact_batching!r} is not one of "
+                        f"{', '.join(EXACT_CHOICES)}")
+    if getattr(args, "exact_batching", "auto") == "gemm" and (args.device != "cpu" or args.dtype != "float32"):
+        raise UserError("--exact-batching gemm runs omni's invariant GEMM: --device cpu --dtype float32 only")
     return ModelConfig(
         checkpoint=args.checkpoint, device=args.device, dtype=args.dtype, threads=args.threads,
         graphs=GraphSettings(graphs_wanted(args.cuda_graphs, args.device), parse_buckets(args.graph_buckets)),
@@ -117,9 +120,12 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         help="KV cache slots allocated at start-up: requests holding cache at once (default 32)")
     parser.add_argument("--max-model-len", type=int, default=env_default("max_model_len", 4096),
                         help="cache positions per slot; prompt + max_new_tokens must fit (default 4096)")
-    parser.add_argument("--exact-batching", choices=["auto", "on", "off"], default=env_default("exact_batching", "auto"),
+    parser.add_argument("--exact-batching", choices=EXACT_CHOICES, default=env_default("exact_batching", "auto"),
                         help="batch-invariant kernels: greedy output independent of the batch "
-                             "(auto: on for cpu, off for cuda)")
+                             "(auto: on for cpu, off for cuda; on: per-row kernels, batched ones where the "
+                             "start-up probe finds them invariant, bit-exact with generate; gemm: omni's "
+                             "invariant GEMM for every linear layer, fast at width, bit-exact with "
+                             "generate run through the same op; cpu float32 only)")
 
 
 def on_unless_cuda(choice: str, device: str) -> bool:
@@ -127,5 +133,13 @@ def on_unless_cuda(choice: str, device: str) -> bool:
     return choice == "on" or (choice == "auto" and not device.startswith("cuda"))
 
 
+EXACT_CHOICES = ("auto", "on", "off", "gemm")
+
+
 def exact_batching(args: argparse.Namespace) -> bool:
-    return on_unless_cuda(args.exact_batching, args.device)
+    return args.exact_batching == "gemm" or on_unless_cuda(args.exact_batching, args.device)
+
+
+def exact_gemm(args: argparse.Namespace) -> bool:
+    """`--exact-batching gemm`: linear layers and experts through the invariant GEMM."""
+    return args.exact_batching == "gemm"

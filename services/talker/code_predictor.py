@@ -18,10 +18,13 @@ the kernel), lm heads over every position of the forward as the module does. Key
 into buffers allocated once, at [batch, kv_heads, position] slices: nothing is allocated or
 registered per step beyond the op results.
 
-All rows of a frame sit at the same position, so attention runs as one batched SDPA over
-[B, heads, T, head_dim]; on CPU that is bit-identical per row to B = 1 (checked for B 2..32,
-heads/kv 2/1 .. 16/8, head_dim 16 and 128, 1 and 2 threads: tests/common/test_batching.py). Other
-devices in exact mode keep one SDPA per row. `tests/talker` compares every frame with `generate`.
+All rows of a frame sit at the same position, so attention can run as one batched SDPA over
+[B, heads, T, head_dim]. Whether that gives each row its B = 1 bits is a property of the CPU's
+SDPA kernel (it did on an Intel host; on AMD hosts at 2 threads it did not), so in exact mode the
+batched call is used only where the start-up probe found it invariant for these shapes
+(services/runtime/invariance.py, `ExactKernels.attention`); otherwise one SDPA per row, with the
+shape `generate`'s predictor gives it. The projections go along the process's exact linear path
+(ROWS, probed BATCHED bmm, or GEMM). `tests/talker` compares every frame with `generate`.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from services.runtime.batching import _BMM_KERNEL_MIN_SIZE, batch_invariant, rowwise_matmul, tile_columns
+from services.runtime.batching import KernelPath, batch_invariant, exact_kernels, exact_linear
+from services.runtime.invariance import AttentionShape
 
 
 def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
@@ -67,9 +71,10 @@ class CodePredictor:
         self.gqa = self.heads != self.kv_heads
         if any(t != "full_attention" for t in config.layer_types) or config.attention_dropout or config.attention_bias:
             raise ValueError("the lean code predictor covers full attention without dropout or biases only")
-        # Batched SDPA in exact mode: on CPU (checked), or where the caller says (the CUDA graph of a
-        # frame has always run one batched SDPA).
-        self.batched_attention = torch.device(device).type == "cpu" if batched_attention is None else batched_attention
+        # Batched SDPA in exact mode: where the process's probe found it invariant (None: decided per
+        # call from `exact_kernels()`), or where the caller says (the CUDA graph of a frame has
+        # always run one batched SDPA).
+        self.batched_attention = batched_attention
         # [capacity, kv_heads, positions, head_dim] per layer: 1 hidden + num_groups - 1 fed codes.
         shape = (capacity, self.kv_heads, self.num_groups + 1, self.head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
@@ -92,21 +97,19 @@ class CodePredictor:
                     raise ValueError("q_norm and k_norm with different epsilons")
                 weight = torch.cat((attn.q_norm.weight.expand(self.heads, -1), attn.k_norm.weight.expand(self.kv_heads, -1)))
                 self.qk_norm.append(SimpleNamespace(weight=weight, variance_epsilon=attn.q_norm.variance_epsilon))
-        self._expanded: dict[tuple[int, int], torch.Tensor] = {}  # (id(weight), batch) -> [B, K, N] view
+
+    def attention_shapes(self) -> list[AttentionShape]:
+        """The batched SDPAs of one frame: the 2-token causal prefill, then one token over 3..groups."""
+        shape = dict(heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim, positions=self.num_groups + 1)
+        return [AttentionShape(**shape, tokens=2, length=2, causal=True)] + [
+            AttentionShape(**shape, tokens=1, length=length, causal=False) for length in range(3, self.num_groups + 1)]
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, exact: bool) -> torch.Tensor:
-        """F.linear without bias; in exact mode over B > 1 rows the bmm `batch_invariant` runs
-        (services/runtime/batching.py), its expanded weight view made once per batch size."""
-        batch, tokens = x.shape[:2]
-        if not exact or batch == 1 or tokens * weight.shape[0] * weight.shape[1] < _BMM_KERNEL_MIN_SIZE:
+        """F.linear without bias; in exact mode along the process's exact linear path
+        (services/runtime/batching.py, `exact_linear`)."""
+        if not exact:
             return F.linear(x, weight)
-        if tile_columns(weight, tokens) is not None:
-            return rowwise_matmul(x, weight)
-        key = (id(weight), batch)
-        expanded = self._expanded.get(key)
-        if expanded is None:
-            expanded = self._expanded[key] = weight.t().unsqueeze(0).expand(batch, -1, -1)
-        return torch.bmm(x, expanded)
+        return exact_linear(x, weight)
 
     def _attention(self, index: int, attn, x: torch.Tensor, cos, sin, start: int, exact: bool,
                    exact_rows: bool) -> torch.Tensor:
@@ -161,7 +164,10 @@ class CodePredictor:
         batch = codes0.shape[0]
         if batch > self.capacity:
             raise ValueError(f"{batch} rows exceed the code predictor's {self.capacity}")
-        exact_rows = exact and not self.batched_attention
+        batched = self.batched_attention
+        if batched is None:
+            batched = exact_kernels().attention is KernelPath.BATCHED
+        exact_rows = exact and not batched
         first = self.talker.get_input_embeddings()(codes0)  # [B, 1, H]
         columns, hiddens = [codes0[:, 0]], [first]
         with batch_invariant(exact):

@@ -32,6 +32,7 @@ from services.runtime.batching import (
 )
 from services.runtime.events import EngineEvent
 from services.runtime.finish import FinishReason
+from services.runtime.invariance import choose_exact_kernels, experts_modules, linear_weights
 from services.runtime.lm_engine import SlotScheduledEngine
 from services.runtime.qwen3_omni import talker_prompt_len
 from services.runtime.sampling import SamplingConfig, select_token
@@ -85,6 +86,7 @@ class TalkerEngineConfig:
     num_slots: int = 32  # KV cache slots
     max_model_len: int = 4096  # cache positions per slot: prompt part + 9 + max_new_tokens must fit
     exact_batching: bool = True  # batch-invariant kernels (see services/runtime/batching.py)
+    exact_gemm: bool = False  # exact mode's linear layers through the invariant GEMM (--exact-batching gemm)
     max_prefills_per_step: int = 1  # waiting requests prefilled in one step beside the decode batch
     graphs: GraphSettings = GraphSettings()  # CUDA graphs of the decode step and the code predictor
 
@@ -158,6 +160,13 @@ class TalkerEngine(SlotScheduledEngine):
                                             engine_config.max_model_len, dtype, device)
         # The code predictor (lean loop) and its keys and values for one frame of every row of a batch.
         self.predictor_cache = CodePredictor(model, engine_config.max_batch_size, device, dtype)
+        self.exact_report = None  # which kernels exact mode runs here (services/runtime/invariance.py)
+        if engine_config.exact_batching:
+            self.exact_report = choose_exact_kernels(
+                "talker", gemm=engine_config.exact_gemm, capacity=engine_config.max_batch_size,
+                linear_weights=linear_weights(model.model, model.codec_head, predictor), linear_tokens=(1, 2),
+                experts=experts_modules(model.model), attention=self.predictor_cache.attention_shapes(),
+                dtype=dtype, device=device)
         self.graphs = self.predictor_graphs = None
         if engine_config.graphs.enabled:
             hidden = model.config.text_config.hidden_size
@@ -186,7 +195,7 @@ class TalkerEngine(SlotScheduledEngine):
         if isinstance(payload, TextRow):
             if state.text_done:
                 raise ValueError("text row after the end of the text")
-            with torch.inference_mode():
+            with torch.inference_mode(), self.kernels():
                 embedding = payload.embedding.to(self.device, self.dtype)  # any dtype the thinker sent
                 state.rows.append(self.model.text_projection(embedding.view(1, 1, -1)))
         else:

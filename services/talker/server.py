@@ -24,6 +24,7 @@ from services.runtime.settings import (
     add_model_flags,
     env_default,
     exact_batching,
+    exact_gemm,
     model_config_from_args,
 )
 from services.serving.channels import ChannelPool
@@ -237,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = TalkerEngineConfig(max_batch_size=args.max_batch_size, num_slots=args.num_slots,
                                     max_prefills_per_step=args.max_prefills_per_step,
                                     max_model_len=args.max_model_len, exact_batching=exact_batching(args),
+                                    exact_gemm=exact_gemm(args),
                                     graphs=model.graphs)
         config = TalkerConfig(
             serving=serving_config_from_args(args), model=model, engine=engine,

@@ -34,6 +34,7 @@ from services.runtime.batching import (
 )
 from services.runtime.events import EngineEvent
 from services.runtime.finish import FinishReason
+from services.runtime.invariance import choose_exact_kernels, experts_modules, linear_weights
 from services.runtime.lm_engine import SlotScheduledEngine
 from services.runtime.prompt import PromptInputs
 from services.runtime.sampling import SamplingConfig, select_token
@@ -112,6 +113,7 @@ class ThinkerEngineConfig:
     num_slots: int = 32  # KV cache slots (requests holding cache at once)
     max_model_len: int = 4096  # cache positions per slot: prompt + max_new_tokens must fit
     exact_batching: bool = True  # batch-invariant kernels (see services/runtime/batching.py)
+    exact_gemm: bool = False  # exact mode's linear layers through the invariant GEMM (--exact-batching gemm)
     max_prefills_per_step: int = 1  # waiting requests prefilled in one step beside the decode batch
     graphs: GraphSettings = GraphSettings()  # CUDA graphs of the decode step (services/runtime/static_decode.py)
 
@@ -139,6 +141,13 @@ class ThinkerEngine(SlotScheduledEngine):
         self.timer = ForwardTimer()  # seconds in model forwards (services/runtime/timing.py)
         text_config = model.config.text_config
         use_rowwise_attention(text_config)
+        self.exact_report = None  # which kernels exact mode runs here (services/runtime/invariance.py)
+        if engine_config.exact_batching:
+            decoder = [model.model, model.lm_head]
+            self.exact_report = choose_exact_kernels(
+                "thinker", gemm=engine_config.exact_gemm, capacity=engine_config.max_batch_size,
+                linear_weights=linear_weights(*decoder), experts=experts_modules(*decoder),
+                dtype=next(model.parameters()).dtype, device=device)
         self.dtype = dtype = next(model.parameters()).dtype
         # With graphs, one extra slot that no request owns takes the padded rows' writes.
         graph_slots = 1 if engine_config.graphs.enabled else 0

@@ -32,6 +32,7 @@ from services.runtime.settings import (
     add_model_flags,
     env_default,
     exact_batching,
+    exact_gemm,
     model_config_from_args,
     on_unless_cuda,
 )
@@ -422,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = ThinkerEngineConfig(max_batch_size=args.max_batch_size, num_slots=args.num_slots,
                                      max_prefills_per_step=args.max_prefills_per_step,
                                      max_model_len=args.max_model_len, exact_batching=exact_batching(args),
+                                     exact_gemm=exact_gemm(args),
                                      graphs=model.graphs)
         config = ThinkerConfig(serving=serving_config_from_args(args), model=model, engine=engine,
                                default_max_new_tokens=args.default_max_new_tokens,

@@ -164,7 +164,10 @@ def oracle_inputs(processor, messages: list[ChatMessage]) -> dict:
 class ReferenceRunner:
     """The full transformers model, loaded once; one greedy `generate` per call."""
 
-    def __init__(self, checkpoint: str | Path, device: str = "cpu", dtype: str = "float32"):
+    def __init__(self, checkpoint: str | Path, device: str = "cpu", dtype: str = "float32", gemm: bool = False):
+        """`gemm`: every float32 linear layer and MoE expert of `generate` through omni's invariant
+        GEMM, as a pipeline with `--exact-batching gemm` runs them: the oracle for that mode (its
+        bits are not MKL's, so plain `generate` is not)."""
         import torch
         import transformers
         from transformers import Qwen2_5OmniForConditionalGeneration, Qwen3OmniMoeForConditionalGeneration
@@ -184,6 +187,8 @@ class ReferenceRunner:
         finally:
             transformers.logging.set_verbosity(verbosity)
         self.model.to(device).eval()
+        if gemm:
+            self._through_invariant_gemm()
         self.device = device
         self.folder = folder
         self.config = self.model.config
@@ -200,6 +205,20 @@ class ReferenceRunner:
             self.voices = {name: name for name in self.config.talker_config.speaker_id}
             self.eos_id = self.config.im_end_token_id
         self.sample_rate = 24000
+
+    def _through_invariant_gemm(self) -> None:
+        from services.runtime.batching import GEMM_KERNELS, use_exact_experts, using_kernels
+        from services.runtime.invariance import experts_modules
+
+        # The experts' own configs only: setting a composite config's implementation reaches its sub-configs.
+        use_exact_experts(*{id(m.config): m.config for m in experts_modules(self.model)}.values())
+        plain = self.model.generate
+
+        def generate(*args, **kwargs):
+            with using_kernels(GEMM_KERNELS):
+                return plain(*args, **kwargs)
+
+        self.model.generate = generate
 
     def generate(
         self,
@@ -424,11 +443,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--talker-max-new-tokens", type=int, default=256)
     parser.add_argument("--out", type=Path, help="write the audio here (.wav)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--exact-batching", choices=["on", "gemm"], default="on",
+                        help="gemm: run generate through omni's invariant GEMM, the oracle of a pipeline with "
+                             "--exact-batching gemm (default on: plain transformers)")
     args = parser.parse_args(argv)
 
     def run() -> None:
         messages = messages_from_args(args.prompt, args.system, args.audio, args.image)  # files first
-        runner = ReferenceRunner(args.checkpoint)
+        runner = ReferenceRunner(args.checkpoint, gemm=args.exact_batching == "gemm")
         try:
             result = runner.generate(messages, args.voice, args.max_new_tokens, args.talker_max_new_tokens)
         except InvalidArgument as exc:

@@ -1,10 +1,15 @@
-"""Batch-invariant linear layers, the slot KV cache and row-wise attention (services/runtime/batching.py).
+"""Batch-invariant linear layers, experts and attention, the slot KV cache (services/runtime/batching.py,
+services/runtime/invariance.py).
 
 Why the exact mode exists: one GEMM over B rows does not give the same bits per row as B
 single-row calls (different kernels and blocking), so a request's greedy tokens would depend on
-who shares its batch. `test_plain_batched_linear_is_not_bit_equal_to_single_rows` shows it on
-this machine; the batch-invariant path computes each request with one bmm item and matches the
-single-request F.linear bit for bit.
+who shares its batch. `test_plain_batched_linear_is_not_bit_equal_to_single_rows` shows it.
+
+What is asserted on any machine: the ROWS path equals each request alone (by construction), and
+whatever path the start-up probe picks here equals each request alone on the cases it is given
+(a batched kernel only where it is invariant on this CPU, ISA and thread count). Whether a batched
+kernel is invariant is the machine's business: these tests hold either way, and
+`test_probe_rejects_a_kernel_that_is_not_invariant` shows the probe catching one that is not.
 """
 
 from __future__ import annotations
@@ -16,13 +21,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.runtime import batching
+from services.runtime import batching, invariance
 from services.runtime.batching import (
     ROWWISE_ATTENTION,
+    ExactKernels,
+    KernelPath,
     RowKV,
     SlotKVCache,
     batch_invariant,
+    using_kernels,
 )
+from services.runtime.invariance import AttentionShape, probe_attention, probe_exact_kernels, probe_linear
 
 original_linear = batching._original_linear  # torch's own F.linear, before the module patched it
 
@@ -33,6 +42,22 @@ def threads(request):
     torch.set_num_threads(request.param)
     yield request.param
     torch.set_num_threads(previous)
+
+
+BATCHED = ExactKernels(KernelPath.BATCHED, KernelPath.BATCHED, KernelPath.BATCHED)
+
+
+@pytest.fixture
+def batched():
+    """The batched kernels forced on (tests of dispatch, not of bits)."""
+    with using_kernels(BATCHED) as kernels:
+        yield kernels
+
+
+def adopted(weights, capacity, tokens=(1,)):
+    """The paths an engine with these weights would run here (the probe's choice), as a context."""
+    report = probe_exact_kernels(gemm=False, capacity=capacity, linear_weights=list(weights), linear_tokens=tokens)
+    return using_kernels(report.kernels)
 
 
 @pytest.fixture
@@ -73,17 +98,19 @@ def test_batch_invariant_linear_equals_single_request_linear_bit_for_bit(shape, 
     # Every shape here has T*K*N >= 400, where torch.bmm uses the BLAS kernel (see the tiny-matrix test).
     x, w, b = make(shape, n_out=160)
     bias = b if with_bias else None
-    with batch_invariant():
-        out = F.linear(x, w, bias)
-    assert out.shape == original_linear(x, w, bias).shape
-    assert torch.equal(out, per_request(x, w, bias))
+    tokens = (shape[1],) if len(shape) == 3 else (1,)
+    for kernels in (ExactKernels(), None):  # the ROWS path, then whatever the probe picks here
+        with adopted([w], x.shape[0], tokens) if kernels is None else using_kernels(kernels), batch_invariant():
+            out = F.linear(x, w, bias)
+        assert out.shape == original_linear(x, w, bias).shape
+        assert torch.equal(out, per_request(x, w, bias))
 
 
 @pytest.mark.parametrize("shape,n_out", [((4, 32), 4), ((3, 1, 16), 16), ((2, 2, 10), 19)],
                          ids=["router_k32_n4", "3d_t1_k16_n16", "3d_t2_k10_n19"])
-def test_batch_invariant_linear_is_bit_exact_for_tiny_matrices(shape, n_out):
+def test_batch_invariant_linear_is_bit_exact_for_tiny_matrices(shape, n_out, batched):
     x, w, _ = make(shape, n_out=n_out)
-    with batch_invariant():
+    with batch_invariant():  # below bmm's kernel size even BATCHED goes row by row
         out = F.linear(x, w)
     assert torch.equal(out, per_request(x, w, None))
 
@@ -93,7 +120,7 @@ def test_batch_invariant_linear_is_bit_exact_for_tiny_matrices(shape, n_out):
 def test_batch_invariant_linear_is_bit_exact_in_bfloat16(with_bias):
     x, w, b = make((4, 1, 256), n_out=128, dtype=torch.bfloat16)
     bias = b if with_bias else None
-    with batch_invariant():
+    with adopted([w], 4), batch_invariant():
         out = F.linear(x, w, bias)
     assert torch.equal(out, per_request(x, w, bias))
 
@@ -111,7 +138,7 @@ def test_column_tiled_linear_equals_single_request_linear_bit_for_bit(shape, n_o
     bias = b if with_bias else None
     cols = batching.tile_columns(w, tokens=1)
     assert cols is not None and cols < n_out  # the tiled path, more than one tile
-    with batch_invariant():
+    with adopted([w], x.shape[0]), batch_invariant():
         out = F.linear(x, w, bias)
     assert torch.equal(out, per_request(x, w, bias))
 
@@ -142,7 +169,7 @@ def test_plain_batched_linear_is_not_bit_equal_to_single_rows():
     assert any(differs.values()), f"batched F.linear matched single rows for every shape: {differs}"
 
 
-def test_batch_invariant_is_inactive_outside_the_context(bmm_calls):
+def test_batch_invariant_is_inactive_outside_the_context(bmm_calls, batched):
     x, w, b = make((4, 64), n_out=32)
     assert torch.equal(F.linear(x, w, b), original_linear(x, w, b))
     with batch_invariant():
@@ -162,7 +189,7 @@ def test_batch_invariant_nests_and_restores():
     assert not batching._local.active
 
 
-def test_batch_invariant_leaves_single_rows_and_other_ranks_to_plain_linear(bmm_calls):
+def test_batch_invariant_leaves_single_rows_and_other_ranks_to_plain_linear(bmm_calls, batched):
     with batch_invariant():
         F.linear(*make((1, 64), n_out=32)[:2])  # one request: nothing to keep apart
         F.linear(*make((1, 3, 64), n_out=32)[:2])
@@ -171,7 +198,7 @@ def test_batch_invariant_leaves_single_rows_and_other_ranks_to_plain_linear(bmm_
     assert bmm_calls == []
 
 
-def test_batch_invariant_is_per_thread(bmm_calls):
+def test_batch_invariant_is_per_thread(bmm_calls, batched):
     x, w, b = make((4, 64), n_out=32)
     other: dict[str, object] = {}
     entered, done = threading.Event(), threading.Event()
@@ -322,23 +349,68 @@ def test_use_rowwise_attention_switches_the_configs():
 
 # Batched attention over rows of equal length (the code predictor's rows always are).
 
-@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("threads", [1, 2, 4], indirect=True)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(2, 1, 16), (16, 8, 128)], ids=["tiny", "real_predictor"])
 @pytest.mark.parametrize("tokens,length", [(2, 2), (1, 9), (1, 17)], ids=["prefill", "step8", "step16"])
-def test_batched_sdpa_over_equal_lengths_equals_each_row_alone(heads, kv_heads, head_dim, tokens, length, threads):
-    # What services/talker/code_predictor.py relies on: one SDPA over [B, heads, T, head_dim]
-    # gives every row the bits it gets alone, on CPU, for slices of a preallocated buffer.
+def test_batched_sdpa_is_used_only_where_it_gives_each_row_its_alone_bits(heads, kv_heads, head_dim, tokens, length,
+                                                                           threads):
+    # One SDPA over [B, heads, T, head_dim] gives every row its alone-bits on some CPUs and not on
+    # others (AMD EPYC at 2 threads: not). The probe must say which, for slices of a preallocated
+    # buffer as services/talker/code_predictor.py holds them.
     g = torch.Generator().manual_seed(0)
-    keys = torch.randn(16, kv_heads, 17, head_dim, generator=g)
-    values = torch.randn(16, kv_heads, 17, head_dim, generator=g)
+    keys = torch.randn(16, kv_heads, 18, head_dim, generator=g)
+    values = torch.randn(16, kv_heads, 18, head_dim, generator=g)
+    kwargs = dict(scale=head_dim ** -0.5, is_causal=tokens > 1, enable_gqa=heads != kv_heads)
+    invariant = True
     for batch in (2, 5, 16):
         query = torch.randn(batch, tokens, heads, head_dim, generator=g).transpose(1, 2)
-        kwargs = dict(scale=head_dim ** -0.5, is_causal=tokens > 1, enable_gqa=True)
         together = F.scaled_dot_product_attention(query, keys[:batch, :, :length], values[:batch, :, :length], **kwargs)
         for i in range(batch):  # alone, over a contiguous cache as transformers' DynamicCache holds it
             alone = F.scaled_dot_product_attention(query[i:i + 1].contiguous(), keys[i:i + 1, :, :length].contiguous(),
                                                    values[i:i + 1, :, :length].contiguous(), **kwargs)
-            assert torch.equal(together[i:i + 1], alone)
+            invariant &= torch.equal(together[i:i + 1], alone)
+    shape = AttentionShape(heads, kv_heads, head_dim, tokens, length, causal=tokens > 1)
+    verdict = probe_attention([shape], 16, torch.float32, "cpu")
+    # A mismatch seen here must be one the probe sees too (it runs these batch sizes and more).
+    assert invariant or verdict is not None
+
+
+def test_probe_rejects_a_kernel_that_is_not_invariant(monkeypatch):
+    # A batched kernel that changes one row's last bit once the batch passes 8 (as a kernel whose
+    # blocking switches at a size would): the probe must refuse it and the engine keep ROWS.
+    real_bmm = torch.bmm
+
+    def drifting_bmm(a, b, **kwargs):
+        out = real_bmm(a, b, **kwargs)
+        if a.shape[0] > 8:
+            out[-1] = torch.nextafter(out[-1], torch.full_like(out[-1], float("inf")))
+        return out
+
+    w = make((1, 64), n_out=96)[1]
+    assert probe_linear([w], capacity=8) is None  # below the drift: invariant
+    monkeypatch.setattr(torch, "bmm", drifting_bmm)
+    why = probe_linear([w], capacity=32)
+    assert why is not None and "96x64" in why and "batch 9" in why
+    report = probe_exact_kernels(gemm=False, capacity=32, linear_weights=[w])
+    assert report.kernels.linear is KernelPath.ROWS and "batch 9" in report.reasons["linear"]
+
+
+def test_probe_that_raises_counts_as_not_invariant(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel for this shape")
+
+    monkeypatch.setattr(invariance, "rowwise_matmul", broken)
+    report = probe_exact_kernels(gemm=False, capacity=4, linear_weights=[make((1, 64), n_out=32)[1]])
+    assert report.kernels.linear is KernelPath.ROWS
+    assert "RuntimeError: no kernel for this shape" in report.reasons["linear"]
+
+
+def test_probe_batches_cover_the_switch_points_and_the_capacity():
+    assert invariance.probe_batches(1) == []
+    assert invariance.probe_batches(6) == [2, 3, 4, 5, 6]
+    assert invariance.probe_batches(32)[-3:] == [17, 31, 32]
+    assert invariance.probe_batches(48)[-1] == 48
+    assert invariance.probe_batches(32, macs_per_row=300 << 20) == [2, 3, 8, 16, 32]  # a real-width lm head
 
 
 # Batched MoE experts.
@@ -353,24 +425,29 @@ def experts_module(num_experts: int, hidden: int, inter: int, seed: int = 0):
     return module
 
 
-@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("threads", [1, 2, 4], indirect=True)
 @pytest.mark.parametrize("experts,hidden,inter,top_k", [(4, 32, 32, 2), (8, 32, 16, 3), (16, 1024, 384, 6),
                                                     (4, 512, 1024, 2)],
                          ids=["tiny_talker", "small", "real_talker_width", "column_tiled"])
-def test_batched_experts_equal_grouped_mm_of_each_row_alone(experts, hidden, inter, top_k, threads):
+def test_exact_experts_equal_grouped_mm_of_each_row_alone(experts, hidden, inter, top_k, threads):
+    # ROWS (by construction) and whatever the probe picks here (the per-pair bmm where it matched).
     from transformers.integrations.moe import grouped_mm_experts_forward
 
     module = experts_module(experts, hidden, inter)
+    module.config = SimpleNamespace(_omni_base_experts="grouped_mm", num_experts_per_tok=top_k)
     assert batching._batched_experts_cover(module, torch.zeros(2, hidden))
+    why = invariance.probe_experts([module], 16)
     g = torch.Generator().manual_seed(1)
     for tokens in (2, 5, 16):
         states = torch.randn(tokens, hidden, generator=g)
         index = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
         weights = torch.rand(tokens, top_k, generator=g)
-        together = batching._batched_experts(module, states, index, weights)
+        rows = batching.experts_rows(grouped_mm_experts_forward, module, states, index, weights)
+        batched = batching._batched_experts(module, states, index, weights)
         for i in range(tokens):
             alone = grouped_mm_experts_forward(module, states[i:i + 1], index[i:i + 1], weights[i:i + 1])
-            assert torch.equal(together[i:i + 1], alone)
+            assert torch.equal(rows[i:i + 1], alone)
+            assert why is not None or torch.equal(batched[i:i + 1], alone)
 
 
 def test_batched_experts_leave_small_or_other_layouts_to_the_row_loop():

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
+from services.runtime.batching import KernelPath
 from services.runtime.checkpoint import Stage, load_stage
 from services.runtime.finish import FinishReason
 from services.runtime.prompt import PromptBuilder, resolve_voice
@@ -115,9 +116,10 @@ def builder(tiny_checkpoint, stages):
     return PromptBuilder(tiny_checkpoint, stages[0].config)
 
 
-def reference_results(checkpoint, cases, messages) -> dict:
-    """request_id -> what transformers' generate produces for each case."""
-    runner = ReferenceRunner(checkpoint)
+def reference_results(checkpoint, cases, messages, gemm: bool = False) -> dict:
+    """request_id -> what transformers' generate produces for each case (`gemm`: generate through
+    the invariant GEMM, the oracle of `--exact-batching gemm`)."""
+    runner = ReferenceRunner(checkpoint, gemm=gemm)
     out = {}
     for c in cases:
         result = runner.generate(messages[c.request_id], voice=c.voice, max_new_tokens=c.max_new_tokens,
@@ -136,13 +138,14 @@ class Pipeline(TwoStagePipeline):
     """Thinker and talker engines stepped in turn (tests/talker/pipeline.py), text handed over
     in-process: a TextRow per token, TextEnd for the last."""
 
-    def __init__(self, stages, builder, exact: bool = True, slots: int = SLOTS, text_every: dict | None = None):
+    def __init__(self, stages, builder, exact: bool = True, slots: int = SLOTS, text_every: dict | None = None,
+                 gemm: bool = False):
         thinker, talker = stages
+        engine = dict(max_batch_size=slots, num_slots=slots, max_model_len=MAX_MODEL_LEN, exact_batching=exact,
+                      exact_gemm=gemm)
         super().__init__(
-            ThinkerEngine(thinker.model, thinker.config, engine_config=ThinkerEngineConfig(
-                max_batch_size=slots, num_slots=slots, max_model_len=MAX_MODEL_LEN, exact_batching=exact)),
-            TalkerEngine(talker.model, talker.config, engine_config=TalkerEngineConfig(
-                max_batch_size=slots, num_slots=slots, max_model_len=MAX_MODEL_LEN, exact_batching=exact)),
+            ThinkerEngine(thinker.model, thinker.config, engine_config=ThinkerEngineConfig(**engine)),
+            TalkerEngine(talker.model, talker.config, engine_config=TalkerEngineConfig(**engine)),
             text_every)
         self.config = thinker.config
         self.builder = builder
@@ -200,6 +203,17 @@ def test_eight_concurrent_requests_equal_the_reference(stages, builder, messages
         for s in steps:
             per_step[s] += 1
     assert max(per_step.values()) >= 5
+
+
+def test_eight_concurrent_requests_through_the_invariant_gemm_equal_generate_through_it(stages, builder, messages,
+                                                                                      tiny_checkpoint):
+    # --exact-batching gemm: every linear layer and expert through omni's GEMM on both sides, so
+    # the oracle is generate run through the same op (plain generate's bits are MKL's).
+    expected = reference_results(tiny_checkpoint, CASES, messages, gemm=True)
+    pipe = Pipeline(stages, builder, gemm=True).run(CASES, messages)
+    assert pipe.thinker.exact_report.kernels.linear is KernelPath.GEMM
+    assert_equals_reference(pipe, expected, BY_ID)
+    assert_clean(pipe)
 
 
 def test_a_step_runs_the_code_predictor_once_for_its_prefilled_and_decoded_rows(stages, builder, messages, expected,

@@ -1,0 +1,228 @@
+"""The start-up probe: which batched kernels give each row its alone-bits on this machine.
+
+A batched kernel (one bmm with an item per row, the experts' per-pair bmm, one SDPA over rows of
+equal length) is invariant or not depending on the CPU's ISA, torch's kernel choice for the shapes
+and the thread count: batched SDPA matched every row on an Intel host and not on AMD EPYC hosts at
+2 threads. So each engine, once its model is loaded and its thread count set, runs every batched
+kernel it would use on the shapes it will use (its own weights, random inputs, the batch sizes in
+`probe_batches`), rows together against each row alone along the ROWS path, bitwise, and uses a
+batched kernel only if every case matched. Anything that raises counts as a mismatch: a failed
+probe costs speed, never a request. The choice is logged once and exported
+(`omni_exact_kernel_info`, services/serving/metrics.py); the engine enters it around its model
+work (`SlotScheduledEngine.kernels`).
+
+What the probe cannot see (why the ROWS path is the default, not the batched one): a case it did
+not run. It runs the engine's exact weight shapes and token counts at the batch sizes where kernel
+heuristics switch (small, powers of two and their neighbours, the capacity), at the thread count
+the process keeps for its life (stages set it once at load, services/runtime/checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from services.runtime import invariant_gemm
+from services.runtime.batching import (
+    GEMM_KERNELS,
+    ExactKernels,
+    KernelPath,
+    _batched_experts,
+    _batched_experts_cover,
+    experts_rows,
+    linear_rows,
+    rowwise_matmul,
+)
+
+log = logging.getLogger(__name__)
+
+# Batch sizes at which kernel heuristics typically switch; the capacity is added.
+_BATCHES = (2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64)
+# Past this many multiply-adds per (weight, batch) case, fewer batch sizes (a real-width lm head
+# is 300 M per row): the probe stays a few seconds at start-up.
+_FULL_PROBE_MACS = 64 << 20
+
+
+def probe_batches(capacity: int, macs_per_row: int = 0) -> list[int]:
+    sizes = sorted({b for b in _BATCHES if b <= capacity} | ({capacity} if capacity >= 2 else set()))
+    if macs_per_row * capacity > _FULL_PROBE_MACS:
+        sizes = sorted({b for b in sizes if b in (2, 3, 8, 16)} | {sizes[-1]}) if sizes else []
+    return sizes
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """One batched SDPA the engine runs: query [B, heads, tokens, head_dim] over `length` keys, sliced
+    from a buffer of `positions` (0: length + 1) per row."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tokens: int
+    length: int
+    causal: bool
+    positions: int = 0
+
+
+@dataclass
+class ProbeReport:
+    kernels: ExactKernels
+    reasons: dict[str, str] = field(default_factory=dict)  # op -> why it took its path
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        parts = [f"{op} {getattr(self.kernels, op).value} ({self.reasons.get(op, '')})"
+                 for op in ("linear", "experts", "attention")]
+        return "; ".join(parts)
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def probe_linear(weights: Iterable[torch.Tensor], capacity: int, tokens: Iterable[int] = (1,)) -> str | None:
+    """None if `rowwise_matmul` gives every row of every case its `linear_rows` bits, else the
+    first case that differs."""
+    shapes = {}
+    for w in weights:
+        shapes.setdefault((tuple(w.shape), w.dtype, w.device), w)
+    for (shape, dtype, device), w in shapes.items():
+        n_out, k = shape
+        for t in tokens:
+            batches = probe_batches(capacity, n_out * k * t)
+            if not batches:
+                continue
+            x = torch.randn(batches[-1], t, k, generator=_generator(n_out * 31 + k)).to(device, dtype)
+            alone = linear_rows(x, w)  # [B, t, N]
+            for b in batches:
+                if not torch.equal(rowwise_matmul(x[:b], w), alone[:b]):
+                    return f"bmm differs from rows alone for a {n_out}x{k} weight, {t} token(s), batch {b}"
+    return None
+
+
+def probe_experts(modules: Iterable, capacity: int) -> str | None:
+    """None if `_batched_experts` gives every token its alone-bits for each distinct experts shape."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward
+
+    seen = set()
+    for module in modules:
+        key = (tuple(module.gate_up_proj.shape), tuple(module.down_proj.shape), module.gate_up_proj.dtype)
+        if key in seen:
+            continue
+        seen.add(key)
+        hidden = module.gate_up_proj.shape[-1]
+        base_name = getattr(module.config, "_omni_base_experts", None)
+        eager = getattr(getattr(type(module), "forward", None), "__wrapped__", None)
+        base = ALL_EXPERTS_FUNCTIONS.get_interface(base_name, eager)
+        probe_input = torch.zeros(2, hidden, dtype=module.gate_up_proj.dtype, device=module.gate_up_proj.device)
+        if base is not grouped_mm_experts_forward or not _batched_experts_cover(module, probe_input):
+            return "this experts layout has no batched path"
+        top_k = int(getattr(module.config, "num_experts_per_tok", 2))
+        experts = module.num_experts
+        batches = probe_batches(capacity, 3 * hidden * module.down_proj.shape[-1] * top_k)
+        if not batches:
+            continue
+        n = batches[-1]
+        g = _generator(hidden + experts)
+        states = torch.randn(n, hidden, generator=g).to(probe_input)
+        index = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(n)])
+        weights = torch.rand(n, top_k, generator=g).to(probe_input)
+        alone = experts_rows(base, module, states, index, weights)
+        for b in batches:
+            if not torch.equal(_batched_experts(module, states[:b], index[:b], weights[:b]), alone[:b]):
+                return f"per-pair bmm differs from tokens alone for {experts} experts of width {hidden}, batch {b}"
+    return None
+
+
+def probe_attention(shapes: Iterable[AttentionShape], capacity: int, dtype, device) -> str | None:
+    """None if one SDPA over rows of equal length gives each row its alone-bits, for slices of a
+    preallocated [capacity, kv_heads, positions, head_dim] buffer as the code predictor holds them."""
+    import torch.nn.functional as F
+
+    for s in shapes:
+        batches = probe_batches(capacity)
+        if not batches:
+            continue
+        n = batches[-1]
+        g = _generator(s.heads * 1000 + s.length)
+        buffer = (n, s.kv_heads, max(s.positions, s.length + 1), s.head_dim)
+        keys = torch.randn(*buffer, generator=g).to(device, dtype)[:, :, :s.length]
+        values = torch.randn(*buffer, generator=g).to(device, dtype)[:, :, :s.length]
+        query = torch.randn(n, s.tokens, s.heads, s.head_dim, generator=g).to(device, dtype).transpose(1, 2)
+        kwargs = dict(scale=s.head_dim ** -0.5, is_causal=s.causal, enable_gqa=s.heads != s.kv_heads)
+        alone = torch.cat([F.scaled_dot_product_attention(query[i:i + 1], keys[i:i + 1], values[i:i + 1], **kwargs)
+                           for i in range(n)])
+        for b in batches:
+            if not torch.equal(F.scaled_dot_product_attention(query[:b], keys[:b], values[:b], **kwargs), alone[:b]):
+                return (f"batched SDPA differs from rows alone at batch {b} ({s.heads}/{s.kv_heads} heads of "
+                        f"{s.head_dim}, {s.tokens} query token(s) over {s.length})")
+    return None
+
+
+def _guarded(probe, *args) -> str | None:
+    try:
+        return probe(*args)
+    except Exception as e:  # noqa: BLE001 - a probe that cannot run means: not invariant here
+        return f"probe failed: {type(e).__name__}: {e}"
+
+
+def probe_exact_kernels(*, gemm: bool, capacity: int, linear_weights: list[torch.Tensor],
+                        linear_tokens: tuple[int, ...] = (1,), experts: list | None = None,
+                        attention: list[AttentionShape] | None = None, dtype=torch.float32,
+                        device="cpu") -> ProbeReport:
+    """Which path each batched op of an engine takes here (nothing adopted: `choose_exact_kernels`).
+    `gemm`: `--exact-batching gemm` (linear layers and experts through the invariant GEMM)."""
+    started = time.perf_counter()
+    reasons: dict[str, str] = {}
+    linear = experts_path = KernelPath.ROWS
+    attention_path = KernelPath.ROWS
+    cpu = torch.device(device).type == "cpu"
+    if gemm:
+        why = invariant_gemm.unavailable_reason()
+        if why is not None:
+            raise RuntimeError(f"--exact-batching gemm: the invariant GEMM is unavailable here: {why}")
+        linear, experts_path = GEMM_KERNELS.linear, GEMM_KERNELS.experts
+        reasons["linear"] = reasons["experts"] = f"invariant GEMM, {invariant_gemm.isa()} kernel"
+    elif not cpu:
+        reasons["linear"] = reasons["experts"] = "rows (no probe off the CPU)"
+    else:
+        why = _guarded(probe_linear, linear_weights, capacity, linear_tokens)
+        linear = KernelPath.ROWS if why else KernelPath.BATCHED
+        reasons["linear"] = why or f"bmm matched rows alone on {len({tuple(w.shape) for w in linear_weights})} shapes"
+        if experts:
+            why = _guarded(probe_experts, experts, capacity)
+            experts_path = KernelPath.ROWS if why else KernelPath.BATCHED
+            reasons["experts"] = why or "per-pair bmm matched tokens alone"
+        else:
+            reasons["experts"] = "no MoE experts"
+    if attention and cpu:
+        why = _guarded(probe_attention, attention, capacity, dtype, device)
+        attention_path = KernelPath.ROWS if why else KernelPath.BATCHED
+        reasons["attention"] = why or f"batched SDPA matched rows alone on {len(attention)} shapes"
+    else:
+        reasons["attention"] = "per-row SDPA over each row's slot"
+    return ProbeReport(ExactKernels(linear, experts_path, attention_path), reasons, time.perf_counter() - started)
+
+
+def choose_exact_kernels(stage: str, **probe) -> ProbeReport:
+    """Probe an engine's batched kernels (`probe_exact_kernels`) and log the choice once; the
+    engine runs its model work inside `using_kernels(report.kernels)`."""
+    report = probe_exact_kernels(**probe)
+    log.info("%s exact batching on this CPU (%s, %d thread(s)), probed in %.2f s: %s", stage,
+             torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(), report.seconds, report.line())
+    return report
+
+
+def linear_weights(*modules) -> list[torch.Tensor]:
+    """The weights of every nn.Linear under these modules (what a batched decode step multiplies)."""
+    return [m.weight for module in modules for m in module.modules() if isinstance(m, torch.nn.Linear)]
+
+
+def experts_modules(*modules) -> list:
+    """The fused MoE experts under these modules (gate_up_proj [E, 2I, H], down_proj [E, H, I])."""
+    return [m for module in modules for m in module.modules()
+            if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj") and hasattr(m, "num_experts")]
