@@ -13,12 +13,13 @@ setup: $(STAMP)
 
 # NOTE: the protobuf code is generated before the editable install: setuptools maps the
 # project's top-level packages (omni among them) when it installs, not later.
-$(STAMP): requirements.txt pyproject.toml $(PROTO_SRC)
+$(STAMP): requirements.txt pyproject.toml $(PROTO_SRC) services/runtime/invariant_gemm.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
 	$(MAKE) --no-print-directory proto-gen
 	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -m services.runtime.invariant_gemm  # --exact-batching gemm's kernel (cc -O3), next to its source
 	touch $(STAMP)
 
 proto: $(STAMP) proto-gen
@@ -56,7 +57,7 @@ bench: setup checkpoint
 	$(VENV)/bin/omni-bench --checkpoint $(CHECKPOINT) --out out
 
 bench-wide: setup  # the wide preset: a ~58 M-parameter generated checkpoint (models/wide-qwen3-omni)
-	$(VENV)/bin/omni-bench --preset wide --out out/wide
+	$(VENV)/bin/omni-bench --preset wide --gemm --out out/wide
 
 clean:
 	rm -rf $(VENV) $(VENV_VLLM) omni models out

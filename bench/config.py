@@ -46,6 +46,7 @@ class BenchConfig:
     preset: str = "tiny"  # bench/presets.py
     gateway_url: str | None = None  # with --target: that stack's HTTP gateway (for the gateway system)
     cpu_layout: str = "auto"  # the stacks started here: the talker on CPUs of its own (services/tools/launcher.py)
+    exact_batching: str = "auto"  # the thinker's and talker's --exact-batching in the `pipeline` stack
 
     @property
     def gateway(self) -> bool:
@@ -61,6 +62,10 @@ class BenchConfig:
     def talker_args(self) -> tuple[str, ...]:
         """The talker also gets the first chunk's size, so the floor and the stack agree."""
         return self.stage_args() + ("--first-chunk-frames", str(self.first_chunk_frames))
+
+    def exact_args(self, system: System) -> tuple[str, ...]:
+        """The thinker's and talker's exact batching in `system`'s stack."""
+        return ("--exact-batching", "gemm" if system is System.PIPELINE_GEMM else self.exact_batching)
 
 
 def resolved_threads(threads: int) -> int:
@@ -126,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run the pipeline's requests through the OpenAI-compatible HTTP gateway (system "
                         "`gateway`) and report what the gateway adds to TTFT/TTFP and costs in throughput")
     p.add_argument("--gateway-url", help="with --target: that stack's gateway, http://host:port")
+    p.add_argument("--exact-batching", choices=["auto", "on", "off", "gemm"], default="auto",
+                   help="the thinker's and talker's --exact-batching in the pipeline stack (default %(default)s)")
+    p.add_argument("--gemm", action="store_true",
+                   help="also run `pipeline-gemm`: a second stack with --exact-batching gemm (omni's invariant "
+                        "GEMM, cpu float32), side by side with the others (make bench-wide)")
     return p
 
 
@@ -139,7 +149,7 @@ def _levels(text: str) -> tuple[int, ...]:
     return tuple(sorted(set(levels)))
 
 
-def _systems(skip: str, gateway: bool = False) -> tuple[System, ...]:
+def _systems(skip: str, gateway: bool = False, gemm: bool = False) -> tuple[System, ...]:
     names = {s.value: s for s in System}
     skipped = {x.strip() for x in skip.split(",") if x.strip()}
     unknown = skipped - set(names)
@@ -147,6 +157,8 @@ def _systems(skip: str, gateway: bool = False) -> tuple[System, ...]:
         raise UserError(f"--skip: unknown systems {sorted(unknown)}; known: {', '.join(names)}")
     if not gateway:
         skipped.add(System.GATEWAY.value)  # opt-in
+    if not gemm:
+        skipped.add(System.PIPELINE_GEMM.value)  # opt-in
     systems = tuple(s for s in System if s.value not in skipped)
     if not systems:
         raise UserError("--skip: nothing left to run")
@@ -169,6 +181,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                  "first_chunk_frames"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1")
+    if getattr(args, "gemm", False) and (args.device != "cpu" or args.dtype != "float32"):
+        raise UserError("--gemm: the invariant GEMM runs on --device cpu --dtype float32 only")
     if args.prebuffer_ms < 0 or args.timeout <= 0 or args.threads < 0:
         raise UserError("--prebuffer-ms and --threads must be >= 0, --timeout > 0")
     return BenchConfig(
@@ -176,8 +190,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         requests=args.requests, rounds=args.rounds, max_new_tokens=args.max_new_tokens,
         talker_max_new_tokens=args.talker_max_new_tokens, voice=args.voice, target=args.target,
         device=args.device, dtype=args.dtype, threads=resolved_threads(args.threads),
-        systems=_systems(args.skip, args.gateway),
+        systems=_systems(args.skip, args.gateway, getattr(args, "gemm", False)),
         floor_repeats=args.floor_repeats, first_chunk_frames=args.first_chunk_frames,
         prebuffer_ms=args.prebuffer_ms, timeout_s=args.timeout, gateway_url=args.gateway_url, preset=preset.name,
-        cpu_layout=args.cpu_layout,
+        cpu_layout=args.cpu_layout, exact_batching=getattr(args, "exact_batching", "auto"),
     )

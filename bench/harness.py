@@ -116,6 +116,7 @@ class Bench:
         self.walls: dict[tuple[System, int], float] = {}  # (system, level) -> block walls summed over rounds
         self.scrapers: dict[System, StageScraper] = {}  # stacks started here: their stages' metrics
         self.stage_times: dict[tuple[System, int], dict[str, StageTimes]] = {}
+        self.exact_kernels: dict[str, dict[str, dict[str, str]]] = {}  # system -> process -> op -> path
 
     def _step(self, name: str, fn):
         self.progress.note(f"omni-bench: {name} ...")
@@ -135,11 +136,12 @@ class Bench:
         self.systems[System.REFERENCE_BATCHED] = BatchedReferenceSystem(reference)
         self.meter = FloorMeter(runner, cfg.device, cfg.voice, cfg.max_new_tokens, cfg.talker_max_new_tokens,
                                 cfg.first_chunk_frames)
-        for system, batch in ((System.PIPELINE, ()), (System.PIPELINE_UNBATCHED, ("--max-batch-size", "1"))):
+        for system, batch in ((System.PIPELINE, ()), (System.PIPELINE_UNBATCHED, ("--max-batch-size", "1")),
+                              (System.PIPELINE_GEMM, ())):
             if system not in cfg.systems:
                 continue
             target = cfg.target if system is System.PIPELINE else None
-            if system is System.PIPELINE_UNBATCHED and cfg.target is not None:
+            if system is not System.PIPELINE and cfg.target is not None:
                 self.skipped.append(Skipped(system, None, "--target given: no second stack started here"))
                 continue
             gateway_url = cfg.gateway_url if system is System.PIPELINE else None
@@ -149,8 +151,10 @@ class Bench:
                 gateway = cfg.gateway and system is System.PIPELINE
                 talker_default = ("--default-max-new-tokens", str(cfg.talker_max_new_tokens)) if gateway else ()
                 stack = Stack(StackOptions(
-                    checkpoint=cfg.checkpoint, port=0, threads=cfg.threads, thinker_args=cfg.stage_args() + batch,
-                    talker_args=cfg.talker_args() + batch + talker_default, code2wav_args=cfg.stage_args(),
+                    checkpoint=cfg.checkpoint, port=0, threads=cfg.threads,
+                    thinker_args=cfg.stage_args() + batch + cfg.exact_args(system),
+                    talker_args=cfg.talker_args() + batch + cfg.exact_args(system) + talker_default,
+                    code2wav_args=cfg.stage_args(),
                     log_prefix=False, http_port=0 if gateway else None, metrics_base_port=free_port_block(),
                     device=cfg.device, cpu_layout=cfg.cpu_layout))
                 self._step(f"start stack ({system.value})", lambda stack=stack: cleanup.enter_context(stack))
@@ -158,6 +162,7 @@ class Bench:
                 target = stack.target
                 gateway_url = stack.http_url
                 self.scrapers[system] = StageScraper.for_stack(stack)
+                self.exact_kernels[system.value] = self.scrapers[system].exact_kernels()
             pipeline = PipelineSystem(target, cfg.voice, cfg.max_new_tokens, cfg.talker_max_new_tokens, cfg.timeout_s)
             cleanup.callback(pipeline.close)
             self.systems[system] = pipeline
@@ -178,7 +183,7 @@ class Bench:
 
     def _warm_up(self) -> None:
         first, cfg = self.prompts[0], self.config
-        for system in (System.PIPELINE, System.PIPELINE_UNBATCHED, System.GATEWAY):
+        for system in (System.PIPELINE, System.PIPELINE_UNBATCHED, System.PIPELINE_GEMM, System.GATEWAY):
             if system in self.systems:
                 pipeline: PipelineSystem | GatewaySystem = self.systems[system]
                 outcome: Outcome = pipeline.call(pipeline.request(first))
@@ -265,7 +270,7 @@ class Bench:
             results=results, ratios=ratios_for(results), gateway_cost=gateway_cost_for(results),
             skipped=self.skipped, requests=self.records,
             blocks=self.block_log, setup_s=self.setup_s, wall_s=time.perf_counter() - self.started,
-            stage_times=self.stage_times, burst_floor=self.burst_floor,
+            stage_times=self.stage_times, burst_floor=self.burst_floor, exact_kernels=self.exact_kernels,
         )
 
 

@@ -12,6 +12,7 @@ STYLE = {  # system -> (colour, marker)
     System.REFERENCE_BATCHED: ("tab:orange", "^"),
     System.PIPELINE: ("tab:blue", "o"),
     System.PIPELINE_UNBATCHED: ("tab:purple", "v"),
+    System.PIPELINE_GEMM: ("tab:cyan", "P"),
     System.GATEWAY: ("tab:green", "D"),
 }
 

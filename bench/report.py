@@ -48,7 +48,8 @@ class ResultRow:
 
 @dataclass(frozen=True)
 class RatioRow:
-    """pipeline / baseline at one concurrency: < 1 is better for latencies and RTF, > 1 for throughput."""
+    """pipeline / baseline at one concurrency: < 1 is better for latencies and RTF, > 1 for throughput.
+    `system`: the pipeline measured (pipeline, or pipeline-gemm)."""
 
     concurrency: int
     baseline: System
@@ -57,6 +58,7 @@ class RatioRow:
     rtf_p50: float | None
     req_per_s: float | None
     audio_s_per_s: float | None
+    system: System = System.PIPELINE
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,9 @@ class BenchReport:
     # concurrency -> median ms from a burst of that many requests to each one's first audio, in-process
     # (bench/floor.py, the burst floor); levels above 1 with the pipeline measured
     burst_floor: dict[int, float] = dataclasses.field(default_factory=dict)
+    # system -> stage process -> op -> the kernel path its exact-batching probe chose
+    # (omni_exact_kernel_info: rows, batched or gemm; services/runtime/invariance.py)
+    exact_kernels: dict[str, dict[str, dict[str, str]]] = dataclasses.field(default_factory=dict)
 
     def row(self, system: System, concurrency: int) -> ResultRow | None:
         return next((r for r in self.results if r.system is system and r.concurrency == concurrency), None)
@@ -136,8 +141,9 @@ def gateway_cost_for(results: list[ResultRow]) -> list[GatewayCostRow]:
 
 def ratios_for(results: list[ResultRow]) -> list[RatioRow]:
     out = []
-    for pipe in (r for r in results if r.system is System.PIPELINE):
-        for base in (r for r in results if r.system not in (System.PIPELINE, System.GATEWAY)
+    pipelines = (System.PIPELINE, System.PIPELINE_GEMM)
+    for pipe in (r for r in results if r.system in pipelines):
+        for base in (r for r in results if r.system not in (*pipelines, System.GATEWAY)
                      and r.concurrency == pipe.concurrency):
             # pipeline-unbatched is a baseline too: the batching gain of the same stack
             p, b = pipe.summary, base.summary
@@ -145,7 +151,7 @@ def ratios_for(results: list[ResultRow]) -> list[RatioRow]:
                 concurrency=pipe.concurrency, baseline=base.system,
                 ttft_p50=ratio(p.ttft_ms.p50, b.ttft_ms.p50), ttfp_p50=ratio(p.ttfp_ms.p50, b.ttfp_ms.p50),
                 rtf_p50=ratio(p.rtf.p50, b.rtf.p50), req_per_s=ratio(p.req_per_s, b.req_per_s),
-                audio_s_per_s=ratio(p.audio_s_per_s, b.audio_s_per_s),
+                audio_s_per_s=ratio(p.audio_s_per_s, b.audio_s_per_s), system=pipe.system,
             ))
     return out
 
@@ -318,6 +324,10 @@ def render_table(report: BenchReport) -> str:
             f"{f.floor_ms:.0f} ms = thinker prefill {f.thinker_prefill_ms:.0f} + decode {f.thinker_decode_ms:.0f}"
             f" + talker prefill {f.talker_prefill_ms:.0f} + decode {f.talker_decode_ms:.0f} + code2wav "
             f"{f.code2wav_ms:.0f} (prompt building {f.prompt_ms:.0f} ms, not counted)")
+    for system, processes in report.exact_kernels.items():
+        cells = "; ".join(f"{name}: " + ", ".join(f"{op} {path}" for op, path in ops.items())
+                          for name, ops in processes.items())
+        lines.append(f"  exact kernels ({system}): {cells}")
     if report.burst_floor:
         cells = ", ".join(_burst_cell(report, n, ms) for n, ms in sorted(report.burst_floor.items()))
         lines.append("  burst floor (n requests arriving together, in-process on one thread, the engines batching "
@@ -327,8 +337,9 @@ def render_table(report: BenchReport) -> str:
     lines += _grid(COLUMNS, [_result_cells(r) for r in rows])
     if report.ratios:
         lines.append("")
-        header = ("pipeline / baseline", "conc", "TTFT p50", "TTFP p50", "RTF p50", "req/s", "audio s/s")
-        lines += _grid(header, [(r.baseline.value, str(r.concurrency), _num(r.ttft_p50, 2), _num(r.ttfp_p50, 2),
+        header = ("system / baseline", "conc", "TTFT p50", "TTFP p50", "RTF p50", "req/s", "audio s/s")
+        lines += _grid(header, [(f"{r.system.value} / {r.baseline.value}", str(r.concurrency), _num(r.ttft_p50, 2),
+                                 _num(r.ttfp_p50, 2),
                                  _num(r.rtf_p50, 2), _num(r.req_per_s, 2), _num(r.audio_s_per_s, 2))
                                 for r in report.ratios])
     if report.gateway_cost:

@@ -134,6 +134,20 @@ class StageScraper:
             endpoints[name] = (process.stage, f"http://{stack.options.host}:{port}/metrics")
         return cls(endpoints)
 
+    def exact_kernels(self) -> dict[str, dict[str, str]]:
+        """process name -> op -> the kernel path its exact-batching probe chose (LM stages only)."""
+        out = {}
+        for name, (_, url) in self.endpoints.items():
+            try:
+                samples = scrape(url)
+            except OSError:
+                continue
+            paths = {dict(labels)["op"]: dict(labels)["path"] for (sample, labels), v in samples.items()
+                     if sample == "omni_exact_kernel_info" and v == 1}
+            if paths:
+                out[name] = paths
+        return out
+
     def snapshot(self) -> dict[str, StageTimes]:
         out = {}
         for name, (stage, url) in self.endpoints.items():

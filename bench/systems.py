@@ -37,6 +37,7 @@ class System(enum.Enum):
     REFERENCE_BATCHED = "reference-batched"
     PIPELINE = "pipeline"
     PIPELINE_UNBATCHED = "pipeline-unbatched"  # the same stack, thinker and talker at --max-batch-size 1
+    PIPELINE_GEMM = "pipeline-gemm"  # the same stack, thinker and talker at --exact-batching gemm (opt-in: --gemm)
     GATEWAY = "gateway"  # the pipeline's stack through the HTTP gateway (opt-in: --gateway)
 
 

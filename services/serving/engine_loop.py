@@ -150,6 +150,9 @@ class EngineLoop:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-engine", daemon=True)
         self.streams = None  # the server's OpenStreams: its open streams count as in flight too
+        report = getattr(engine, "exact_report", None)  # LM engines in exact mode: the probed kernel paths
+        if metrics is not None and report is not None:
+            metrics.exact_kernels(report.kernels)
 
     def start(self) -> None:
         self._thread.start()

@@ -69,6 +69,7 @@ class StageMetrics:
     def __init__(self, stage: str, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         self.registry.register(GCCollector())
+        self.stage = stage
         labels = {"stage": stage}
         r = self.registry
         self.queue_depth = Gauge("omni_stage_queue_depth", "Requests admitted, waiting for a slot or input",
@@ -109,6 +110,15 @@ class StageMetrics:
         self.migration_pause = Histogram("omni_stage_migration_pause_seconds",
                                          "From a replica's failure to the first new output after the move",
                                          ["stage", "peer"], registry=r, buckets=PAUSE_BUCKETS)
+
+    def exact_kernels(self, kernels) -> None:
+        """The paths exact mode runs here (services/runtime/invariance.py's probe): one series per op
+        with value 1, e.g. omni_exact_kernel_info{op="attention", path="rows"}."""
+        info = Gauge("omni_exact_kernel_info", "Exact batching's kernel path per op, as the start-up probe chose it "
+                     "(rows: one call per request; batched: probed invariant here; gemm: omni's invariant GEMM)",
+                     ["stage", "op", "path"], registry=self.registry)
+        for op in ("linear", "experts", "attention"):
+            info.labels(stage=self.stage, op=op, path=getattr(kernels, op).value).set(1)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int | None:
         if not port:

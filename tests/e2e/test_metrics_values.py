@@ -123,3 +123,16 @@ def test_every_process_froze_its_start_up_heap_and_reports_its_collections(measu
         assert collections > 0, name
         assert value(samples, "omni_gc_pause_seconds_bucket", generation="0", le="+Inf") == \
             value(samples, "omni_gc_pause_seconds_count", generation="0"), name
+
+
+def test_the_lm_stages_export_the_kernel_path_their_probe_chose_for_each_op(measured):
+    # One series per op with value 1 (services/runtime/invariance.py): what exact batching runs here.
+    final = measured[1]
+    for stage in ("thinker", "talker"):
+        series = {dict(labels)["op"]: dict(labels)["path"] for (name, labels), v in final[stage].items()
+                  if name == "omni_exact_kernel_info" and v == 1}
+        assert set(series) == {"linear", "experts", "attention"}, stage
+        assert set(series.values()) <= {"rows", "batched"}, stage  # gemm only with --exact-batching gemm
+    thinker = {dict(labels)["op"]: dict(labels)["path"] for (name, labels), _ in final["thinker"].items()
+               if name == "omni_exact_kernel_info"}
+    assert thinker["attention"] == "rows"  # the thinker attends per row over each row's own slot
