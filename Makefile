@@ -7,7 +7,7 @@ PORT ?= 50051
 PROTO_SRC := $(wildcard protos/omni/v1/*.proto)
 STAMP := $(VENV)/.installed
 
-.PHONY: setup proto proto-gen checkpoint run demo lint test test-all bench bench-wide clean setup-vllm test-vllm
+.PHONY: setup proto proto-gen checkpoint run demo lint test test-portable test-all bench bench-wide clean setup-vllm test-vllm
 
 setup: $(STAMP)
 
@@ -47,8 +47,22 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
+# The suite, then its op-level exactness tests once more under torch's portable kernels
+# (ATEN_CPU_CAPABILITY=default): a second ISA on the same host, so a kernel invariant on one ISA
+# only fails here, not on a user's machine. make test-portable runs every exactness test under
+# every capability this CPU offers.
 test: setup lint
 	$(PY) -m pytest -q
+	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q -m exactness tests/common tests/talker/test_code_predictor.py
+
+test-portable: setup
+	@best=$$(env -u ATEN_CPU_CAPABILITY $(PY) -c "import torch; print(torch.backends.cpu.get_cpu_capability().lower())"); \
+	case $$best in avx512*) caps="default avx2 avx512";; avx2) caps="default avx2";; *) caps="default";; esac; \
+	echo "test-portable: this CPU's best is $$best; running the exactness tests under: $$caps"; \
+	for cap in $$caps; do \
+	  echo "test-portable: ATEN_CPU_CAPABILITY=$$cap"; \
+	  ATEN_CPU_CAPABILITY=$$cap $(PY) -m pytest -q -m exactness || exit 1; \
+	done
 
 test-all: setup lint
 	$(PY) -m pytest -q -m ""

@@ -33,6 +33,8 @@ from services.runtime.batching import (
 )
 from services.runtime.invariance import AttentionShape, probe_attention, probe_exact_kernels, probe_linear
 
+pytestmark = pytest.mark.exactness
+
 original_linear = batching._original_linear  # torch's own F.linear, before the module patched it
 
 

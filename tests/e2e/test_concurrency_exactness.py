@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from services.runtime.prompt import ChatMessage, Part, Role
 from services.tools.client import build_request, collect
+
+pytestmark = pytest.mark.exactness
 
 VOICES = ("ethan", "chelsie", "aiden")
 

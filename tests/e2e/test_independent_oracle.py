@@ -23,6 +23,8 @@ from services.code2wav.streaming import decode_full
 from services.runtime.prompt import ChatMessage, Part, PromptBuilder, Role
 from services.tools.client import build_request, collect
 
+pytestmark = pytest.mark.exactness
+
 MIN_SNR_DB = 90.0  # as tests/e2e/test_pipeline_equals_reference.py
 ROLES = {Role.SYSTEM: omni_pb2.ROLE_SYSTEM, Role.USER: omni_pb2.ROLE_USER, Role.ASSISTANT: omni_pb2.ROLE_ASSISTANT}
 

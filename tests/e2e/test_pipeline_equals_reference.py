@@ -10,6 +10,8 @@ from services.runtime.prompt import ChatMessage, Part, Role
 from services.tools.client import build_request, collect
 from tests.audio_checks import check_streamed_audio
 
+pytestmark = pytest.mark.exactness
+
 MAX_TEXT = 24
 MAX_FRAMES_TOKENS = 60  # the talker's max new tokens: at most 59 frames
 

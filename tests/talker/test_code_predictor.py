@@ -7,9 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.runtime.batching import SlotKVCache, use_rowwise_attention
+from services.runtime.batching import ExactKernels, SlotKVCache, use_rowwise_attention, using_kernels
 from services.runtime.checkpoint import Stage, load_stage
+from services.runtime.invariance import linear_weights, probe_exact_kernels
 from services.talker.code_predictor import CodePredictor, predict_frame
+
+pytestmark = pytest.mark.exactness
+
+
+def probed(talker, capacity: int) -> ExactKernels:
+    """The paths a talker engine's start-up probe picks on this machine for the predictor."""
+    lean = CodePredictor(talker, capacity, "cpu", torch.float32)
+    return probe_exact_kernels(gemm=False, capacity=capacity, linear_weights=linear_weights(talker.code_predictor),
+                               linear_tokens=(1, 2), attention=lean.attention_shapes()).kernels
 
 
 @pytest.fixture(scope="module")
@@ -19,10 +29,14 @@ def talker(tiny_checkpoint):
     return model
 
 
-@pytest.mark.parametrize("exact", [True, False], ids=["exact", "plain"])
-@pytest.mark.parametrize("batch", [1, 3, 8])
-def test_lean_loop_equals_the_transformers_forward(talker, batch, exact):
+@pytest.mark.parametrize("batch,exact,paths", [(1, True, "rows"), (3, True, "rows"), (8, True, "rows"),
+                                               (3, True, "probed"), (8, True, "probed"),
+                                               (1, False, "rows"), (3, False, "rows"), (8, False, "rows")],
+                         ids=["1-exact-rows", "3-exact-rows", "8-exact-rows", "3-exact-probed", "8-exact-probed",
+                              "1-plain", "3-plain", "8-plain"])
+def test_lean_loop_equals_the_transformers_forward(talker, batch, exact, paths):
     hidden = talker.config.text_config.hidden_size
+    kernels = probed(talker, 8) if paths == "probed" else ExactKernels()
     lean = CodePredictor(talker, 8, "cpu", torch.float32)
     cache = SlotKVCache.for_config(talker.code_predictor.config, 8, lean.num_groups + 1, torch.float32, "cpu")
     g = torch.Generator().manual_seed(batch)
@@ -32,9 +46,10 @@ def test_lean_loop_equals_the_transformers_forward(talker, batch, exact):
             codes0 = torch.randint(0, talker.code_predictor.config.vocab_size, (batch, 1), generator=g)
             for row in range(batch):
                 cache.reset(row)
-            want = predict_frame(talker, past, codes0, cache.batch(list(range(batch))),
-                                 lambda logits: torch.argmax(logits, dim=-1), exact)
-            got = lean(past, codes0, lambda logits: torch.argmax(logits, dim=-1), exact)
+            with using_kernels(kernels):
+                want = predict_frame(talker, past, codes0, cache.batch(list(range(batch))),
+                                     lambda logits: torch.argmax(logits, dim=-1), exact)
+                got = lean(past, codes0, lambda logits: torch.argmax(logits, dim=-1), exact)
             assert torch.equal(got[0], want[0])
             assert torch.equal(got[1], want[1])
 
@@ -76,7 +91,8 @@ def test_batched_greedy_code_selection_equals_select_token_per_row():
                       for row, s in enumerate(states)}
 
 
-def test_lean_loop_rows_keep_their_logits_bits_through_column_tiles(wide_checkpoint):
+@pytest.mark.parametrize("paths", ["probed", "gemm"])
+def test_lean_loop_rows_keep_their_logits_bits_through_column_tiles(wide_checkpoint, paths):
     # On the wide preset the predictor's MLP weights are 3 MB: exact batching multiplies them a
     # column tile at a time (batching.rowwise_matmul). Every step's logits of a batched row must
     # equal, bit for bit, the row's logits alone (batch 1: plain F.linear, the reference's kernel).
@@ -89,6 +105,7 @@ def test_lean_loop_rows_keep_their_logits_bits_through_column_tiles(wide_checkpo
         use_rowwise_attention(talker.config.text_config, talker.code_predictor.config)
         assert batching.tile_columns(talker.code_predictor.model.layers[0].mlp.gate_proj.weight, tokens=1)
         lean = CodePredictor(talker, 5, "cpu", torch.float32)
+        kernels = probed(talker, 5) if paths == "probed" else batching.GEMM_KERNELS
         g = torch.Generator().manual_seed(0)
         past = torch.randn(5, 1, talker.config.text_config.hidden_size, generator=g)
         codes0 = torch.randint(0, talker.code_predictor.config.vocab_size, (5, 1), generator=g)
@@ -99,7 +116,7 @@ def test_lean_loop_rows_keep_their_logits_bits_through_column_tiles(wide_checkpo
             def pick(logits):
                 seen.append(logits.clone())
                 return torch.argmax(logits, dim=-1)
-            with torch.inference_mode():
+            with torch.inference_mode(), using_kernels(kernels):
                 codes, _ = lean(past[rows], codes0[rows], pick, True)
             return codes, seen
 

@@ -193,6 +193,7 @@ def assert_equals_reference(pipe: Pipeline, expected: dict, request_ids) -> None
         assert done.reason is FinishReason.LENGTH and done.frames == len(want.frames)
 
 
+@pytest.mark.exactness
 def test_eight_concurrent_requests_equal_the_reference(stages, builder, messages, expected):
     pipe = Pipeline(stages, builder).run(CASES, messages)
     assert_equals_reference(pipe, expected, BY_ID)
@@ -205,6 +206,7 @@ def test_eight_concurrent_requests_equal_the_reference(stages, builder, messages
     assert max(per_step.values()) >= 5
 
 
+@pytest.mark.exactness
 def test_eight_concurrent_requests_through_the_invariant_gemm_equal_generate_through_it(stages, builder, messages,
                                                                                       tiny_checkpoint):
     # --exact-batching gemm: every linear layer and expert through omni's GEMM on both sides, so

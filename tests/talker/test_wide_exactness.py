@@ -20,7 +20,7 @@ from services.tools.reference import messages_from_args
 from tests.talker.pipeline import assert_clean
 from tests.talker.test_engine import Case, Pipeline, assert_equals_reference, reference_results
 
-pytestmark = [pytest.mark.filterwarnings("ignore:Passing `repetition_penalty`:UserWarning"),
+pytestmark = [pytest.mark.exactness, pytest.mark.filterwarnings("ignore:Passing `repetition_penalty`:UserWarning"),
               pytest.mark.usefixtures("one_thread")]
 
 CASES = [
