@@ -92,7 +92,7 @@ def make(shape, n_out, dtype=torch.float32, seed=0):
 
 # Batch-invariant linear.
 
-@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("threads", [1, 2, 4], indirect=True)
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("shape", [(5, 96), (4, 1, 96), (3, 2, 96), (6, 1, 1024), (4, 2, 512)],
                          ids=["2d_rows", "3d_t1", "3d_t2", "3d_t1_wide", "3d_t2_wide"])

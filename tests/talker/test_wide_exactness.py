@@ -54,3 +54,14 @@ def test_batched_requests_equal_the_reference_through_column_tiles(wide_checkpoi
     pipe = Pipeline(stages, PromptBuilder(wide_checkpoint, stages[0].config)).run(CASES, messages)
     assert_equals_reference(pipe, expected, [c.request_id for c in CASES])
     assert_clean(pipe)
+
+
+def test_batched_requests_through_the_invariant_gemm_equal_generate_through_it(wide_checkpoint, stages):
+    # --exact-batching gemm at width, where its weight reuse matters: against generate run through
+    # the same op (its bits are not MKL's); the default mode is compared with plain generate above.
+    messages = {c.request_id: messages_from_args(c.prompt, None, None, None) for c in CASES}
+    expected = reference_results(wide_checkpoint, CASES, messages, gemm=True)
+    pipe = Pipeline(stages, PromptBuilder(wide_checkpoint, stages[0].config), gemm=True).run(CASES, messages)
+    assert pipe.talker.exact_report.kernels.experts is batching.KernelPath.GEMM
+    assert_equals_reference(pipe, expected, [c.request_id for c in CASES])
+    assert_clean(pipe)
