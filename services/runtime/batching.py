@@ -59,6 +59,14 @@ class ExactKernels:
     linear: KernelPath = KernelPath.ROWS
     experts: KernelPath = KernelPath.ROWS
     attention: KernelPath = KernelPath.ROWS  # equal-length rows in one SDPA (the code predictor)
+    # With linear BATCHED: the (out, in, tokens per row) cases the probe found invariant; any other
+    # linear (a shape it did not run, or one that differed) goes row by row. None: every shape
+    # (only tests that force the batched path use it; the probe always lists its cases).
+    linear_shapes: frozenset[tuple[int, int, int]] | None = frozenset()
+
+    def batched_linear(self, weight: torch.Tensor, tokens: int) -> bool:
+        return self.linear is KernelPath.BATCHED and (self.linear_shapes is None
+                                                     or (*weight.shape, tokens) in self.linear_shapes)
 
 
 _ROWS = ExactKernels()
@@ -149,12 +157,12 @@ def linear_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def exact_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """A linear layer over rows [B, T, K] of B requests along this process's exact path."""
-    path = exact_kernels().linear
-    if path is KernelPath.GEMM and invariant_gemm.covers(rows, weight, bias):
+    if exact_kernels().linear is KernelPath.GEMM and invariant_gemm.covers(rows, weight, bias):
         return invariant_gemm.linear(rows, weight, bias)
     if rows.shape[0] <= 1:
         return _original_linear(rows, weight, bias)
-    if path is KernelPath.BATCHED and rows.shape[1] * weight.shape[1] * weight.shape[0] >= _BMM_KERNEL_MIN_SIZE:
+    if exact_kernels().batched_linear(weight, rows.shape[1]) and \
+            rows.shape[1] * weight.shape[1] * weight.shape[0] >= _BMM_KERNEL_MIN_SIZE:
         return rowwise_matmul(rows, weight, bias)
     return linear_rows(rows, weight, bias)
 

@@ -84,12 +84,14 @@ def _generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def probe_linear(weights: Iterable[torch.Tensor], capacity: int, tokens: Iterable[int] = (1,)) -> str | None:
-    """None if `rowwise_matmul` gives every row of every case its `linear_rows` bits, else the
-    first case that differs."""
+def probe_linear(weights: Iterable[torch.Tensor], capacity: int, tokens: Iterable[int] = (1,)
+                 ) -> tuple[frozenset[tuple[int, int, int]], str | None]:
+    """The (out, in, tokens) cases where `rowwise_matmul` gives every row of every probed batch its
+    `linear_rows` bits, and the first case that differed (None if none did)."""
     shapes = {}
     for w in weights:
         shapes.setdefault((tuple(w.shape), w.dtype, w.device), w)
+    invariant, first_failure = set(), None
     for (shape, dtype, device), w in shapes.items():
         n_out, k = shape
         for t in tokens:
@@ -98,10 +100,12 @@ def probe_linear(weights: Iterable[torch.Tensor], capacity: int, tokens: Iterabl
                 continue
             x = torch.randn(batches[-1], t, k, generator=_generator(n_out * 31 + k)).to(device, dtype)
             alone = linear_rows(x, w)  # [B, t, N]
-            for b in batches:
-                if not torch.equal(rowwise_matmul(x[:b], w), alone[:b]):
-                    return f"bmm differs from rows alone for a {n_out}x{k} weight, {t} token(s), batch {b}"
-    return None
+            differs = next((b for b in batches if not torch.equal(rowwise_matmul(x[:b], w), alone[:b])), None)
+            if differs is None:
+                invariant.add((n_out, k, t))
+            elif first_failure is None:
+                first_failure = f"bmm differs from rows alone for a {n_out}x{k} weight, {t} token(s), batch {differs}"
+    return frozenset(invariant), first_failure
 
 
 def probe_experts(modules: Iterable, capacity: int) -> str | None:
@@ -176,7 +180,13 @@ def probe_exact_kernels(*, gemm: bool, capacity: int, linear_weights: list[torch
                         device="cpu") -> ProbeReport:
     """Which path each batched op of an engine takes here (nothing adopted: `choose_exact_kernels`).
     `gemm`: `--exact-batching gemm` (linear layers and experts through the invariant GEMM)."""
+    with torch.inference_mode():  # parameters require grad outside it, and bmm's out= refuses them
+        return _probe(gemm, capacity, linear_weights, linear_tokens, experts, attention, dtype, device)
+
+
+def _probe(gemm, capacity, linear_weights, linear_tokens, experts, attention, dtype, device) -> ProbeReport:
     started = time.perf_counter()
+    linear_shapes: frozenset = frozenset()
     reasons: dict[str, str] = {}
     linear = experts_path = KernelPath.ROWS
     attention_path = KernelPath.ROWS
@@ -190,9 +200,14 @@ def probe_exact_kernels(*, gemm: bool, capacity: int, linear_weights: list[torch
     elif not cpu:
         reasons["linear"] = reasons["experts"] = "rows (no probe off the CPU)"
     else:
-        why = _guarded(probe_linear, linear_weights, capacity, linear_tokens)
-        linear = KernelPath.ROWS if why else KernelPath.BATCHED
-        reasons["linear"] = why or f"bmm matched rows alone on {len({tuple(w.shape) for w in linear_weights})} shapes"
+        try:
+            linear_shapes, why = probe_linear(linear_weights, capacity, linear_tokens)
+        except Exception as e:  # noqa: BLE001 - a probe that cannot run means: not invariant here
+            linear_shapes, why = frozenset(), f"probe failed: {type(e).__name__}: {e}"
+        cases = len({(*w.shape, t) for w in linear_weights for t in linear_tokens})
+        linear = KernelPath.BATCHED if linear_shapes else KernelPath.ROWS
+        reasons["linear"] = (f"bmm matched rows alone on {len(linear_shapes)} of {cases} cases"
+                             + (f"; the rest row by row ({why})" if why else ""))
         if experts:
             why = _guarded(probe_experts, experts, capacity)
             experts_path = KernelPath.ROWS if why else KernelPath.BATCHED
@@ -205,7 +220,9 @@ def probe_exact_kernels(*, gemm: bool, capacity: int, linear_weights: list[torch
         reasons["attention"] = why or f"batched SDPA matched rows alone on {len(attention)} shapes"
     else:
         reasons["attention"] = "per-row SDPA over each row's slot"
-    return ProbeReport(ExactKernels(linear, experts_path, attention_path), reasons, time.perf_counter() - started)
+    kernels = ExactKernels(linear, experts_path, attention_path, linear_shapes if linear is KernelPath.BATCHED
+                           else frozenset())
+    return ProbeReport(kernels, reasons, time.perf_counter() - started)
 
 
 def choose_exact_kernels(stage: str, **probe) -> ProbeReport:

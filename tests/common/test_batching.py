@@ -46,7 +46,7 @@ def threads(request):
     torch.set_num_threads(previous)
 
 
-BATCHED = ExactKernels(KernelPath.BATCHED, KernelPath.BATCHED, KernelPath.BATCHED)
+BATCHED = ExactKernels(KernelPath.BATCHED, KernelPath.BATCHED, KernelPath.BATCHED, linear_shapes=None)
 
 
 @pytest.fixture
@@ -388,13 +388,18 @@ def test_probe_rejects_a_kernel_that_is_not_invariant(monkeypatch):
             out[-1] = torch.nextafter(out[-1], torch.full_like(out[-1], float("inf")))
         return out
 
-    w = make((1, 64), n_out=96)[1]
-    assert probe_linear([w], capacity=8) is None  # below the drift: invariant
+    w, other = make((1, 64), n_out=96)[1], make((1, 48), n_out=40)[1]
+    assert probe_linear([w], capacity=8) == (frozenset({(96, 64, 1)}), None)  # below the drift: invariant
     monkeypatch.setattr(torch, "bmm", drifting_bmm)
-    why = probe_linear([w], capacity=32)
-    assert why is not None and "96x64" in why and "batch 9" in why
+    shapes, why = probe_linear([w], capacity=32)
+    assert shapes == frozenset() and "96x64" in why and "batch 9" in why
     report = probe_exact_kernels(gemm=False, capacity=32, linear_weights=[w])
     assert report.kernels.linear is KernelPath.ROWS and "batch 9" in report.reasons["linear"]
+    # One shape that drifts leaves the others batched, and it goes row by row.
+    monkeypatch.setattr(torch, "bmm", lambda a, b, **kw: drifting_bmm(a, b, **kw) if b.shape[1] == 64 else real_bmm(a, b, **kw))
+    kernels = probe_exact_kernels(gemm=False, capacity=32, linear_weights=[w, other]).kernels
+    assert kernels.linear is KernelPath.BATCHED and kernels.linear_shapes == {(40, 48, 1)}
+    assert not kernels.batched_linear(w, 1) and kernels.batched_linear(other, 1) and not kernels.batched_linear(other, 2)
 
 
 def test_probe_that_raises_counts_as_not_invariant(monkeypatch):
