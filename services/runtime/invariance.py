@@ -235,8 +235,11 @@ def choose_exact_kernels(stage: str, **probe) -> ProbeReport:
 
 
 def linear_weights(*modules) -> list[torch.Tensor]:
-    """The weights of every nn.Linear under these modules (what a batched decode step multiplies)."""
-    return [m.weight for module in modules for m in module.modules() if isinstance(m, torch.nn.Linear)]
+    """The weights of every nn.Linear under these modules (what a batched decode step multiplies),
+    and of the MoE routers, which call F.linear on a weight of their own."""
+    return [m.weight for module in modules for m in module.modules()
+            if isinstance(m, torch.nn.Linear) or (type(m).__name__.endswith("Router")
+                                                  and getattr(getattr(m, "weight", None), "ndim", 0) == 2)]
 
 
 def experts_modules(*modules) -> list:
