@@ -4,7 +4,6 @@ path of exact mode: every row the same bits whatever the batch, by construction,
 from __future__ import annotations
 
 import ctypes
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ import torch.nn.functional as F
 
 from services.runtime import batching, invariant_gemm
 from services.runtime.batching import GEMM_KERNELS, batch_invariant, using_kernels
+from tests.common.test_batching import experts_module
 
 pytestmark = pytest.mark.exactness  # make setup builds the library: no compiler is a failure, not a skip
 
@@ -106,18 +106,8 @@ def test_gemm_kernels_route_every_linear_through_the_invariant_gemm():
     assert torch.equal(F.linear(x, w, b), batching._original_linear(x, w, b))  # restored
 
 
-def experts(num=8, hidden=64, inter=48, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    module = SimpleNamespace(
-        num_experts=num, has_gate=True, has_bias=False, is_transposed=False, _is_expert_parallel=False,
-        gate_up_proj=torch.randn(num, 2 * inter, hidden, generator=g) / hidden ** 0.5,
-        down_proj=torch.randn(num, hidden, inter, generator=g) / inter ** 0.5, act_fn=F.silu)
-    module._apply_gate = lambda x: (lambda gate, up: module.act_fn(gate) * up)(*x.chunk(2, dim=-1))
-    return module
-
-
 def test_gemm_experts_give_every_token_its_alone_bits_in_any_batch():
-    module = experts()
+    module = experts_module(8, 64, 48)
     g = torch.Generator().manual_seed(1)
     tokens, top_k = 19, 3
     states = torch.randn(tokens, 64, generator=g)
