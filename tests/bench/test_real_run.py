@@ -105,7 +105,7 @@ def test_short_real_run_prints_the_table(bench_run):
     for column in ("TTFT ms p50/p90/p99", "TTFP ms p50/p90/p99", "RTF p50/p90/p99", "req/s", "audio s/s",
                    "underruns/req", "TTFP/floor"):
         assert column in header
-    assert "pipeline / baseline" in printed and f"wrote {out / 'bench.json'}" in printed
+    assert "system / baseline" in printed and "pipeline / reference" in printed and f"wrote {out / 'bench.json'}" in printed
     assert "burst floor" in printed and "c=2 " in printed
     assert "pipeline stages: where the time goes" in printed and "bottleneck at concurrency 2:" in printed
     # About 25 s on 2 idle cores (stack start-up is half of it); not asserted, as a busy machine may double it.
