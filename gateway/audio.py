@@ -27,6 +27,12 @@ MIME = {
     "pcm": "audio/pcm", "pcm16": "audio/pcm", "aac": "audio/aac",
 }
 INPUT_FORMATS = ("wav", "mp3", "flac")
+INPUT_SAMPLE_RATE = 16000  # what the thinker's Whisper feature extractor takes (services/runtime/prompt.py)
+STREAMED_FORMATS = ("mp3", "opus", "wav")  # written progressively (StreamEncoder); flac is written whole
+# MP3 written progressively is constant bit rate: with no LAME tag (it is written last, at the front,
+# so a stream cannot carry it), decoders size a file from its first frame, exact only for CBR.
+# libsndfile's compression level 0.5 at 24 kHz mono is 80 kbit/s (measured: 240-byte frames).
+MP3_STREAM_LEVEL = 0.5
 
 
 class UnsupportedFormat(ValueError):
@@ -81,14 +87,147 @@ def encode(samples: np.ndarray, fmt: str, sample_rate: int = SAMPLE_RATE) -> byt
     return buf.getvalue()
 
 
-def input_audio_to_wire(data: bytes, fmt: str) -> bytes:
+class AudioTooLong(ValueError):
+    """Input audio over the gateway's limit (the thinker's --max-audio-seconds)."""
+
+
+def resample(samples: np.ndarray, rate: int, target: int) -> np.ndarray:
+    """Band-limited resampling by zero-padding / truncating the spectrum: the thinker's own
+    (services/runtime/prompt.py resample, which this process may not import), so audio resampled
+    here is the audio the thinker would have made."""
+    if rate == target or samples.size == 0:
+        return samples.astype(np.float32)
+    n_out = max(1, int(round(samples.size * target / rate)))
+    spectrum = np.fft.rfft(samples.astype(np.float64))
+    out = np.fft.irfft(spectrum, n=n_out) * (n_out / samples.size)
+    return out.astype(np.float32)
+
+
+_DECODE_BLOCK = 1 << 16  # frames
+
+
+def input_audio_to_wire(data: bytes, fmt: str, max_seconds: float | None = None) -> bytes:
     """An OpenAI `input_audio` part -> bytes the pipeline reads (wav or flac). wav and flac pass
-    as they are; mp3 is decoded by libsndfile and handed on as a float wav of the decoded samples."""
+    as they are (the thinker checks them). mp3 is decoded by libsndfile block by block, at most
+    `max_seconds` of it (AudioTooLong past that), mixed to mono and resampled to 16 kHz as the
+    thinker would, and handed on as a 16 kHz float wav: 64 kB a second whatever the mp3's rate
+    (at 44.1 kHz stereo a float wav of the decoded samples was 353 kB a second, and 3 minutes of
+    it passed gRPC's 64 MB limit)."""
     if fmt in ("wav", "flac"):
         return data
     import soundfile as sf
 
-    samples, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=False)
+    blocks, frames = [], 0
+    with sf.SoundFile(io.BytesIO(data)) as f:
+        rate = f.samplerate
+        cap = None if max_seconds is None else int(max_seconds * rate) + 1
+        while cap is None or frames < cap:
+            block = f.read(_DECODE_BLOCK if cap is None else min(_DECODE_BLOCK, cap - frames), dtype="float32",
+                           always_2d=True)
+            if block.shape[0] == 0:
+                break
+            blocks.append(block.mean(axis=1, dtype=np.float32))
+            frames += block.shape[0]
+    if max_seconds is not None and frames / rate > max_seconds:
+        raise AudioTooLong(f"audio is longer than {max_seconds:g} s")
+    samples = resample(np.concatenate(blocks) if blocks else np.zeros(0, np.float32), rate, INPUT_SAMPLE_RATE)
     buf = io.BytesIO()
-    sf.write(buf, samples, rate, format="WAV", subtype="FLOAT")
+    sf.write(buf, samples, INPUT_SAMPLE_RATE, format="WAV", subtype="FLOAT")
     return buf.getvalue()
+
+
+class _Sink(io.RawIOBase):
+    """The file libsndfile writes into: bytes appended at the end are handed out by `take()` as
+    they come; what it rewrites later, at the front, once the length is known (a WAV header's
+    sizes, MP3's LAME tag), is already sent and stays as first written."""
+
+    def __init__(self):
+        super().__init__()
+        self.buf = bytearray()
+        self.pos = 0
+        self.sent = 0  # bytes of buf handed out
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: len(self.buf)}[whence]
+        self.pos = base + offset
+        return self.pos
+
+    def read(self, size: int = -1) -> bytes:
+        return b""  # libsndfile only reads back to probe; there is nothing to find
+
+    def write(self, data) -> int:
+        data = bytes(data)
+        start, end = self.pos, self.pos + len(data)
+        self.pos = end
+        keep = max(start, self.sent)  # below `sent`: a rewrite of bytes already handed out, dropped
+        if end > keep:
+            self.buf[keep:end] = data[keep - start:]
+        return len(data)
+
+    def take(self) -> bytes:
+        out = bytes(self.buf[self.sent:])
+        self.sent = len(self.buf)
+        return out
+
+
+class StreamEncoder:
+    """One clip encoded as it comes: `feed(samples)` returns the bytes libsndfile wrote for them (maybe
+    none: encoders hold whole frames or pages), `finish()` the rest. mp3 (no LAME tag, see
+    MP3_STREAM_LEVEL), Ogg/Opus (pages as they fill) and wav (its header's sizes 0xFFFFFFFF, the usual
+    mark of a stream whose length is unknown: written before any sample). Not thread-safe: one
+    caller at a time (the gateway runs each call in a worker thread, in order)."""
+
+    def __init__(self, fmt: str, sample_rate: int = SAMPLE_RATE):
+        if fmt not in STREAMED_FORMATS or not supported_output(fmt):
+            raise UnsupportedFormat(fmt)
+        import soundfile as sf
+
+        container, subtype = _SOUNDFILE[fmt]
+        self.fmt = fmt
+        self.sink = _Sink()
+        extra = {"bitrate_mode": "CONSTANT", "compression_level": MP3_STREAM_LEVEL} if fmt == "mp3" else {}
+        self.file = sf.SoundFile(self.sink, "w", sample_rate, 1, format=container, subtype=subtype, **extra)
+        self.fed = 0
+
+    def feed(self, samples: np.ndarray) -> bytes:
+        data = to_int16(samples) if self.fmt == "wav" else np.asarray(samples, dtype=np.float32)
+        if data.size:
+            self.file.write(data)
+            self.fed += data.size
+        return self._take()
+
+    def finish(self) -> bytes:
+        if self.fed == 0:
+            self.file.write(np.zeros(1, np.int16 if self.fmt == "wav" else np.float32))  # some encoders refuse none
+        self.file.close()
+        return self._take()
+
+    def _take(self) -> bytes:
+        first = self.sink.sent == 0
+        out = self.sink.take()
+        if first and out and self.fmt == "wav":
+            out = _streaming_wav_header(out)
+        return out
+
+
+def _streaming_wav_header(data: bytes) -> bytes:
+    """The RIFF and data chunk sizes of a WAV's first bytes set to 0xFFFFFFFF (length unknown)."""
+    out = bytearray(data)
+    if out[:4] == b"RIFF":
+        out[4:8] = b"\xff\xff\xff\xff"
+        at = out.find(b"data", 12)
+        if at >= 0 and at + 8 <= len(out):
+            out[at + 4:at + 8] = b"\xff\xff\xff\xff"
+    return bytes(out)

@@ -6,7 +6,7 @@ import base64
 import binascii
 import re
 
-from gateway.audio import input_audio_to_wire
+from gateway.audio import AudioTooLong, input_audio_to_wire
 from gateway.errors import bad_request
 from gateway.schemas import ChatCompletionRequest, SpeechRequest
 from omni.v1 import omni_pb2
@@ -23,7 +23,7 @@ def _b64(data: str, param: str) -> bytes:
         raise bad_request(param, f"{param}: not valid base64") from None
 
 
-def _content(message, i: int) -> list[omni_pb2.Content]:
+def _content(message, i: int, max_audio_seconds: float | None = None) -> list[omni_pb2.Content]:
     where = f"messages[{i}].content"
     if message.content is None or message.content == "" or message.content == []:
         raise bad_request(where, f"{where}: a message needs content")
@@ -43,7 +43,10 @@ def _content(message, i: int) -> list[omni_pb2.Content]:
                 raise bad_request(f"{at}.input_audio", f"{at}.input_audio is required for an input_audio part")
             raw = _b64(part.input_audio.data, f"{at}.input_audio.data")
             try:
-                parts.append(omni_pb2.Content(audio=input_audio_to_wire(raw, part.input_audio.format)))
+                parts.append(omni_pb2.Content(audio=input_audio_to_wire(raw, part.input_audio.format,
+                                                                        max_audio_seconds)))
+            except AudioTooLong as exc:
+                raise bad_request(f"{at}.input_audio", f"{at}.input_audio: {exc}") from None
             except Exception as exc:  # libsndfile could not read it
                 raise bad_request(f"{at}.input_audio.data",
                                   f"{at}.input_audio.data: unreadable {part.input_audio.format}: {exc}") from None
@@ -60,8 +63,10 @@ def _content(message, i: int) -> list[omni_pb2.Content]:
     return parts
 
 
-def chat_to_proto(req: ChatCompletionRequest, default_voice: str | None) -> tuple[omni_pb2.GenerateRequest, bool, str]:
-    """-> (request, audio wanted, audio format)."""
+def chat_to_proto(req: ChatCompletionRequest, default_voice: str | None,
+                  max_audio_seconds: float | None = None) -> tuple[omni_pb2.GenerateRequest, bool, str]:
+    """-> (request, audio wanted, audio format). mp3 input audio longer than `max_audio_seconds` is
+    refused before it is all decoded."""
     if req.n not in (None, 1):
         raise bad_request("n", f"n: only 1 choice is supported, got {req.n}", code="unsupported_value")
     modalities = req.modalities or ["text"]
@@ -76,7 +81,7 @@ def chat_to_proto(req: ChatCompletionRequest, default_voice: str | None) -> tupl
                           code="unsupported_value")
     out = omni_pb2.GenerateRequest()
     for i, message in enumerate(req.messages):
-        out.messages.add(role=_ROLES[message.role]).content.extend(_content(message, i))
+        out.messages.add(role=_ROLES[message.role]).content.extend(_content(message, i, max_audio_seconds))
     out.output_modalities.append(omni_pb2.MODALITY_TEXT)
     if audio:
         out.output_modalities.append(omni_pb2.MODALITY_AUDIO)
@@ -103,4 +108,6 @@ def speech_to_proto(req: SpeechRequest) -> omni_pb2.GenerateRequest:
     out = omni_pb2.GenerateRequest(voice=req.voice.lower(), forced_text=req.input)
     out.messages.add(role=omni_pb2.ROLE_USER).content.add(text=req.input)
     out.output_modalities.extend([omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO])
+    if req.max_audio_frames is not None:
+        out.talker_sampling.max_new_tokens = req.max_audio_frames
     return out

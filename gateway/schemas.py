@@ -109,6 +109,10 @@ class SpeechRequest(_Open):
     speed: float = Field(default=1.0, ge=0.25, le=4.0)
     stream_format: Literal["audio", "sse"] = "audio"
     instructions: str | None = None
+    # Not OpenAI's: the talker's frame limit for this request (12.5 frames a second for Qwen3-Omni).
+    # Without it the talker's own default applies and audio cut there is an error the caller sees;
+    # with it, reaching it is the end the caller asked for.
+    max_audio_frames: int | None = Field(default=None, ge=1)
 
 
 SPEECH_REFUSED = {

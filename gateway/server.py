@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -40,6 +40,7 @@ from prometheus_client import (
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import audio as audio_codec
+from gateway.asgi import BearerAuth, CallStream, IncompleteFilter, StreamBroken, metrics_wsgi_app
 from gateway.convert import chat_to_proto, speech_to_proto
 from gateway.errors import APIError, bad_request, from_rpc, from_validation
 from gateway.schemas import (
@@ -49,23 +50,24 @@ from gateway.schemas import (
     SpeechRequest,
     refused_fields,
 )
+from gateway.voices import resolve_voice
 from omni.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 from services.runtime.errors import UserError, run_cli
 from services.runtime.families import DEFAULT_VOICES, Family
-from services.runtime.settings import env_default
+from services.runtime.settings import env_default, env_flag
+from services.serving.channels import RotatingChannels
 from services.serving.gc_heap import GCCollector, freeze_startup_heap
 from services.serving.grpc_server import channel_options
-from services.serving.security import (
-    TLSConfig,
-    add_tls_flags,
-    secure_or_insecure_channel,
-    tls_from_args,
-)
+from services.serving.security import TLSConfig, add_tls_flags, load_tokens, tls_from_args
 from services.serving.streams import read
 
 log = logging.getLogger("gateway")
 OMNI_SERVICE = "omni.v1.Omni"
 AUDIO_TTL_S = 3600  # `expires_at` of a returned audio: the gateway stores nothing, the id is informational
+# Every router call goes round robin over the addresses its target resolves to: one for a Service's
+# ClusterIP, every ready router pod for a headless Service (dns:///omni-router-headless:50051).
+ROUND_ROBIN = ("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]}))
+OPEN_PATHS = ("/live", "/health")  # probes: no token (they carry no data)
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,10 @@ class GatewayConfig:
     end_token_id: int = 151645  # <|im_end|>: its text is not part of an OpenAI reply
     end_token_text: str = "<|im_end|>"
     family: Family = Family.QWEN3_OMNI  # the checkpoint's (its config.json model_type), for the default voice
+    auth_tokens: tuple[bytes, ...] = ()  # callers' bearer tokens; empty = no check here (the router may check)
+    send_timeout_s: float = 30.0  # a streamed write blocked this long (the client stopped reading) ends the call
+    max_audio_seconds: float = 300.0  # per mp3 input audio part (the thinker's --max-audio-seconds default)
+    router_refresh_s: float = 60.0  # a new channel (a new DNS resolution) this often: new router pods get calls
 
     @property
     def default_voice(self) -> str | None:
@@ -154,22 +160,29 @@ class Call:
         self.received = time.perf_counter()
         auth = http.headers.get("authorization")
         metadata = (("authorization", auth),) if auth else None
-        self.call = gateway.stub.Generate(request, timeout=gateway.config.timeout_s, metadata=metadata)
+        self.call = gateway.stub().Generate(request, timeout=gateway.config.timeout_s, metadata=metadata)
         self.first: omni_pb2.GenerateResponse | None = None
         self.final: omni_pb2.Final | None = None
         self._seen_audio = False
         self._counted = False
 
-    async def start(self) -> None:
+    async def start(self, http: Request) -> None:
+        """Waits for the first response (the router's queue included), cancelling the call as soon
+        as the HTTP client goes away meanwhile."""
         self.gateway.metrics.in_flight.inc()
+        watcher = asyncio.create_task(_watch_disconnect(http, self))
         try:
             self.first = await read(self.call)  # never cancelled mid-read (services/serving/streams.py)
         except grpc.RpcError as err:
             self.done()
+            if watcher.done() and not watcher.cancelled() and watcher.result():
+                raise ClientGone from None
             raise from_rpc(err, speech=self.endpoint == "speech") from None
         except BaseException:
             self.done()
             raise
+        finally:
+            watcher.cancel()
         if self.first is grpc.aio.EOF:
             self.done()
             raise APIError(502, "the router ended the stream without a response", "server_error", None, "bad_gateway")
@@ -198,19 +211,17 @@ class Call:
             self.gateway.metrics.in_flight.dec()
 
 
-class CallStream(StreamingResponse):
-    """A streamed response tied to its router call: however the response ends (done, the client
-    gone before or during the body, an error), the call is cancelled, which frees every stage."""
+class ClientGone(Exception):
+    """The HTTP client went away before its response: nothing to send."""
 
-    def __init__(self, call: Call, content, **kwargs):
-        super().__init__(content, **kwargs)
-        self.router_call = call
 
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.router_call.cancel()
+async def _watch_disconnect(http: Request, call: Call) -> bool:
+    """True (and the call cancelled) once the client disconnects; runs until cancelled."""
+    while True:
+        message = await http.receive()
+        if message["type"] == "http.disconnect":
+            call.cancel()
+            return True
 
 
 def _finish_reason(final: omni_pb2.Final | None, audio: bool) -> str:
@@ -246,28 +257,71 @@ class Gateway:
     def __init__(self, config: GatewayConfig):
         self.config = config
         self.metrics = Metrics()
-        self.channel: grpc.aio.Channel | None = None
-        self.stub: omni_pb2_grpc.OmniStub | None = None
+        self.channels: RotatingChannels | None = None
+        self._stub: tuple[grpc.aio.Channel, omni_pb2_grpc.OmniStub] | None = None
+        self._opened = 0.0  # monotonic time the current channel was opened
         self.created = int(time.time())
 
     async def open(self) -> None:
-        self.channel = secure_or_insecure_channel(self.config.router, self.config.tls,
-                                                  channel_options(self.config.max_message_bytes), aio=True)
-        self.stub = omni_pb2_grpc.OmniStub(self.channel)
+        options = channel_options(self.config.max_message_bytes) + [ROUND_ROBIN]
+        self.channels = RotatingChannels(self.config.tls, options)
+        self.channel()
 
     async def close(self) -> None:
-        if self.channel is not None:
-            await self.channel.close()
+        if self.channels is not None:
+            await self.channels.close()
 
-    def check_voice(self, voice: str | None, param: str) -> None:
-        if voice is None or not self.config.voices:
+    def channel(self) -> grpc.aio.Channel:
+        """The channel to the router for a new call. A new one when the TLS files rotated (its
+        handshakes use the new certificate; RotatingChannels) or every `router_refresh_s` (a new DNS
+        resolution: router pods added since are called too); the old one closes after its calls."""
+        now = time.monotonic()
+        if self._stub is not None and now - self._opened > self.config.router_refresh_s:
+            self.channels._retire(self._stub[0])
+            self.channels._channels.pop(self.config.router, None)
+        channel = self.channels.get(self.config.router)
+        if self._stub is None or self._stub[0] is not channel:
+            self._stub, self._opened = (channel, omni_pb2_grpc.OmniStub(channel)), now
+        return channel
+
+    def stub(self) -> omni_pb2_grpc.OmniStub:
+        self.channel()
+        return self._stub[1]
+
+    def voice(self, voice: str | None, param: str) -> str | None:
+        """The checkpoint voice a request's voice names (OpenAI's names mapped: gateway/voices.py);
+        400 naming `param` for one the checkpoint does not have."""
+        if voice is None:
+            return None
+        resolved = resolve_voice(voice, self.config.voices, self.config.default_voice)
+        if self.config.voices and resolved not in self.config.voices:
+            raise bad_request(param, f"{param}: unknown voice {voice!r}; known: "
+                                     f"{', '.join(sorted(self.config.voices))} and OpenAI's names (docs/gateway.md)")
+        return resolved
+
+    def check_size(self, request: omni_pb2.GenerateRequest) -> None:
+        """413 for a request over the router's message limit (gRPC would refuse it as
+        RESOURCE_EXHAUSTED, which callers retry as a 429), naming its largest part."""
+        size = request.ByteSize()
+        if size <= self.config.max_message_bytes:
             return
-        if voice.lower() not in self.config.voices:
-            raise bad_request(param, f"{param}: unknown voice {voice!r}; known: {', '.join(sorted(self.config.voices))}")
+        param, largest = None, 0
+        for i, message in enumerate(request.messages):
+            for j, part in enumerate(message.content):
+                kind = part.WhichOneof("part")
+                length = part.ByteSize()
+                if length > largest:
+                    largest = length
+                    name = {"audio": ".input_audio", "image": ".image_url"}.get(kind, "")
+                    param = f"messages[{i}].content[{j}]{name}"
+        raise APIError(413, f"the request is {size >> 20} MB as the router takes it, over its "
+                            f"{self.config.max_message_bytes >> 20} MB message limit"
+                            + (f"; its largest part is {param} ({largest >> 20} MB)" if param else ""),
+                       "invalid_request_error", param, "request_too_large")
 
     async def ready(self) -> bool:
         try:
-            response = await health_pb2_grpc.HealthStub(self.channel).Check(
+            response = await health_pb2_grpc.HealthStub(self.channel()).Check(
                 health_pb2.HealthCheckRequest(service=OMNI_SERVICE), timeout=2.0)
         except grpc.RpcError:
             return False
@@ -278,16 +332,24 @@ class Gateway:
         refused = refused_fields(body, CHAT_REFUSED)
         if refused is not None:
             raise bad_request(refused[0], f"{refused[0]}: {refused[1]}", code="unsupported_parameter")
-        request, audio, fmt = chat_to_proto(body, self.config.default_voice)
-        if audio:
-            self.check_voice(body.audio.voice, "audio.voice")
+        if _has_media(body):  # base64 and mp3 decoding: off the event loop
+            request, audio, fmt = await asyncio.to_thread(chat_to_proto, body, self.config.default_voice,
+                                                          self.config.max_audio_seconds)
+        else:
+            request, audio, fmt = chat_to_proto(body, self.config.default_voice, self.config.max_audio_seconds)
+        if audio and request.voice:
+            request.voice = self.voice(request.voice, "audio.voice")
+        self.check_size(request)
         call = Call(self, request, http, "chat")
-        await call.start()
+        try:
+            await call.start(http)
+        except ClientGone:
+            return Response(status_code=499)
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return CallStream(call, self._chat_stream(call, completion_id, audio, include_usage),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                              "text/event-stream", self.config.send_timeout_s, {"Cache-Control": "no-cache"})
         text, chunks = [], []
         try:
             async for response in _until_disconnect(call, http):
@@ -296,6 +358,8 @@ class Gateway:
                     text.append(reply_text(response.text, self.config))
                 elif kind == "audio":
                     chunks.append(audio_codec.float_from_bytes(response.audio.pcm))
+        except ClientGone:
+            return Response(status_code=499)  # nobody to send it to; the call is cancelled everywhere
         except grpc.RpcError as err:
             raise from_rpc(err) from None
         finally:
@@ -303,12 +367,8 @@ class Gateway:
         content = "".join(text)
         message: dict = {"role": "assistant", "content": content, "refusal": None}
         if audio:
-            import numpy as np
-
-            samples = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
-            data = await asyncio.to_thread(audio_codec.encode, samples, fmt)
             message["content"] = None  # OpenAI: with audio out, the text is the audio's transcript
-            message["audio"] = {"id": f"audio_{uuid.uuid4().hex}", "data": base64.b64encode(data).decode(),
+            message["audio"] = {"id": f"audio_{uuid.uuid4().hex}", "data": AUDIO_PLACEHOLDER,
                                 "expires_at": int(time.time()) + AUDIO_TTL_S, "transcript": content}
         payload = {
             "id": completion_id, "object": "chat.completion", "created": int(time.time()), "model": self.config.model,
@@ -316,17 +376,27 @@ class Gateway:
                          "logprobs": None}],
             "usage": _usage(call.final), "system_fingerprint": None,
         }
-        return JSONResponse(payload)
+        # Encoding, base64 and the JSON text in a worker thread: a long answer's audio is tens of MB.
+        rendered = await asyncio.to_thread(_render_completion, payload, chunks if audio else None, fmt)
+        return Response(rendered, media_type="application/json")
 
     async def _chat_stream(self, call: Call, completion_id: str, audio: bool, include_usage: bool):
         created = int(time.time())
         audio_id = f"audio_{uuid.uuid4().hex}"
-        expires = created + AUDIO_TTL_S
+        sent_id = False  # OpenAI sends the audio's id and expires_at once: the SDK's stream helper adds them up
+        held = b""  # pcm16 bytes held back so that every delta's base64 is unpadded (whole 3-byte groups)
 
         def chunk(delta: dict, finish: str | None = None) -> str:
             return _sse({"id": completion_id, "object": "chat.completion.chunk", "created": created,
                          "model": self.config.model, "system_fingerprint": None,
                          "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]})
+
+        def audio_delta(fields: dict) -> dict:
+            nonlocal sent_id
+            if not sent_id:
+                sent_id = True
+                return {"audio": {"id": audio_id, "expires_at": created + AUDIO_TTL_S, **fields}}
+            return {"audio": fields}
 
         try:
             yield chunk({"role": "assistant", "content": "" if not audio else None})
@@ -334,14 +404,17 @@ class Gateway:
                 kind = response.WhichOneof("event")
                 text = reply_text(response.text, self.config) if kind == "text" else ""
                 if text:
-                    if audio:
-                        yield chunk({"audio": {"id": audio_id, "transcript": text}})
-                    else:
-                        yield chunk({"content": text})
+                    yield chunk(audio_delta({"transcript": text}) if audio else {"content": text})
                 elif kind == "audio":
-                    pcm = audio_codec.pcm16_bytes(audio_codec.float_from_bytes(response.audio.pcm))
-                    yield chunk({"audio": {"id": audio_id, "data": base64.b64encode(pcm).decode(),
-                                           "expires_at": expires}})
+                    # NOTE: the helper concatenates the deltas' base64 strings; that decodes only if
+                    # no delta but the last ends in padding, so each carries a multiple of 6 bytes.
+                    pcm = held + audio_codec.pcm16_bytes(audio_codec.float_from_bytes(response.audio.pcm))
+                    cut = len(pcm) - len(pcm) % 6
+                    pcm, held = pcm[:cut], pcm[cut:]
+                    if pcm:
+                        yield chunk(audio_delta({"data": base64.b64encode(pcm).decode()}))
+            if held:
+                yield chunk(audio_delta({"data": base64.b64encode(held).decode()}))
             yield chunk({}, _finish_reason(call.final, audio))
             if include_usage:
                 yield _sse({"id": completion_id, "object": "chat.completion.chunk", "created": created,
@@ -365,19 +438,28 @@ class Gateway:
             raise bad_request("response_format", f"response_format: {fmt} cannot be encoded here (libsndfile has "
                                                  f"no {fmt} encoder); use mp3, opus, flac, wav or pcm",
                               code="unsupported_value")
-        self.check_voice(body.voice, "voice")
-        call = Call(self, speech_to_proto(body), http, "speech")
-        await call.start()
+        request = speech_to_proto(body)
+        request.voice = self.voice(body.voice, "voice")
+        self.check_size(request)
+        cut_is_error = body.max_audio_frames is None  # cut at the talker's default, not at the caller's limit
+        call = Call(self, request, http, "speech")
+        try:
+            await call.start(http)
+        except ClientGone:
+            return Response(status_code=499)
         if body.stream_format == "sse":
-            return CallStream(call, self._speech_sse(call, fmt), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        if fmt == "pcm":
-            return CallStream(call, self._speech_pcm(call), media_type=audio_codec.MIME[fmt])
-        chunks = []
+            return CallStream(call, self._speech_sse(call, fmt, cut_is_error), "text/event-stream", self.config.send_timeout_s,
+                              {"Cache-Control": "no-cache"})
+        if fmt == "pcm" or fmt in audio_codec.STREAMED_FORMATS:
+            return CallStream(call, self._speech_audio(call, fmt, cut_is_error), audio_codec.MIME[fmt],
+                              self.config.send_timeout_s)
+        chunks = []  # flac: written whole (a FLAC stream of unknown length is one few readers take)
         try:
             async for response in _until_disconnect(call, http):
                 if response.WhichOneof("event") == "audio":
                     chunks.append(audio_codec.float_from_bytes(response.audio.pcm))
+        except ClientGone:
+            return Response(status_code=499)
         except grpc.RpcError as err:
             raise from_rpc(err, speech=True) from None
         finally:
@@ -386,37 +468,64 @@ class Gateway:
 
         samples = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
         data = await asyncio.to_thread(audio_codec.encode, samples, fmt)
+        if cut_is_error and _speech_finish(call.final) == "length":
+            raise _cut(call.final)
         return Response(data, media_type=audio_codec.MIME[fmt])
 
-    async def _speech_pcm(self, call: Call):
+    async def _speech_audio(self, call: Call, fmt: str, cut_is_error: bool):
+        """The audio file as it is encoded (pcm: each chunk's pcm16). A failure after the headers, or
+        audio cut at the talker's frame limit, ends the body incomplete (gateway/asgi.py)."""
+        encoder = None if fmt == "pcm" else audio_codec.StreamEncoder(fmt)
         try:
             async for response in call.responses():
-                if response.WhichOneof("event") == "audio":
-                    yield audio_codec.pcm16_bytes(audio_codec.float_from_bytes(response.audio.pcm))
+                if response.WhichOneof("event") != "audio":
+                    continue
+                samples = audio_codec.float_from_bytes(response.audio.pcm)
+                if encoder is None:
+                    yield audio_codec.pcm16_bytes(samples)
+                else:
+                    yield await asyncio.to_thread(encoder.feed, samples)
+            if encoder is not None:
+                yield await asyncio.to_thread(encoder.finish)
+                encoder = None
+            if cut_is_error and _speech_finish(call.final) == "length":
+                raise StreamBroken(_cut(call.final).message)
         except grpc.RpcError as err:
-            # Headers are sent: all a raw byte stream can do is end early (logged).
-            log.warning("speech stream failed after the response started: %s", from_rpc(err, speech=True).message)
+            raise StreamBroken(f"the router call failed: {from_rpc(err, speech=True).message}") from None
         finally:
             call.cancel()
 
-    async def _speech_sse(self, call: Call, fmt: str):
+    async def _speech_sse(self, call: Call, fmt: str, cut_is_error: bool):
+        """`speech.audio.delta` events as the audio is encoded (flac: one, at the end), then
+        `speech.audio.done`; a failure, or audio cut at the talker's frame limit, is an error event
+        instead of the done event."""
+        encoder = audio_codec.StreamEncoder(fmt) if fmt in audio_codec.STREAMED_FORMATS else None
         chunks = []
+
+        def delta(data: bytes) -> str:
+            return _sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}) if data else ""
+
         try:
             async for response in call.responses():
                 if response.WhichOneof("event") != "audio":
                     continue
                 samples = audio_codec.float_from_bytes(response.audio.pcm)
                 if fmt == "pcm":
-                    yield _sse({"type": "speech.audio.delta",
-                                "audio": base64.b64encode(audio_codec.pcm16_bytes(samples)).decode()})
+                    yield delta(audio_codec.pcm16_bytes(samples))
+                elif encoder is not None:
+                    yield delta(await asyncio.to_thread(encoder.feed, samples))
                 else:
                     chunks.append(samples)
-            if fmt != "pcm":
+            if encoder is not None:
+                yield delta(await asyncio.to_thread(encoder.finish))
+            elif fmt != "pcm":
                 import numpy as np
 
                 samples = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
-                data = await asyncio.to_thread(audio_codec.encode, samples, fmt)
-                yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+                yield delta(await asyncio.to_thread(audio_codec.encode, samples, fmt))
+            if cut_is_error and _speech_finish(call.final) == "length":
+                yield _cut(call.final).sse()
+                return
             u = call.final.usage if call.final is not None else omni_pb2.Usage()
             yield _sse({"type": "speech.audio.done", "usage": {
                 "input_tokens": u.prompt_tokens, "output_tokens": u.codec_frames,
@@ -435,24 +544,52 @@ class Gateway:
                 "modalities": ["text", "audio"]}
 
 
+AUDIO_PLACEHOLDER = "\x00audio\x00"  # where a non-streamed reply's base64 goes into its JSON text
+
+
+def _has_media(body: ChatCompletionRequest) -> bool:
+    return any(not isinstance(m.content, str) and any(p.type != "text" for p in m.content or ())
+               for m in body.messages)
+
+
+def _render_completion(payload: dict, chunks: list | None, fmt: str) -> bytes:
+    """The chat.completion JSON; its audio encoded and base64'd straight into the text (json.dumps of
+    the base64 string would copy and scan tens of MB for characters that base64 never holds)."""
+    text = json.dumps(payload, separators=(",", ":"))
+    if chunks is None:
+        return text.encode()
+    import numpy as np
+
+    samples = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+    data = base64.b64encode(audio_codec.encode(samples, fmt))
+    head, tail = text.encode().split(json.dumps(AUDIO_PLACEHOLDER).encode(), 1)
+    return b"".join((head, b'"', data, b'"', tail))
+
+
+def _speech_finish(final: omni_pb2.Final | None) -> str:
+    return "length" if final is not None and final.audio_finish_reason == common_pb2.FINISH_REASON_LENGTH else "stop"
+
+
+def _cut(final: omni_pb2.Final | None) -> APIError:
+    frames = final.usage.codec_frames if final is not None else 0
+    return APIError(500, f"speech cut at the talker's frame limit after {frames} frames: the input is longer "
+                         "than the talker speaks in one request (set max_audio_frames to accept a cut)",
+                    "server_error", "input", "audio_truncated")
+
+
 async def _until_disconnect(call: Call, http: Request):
     """The call's responses; cancels it if the HTTP client goes away while we collect (non-streamed
-    responses have no body to fail on, so the disconnect is watched for)."""
-    stop = asyncio.Event()
-
-    async def watch() -> None:
-        while not stop.is_set():
-            message = await http.receive()
-            if message["type"] == "http.disconnect":
-                call.cancel()
-                return
-
-    watcher = asyncio.create_task(watch())
+    responses have no body to fail on, so the disconnect is watched for), and then raises
+    ClientGone instead of the call's CANCELLED."""
+    watcher = asyncio.create_task(_watch_disconnect(http, call))
     try:
         async for response in call.responses():
             yield response
+    except grpc.RpcError:
+        if watcher.done() and not watcher.cancelled() and watcher.result():
+            raise ClientGone from None
+        raise
     finally:
-        stop.set()
         watcher.cancel()
 
 
@@ -522,6 +659,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
     metrics = gateway.metrics
 
     app.add_middleware(CountAndLimit, metrics=metrics, max_body_bytes=config.max_body_bytes)
+    # Outermost: a caller without a token is refused before its body is read or counted.
+    app.add_middleware(BearerAuth, tokens=config.auth_tokens, open_paths=OPEN_PATHS, denied=lambda: APIError(
+        401, "missing or invalid bearer token (Authorization: Bearer <token>)", "invalid_request_error", None,
+        "invalid_api_key", {"WWW-Authenticate": "Bearer"}).response())
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -610,6 +751,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grace-s", type=float, default=env_default("grace_s", 30.0),
                         help="on SIGTERM: stop accepting, give open streams this long (default 30)")
     parser.add_argument("--port-file", help="write the bound port here once listening")
+    parser.add_argument("--auth-token-file", default=env_default("auth_token_file", None),
+                        help="bearer tokens callers must present (one per line; also OMNI_AUTH_TOKENS, comma-"
+                             "separated): every route but /live and /health, /metrics and --metrics-port included")
+    parser.add_argument("--require-auth", action="store_true", default=env_flag("require_auth"),
+                        help="refuse to start without tokens (Kubernetes: no open port by mistake)")
+    parser.add_argument("--send-timeout-s", type=float, default=env_default("send_timeout_s", 30.0),
+                        help="a streamed response whose client takes no bytes for this long is ended and its "
+                             "router call cancelled (default 30)")
+    parser.add_argument("--max-audio-seconds", type=float, default=env_default("max_audio_seconds", 300.0),
+                        help="longest mp3 input audio part, decoded here (default 300, the thinker's default)")
+    parser.add_argument("--router-refresh-s", type=float, default=env_default("router_refresh_s", 60.0),
+                        help="open a new channel to the router this often, so that a DNS name's new router "
+                             "pods get calls (default 60; calls go round robin over its addresses)")
     add_tls_flags(parser)
     args = parser.parse_args(argv)
 
@@ -621,12 +775,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.voices:
             voices = tuple(v.strip().lower() for v in args.voices.split(",") if v.strip())
         name = args.model_name or (Path(args.checkpoint).name if args.checkpoint else "qwen3-omni")
+        tokens = load_tokens(args.auth_token_file)
+        if args.require_auth and not tokens:
+            raise UserError("--require-auth: no tokens (--auth-token-file or OMNI_AUTH_TOKENS)")
         config = GatewayConfig(router=args.router, host=args.host, port=args.port, model=name, voices=voices,
                                timeout_s=args.timeout_s, tls=tls_from_args(args),
                                max_message_bytes=args.max_message_mb << 20,
                                max_body_bytes=args.max_body_mb << 20,
-                               end_token_id=end_token_from_config(checkpoint), family=family_from_config(checkpoint))
+                               end_token_id=end_token_from_config(checkpoint), family=family_from_config(checkpoint),
+                               auth_tokens=tokens, send_timeout_s=args.send_timeout_s,
+                               max_audio_seconds=args.max_audio_seconds, router_refresh_s=args.router_refresh_s)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(message)s")
+        logging.getLogger("uvicorn.error").addFilter(IncompleteFilter())
         try:
             sock = listen_socket(config.host, config.port)
         except OSError as exc:
@@ -634,14 +794,22 @@ def main(argv: list[str] | None = None) -> int:
         port = sock.getsockname()[1]
         app = create_app(config)
         if args.metrics_port:
-            from prometheus_client import start_http_server
+            import threading
+            from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-            start_http_server(args.metrics_port, addr=config.host, registry=app.state.gateway.metrics.registry)
+            class Quiet(WSGIRequestHandler):
+                def log_message(self, *args) -> None:
+                    pass
+
+            metrics_server = make_server(config.host, args.metrics_port,
+                                         metrics_wsgi_app(app.state.gateway.metrics.registry, tokens),
+                                         handler_class=Quiet)
+            threading.Thread(target=metrics_server.serve_forever, daemon=True, name="metrics").start()
         # Keep-alive longer than the usual 60 s idle timeout of load balancers, so they close first.
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=75,
                                                timeout_graceful_shutdown=args.grace_s))
-        log.info("omni-gateway on %s:%d -> router %s (model %s, voices %s)", config.host, port, config.router,
-                 config.model, ",".join(voices) or "?")
+        log.info("omni-gateway on %s:%d -> router %s (model %s, voices %s, %s)", config.host, port, config.router,
+                 config.model, ",".join(voices) or "?", f"{len(tokens)} tokens" if tokens else "no token check")
         log.info("froze %d start-up objects out of garbage collection", freeze_startup_heap())
         if args.port_file:
             Path(args.port_file).write_text(str(port))

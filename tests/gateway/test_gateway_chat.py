@@ -11,6 +11,7 @@ import base64
 import io
 
 import numpy as np
+import pytest
 import soundfile as sf
 
 from omni.v1 import omni_pb2
@@ -114,7 +115,9 @@ def test_streaming_text_and_audio_equal_grpc_and_interleave(async_client, omni):
             finish = choice.finish_reason or finish
     assert transcript == reply(want)
     assert_within_lsb(pcm16_to_float(pcm), want.audio)
-    assert order.count("audio") == len(want.audio_chunks) and order.count("text") >= 1
+    # One audio delta per chunk the router streamed; the chunking itself depends on timing (code2wav
+    # decodes what is ready: 16 and 19 chunks measured for this request), so only "several" is fixed.
+    assert order.count("audio") >= 2 and order.count("text") >= 1
     assert finish in ("stop", "length")
     assert chunks[-1].choices == [] and usage.completion_tokens_details.audio_tokens == want.final.usage.codec_frames
     # One SSE chunk per router event, in the order the router sent them (text comes first).
@@ -168,3 +171,33 @@ def test_streamed_audio_and_transcript_interleave_on_a_long_answer(client):
     assert "audio" in kinds
     last_text = len(kinds) - 1 - kinds[::-1].index("text")
     assert kinds.index("audio") < last_text
+
+
+def test_the_sdks_stream_helper_accumulates_one_audio_id_and_whole_audio(client, omni):
+    """`client.chat.completions.stream(...)` adds up every delta: strings are concatenated and numbers
+    summed. So the audio's id and expires_at come once (as OpenAI sends them), and each delta's
+    base64 is whole 3-byte groups: the accumulated `data` decodes to the whole audio."""
+    import time
+
+    want = grpc_result(omni, "Tell me more.", 10, speak=True, voice="ethan")
+    import openai
+
+    audio_deltas = 0
+    # The tiny thinker never ends by itself: max_tokens ends it, and the helper then raises
+    # LengthFinishReasonError holding the accumulated completion.
+    with pytest.raises(openai.LengthFinishReasonError) as caught:
+        with client.chat.completions.stream(
+                model="m", messages=[{"role": "user", "content": "Tell me more."}], max_tokens=10,
+                modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"}) as stream:
+            for event in stream:
+                if event.type == "chunk" and event.chunk.choices:
+                    audio_deltas += bool((event.chunk.choices[0].delta.model_dump().get("audio") or {}).get("data"))
+            stream.get_final_completion()
+    final = caught.value.completion
+    assert final.choices[0].finish_reason == "length"
+    audio = final.choices[0].message.audio
+    assert audio_deltas >= 2
+    assert audio.id.startswith("audio_") and len(audio.id) == len("audio_") + 32  # one id, not N of them
+    assert abs(audio.expires_at - (time.time() + 3600)) < 600  # one expires_at, not a sum
+    assert audio.transcript == reply(want)
+    assert_within_lsb(pcm16_to_float(base64.b64decode(audio.data, validate=True)), want.audio)
