@@ -70,6 +70,12 @@ class CallStream(StreamingResponse):
             await write({"type": "http.response.body", "body": b"", "more_body": False})
         except _ClientGone:
             pass
+        except asyncio.CancelledError:
+            # Reading a grpc.aio call cancelled because the client left raises CancelledError: how
+            # the call ended, not an order to stop this task (then re-raised).
+            task = asyncio.current_task()
+            if not gone.is_set() or (task is not None and task.cancelling()):
+                raise
         except StreamBroken as broken:
             log.warning("stream ended incomplete: %s", broken)
         finally:

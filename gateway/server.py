@@ -173,10 +173,12 @@ class Call:
         watcher = asyncio.create_task(_watch_disconnect(http, self))
         try:
             self.first = await read(self.call)  # never cancelled mid-read (services/serving/streams.py)
-        except grpc.RpcError as err:
+        except (grpc.RpcError, asyncio.CancelledError) as err:
             self.done()
-            if watcher.done() and not watcher.cancelled() and watcher.result():
+            if _left(watcher):
                 raise ClientGone from None
+            if isinstance(err, asyncio.CancelledError):
+                raise
             raise from_rpc(err, speech=self.endpoint == "speech") from None
         except BaseException:
             self.done()
@@ -585,12 +587,21 @@ async def _until_disconnect(call: Call, http: Request):
     try:
         async for response in call.responses():
             yield response
-    except grpc.RpcError:
-        if watcher.done() and not watcher.cancelled() and watcher.result():
+    except (grpc.RpcError, asyncio.CancelledError):
+        if _left(watcher):
             raise ClientGone from None
         raise
     finally:
         watcher.cancel()
+
+
+def _left(watcher: asyncio.Task) -> bool:
+    """The client went away (the watcher saw it and cancelled the call), and this task itself is not
+    being cancelled: a read of a cancelled grpc.aio call raises CancelledError (or CANCELLED), which
+    is then only how the call ended, not an order to stop."""
+    task = asyncio.current_task()
+    return (watcher.done() and not watcher.cancelled() and watcher.result()
+            and not (task is not None and task.cancelling()))
 
 
 class CountAndLimit:
@@ -715,7 +726,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     return app
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
+def listen_socket(host: str, port: int, send_buffer_bytes: int = 256 << 10) -> socket.socket:
     """The bound listening socket uvicorn serves on (port 0: any free one).
 
     proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say they are TCP, and
@@ -723,6 +734,10 @@ def listen_socket(host: str, port: int) -> socket.socket:
     for the client's delayed ACK (about 40 ms on Linux) once a kept-alive connection is reused."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Accepted sockets inherit a fixed send buffer: with Linux's autotuning (up to tcp_wmem's 4 MB) a
+    # client that stops reading left seconds of audio in the kernel before a write blocked and the
+    # send timeout could see it. 256 kB is 4 s of SSE pcm16 audio at 24 kHz, and 2.5 MB/s at 100 ms RTT.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
     sock.bind((host, port))
     return sock
 
@@ -759,6 +774,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--send-timeout-s", type=float, default=env_default("send_timeout_s", 30.0),
                         help="a streamed response whose client takes no bytes for this long is ended and its "
                              "router call cancelled (default 30)")
+    parser.add_argument("--send-buffer-kb", type=int, default=env_default("send_buffer_kb", 256),
+                        help="kernel send buffer of each client connection (default 256: 4 s of streamed "
+                             "audio; smaller: a client that stops reading is noticed sooner)")
     parser.add_argument("--max-audio-seconds", type=float, default=env_default("max_audio_seconds", 300.0),
                         help="longest mp3 input audio part, decoded here (default 300, the thinker's default)")
     parser.add_argument("--router-refresh-s", type=float, default=env_default("router_refresh_s", 60.0),
@@ -788,7 +806,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(message)s")
         logging.getLogger("uvicorn.error").addFilter(IncompleteFilter())
         try:
-            sock = listen_socket(config.host, config.port)
+            sock = listen_socket(config.host, config.port, args.send_buffer_kb << 10)
         except OSError as exc:
             raise UserError(f"cannot listen on {config.host}:{config.port}: {exc}") from None
         port = sock.getsockname()[1]

@@ -53,7 +53,7 @@ def start_gateway(router: str, log_dir: Path, *args: str, timeout_s: float = 60.
         if popen.poll() is not None:
             raise RuntimeError(f"gateway exited with {popen.returncode}: {log.read_text()}")
         try:
-            urllib.request.urlopen(f"{gateway.url}/v1/models", timeout=1).read()
+            urllib.request.urlopen(f"{gateway.url}/live", timeout=1).read()  # a probe: open with tokens too
             return gateway
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             time.sleep(0.1)

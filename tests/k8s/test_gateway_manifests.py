@@ -45,10 +45,14 @@ def test_gateway_deployment_service_and_budget(rendered, kustomization):
     assert port["targetPort"] == "http"
     pdb = objects.get("PodDisruptionBudget", "omni-gateway")
     assert pdb["spec"].get("maxUnavailable") == 1 and "minAvailable" not in pdb["spec"]
-    # The gateway reaches the router through the router's Service, on the port the router listens on.
-    router_service = objects.get("Service", "omni-router")
+    # The gateway reaches every router pod through the router's headless Service (round robin over
+    # its addresses), on the port the router listens on, checking the router's own name under mTLS.
+    router_service = objects.get("Service", "omni-router-headless")
+    assert router_service["spec"]["clusterIP"] == "None"
+    assert router_service["spec"]["selector"] == objects.get("Service", "omni-router")["spec"]["selector"]
     host, _, router_port = parsed.args.router.rpartition(":")
-    assert host == router_service["metadata"]["name"]
+    assert host == "dns:///" + router_service["metadata"]["name"]
+    assert parsed.args.tls_server_name == "omni-router"
     router_container = main_container(objects.deployment("router"))
     router_args = parse_with_service(entry_point(router_container), argv_of(router_container),
                                      container_env(objects, router_container)).args
@@ -60,6 +64,22 @@ def test_gateway_deployment_service_and_budget(rendered, kustomization):
     assert pod_spec(workload)["terminationGracePeriodSeconds"] >= float(pre_stop[1]) + parsed.args.grace_s + 10
     # A gateway stream is a router stream: its drain is at least the router's.
     assert parsed.args.grace_s >= router_args.grace_s
+
+
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+def test_gateway_requires_tokens_from_its_secret(rendered, kustomization):
+    """No open port without a token: --require-auth, and the token file is a non-optional Secret
+    mounted as a folder (no subPath)."""
+    objects = rendered[kustomization]
+    workload = objects.deployment("gateway")
+    container, parsed = parsed_gateway(objects)
+    assert parsed.args.require_auth
+    folder, _, name = parsed.args.auth_token_file.rpartition("/")
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == folder]
+    assert "subPath" not in mount and mount.get("readOnly")
+    (volume,) = [v for v in pod_spec(workload)["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["secretName"] == "omni-gateway-tokens" and not volume["secret"].get("optional")
+    assert name == "tokens"
 
 
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)

@@ -101,12 +101,21 @@ def test_podmonitor_scrapes_the_metrics_port_of_every_component(overlays):
     selector = monitor["spec"]["selector"]["matchLabels"]
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     assert set(endpoint) <= {"port", "path", "interval"} and endpoint["path"] == "/metrics"
+    # The gateway's metrics port wants a bearer token: its own PodMonitor sends one.
+    gateway = yaml.safe_load((K8S / "monitoring" / "gateway-podmonitor.yaml").read_text())
+    assert monitor["spec"]["selector"]["matchExpressions"] == [
+        {"key": "app.kubernetes.io/component", "operator": "NotIn", "values": ["gateway"]}]
+    (gateway_endpoint,) = gateway["spec"]["podMetricsEndpoints"]
+    assert gateway_endpoint["authorization"] == {"type": "Bearer", "credentials": {
+        "name": "omni-gateway-tokens", "key": "metrics"}}
     for objects in overlays.values():
         for component in COMPONENTS:
             template = objects.deployment(component)["spec"]["template"]
-            assert selector.items() <= template["metadata"]["labels"].items(), component
+            labels = template["metadata"]["labels"]
+            chosen = gateway if labels.get("app.kubernetes.io/component") == "gateway" else monitor
+            assert chosen["spec"]["selector"]["matchLabels"].items() <= labels.items(), component
             ports = {p["name"] for p in template["spec"]["containers"][0]["ports"]}
-            assert endpoint["port"] in ports, component
+            assert endpoint["port"] in ports and gateway_endpoint["port"] == endpoint["port"], component
 
 
 def test_prometheus_adapter_serves_the_metric_the_autoscalers_read(overlays):
