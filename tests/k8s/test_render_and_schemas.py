@@ -98,7 +98,6 @@ def test_podmonitor_scrapes_the_metrics_port_of_every_component(overlays):
     monitor = yaml.safe_load((K8S / "monitoring" / "podmonitor.yaml").read_text())
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1" and monitor["kind"] == "PodMonitor"
     assert set(monitor["spec"]) == {"selector", "podMetricsEndpoints"}
-    selector = monitor["spec"]["selector"]["matchLabels"]
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     assert set(endpoint) <= {"port", "path", "interval"} and endpoint["path"] == "/metrics"
     # The gateway's metrics port wants a bearer token: its own PodMonitor sends one.
