@@ -135,3 +135,23 @@ def test_accepted_connections_get_tcp_nodelay():
         return value
 
     assert asyncio.run(run()) != 0
+
+
+def test_a_non_streamed_reply_splices_its_base64_audio_into_valid_json():
+    """The render that runs in a worker thread: the audio's base64 goes straight into the JSON text."""
+    import base64
+    import io
+
+    import numpy as np
+    import soundfile as sf
+
+    from gateway.server import AUDIO_PLACEHOLDER, _render_completion
+
+    chunks = [np.linspace(-0.5, 0.5, 2400, dtype=np.float32), np.zeros(1200, np.float32)]
+    payload = {"choices": [{"message": {"audio": {"id": "audio_x", "data": AUDIO_PLACEHOLDER, "transcript": "a\"b"}}}]}
+    body = json.loads(_render_completion(payload, chunks, "wav"))
+    audio = body["choices"][0]["message"]["audio"]
+    assert audio["transcript"] == 'a"b'
+    samples, rate = sf.read(io.BytesIO(base64.b64decode(audio["data"], validate=True)), dtype="float32")
+    assert rate == 24000 and samples.shape == (3600,)
+    assert json.loads(_render_completion({"x": 1}, None, "wav")) == {"x": 1}
