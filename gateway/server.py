@@ -57,9 +57,11 @@ from services.runtime.families import DEFAULT_VOICES, Family
 from services.runtime.settings import env_default, env_flag
 from services.serving.channels import RotatingChannels
 from services.serving.gc_heap import GCCollector, freeze_startup_heap
-from services.serving.grpc_server import channel_options
+from services.serving.grpc_server import channel_options, setup_logging
 from services.serving.security import TLSConfig, add_tls_flags, load_tokens, tls_from_args
 from services.serving.streams import read
+from services.serving.tracing import add_tracing_flags, tracing_from_args
+from services.serving.tracing import setup as setup_tracing
 
 log = logging.getLogger("gateway")
 OMNI_SERVICE = "omni.v1.Omni"
@@ -783,6 +785,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="open a new channel to the router this often, so that a DNS name's new router "
                              "pods get calls (default 60; calls go round robin over its addresses)")
     add_tls_flags(parser)
+    add_tracing_flags(parser)
     args = parser.parse_args(argv)
 
     def run() -> None:
@@ -803,7 +806,8 @@ def main(argv: list[str] | None = None) -> int:
                                end_token_id=end_token_from_config(checkpoint), family=family_from_config(checkpoint),
                                auth_tokens=tokens, send_timeout_s=args.send_timeout_s,
                                max_audio_seconds=args.max_audio_seconds, router_refresh_s=args.router_refresh_s)
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s gateway %(levelname)s %(message)s")
+        setup_logging("gateway", args.log_format)
+        setup_tracing("gateway", tracing_from_args(args), args.port)
         logging.getLogger("uvicorn.error").addFilter(IncompleteFilter())
         try:
             sock = listen_socket(config.host, config.port, args.send_buffer_kb << 10)

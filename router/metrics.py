@@ -7,6 +7,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     start_http_server,
 )
 
@@ -20,15 +21,27 @@ class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = r = registry or CollectorRegistry()
         r.register(GCCollector())
+        ProcessCollector(registry=r)  # process_start_time_seconds: the crash-loop alert (k8s/monitoring)
         self.requests = Counter("omni_router_requests", "Requests by outcome", ["outcome"], registry=r)
         self.queue_depth = Gauge("omni_router_queue_depth", "Requests waiting for admission", registry=r)
         self.in_flight = Gauge("omni_router_in_flight", "Requests admitted and streaming", registry=r)
+        self.in_flight_limit = Gauge("omni_router_in_flight_limit", "Requests that may stream at once (--max-in-flight)",
+                                     registry=r)
+        self.queue_limit = Gauge("omni_router_queue_limit", "Requests that may wait for admission (--max-queue)",
+                                 registry=r)
         self.ttft = Histogram("omni_router_ttft_seconds", "Request received to first text delta",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.ttfp = Histogram("omni_router_ttfp_seconds", "Request received to first audio chunk",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.rtf = Histogram("omni_router_rtf", "(last audio chunk - received) / audio seconds",
                              buckets=RTF_BUCKETS, registry=r)
+        # A listener that plays each request's audio from its first chunk on, as it arrives here: an
+        # underrun is a chunk that arrived after the audio before it had run out (omni-bench's
+        # figure, seen at the router, without the last hop to the client).
+        self.underruns = Counter("omni_router_underruns", "Times a request's audio ran dry before its next chunk arrived",
+                                 registry=r)
+        self.underrun_seconds = Counter("omni_router_underrun_seconds", "Silence those underruns add up to",
+                                        registry=r)
         self.replica_in_flight = Gauge("omni_router_replica_in_flight", "This router's requests per replica",
                                        ["stage", "replica"], registry=r)
         self.migrations = Counter("omni_router_migrations", "Requests moved off a dead thinker replica",

@@ -52,6 +52,8 @@ from services.serving.status import (
     failure_of_call,
 )
 from services.serving.streams import read
+from services.serving.tracing import RequestTrace, now_ns
+from services.serving.tracing import setup as setup_tracing
 
 log = logging.getLogger("router")
 SERVICE = omni_pb2.DESCRIPTOR.services_by_name["Omni"].full_name
@@ -126,7 +128,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
             self.metrics.replica_in_flight.labels(stage, replica.address).set(replica.in_flight)
 
     async def Generate(self, request: omni_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        received = time.perf_counter()
+        received, received_ns = time.perf_counter(), now_ns()
         self.metrics.queue_depth.set(self.admission.queued + 1)
         try:
             await self.admission.acquire()
@@ -138,13 +140,17 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         self.metrics.in_flight.set(self.admission.in_flight)
         route: dict[str, Replica] = {}
         outcome = grpc.StatusCode.UNKNOWN
+        spans: RequestTrace | None = None
         try:
             if not request.request_id:
                 request.request_id = uuid.uuid4().hex
+            spans = RequestTrace("router", request.request_id)
+            spans.phase("admission", received_ns, in_flight=self.admission.in_flight)
             fix_seeds(request)
             route, stage_route = self._route()
+            spans.set(**{f"omni.route.{stage}": replica.address for stage, replica in route.items()})
             self._track(route, +1)
-            async for response in self._stream(request, route, stage_route, context, received):
+            async for response in self._stream(request, route, stage_route, context, received, spans):
                 yield response
             outcome = grpc.StatusCode.OK
         except ReplayDiverged as exc:
@@ -162,13 +168,15 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
             outcome = grpc.StatusCode.CANCELLED
             raise
         finally:
+            if spans is not None:
+                spans.finish(_outcome(outcome))
             self.metrics.requests.labels(_outcome(outcome)).inc()
             self._track(route, -1)
             self.admission.release()
             self.metrics.in_flight.set(self.admission.in_flight)
 
     async def _stream(self, request, route: dict[str, Replica], stage_route: stages_pb2.Route, context,
-                      received: float):
+                      received: float, spans: RequestTrace):
         """Relay the thinker's stream. When the thinker replica dies mid-stream, re-send the request
         to the next healthy one (at most --max-migrations times) and pass up only what the client
         does not have yet: text tokens, audio samples and codec frames past those delivered."""
@@ -177,10 +185,12 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         tried, moves, moved_at = {route["thinker"].address}, 0, None
         first_text = first_audio = last_audio = None
         audio_samples, sample_rate = 0, 24000
+        played_until = None  # perf_counter when the audio passed up so far has played (a listener from the first chunk)
         while True:
             thinker = route["thinker"]
-            call = stages_pb2_grpc.ThinkerStub(self.stages["thinker"].channel(thinker.address)).Generate(
-                thinker_request, timeout=time_remaining(context))
+            with spans.within("migrate"):  # a replay's call under the `migrate` span of its move
+                call = stages_pb2_grpc.ThinkerStub(self.stages["thinker"].channel(thinker.address)).Generate(
+                    thinker_request, timeout=time_remaining(context))
             try:
                 async for response in _watched(call, "thinker", thinker.address, self.config.thinker_stall_s):
                     kind = response.WhichOneof("event")
@@ -206,16 +216,24 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                     if moved_at is not None:
                         self.metrics.migration_pause.labels("thinker").observe(now - moved_at)
                         moved_at = None
+                        spans.close("migrate", **{"omni.outcome": "moved"})
                     if kind == "text" and first_text is None:
                         first_text = now
                         self.metrics.ttft.observe(now - received)
+                        spans.event("first_text")
                     elif kind == "audio":
+                        spans.count("audio_chunks")
                         if first_audio is None:
                             first_audio = now
                             self.metrics.ttfp.observe(now - received)
+                            spans.event("first_audio")
                         last_audio = now
                         audio_samples += response.audio.num_samples
                         sample_rate = response.audio.sample_rate or sample_rate
+                        if played_until is not None and now > played_until:
+                            self.metrics.underruns.inc()
+                            self.metrics.underrun_seconds.inc(now - played_until)
+                        played_until = max(played_until or now, now) + response.audio.num_samples / sample_rate
                     yield response
                 break
             except (grpc.aio.AioRpcError, StreamIdle) as exc:
@@ -227,6 +245,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                 fallback = self.stages["thinker"].pick(exclude=tried)
                 if fallback is None or moves >= self.config.max_migrations:
                     self.metrics.migrations.labels("thinker", "failed").inc()
+                    spans.event("migration_failed", replica=thinker.address, reason=str(failure))
                     raise
                 log.warning("thinker replica %s failed mid-stream (%s); moved request %s to %s (move %d of at most %d)",
                             thinker.address, failure, request.request_id, fallback.address, moves + 1,
@@ -238,11 +257,16 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                 tried.add(fallback.address)
                 moves += 1
                 moved_at = time.perf_counter()
+                spans.close("migrate", **{"omni.outcome": "ended"})  # moved again before the last move's first output
+                spans.open("migrate", **{"omni.peer": "thinker", "omni.from_replica": thinker.address,
+                                         "omni.to_replica": fallback.address, "omni.move": moves,
+                                         "omni.reason": str(failure)})
                 text.begin_replay()
                 resume.begin_replay()
                 thinker_request = with_cuts(thinker_request, resume.cuts)  # the audio repeats bit for bit
             finally:
                 call.cancel()  # no-op when finished; frees every stage when the client went away
+        spans.count("migrations", moves)
         if audio_samples:
             self.metrics.rtf.observe((last_audio - received) / (audio_samples / sample_rate))
 
@@ -317,6 +341,8 @@ async def create_server(config: RouterConfig) -> tuple[ServerHandle, Router]:
     handle = build_server(serving.host, serving.port, (SERVICE,), serving.max_message_bytes, tls=serving.tls,
                           interceptors=interceptors, health_port=serving.health_port)
     omni_pb2_grpc.add_OmniServicer_to_server(router.servicer, handle.server)
+    router.metrics.in_flight_limit.set(config.admission.max_in_flight)
+    router.metrics.queue_limit.set(config.admission.max_queue)
     router.metrics.serve(serving.metrics_port)
     return handle, router
 
@@ -356,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
             poll_interval_s=args.poll_interval_s, dns_refresh_s=args.dns_refresh_s,
             auth_tokens=load_tokens(args.auth_token_file), max_migrations=args.max_migrations,
         )
-        setup_logging("router")
+        setup_logging("router", config.serving.tracing.log_format)
+        setup_tracing("router", config.serving.tracing, config.serving.port)
 
         async def serve() -> None:
             handle, router = await create_server(config)

@@ -46,6 +46,7 @@ from services.serving.metrics import StageMetrics
 from services.serving.stage_main import serve_stage
 from services.serving.status import WireError, abort_for
 from services.serving.streams import let_end
+from services.serving.tracing import RequestTrace, now_ns
 from services.serving.wire import audio_to_proto, frames_from_proto
 
 log = logging.getLogger("code2wav")
@@ -79,29 +80,45 @@ class Code2WavServicer(stages_pb2_grpc.Code2WavServicer):
         if first is None or not first.HasField("start"):
             await abort_for(context, InvalidArgument("start", "the first message must be start"))
         request_id = first.start.request_id or "anonymous"
+        spans = RequestTrace("code2wav", request_id)
         key = engine_key(request_id)  # unique per stream, whatever ids callers reuse
         sink = EventSink(asyncio.get_running_loop())
+        added_ns = now_ns()
         self.loop.add(key, self._start_payload(first.start), sink)
         reader = asyncio.create_task(self._read_inputs(key, request_iterator, sink))
         index = 0
         finished = False
+        outcome = "cancelled"  # unless the stream ends otherwise (the caller went away)
         try:
             while True:
                 match await sink.get(self.idle_timeout_s, "code2wav"):
                     case Audio() as audio:
+                        if index == 0:
+                            spans.phase("queue", added_ns, sink.first_step_ns)
+                            spans.phase("first_chunk", added_ns, samples=int(audio.samples.shape[-1]))
+                            spans.open("decode")
+                        spans.count("chunks")
                         yield stages_pb2.Code2WavOutput(audio=audio_to_proto(
                             audio.samples, self.sample_rate, index,
                             audio.first_sample // self.engine.geometry.samples_per_frame, audio.end_frame))
                         index += 1
                     case Decoded(samples=samples):
                         finished = True
+                        outcome = "ok"
+                        spans.close("decode", samples=samples)
                         yield stages_pb2.Code2WavOutput(final=stages_pb2.Code2WavFinal(audio_samples=samples))
                         return
         except grpc.aio.AbortError:
+            outcome = "error"
             raise
         except Exception as exc:  # a failed engine or a bad input stream
+            # A talker that goes away (cancelled) often reaches the reader as its stream's end before the
+            # cancellation reaches the handler: a stream closed without the end mark is abandoned, for the trace.
+            gone = context.cancelled() or (isinstance(exc, InvalidArgument) and exc.field == "end")
+            outcome = "cancelled" if gone else type(exc).__name__
             await abort_for(context, exc)
         finally:
+            spans.finish(outcome)
             let_end(reader)  # never cancelled mid-read (services/serving/streams.py); ends with the call
             if not finished:
                 self.loop.abort(key)

@@ -15,6 +15,7 @@ from services.serving.grpc_server import DEFAULT_MAX_MESSAGE_BYTES
 from services.serving.open_streams import LIGHT_LOAD_STREAMS
 from services.serving.placement import parse_cpus
 from services.serving.security import TLSConfig, add_tls_flags, tls_from_args
+from services.serving.tracing import TracingConfig, add_tracing_flags, tracing_from_args
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class ServingConfig:
     tls: TLSConfig = TLSConfig()  # plaintext unless certificates are given
     health_port: int = 0  # a plaintext grpc.health.v1-only port (for probes when TLS is on); 0 = none
     light_load_cpus: frozenset[int] | None = None  # services/serving/placement.py; None = anywhere
+    tracing: TracingConfig = TracingConfig()  # OTLP traces and the log format (services/serving/tracing.py)
 
     def stall_timeout_s(self, stages_below: int) -> float:
         """How long a stage waits on a stream whose far end itself waits on `stages_below` further
@@ -58,6 +60,7 @@ def add_serving_flags(parser: argparse.ArgumentParser, default_port: int,
                              "above (omni-serve up sets it: --cpu-layout); default: anywhere")
     add_tls_flags(parser)
     add_health_port_flag(parser)
+    add_tracing_flags(parser)
 
 
 def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
@@ -65,6 +68,7 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
         host=args.host, port=args.port, max_message_bytes=args.max_message_mb << 20, grace_s=args.grace_s,
         metrics_port=args.metrics_port, stream_idle_timeout_s=args.stream_idle_timeout_s,
         tls=tls_from_args(args), health_port=args.health_port, light_load_cpus=parse_cpus(args.light_load_cpus),
+        tracing=tracing_from_args(args),
     )
 
 

@@ -91,6 +91,10 @@ class EventSink:
         self._engine: deque = deque()  # EngineEvent | _Failure, from the loop thread
         self._next_stage: deque = deque()  # protobuf message | _Failure, on the event loop
         self._ready = asyncio.Event()
+        # Wall-clock ns at which the engine step that gave this stream its first event began (set
+        # once, by the loop thread, before that event is handed over): the end of the request's
+        # wait for a slot or input, for its `queue` span (services/serving/tracing.py).
+        self.first_step_ns: int | None = None
 
     def deliver(self, event: EngineEvent | BaseException) -> None:
         """From the engine thread."""
@@ -279,7 +283,7 @@ class EngineLoop:
                 continue
             if timer is not None:
                 timer.take()  # forwards outside a step (none today) are not this step's
-            start = time.perf_counter()
+            start, start_ns = time.perf_counter(), time.time_ns()
             try:
                 events = self.engine.step()
             except Exception as exc:
@@ -301,6 +305,8 @@ class EngineLoop:
                     continue
                 if event.final:
                     del self._sinks[request_id]
+                if sink.first_step_ns is None:
+                    sink.first_step_ns = start_ns
                 sink.deliver(EngineFailed(self.name, event.message) if isinstance(event, RequestFailed) else event)
             # The rest of the step and the hand-off of its events: scheduling, sampling, bookkeeping.
             self._account("engine", time.perf_counter() - start - forward)

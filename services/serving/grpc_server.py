@@ -23,6 +23,7 @@ from services.serving.gc_heap import freeze_startup_heap
 from services.serving.open_streams import OpenStreams
 from services.serving.placement import Placement
 from services.serving.security import TLSConfig
+from services.serving.tracing import log_formatter, server_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ def build_server(host: str, port: int, service_names: tuple[str, ...],
     # DecodeGuard first: a body that is not the method's message ends INVALID_ARGUMENT, not UNKNOWN.
     streams = OpenStreams(service_names)
     server = grpc.aio.server(options=server_options(max_message_bytes),
-                             interceptors=(DecodeGuard(), streams) + tuple(interceptors))
+                             interceptors=(DecodeGuard(), streams) + server_interceptors() + tuple(interceptors))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -156,8 +157,12 @@ class _PeerGone(logging.Filter):
         return True
 
 
-def setup_logging(name: str) -> None:
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
+def setup_logging(name: str, log_format: str = "text") -> None:
+    """INFO to stderr, as text lines or (`log_format` json) one JSON object a line with the trace
+    and request ids (services/serving/tracing.py)."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(log_formatter(name, log_format))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     logging.getLogger("grpc._cython.cygrpc").addFilter(_PeerGone())
 
 

@@ -19,7 +19,7 @@ import functools
 import glob
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
 
 from services.serving.gc_heap import GCCollector
 
@@ -70,6 +70,7 @@ class StageMetrics:
         self.registry = registry or CollectorRegistry()
         self.registry.register(GCCollector())
         self.stage = stage
+        ProcessCollector(registry=self.registry)  # process_start_time_seconds: the crash-loop alert (k8s/monitoring)
         labels = {"stage": stage}
         r = self.registry
         self.queue_depth = Gauge("omni_stage_queue_depth", "Requests admitted, waiting for a slot or input",

@@ -27,6 +27,7 @@ from services.serving.engine_loop import EventSink
 from services.serving.metrics import StageMetrics
 from services.serving.status import ReplayDiverged, StageUnavailable, StreamIdle
 from services.serving.streams import Gate, close_quietly, let_end, relay_responses, write_quietly
+from services.serving.tracing import Migration
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +157,7 @@ class Downstream:
         self.stall_timeout_s = stall_timeout_s
         self._last_response = 0.0
         self._watch: asyncio.Task | None = None
+        self._migration: Migration | None = None  # the open `migrate` span of the last move, until its first output
 
     def open(self) -> None:
         self._connect(self._replicas.pop(0))
@@ -211,7 +213,9 @@ class Downstream:
         self.cancel()
         self.moves += 1
         self.moved_at = time.perf_counter()
-        self._connect(self._replicas.pop(0))
+        self._migration = Migration(self.owner, self.stage, left, self._replicas[0], self.moves, exc.detail)
+        with self._migration.current():  # the replay's call (and so the new replica's spans) under `migrate`
+            self._connect(self._replicas.pop(0))
         self._count("moved")
         log.warning("%s: %s replica %s failed mid-stream (%s); moved the request to %s (move %d of at most %d)",
                     self.owner, self.stage, left, exc.detail, self.replica, self.moves, self.max_moves)
@@ -230,9 +234,16 @@ class Downstream:
             if self._metrics is not None:
                 self._metrics.migration_pause.labels(self.owner, self.stage).observe(time.perf_counter() - self.moved_at)
             self.moved_at = None
+            self._end_migration("moved")
+
+    def _end_migration(self, outcome: str) -> None:
+        if self._migration is not None:
+            self._migration.end(outcome)
+            self._migration = None
 
     def diverged(self) -> None:
         self._count("diverged")
+        self._end_migration("diverged")
 
     def _count(self, outcome: str) -> None:
         if self._metrics is not None:
@@ -242,6 +253,7 @@ class Downstream:
         """Free the request on the current replica (no-op when its call is over). Its relay is not
         cancelled (it may be waiting on a read: see services/serving/streams.py): the gate shuts,
         the call is cancelled, and the relay's read, then the relay, end by themselves."""
+        self._end_migration("ended")  # the request ended before the new replica's first output
         if self._gate is not None:
             self._gate.open = False
         if self._watch is not None:

@@ -9,12 +9,14 @@ from services.serving.grpc_server import (
     setup_logging,
     write_port_file,
 )
+from services.serving.tracing import setup as setup_tracing
 
 
 def serve_stage(name: str, create_server, config, port_file: str | None) -> None:
     """Run a stage service until SIGTERM / SIGINT: build it, serve, drain, stop its engine loop.
     `create_server(config)` returns (ServerHandle, EngineLoop); `config.serving` is its ServingConfig."""
-    setup_logging(name)
+    setup_logging(name, config.serving.tracing.log_format)
+    setup_tracing(name, config.serving.tracing, config.serving.port)
 
     async def serve() -> None:
         handle, loop = await create_server(config)

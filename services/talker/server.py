@@ -48,6 +48,7 @@ from services.serving.migration import Downstream, Resume
 from services.serving.stage_main import serve_stage
 from services.serving.status import ReplayDiverged, StageUnavailable, WireError, abort_for
 from services.serving.streams import let_end
+from services.serving.tracing import RequestTrace, now_ns
 from services.serving.wire import frames_to_proto
 from services.talker.adapter import TalkerAdapter
 from services.talker.config import TalkerConfig
@@ -94,8 +95,10 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
         if not start.route.code2wav:
             await abort_for(context, InvalidArgument("route.code2wav", "no code2wav replica given"))
         request_id = start.request_id or "anonymous"
+        spans = RequestTrace("talker", request_id, **{"omni.replay": bool(cuts)})
         key = engine_key(request_id)  # unique per stream, whatever ids callers reuse
         sink = EventSink(asyncio.get_running_loop())
+        added_ns = now_ns()
         self.loop.add(key, job, sink)
         reader = asyncio.create_task(self._read_text(key, request_iterator, sink))
         route = start.route
@@ -108,6 +111,7 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
         resume = Resume("code2wav")  # what went up from code2wav, across moves
         chunker = FrameChunker(self.config.chunks, self.adapter.seconds_per_frame, cuts)
         done: TalkerDone | None = None
+        outcome = "cancelled"  # unless the stream ends otherwise (the caller went away)
         try:
             await decode.write(stages_pb2.Code2WavInput(start=stages_pb2.Code2WavStart(request_id=request_id,
                                                                                          voice=start.voice)))
@@ -121,12 +125,21 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
                     continue
                 match item:
                     case Frame(codes=codes):
+                        if spans.first("frame"):
+                            spans.phase("queue", added_ns, sink.first_step_ns)
+                            spans.phase("prefill", sink.first_step_ns or added_ns)
+                            spans.open("decode")
+                        spans.count("frames")
                         chunk = chunker.add(codes, time.monotonic())
                         if chunk is not None:
+                            if spans.first("chunk"):
+                                spans.phase("first_chunk", added_ns, frames=int(chunk.shape[0]))
+                            spans.count("chunks")
                             async for out in self._send_chunk(decode, chunk, chunker, start.return_codec_frames):
                                 yield out
                     case TalkerDone() as talker_done:
                         done = talker_done
+                        spans.close("decode", frames=talker_done.frames, finish_reason=talker_done.reason.name)
                         chunk = chunker.flush()
                         if chunk is not None:
                             async for out in self._send_chunk(decode, chunk, chunker, start.return_codec_frames):
@@ -141,17 +154,24 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
                             yield stages_pb2.TalkerOutput(audio=audio)
                     case stages_pb2.Code2WavOutput() as out:
                         resume.finish()
+                        outcome = "ok"
+                        spans.count("migrations", decode.moves)
                         yield stages_pb2.TalkerOutput(final=stages_pb2.TalkerFinal(
                             finish_reason=finish_reason_to_proto(done.reason), codec_frames=done.frames,
                             audio_samples=out.final.audio_samples, migrations=decode.moves))
                         return
         except grpc.aio.AbortError:
+            outcome = "error"
             raise
         except Exception as exc:  # a failed engine, code2wav or text stream: one status for the caller
+            # A thinker that goes away can reach the reader as its stream's end (no text-finished mark) first.
+            gone = context.cancelled() or (isinstance(exc, InvalidArgument) and exc.field == "finished")
+            outcome = "diverged" if isinstance(exc, ReplayDiverged) else "cancelled" if gone else type(exc).__name__
             if isinstance(exc, ReplayDiverged):
                 decode.diverged()
             await abort_for(context, exc)
         finally:
+            spans.finish(outcome)
             let_end(reader)  # never cancelled mid-read (services/serving/streams.py); ends with the call
             decode.cancel()
             self.loop.abort(key)

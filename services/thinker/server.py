@@ -58,6 +58,7 @@ from services.serving.migration import Downstream, Resume, with_cuts
 from services.serving.open_streams import LIGHT_LOAD_STREAMS
 from services.serving.stage_main import serve_stage
 from services.serving.status import ReplayDiverged, StageUnavailable, abort_for
+from services.serving.tracing import RequestTrace, now_ns
 from services.thinker.adapter import ThinkerAdapter
 from services.thinker.engine import (
     Finished,
@@ -223,8 +224,9 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         return ids
 
     async def Generate(self, request: stages_pb2.ThinkerRequest, context: grpc.aio.ServicerContext):
-        received = time.perf_counter()
+        received, received_ns = time.perf_counter(), now_ns()
         req = request.request
+        spans = RequestTrace("thinker", req.request_id, **{"omni.replay": bool(request.replay_cuts)})
         try:
             talker = None
             if wants_audio(req):
@@ -233,10 +235,13 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
                 talker = await self.talker_limits.get(request.route.talker)
             prepared = await asyncio.to_thread(self.prepare, req, talker)
         except (InvalidArgument, StageUnavailable) as exc:
+            spans.finish("invalid_argument" if isinstance(exc, InvalidArgument) else "unavailable")
             await abort_for(context, exc)
+        spans.phase("prepare", received_ns, audio=prepared.audio)
         request_id = req.request_id or "anonymous"
         key = engine_key(request_id)  # unique per stream, whatever ids callers reuse
         sink = EventSink(asyncio.get_running_loop())
+        added_ns = now_ns()
         self.loop.add(key, prepared.job, sink)
         held = prepared.audio and self._hold_text(key, talker)
         detok = IncrementalDetokenizer(self.prompts.decode)
@@ -247,6 +252,7 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         talker_done: stages_pb2.TalkerFinal | None = None
         ttft = ttfp = None
         previous_id: int | None = None  # the last text id (Qwen2.5-Omni's TextToken for it comes one token later)
+        outcome = "cancelled"  # unless the stream ends otherwise (the caller went away)
         try:
             while True:
                 try:
@@ -265,11 +271,16 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
                     held = False
                 match item:
                     case self.adapter.prefilled() as prefilled:
+                        self._prefilled(spans, added_ns, sink)
                         speak = self._open_talker(request.route, sink, context)
                         talker_start = self.adapter.talker_start(req, request.route, prefilled, prepared.job)
                         talker_start.replay_cuts.extend(request.replay_cuts)  # a replay of the router's
                         await speak.write(stages_pb2.TalkerInput(start=talker_start))
                     case Token() as token:
+                        if ttft is None:
+                            self._prefilled(spans, added_ns, sink)  # (text only: no prefill event came)
+                            spans.event("first_token")
+                        spans.count("text_tokens")
                         ttft = ttft if ttft is not None else (time.perf_counter() - received) * 1000
                         # The talker first: its next frame waits on this row (and a client slow to read
                         # the text then does not hold the row back).
@@ -280,10 +291,14 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
                             text=detok.add(token.token_id, last=token.last), token_ids=[token.token_id]))
                     case Finished() as finished:
                         text_done = finished
+                        spans.close("decode", tokens=finished.generated, finish_reason=finished.reason.name)
                     case stages_pb2.TalkerOutput() as out if out.HasField("audio"):
                         chunk = resume.audio_chunk(out.audio)
                         if chunk is not None:
                             speak.output()
+                            if ttfp is None:
+                                spans.event("first_audio")
+                            spans.count("audio_chunks")
                             ttfp = ttfp if ttfp is not None else (time.perf_counter() - received) * 1000
                             yield omni_pb2.GenerateResponse(request_id=request_id, audio=chunk)
                     case stages_pb2.TalkerOutput() as out if out.HasField("codec_frames"):
@@ -295,18 +310,31 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
                         talker_done = out.final  # the talker may finish before the text does
                 if text_done is not None and (talker_done is not None or not prepared.audio):
                     migrations = (speak.moves if speak is not None else 0) + (talker_done.migrations if talker_done else 0)
+                    outcome = "ok"
+                    spans.count("migrations", migrations)
                     yield self._final(request_id, text_done, talker_done, received, ttft, ttfp, migrations)
                     return
         except grpc.aio.AbortError:
+            outcome = "error"
             raise
         except Exception as exc:  # a failed engine, talker or stream: one status for the caller
+            outcome = "diverged" if isinstance(exc, ReplayDiverged) else type(exc).__name__
             if isinstance(exc, ReplayDiverged) and speak is not None:
                 speak.diverged()
             await abort_for(context, exc)
         finally:
+            spans.finish(outcome)
             if speak is not None:
                 speak.cancel()
             self.loop.abort(key)
+
+    @staticmethod
+    def _prefilled(spans: RequestTrace, added_ns: int, sink: EventSink) -> None:
+        """The request's `queue` and `prefill` spans, once; its `decode` opens."""
+        if spans.first("decode"):
+            spans.phase("queue", added_ns, sink.first_step_ns)
+            spans.phase("prefill", sink.first_step_ns or added_ns)
+            spans.open("decode")
 
     def _hold_text(self, key: str, talker: common_pb2.StageLimits) -> bool:
         """Audio first: hold the request's text at what the talker's first chunk needs plus a
