@@ -7,6 +7,11 @@ Two stacks of the same configuration run at once; within each concurrency level 
 alternate which one goes first, so drift hits both. Prints requests per second of each and their
 ratio (traced / untraced) per level, and writes tracing_cost.json. The collector runs in this
 process, beside the load generator: a real one runs elsewhere, so this errs on the costly side.
+
+Requests per second are only as steady as the machine: on shared cores they swing by tens of
+percent from round to round, far more than the cost looked for. So it also counts the CPU seconds
+the stack's processes (router and stages, /proc/<pid>/stat) spend per completed request, which
+other load on the machine barely moves: on CPU-bound cores, req/s falls as CPU per request rises.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ class Level:
     requests: int  # per stack and round
     untraced_req_per_s: list[float]  # one per round
     traced_req_per_s: list[float]
+    untraced_cpu_s_per_request: list[float]  # CPU seconds of the stack's processes per completed request
+    traced_cpu_s_per_request: list[float]
     errors: int
 
     @property
@@ -42,11 +49,99 @@ class Level:
         """traced / untraced, of the requests per second summed over the rounds (1.0 = free)."""
         return sum(self.traced_req_per_s) / sum(self.untraced_req_per_s)
 
+    @property
+    def cpu_ratio(self) -> float:
+        """traced / untraced, of the CPU seconds per request over the rounds (1.0 = free)."""
+        return sum(self.traced_cpu_s_per_request) / sum(self.untraced_cpu_s_per_request)
 
-def run_block(system: PipelineSystem, prompts, concurrency: int) -> tuple[float, int]:
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(stack: Stack) -> float:
+    """User + system CPU seconds of the stack's live processes so far (Linux /proc)."""
+    total = 0
+    for process in stack.processes.values():
+        with open(f"/proc/{process.popen.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / CLOCK_TICKS
+
+
+def run_block(system: PipelineSystem, stack: Stack, prompts, concurrency: int) -> tuple[float, float, int]:
+    """(requests per second, CPU seconds per request, errors) of one block."""
+    before = cpu_seconds(stack)
     result = system.run(prompts, concurrency)
     errors = sum(1 for o in result.outcomes if o.timing is None)
-    return (len(result.outcomes) - errors) / result.wall_s, errors
+    done = len(result.outcomes) - errors
+    return done / result.wall_s, (cpu_seconds(stack) - before) / max(done, 1), errors
+
+
+async def _hop_cost(mode: str, endpoint: str, streams: int = 40, messages: int = 60, rounds: int = 3) -> float:
+    """CPU microseconds per message round trip on one loopback bidi stream hop (the shape of
+    thinker -> talker -> code2wav), with tracing's interceptors on neither end, the client's, the
+    server's or both: what tracing adds per message, without any model."""
+    import asyncio
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+    from services.serving import tracing
+
+    message = trace_service_pb2.ExportTraceServiceRequest  # any small message
+    if mode != "off":
+        tracing.setup("bench", tracing.TracingConfig(otlp_endpoint=endpoint), 1)
+
+    async def echo(requests, context):
+        async for m in requests:
+            yield m
+
+    server = grpc.aio.server(interceptors=tracing.server_interceptors() if mode in ("server", "both") else ())
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("omni.v1.Talker", {
+        "Speak": grpc.stream_stream_rpc_method_handler(echo, message.FromString, message.SerializeToString)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}",
+                                        interceptors=tracing.client_interceptors() if mode in ("client", "both") else None)
+    speak = channel.stream_stream("/omni.v1.Talker/Speak", message.SerializeToString, message.FromString)
+
+    async def one() -> None:
+        call = speak()
+        for _ in range(messages):
+            await call.write(message())
+            await call.read()
+        await call.done_writing()
+        await call.read()
+
+    await one()
+    cpu = time.process_time()
+    for _ in range(rounds):
+        await asyncio.gather(*(one() for _ in range(streams)))
+    cost = (time.process_time() - cpu) * 1e6 / (rounds * streams * messages)
+    await channel.close()
+    await server.stop(0)
+    return cost
+
+
+def hop_cost(mode: str) -> None:
+    """One mode per process (the tracer provider is set once per process): prints its cost."""
+    import asyncio
+
+    with OtlpSink() as sink:
+        print(f"{mode} {asyncio.run(_hop_cost(mode, sink.endpoint)):.1f}")
+
+
+def grpc_hop_costs() -> dict[str, float]:
+    import subprocess
+
+    costs = {}
+    for mode in ("off", "client", "server", "both"):
+        out = subprocess.run([sys.executable, "-m", "bench.tracing_cost", "--hop-mode", mode], capture_output=True,
+                             text=True, timeout=300, check=True)
+        costs[mode] = float(out.stdout.split()[-1])
+        print(f"one gRPC stream hop, tracing interceptors on {mode:6}: {costs[mode]:6.1f} us CPU per message round trip",
+              flush=True)
+    return costs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,7 +155,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("out"))
+    p.add_argument("--grpc-only", action="store_true",
+                   help="only the per-message cost on one loopback gRPC stream (no model, no stack)")
+    p.add_argument("--hop-mode", choices=["off", "client", "server", "both"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.hop_mode:
+        hop_cost(args.hop_mode)
+        return 0
+    if args.grpc_only:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "tracing_hop_cost.json").write_text(json.dumps(grpc_hop_costs(), indent=1) + "\n")
+        return 0
 
     def run() -> None:
         checkpoint = args.checkpoint or str(ensure_checkpoint(PRESETS["tiny"]))
@@ -70,38 +175,45 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("OTEL_BSP_SCHEDULE_DELAY", "1000")
         with contextlib.ExitStack() as cleanup:
             sink = cleanup.enter_context(OtlpSink())
-            systems = {}
+            systems, stacks = {}, {}
             for name, extra in (("untraced", ()), ("traced", ("--otlp-endpoint", sink.endpoint))):
                 stack = cleanup.enter_context(Stack(StackOptions(
                     checkpoint=checkpoint, port=0, threads=args.threads, thinker_args=stage, talker_args=stage,
                     code2wav_args=stage, extra_args=extra, log_prefix=False, device=args.device)))
+                stacks[name] = stack
                 systems[name] = PipelineSystem(stack.target, None, args.max_new_tokens, args.talker_max_new_tokens, 600)
                 cleanup.callback(systems[name].close)
-            for system in systems.values():  # first-call costs, not counted
-                run_block(system, prompts[:2], 2)
+            for name, system in systems.items():  # first-call costs, not counted
+                run_block(system, stacks[name], prompts[:2], 2)
+            load_before = os.getloadavg()
             results = []
             for concurrency in levels:
                 n = max(args.requests, concurrency)
                 block = [prompts[i % len(prompts)] for i in range(n)]
-                rates = {"untraced": [], "traced": []}
+                rates, cpu = {"untraced": [], "traced": []}, {"untraced": [], "traced": []}
                 errors = 0
                 for r in range(args.rounds):
                     for name in (("untraced", "traced") if r % 2 == 0 else ("traced", "untraced")):
-                        rate, failed = run_block(systems[name], block, concurrency)
+                        rate, cpu_s, failed = run_block(systems[name], stacks[name], block, concurrency)
                         rates[name].append(rate)
+                        cpu[name].append(cpu_s)
                         errors += failed
-                level = Level(concurrency, n, rates["untraced"], rates["traced"], errors)
+                level = Level(concurrency, n, rates["untraced"], rates["traced"], cpu["untraced"], cpu["traced"], errors)
                 results.append(level)
-                print(f"c={concurrency:<3} untraced {statistics.median(level.untraced_req_per_s):.3f} req/s  traced "
-                      f"{statistics.median(level.traced_req_per_s):.3f} req/s  ratio {level.ratio:.3f} "
-                      f"(rounds: {' '.join(f'{t / u:.3f}' for u, t in zip(level.untraced_req_per_s, level.traced_req_per_s))})"
-                      f"  errors {errors}", flush=True)
+                per_round = " ".join(f"{t / u:.3f}" for u, t in zip(level.untraced_req_per_s, level.traced_req_per_s))
+                print(f"c={concurrency:<3} req/s untraced {statistics.median(level.untraced_req_per_s):.3f} traced "
+                      f"{statistics.median(level.traced_req_per_s):.3f} ratio {level.ratio:.3f} (rounds {per_round});  "
+                      f"CPU s/request untraced {statistics.median(level.untraced_cpu_s_per_request):.3f} traced "
+                      f"{statistics.median(level.traced_cpu_s_per_request):.3f} ratio {level.cpu_ratio:.3f};  "
+                      f"errors {errors}", flush=True)
             time.sleep(1.5)  # the last batch of spans
             spans = len(sink.spans())
-        print(f"{spans} spans received")
+        print(f"{spans} spans received; load average {load_before[0]:.1f} at the start, {os.getloadavg()[0]:.1f} "
+              f"at the end ({os.cpu_count()} CPUs)")
         args.out.mkdir(parents=True, exist_ok=True)
         report = {"checkpoint": checkpoint, "device": args.device, "rounds": args.rounds, "spans": spans,
-                  "levels": [{**asdict(level), "ratio": level.ratio} for level in results]}
+                  "load_average": [load_before[0], os.getloadavg()[0]], "cpus": os.cpu_count(),
+                  "levels": [{**asdict(level), "ratio": level.ratio, "cpu_ratio": level.cpu_ratio} for level in results]}
         (args.out / "tracing_cost.json").write_text(json.dumps(report, indent=1) + "\n")
 
     return run_cli(run)

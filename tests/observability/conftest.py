@@ -1,5 +1,5 @@
-"""The traced stack: every process of the pipeline (router, thinker, talker, two code2wav replicas,
-the HTTP gateway) exporting spans to a local OTLP collector in this process, logging JSON, with
+"""The traced stack: every process of the pipeline (router, two thinker replicas, a talker, two
+code2wav replicas, the HTTP gateway) exporting spans to a local OTLP collector in this process, logging JSON, with
 Prometheus ports. Started once for the package (tests/stacks.py), by the slow tests only."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def traced_stack(tiny_checkpoint, collector):
     saved = os.environ.get("OTEL_BSP_SCHEDULE_DELAY")
     os.environ["OTEL_BSP_SCHEDULE_DELAY"] = EXPORT_DELAY_MS  # the children read it at start (and restart)
     metrics_port = free_port()
-    stack = stack_of(tiny_checkpoint, code2wav_replicas=2, http_port=0, metrics_base_port=metrics_port,
+    stack = stack_of(tiny_checkpoint, thinker_replicas=2, code2wav_replicas=2, http_port=0, metrics_base_port=metrics_port,
                      router_args=("--max-migrations", "2"),
                      extra_args=("--otlp-endpoint", collector.endpoint, "--log-format", "json"))
     try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import secrets
 import threading
+import time
 import urllib.request
 
 import grpc
@@ -103,15 +104,15 @@ def spans_of(collector, trace_id: str, expected: set[tuple[str, str]]) -> list[S
     return [s for s in collector.wait_for(complete, SPAN_WAIT_S) if s.trace_id == trace_id]
 
 
-def assert_one_tree(spans: list[SpanRecord], root_parent: str, lost: frozenset[str] = frozenset()) -> SpanRecord:
-    """Every span's parent is in the trace, except the root's (the caller's span) and those of the
-    spans a killed process took with it (`lost`: its service.instance.id); returns the root."""
+def assert_one_tree(spans: list[SpanRecord], root_parent: str, lost=lambda span: False) -> SpanRecord:
+    """Every span's parent is in the trace, except the root's (the caller's span) and those whose
+    parent a killed process took with it (`lost(span)`); returns the root."""
     by_id = {s.span_id: s for s in spans}
     assert len(by_id) == len(spans), "a span id twice"
     roots = [s for s in spans if s.parent_span_id == root_parent]
     assert len(roots) == 1, [(s.service, s.name) for s in roots]
     orphans = [(s.service, s.name, s.instance) for s in spans
-               if s.parent_span_id != root_parent and s.parent_span_id not in by_id and s.instance not in lost]
+               if s.parent_span_id != root_parent and s.parent_span_id not in by_id and not lost(s)]
     assert not orphans, f"spans whose parent is not in the trace: {orphans}"
     return roots[0]
 
@@ -228,8 +229,8 @@ def test_a_request_moved_off_a_killed_code2wav_replica_stays_one_trace_under_a_m
                 and bool(resumed)
 
         spans = [s for s in collector.wait_for(moved, SPAN_WAIT_S) if s.trace_id == call.trace_id]
-        lost = frozenset(s.instance for s in spans if s.instance.endswith(f":{port}"))
-        assert_one_tree(spans, call.parent_span_id, lost=lost)
+        # The killed replica's open server span died with it; the phases it had exported are orphans.
+        assert_one_tree(spans, call.parent_span_id, lost=lambda s: s.instance.endswith(f":{port}"))
         assert_hops(spans)
         by_id = {s.span_id: s for s in spans}
         (migrate,) = [s for s in spans if s.name == "migrate"]
@@ -250,6 +251,66 @@ def test_a_request_moved_off_a_killed_code2wav_replica_stays_one_trace_under_a_m
         (moved_line,) = [line for line in lines if "moved the request" in line["message"]]
         assert moved_line["trace_id"] == call.trace_id and moved_line["request_id"] == call.request_id
         assert moved_line["service"] == "talker" and moved_line["level"] == "WARNING"
+    finally:
+        call.release()
+        if victim is not None:
+            traced_stack.restart(victim)
+
+
+def chain(spans: list[SpanRecord], top: SpanRecord) -> list[tuple[str, str, int]]:
+    """(service, name, kind) of the gRPC spans below `top`, following the first call span down."""
+    below, span = [], top
+    while True:
+        children = [s for s in spans if s.parent_span_id == span.span_id and s.name.startswith("/omni.v1.")]
+        if not children:
+            return below
+        span = children[0]
+        below.append((span.service, span.name, span.kind))
+
+
+def test_a_request_moved_off_a_killed_thinker_replica_stays_one_trace_under_the_router_s_migrate_span(
+        traced_stack, collector):
+    call = Call(traced_stack, audio_request(f"move-thinker-{secrets.token_hex(4)}", frames=250), hold=True)
+    victim = None
+    try:
+        assert call.streaming.wait(120) and call.error is None
+        loads = {a: read_load("thinker", a).in_flight for a in traced_stack.addresses("thinker")}
+        address = max(loads, key=loads.get)
+        assert loads[address] == 1, loads
+        victim = next(name for name, p in traced_stack.processes.items()
+                      if p.stage == "thinker" and f"127.0.0.1:{p.port}" == address)
+        killed_ns = time.time_ns()
+        traced_stack.kill(victim)
+        traced_stack.processes[victim].popen.wait(10)
+        call.release()
+        call.join()
+        assert call.error is None, (call.error.code(), call.error.details())
+        assert call.final.migrations == 1
+        (survivor,) = (a for a in traced_stack.addresses("thinker") if a != address)
+        replay = [("omni-router", "/omni.v1.Thinker/Generate", CLIENT), ("omni-thinker", "/omni.v1.Thinker/Generate", SERVER),
+                  ("omni-thinker", "/omni.v1.Talker/Speak", CLIENT), ("omni-talker", "/omni.v1.Talker/Speak", SERVER),
+                  ("omni-talker", "/omni.v1.Code2Wav/Decode", CLIENT), ("omni-code2wav", "/omni.v1.Code2Wav/Decode", SERVER)]
+
+        def moved(spans):
+            mine = [s for s in spans if s.trace_id == call.trace_id]
+            return any(s.name == "migrate" and chain(mine, s) == replay for s in mine)
+
+        spans = [s for s in collector.wait_for(moved, SPAN_WAIT_S) if s.trace_id == call.trace_id]
+        # What the dead thinker held: its own spans, and the talker and code2wav streams it had
+        # opened (their parent, its client span, died with it). Nothing opened after the kill is cut off.
+        port = address.rsplit(":", 1)[1]
+        assert_one_tree(spans, call.parent_span_id, lost=lambda s: s.instance.endswith(f":{port}") or s.start_ns < killed_ns)
+        assert_hops(spans)
+        (migrate,) = [s for s in spans if s.name == "migrate"]
+        assert migrate.service == "omni-router" and migrate.attributes["omni.outcome"] == "moved"
+        assert migrate.attributes["omni.from_replica"] == address and migrate.attributes["omni.to_replica"] == survivor
+        by_id = {s.span_id: s for s in spans}
+        assert by_id[migrate.parent_span_id].name == "/omni.v1.Omni/Generate"
+        resumed = next(s for s in spans if s.service == "omni-thinker" and s.kind == SERVER
+                       and s.instance.endswith(":" + survivor.rsplit(":", 1)[1]))
+        assert resumed.attributes["omni.replay"] is True and resumed.attributes["omni.outcome"] == "ok"
+        router = next(s for s in spans if s.service == "omni-router" and s.kind == SERVER)
+        assert router.attributes["omni.migrations"] == 1 and router.attributes["omni.outcome"] == "ok"
     finally:
         call.release()
         if victim is not None:
