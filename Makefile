@@ -13,10 +13,11 @@ setup: $(STAMP)
 
 # NOTE: the protobuf code is generated before the editable install: setuptools maps the
 # project's top-level packages (omni among them) when it installs, not later.
-$(STAMP): requirements.txt pyproject.toml $(PROTO_SRC) services/runtime/invariant_gemm.c
+$(STAMP): requirements.txt requirements-oracle.txt pyproject.toml $(PROTO_SRC) services/runtime/invariant_gemm.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/oracle-vision -r requirements-oracle.txt
 	$(MAKE) --no-print-directory proto-gen
 	$(PY) -m pip install -q --no-deps -e .
 	$(PY) -m services.runtime.invariant_gemm  # --exact-batching gemm's kernel (cc -O3), next to its source

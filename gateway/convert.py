@@ -60,7 +60,33 @@ def _content(message, i: int, max_audio_seconds: float | None = None) -> list[om
                                   f"{at}.image_url.url: only data: URLs (base64) are accepted; the gateway "
                                   f"fetches nothing from the network", code="unsupported_value")
             parts.append(omni_pb2.Content(image=_b64(match["data"], f"{at}.image_url.url")))
+        elif part.type == "video_url":
+            parts.append(omni_pb2.Content(video=_video(part, at)))
     return parts
+
+
+def _video(part, at: str) -> bytes:
+    """A video_url part's data: URL -> the file's bytes (the thinker checks the container)."""
+    if part.video_url is None:
+        raise bad_request(f"{at}.video_url", f"{at}.video_url is required for a video_url part")
+    match = _DATA_URL.match(part.video_url.url)
+    if not match:
+        raise bad_request(f"{at}.video_url.url", f"{at}.video_url.url: only data: URLs (base64) are accepted; the "
+                                                 f"gateway fetches nothing from the network", code="unsupported_value")
+    return _b64(match["data"], f"{at}.video_url.url")
+
+
+def _use_audio_in_video(req: ChatCompletionRequest) -> bool:
+    kwargs = req.mm_processor_kwargs or {}
+    unknown = sorted(set(kwargs) - {"use_audio_in_video"})
+    if unknown:
+        raise bad_request("mm_processor_kwargs", f"mm_processor_kwargs: only use_audio_in_video is taken, got "
+                                                 f"{', '.join(unknown)}", code="unsupported_value")
+    value = kwargs.get("use_audio_in_video", False)
+    if not isinstance(value, bool):
+        raise bad_request("mm_processor_kwargs.use_audio_in_video", "mm_processor_kwargs.use_audio_in_video: "
+                                                                    "must be true or false")
+    return value
 
 
 def chat_to_proto(req: ChatCompletionRequest, default_voice: str | None,
@@ -79,7 +105,7 @@ def chat_to_proto(req: ChatCompletionRequest, default_voice: str | None,
     if audio and req.stream and fmt != "pcm16":
         raise bad_request("audio.format", f"audio.format: streamed audio is pcm16 only, got {fmt}",
                           code="unsupported_value")
-    out = omni_pb2.GenerateRequest()
+    out = omni_pb2.GenerateRequest(use_audio_in_video=_use_audio_in_video(req))
     for i, message in enumerate(req.messages):
         out.messages.add(role=_ROLES[message.role]).content.extend(_content(message, i, max_audio_seconds))
     out.output_modalities.append(omni_pb2.MODALITY_TEXT)

@@ -26,11 +26,16 @@ class ImageURL(_Open):
     detail: str | None = None
 
 
+class VideoURL(_Open):
+    url: str
+
+
 class ContentPart(_Open):
-    type: Literal["text", "input_audio", "image_url"]
+    type: Literal["text", "input_audio", "image_url", "video_url"]
     text: str | None = None
     input_audio: InputAudio | None = None
     image_url: ImageURL | None = None
+    video_url: VideoURL | None = None  # a data: URL of an mp4/webm, as vLLM's OpenAI server takes it
 
 
 class ChatMessage(_Open):
@@ -61,6 +66,8 @@ class ChatCompletionRequest(_Open):
     n: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's extra parameter; only {"use_audio_in_video": bool} is read.
+    mm_processor_kwargs: dict[str, Any] | None = None
     # Declared to be refused when set (see refused_fields).
     tools: Any = None
     functions: Any = None

@@ -39,6 +39,15 @@ from services.runtime.input_limits import (
     text_byte_limit,
 )
 from services.runtime.qwen2_5_omni import audio_placeholders
+from services.runtime.video import (
+    VideoHeader,
+    VideoLimits,
+    declared_video,
+    decode_video,
+    video_grid,
+    video_rules,
+    video_tokens,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -58,6 +67,10 @@ class Part:
     text: str | None = None
     audio: bytes | None = None  # wav/flac file bytes
     image: bytes | None = None  # png/jpeg file bytes
+    video: bytes | None = None  # mp4/webm file bytes
+    # With a video: its audio track is heard too, interleaved by time (transformers'
+    # `use_audio_in_video`, one value for every video of a prompt).
+    use_audio_in_video: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,6 +89,11 @@ class PromptInputs:
     # Only present with images: [patches, C*t*p*p] and [n_images, 3] (t, h, w in patches).
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
+    # Only present with videos: [patches, C*t*p*p], [n_videos, 3] and [n_videos] (seconds a temporal patch).
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
+    video_second_per_grid: torch.Tensor | None = None
+    use_audio_in_video: bool = False
     extra: dict = field(default_factory=dict)
 
     @property
@@ -91,6 +109,12 @@ class PromptInputs:
         if self.pixel_values is not None:
             kw["pixel_values"] = self.pixel_values
             kw["image_grid_thw"] = self.image_grid_thw
+        if self.pixel_values_videos is not None:
+            kw["pixel_values_videos"] = self.pixel_values_videos
+            kw["video_grid_thw"] = self.video_grid_thw
+            kw["video_second_per_grid"] = self.video_second_per_grid
+            if self.use_audio_in_video:
+                kw["use_audio_in_video"] = True
         return kw
 
     @property
@@ -202,6 +226,8 @@ class PromptLimits:
     max_prompt_tokens: int | None = None  # None: the model's max_position_embeddings
     max_audio_seconds: float = 300.0  # per audio part
     max_image_pixels: int = 4096 * 4096  # per image part, before resizing
+    video: VideoLimits = VideoLimits()  # per video part, as its header declares
+    video_fps: float = 2.0  # frames sampled per second of video (Qwen's own default)
 
 
 class PromptBuilder:
@@ -238,8 +264,19 @@ class PromptBuilder:
         self.config = config
         self.audio_token = getattr(self.tokenizer, "audio_token", None) or "<|audio_pad|>"
         self.image_token = getattr(self.tokenizer, "image_token", None) or "<|image_pad|>"
-        video_token = getattr(self.tokenizer, "video_token", None) or "<|video_pad|>"
-        self.placeholders = (self.audio_token, self.image_token, video_token)
+        self.video_token = getattr(self.tokenizer, "video_token", None) or "<|video_pad|>"
+        self.placeholders = (self.audio_token, self.image_token, self.video_token)
+        self.vision_bos = getattr(self.tokenizer, "vision_bos_token", None) or "<|vision_start|>"
+        self.vision_eos = getattr(self.tokenizer, "vision_eos_token", None) or "<|vision_end|>"
+        self.audio_bos = getattr(self.tokenizer, "audio_bos_token", None) or "<|audio_start|>"
+        self.audio_eos = getattr(self.tokenizer, "audio_eos_token", None) or "<|audio_end|>"
+        # The video processor's config (transformers' loader: video_preprocessor_config.json, else
+        # preprocessor_config.json) under the omni processor's own video defaults.
+        from transformers.video_processing_utils import BaseVideoProcessor
+
+        video_dict, _ = BaseVideoProcessor.get_video_processor_dict(str(folder))
+        kwargs_class = processor_cls.valid_processor_kwargs
+        self.video_rules = video_rules(video_dict, kwargs_class._defaults["videos_kwargs"], limits.video_fps)
         self.audio_rules = audio_rules(self.family, config, self.feature_extractor)
         model_max = config.thinker_config.text_config.max_position_embeddings
         self.max_prompt_tokens = min(limits.max_prompt_tokens or model_max, model_max)
@@ -292,6 +329,13 @@ class PromptBuilder:
                     width, height = declared_image_size(part.image, f"{where}.image")
                     check_image_size(width, height, f"{where}.image", self.limits.max_image_pixels)
                     at_least += self.image_tokens(width, height)
+                elif part.video is not None:
+                    header = self._declared_video(part, f"{where}.video")
+                    headers[(i, j)] = header
+                    at_least += video_tokens(self.video_rules, video_grid(self.video_rules, header, f"{where}.video"))
+                    if header.audio is not None:
+                        frames = int(header.audio.seconds * AUDIO_SAMPLE_RATE) // _MEL_HOP
+                        at_least += self.audio_rules.at_least(frames)
         if text_bytes > self.max_text_bytes:
             raise InvalidArgument(field_prefix, f"prompt text is {text_bytes} bytes, more than the {self.max_text_bytes} "
                                                 f"that {self.max_prompt_tokens} tokens can hold (the limit)")
@@ -300,6 +344,13 @@ class PromptBuilder:
             raise InvalidArgument(field_prefix, f"prompt is at least {at_least} tokens, longer than the limit of "
                                                 f"{self.max_prompt_tokens}")
         return headers
+
+    def _declared_video(self, part: Part, field_name: str) -> VideoHeader:
+        header = declared_video(part.video, field_name, self.limits.video, with_audio=part.use_audio_in_video)
+        if header.audio is not None and header.audio.seconds > self.limits.max_audio_seconds:
+            raise InvalidArgument(field_name, f"the audio track is {header.audio.seconds:.1f} s, longer than "
+                                              f"{self.limits.max_audio_seconds} s")
+        return header
 
     def build(self, messages: list[ChatMessage], field_prefix: str = "messages") -> PromptInputs:
         import torch
@@ -311,8 +362,12 @@ class PromptBuilder:
                 raise InvalidArgument(f"{field_prefix}[{i}].content", "a message needs at least one part")
         if not any(m.role is Role.USER for m in messages):
             raise InvalidArgument(field_prefix, "at least one user message is required")
+        with_audio = {p.use_audio_in_video for m in messages for p in m.parts if p.video is not None}
+        if len(with_audio) > 1:
+            raise InvalidArgument("use_audio_in_video", "applies to every video of a prompt or to none")
+        use_audio_in_video = with_audio == {True}
         headers = self._check_declared(messages, field_prefix)
-        chat, audios, images = [], [], []
+        chat, audios, images, videos = [], [], [], []
         for i, message in enumerate(messages):
             content = []
             for j, part in enumerate(message.parts):
@@ -329,6 +384,13 @@ class PromptBuilder:
                 elif part.image is not None:
                     images.append(decode_image(part.image, f"{where}.image", self.limits.max_image_pixels))
                     content.append({"type": "image"})
+                elif part.video is not None:
+                    video = decode_video(part.video, f"{where}.video", headers[(i, j)], self.video_rules,
+                                         with_audio=use_audio_in_video)
+                    videos.append(video)
+                    if video.audio is not None:  # in prompt order among the audio parts, as the processor takes them
+                        audios.append(resample(video.audio, video.audio_rate, AUDIO_SAMPLE_RATE))
+                    content.append({"type": "video"})
                 else:
                     raise InvalidArgument(where, "empty content part")
             chat.append({"role": message.role.value, "content": content})
@@ -339,6 +401,7 @@ class PromptBuilder:
                                                       add_generation_prompt=True, tokenize=False)
 
         inputs = {}
+        audio_counts, image_counts = [], []
         if audios:
             feats = self.feature_extractor(
                 audios, sampling_rate=AUDIO_SAMPLE_RATE, return_attention_mask=True, return_tensors="pt",
@@ -346,14 +409,19 @@ class PromptBuilder:
             )
             inputs["input_features"] = feats["input_features"]
             inputs["feature_attention_mask"] = feats["attention_mask"]
-            lengths = self.audio_rules.tokens(feats["attention_mask"].sum(-1).numpy())
-            text = self._expand(text, self.audio_token, [int(n) for n in lengths])
+            audio_counts = [int(n) for n in self.audio_rules.tokens(feats["attention_mask"].sum(-1).numpy())]
         if images:
             pix = self.image_processor(images=images, return_tensors="pt")
             inputs["pixel_values"] = pix["pixel_values"]
             inputs["image_grid_thw"] = pix["image_grid_thw"]
             merge = self.image_processor.merge_size ** 2
-            text = self._expand(text, self.image_token, [int(g.prod()) // merge for g in pix["image_grid_thw"]])
+            image_counts = [int(g.prod()) // merge for g in pix["image_grid_thw"]]
+        if videos:
+            inputs["pixel_values_videos"] = torch.cat([v.pixel_values for v in videos])
+            inputs["video_grid_thw"] = torch.tensor([v.grid for v in videos])
+            inputs["video_second_per_grid"] = torch.tensor([self.video_rules.second_per_grid] * len(videos))
+            inputs["use_audio_in_video"] = use_audio_in_video
+        text = self._expand_media(text, audio_counts, image_counts, [v.grid for v in videos], use_audio_in_video)
         with self._encode_lock:
             ids = self.tokenizer(text, return_tensors="pt")["input_ids"].to(torch.long)
         if ids.shape[1] > self.max_prompt_tokens:
@@ -362,15 +430,62 @@ class PromptBuilder:
             )
         return PromptInputs(input_ids=ids, attention_mask=torch.ones_like(ids), **inputs)
 
-    @staticmethod
-    def _expand(text: str, token: str, counts: list[int]) -> str:
-        # Replace the k-th placeholder with counts[k] copies, left to right.
-        pieces = text.split(token)
-        assert len(pieces) == len(counts) + 1, (len(pieces), counts)
-        out = pieces[0]
-        for count, piece in zip(counts, pieces[1:]):
-            out += token * count + piece
-        return out
+    def _expand_media(self, text: str, audio_counts: list[int], image_counts: list[int],
+                      video_grids: list[tuple[int, int, int]], use_audio_in_video: bool) -> str:
+        """Each placeholder, left to right, as one pad per encoder position. Audio counts are in
+        prompt order over audio parts and (with use_audio_in_video) video tracks alike; a video
+        with its track becomes audio-bos, the video and audio pads interleaved by time, audio-eos
+        (inside the template's vision-bos / vision-eos)."""
+        import re
+
+        audio, image, video = iter(audio_counts), iter(image_counts), iter(video_grids)
+        pattern = "|".join(re.escape(t) for t in self.placeholders)
+        out, last = [], 0
+        for match in re.finditer(pattern, text):
+            out.append(text[last:match.start()])
+            last = match.end()
+            token = match.group()
+            if token == self.audio_token:
+                out.append(token * next(audio))
+            elif token == self.image_token:
+                out.append(token * next(image))
+            elif not use_audio_in_video:
+                out.append(token * video_tokens(self.video_rules, next(video)))
+            else:
+                out.append(self.audio_bos + self._interleave(next(video), next(audio)) + self.audio_eos)
+        out.append(text[last:])
+        assert next(audio, None) is None and next(image, None) is None and next(video, None) is None
+        return "".join(out)
+
+    def _interleave(self, grid: tuple[int, int, int], n_audio: int) -> str:
+        """A video's pads and its track's pads in time order (the family's processor rule)."""
+        rules = self.video_rules
+        t, h, w = grid
+        per_grid = (h // rules.merge_size) * (w // rules.merge_size)
+        times = np.repeat(np.arange(t), per_grid) * rules.second_per_grid * rules.position_id_per_seconds
+        v, a = self.video_token, self.audio_token
+        if self.family is Family.QWEN2_5_OMNI:
+            # Chunks of seconds_per_chunk: each chunk's video pads, then its audio pads.
+            per_chunk = int(rules.position_id_per_seconds * rules.seconds_per_chunk)
+            video_chunks = _chunks(times, per_chunk)
+            audio_chunks = _chunks(np.arange(n_audio), per_chunk)
+            pieces = []
+            for k in range(max(len(video_chunks), len(audio_chunks))):
+                if k < len(video_chunks):
+                    pieces.append(v * video_chunks[k])
+                if k < len(audio_chunks):
+                    pieces.append(a * audio_chunks[k])
+            return "".join(pieces)
+        # Qwen3-Omni: merge by time, a video pad first when its time is not after the audio pad's.
+        pieces, i, j = [], 0, 0
+        while i < len(times) and j < n_audio:
+            if times[i] <= j:
+                pieces.append(v)
+                i += 1
+            else:
+                pieces.append(a)
+                j += 1
+        return "".join(pieces) + v * (len(times) - i) + a * (n_audio - j)
 
     def encode_text(self, text: str) -> list[int]:
         """Plain text -> token ids, no special tokens added (a reply's content)."""
@@ -380,6 +495,19 @@ class PromptBuilder:
     def decode(self, ids: list[int]) -> str:
         with self._decode_lock:
             return self._decoder.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def _chunks(times: np.ndarray, per_chunk: int) -> list[int]:
+    """Qwen2.5-Omni's chunking of increasing time positions: the size of each chunk, a chunk ending
+    where a time reaches the next multiple of per_chunk (one chunk boundary per position at most)."""
+    sizes, start, chunk = [], 0, 1
+    for i, value in enumerate(times):
+        if value >= chunk * per_chunk:
+            sizes.append(i - start)
+            start = i
+            chunk += 1
+    sizes.append(len(times) - start)
+    return sizes
 
 
 def speaker_names(config) -> list[str]:

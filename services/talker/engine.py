@@ -55,6 +55,8 @@ class TalkerJob:
     sampling: SamplingConfig
     image_grid_thw: torch.Tensor | None = None  # [images, 3]
     audio_feature_lengths: torch.Tensor | None = None  # [audios]
+    video_grid_thw: torch.Tensor | None = None  # [videos, 3]
+    video_second_per_grid: torch.Tensor | None = None  # [videos]
 
 
 @dataclass(frozen=True)
@@ -264,6 +266,9 @@ class TalkerEngine(SlotScheduledEngine):
             model_kwargs["image_grid_thw"] = job.image_grid_thw.to(self.device)
         if job.audio_feature_lengths is not None:
             model_kwargs["audio_feature_lengths"] = job.audio_feature_lengths.to(self.device)
+        if job.video_grid_thw is not None:  # NOTE: generate gives the talker no use_audio_in_video
+            model_kwargs["video_grid_thw"] = job.video_grid_thw.to(self.device)
+            model_kwargs["video_second_per_grid"] = job.video_second_per_grid.to(self.device)
         position_ids = talker._prepare_position_ids_for_generation(inputs_embeds, dict(model_kwargs))
         cache = DynamicCache(config=self.tc.text_config)
         with self.timer:

@@ -48,6 +48,9 @@ def talker_job_from_proto(start: stages_pb2.TalkerStart, model_config, config: T
         image_grid_thw=tensor_from_proto(start.image_grid_thw) if start.HasField("image_grid_thw") else None,
         audio_feature_lengths=(tensor_from_proto(start.audio_feature_lengths)
                                if start.HasField("audio_feature_lengths") else None),
+        video_grid_thw=tensor_from_proto(start.video_grid_thw) if start.HasField("video_grid_thw") else None,
+        video_second_per_grid=(tensor_from_proto(start.video_second_per_grid)
+                               if start.HasField("video_second_per_grid") else None),
     )
 
 

@@ -229,8 +229,10 @@ class ThinkerEngine(SlotScheduledEngine):
         from transformers import DynamicCache
 
         job = request.job
-        # Prompt tensors arrive as float32 on the CPU: floating inputs take the model's dtype.
-        kwargs = {k: v.to(self.device, self.dtype) if v.is_floating_point() else v.to(self.device)
+        # Prompt tensors arrive as float32 on the CPU: floating inputs take the model's dtype (not
+        # video_second_per_grid, float32 in generate too); use_audio_in_video is a plain flag.
+        kwargs = {k: v if not isinstance(v, torch.Tensor) else v.to(self.device) if k == "video_second_per_grid"
+                  else v.to(self.device, self.dtype) if v.is_floating_point() else v.to(self.device)
                   for k, v in job.prompt.model_kwargs().items()}
         position_ids = self.model._prepare_position_ids_for_generation(kwargs["input_ids"], dict(kwargs))
         if drop_attention_mask:

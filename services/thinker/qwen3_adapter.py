@@ -47,6 +47,9 @@ class Qwen3ThinkerAdapter:
             start.multimodal_hidden.CopyFrom(tensor_to_proto(event.multimodal_hidden))
         if prompt.image_grid_thw is not None:
             start.image_grid_thw.CopyFrom(tensor_to_proto(prompt.image_grid_thw))
+        if prompt.video_grid_thw is not None:
+            start.video_grid_thw.CopyFrom(tensor_to_proto(prompt.video_grid_thw))
+            start.video_second_per_grid.CopyFrom(tensor_to_proto(prompt.video_second_per_grid))
         if prompt.audio_feature_lengths is not None:
             start.audio_feature_lengths.CopyFrom(tensor_to_proto(prompt.audio_feature_lengths))
         return start

@@ -36,6 +36,7 @@ from services.runtime.settings import (
     model_config_from_args,
     on_unless_cuda,
 )
+from services.runtime.video import VideoLimits
 from services.serving.channels import ChannelPool
 from services.serving.config import (
     ServingConfig,
@@ -110,7 +111,10 @@ def messages_from_proto(request: omni_pb2.GenerateRequest) -> list[ChatMessage]:
             kind = content.WhichOneof("part")
             if kind is None:
                 raise InvalidArgument(f"messages[{i}].content[{j}]", "empty content part")
-            parts.append(Part(**{kind: getattr(content, kind)}))
+            if kind == "video":
+                parts.append(Part(video=content.video, use_audio_in_video=request.use_audio_in_video))
+            else:
+                parts.append(Part(**{kind: getattr(content, kind)}))
         messages.append(ChatMessage(_ROLES[message.role], tuple(parts)))
     return messages
 
@@ -444,6 +448,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="longest audio input part (default 300 s)")
     parser.add_argument("--max-image-pixels", type=int, default=env_default("max_image_pixels", 4096 * 4096),
                         help="largest image input part in pixels (default 4096x4096)")
+    parser.add_argument("--max-video-seconds", type=float, default=env_default("max_video_seconds", 600.0),
+                        help="longest video input part, as its container declares (default 600 s)")
+    parser.add_argument("--max-video-frames", type=int, default=env_default("max_video_frames", 36_000),
+                        help="most frames a video part may declare (default 36000: every one up to the last "
+                             "sampled frame is decoded)")
+    parser.add_argument("--max-video-pixels", type=int, default=env_default("max_video_pixels", 3840 * 2160),
+                        help="largest video frame in pixels, as declared (default 3840x2160)")
+    parser.add_argument("--video-fps", type=float, default=env_default("video_fps", 2.0),
+                        help="frames sampled per second of video (default 2, Qwen's)")
     args = parser.parse_args(argv)
 
     def run() -> None:
@@ -457,7 +470,9 @@ def main(argv: list[str] | None = None) -> int:
                                default_max_new_tokens=args.default_max_new_tokens,
                                max_new_tokens_limit=args.max_new_tokens_limit,
                                limits=PromptLimits(args.max_prompt_tokens or None, args.max_audio_seconds,
-                                                   args.max_image_pixels),
+                                                   args.max_image_pixels,
+                                                   VideoLimits(args.max_video_seconds, args.max_video_frames,
+                                                               args.max_video_pixels), args.video_fps),
                                backend=args.backend,
                                vllm_kv_cache_bytes=(args.vllm_kv_cache_mb or (512 if args.device == "cpu" else 0)) << 20
                                or None,

@@ -42,8 +42,11 @@ def build_request(
     talker_max_new_tokens: int | None = None,
     return_codec_frames: bool = False,
     request_id: str = "",
+    video: bytes | None = None,
+    use_audio_in_video: bool = False,
 ) -> omni_pb2.GenerateRequest:
-    request = omni_pb2.GenerateRequest(request_id=request_id, return_codec_frames=return_codec_frames)
+    request = omni_pb2.GenerateRequest(request_id=request_id, return_codec_frames=return_codec_frames,
+                                       use_audio_in_video=use_audio_in_video)
     if system:
         request.messages.add(role=omni_pb2.ROLE_SYSTEM).content.add(text=system)
     user = request.messages.add(role=omni_pb2.ROLE_USER)
@@ -51,6 +54,8 @@ def build_request(
         user.content.add(audio=audio)
     if image is not None:
         user.content.add(image=image)
+    if video is not None:
+        user.content.add(video=video)
     user.content.add(text=prompt)
     request.output_modalities.append(omni_pb2.MODALITY_TEXT)
     if not text_only:
@@ -162,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--system")
     parser.add_argument("--audio", type=Path, help="wav/flac file for the user turn")
     parser.add_argument("--image", type=Path, help="png/jpeg file for the user turn")
+    parser.add_argument("--video", type=Path, help="mp4/webm file for the user turn")
+    parser.add_argument("--use-audio-in-video", action="store_true",
+                        help="hear the video's audio track too, interleaved with its frames by time")
     parser.add_argument("--voice")
     parser.add_argument("--text-only", action="store_true", help="ask for text only (no talker)")
     parser.add_argument("--max-new-tokens", type=int, help="thinker max new tokens (server default if unset)")
@@ -176,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def run() -> None:
         files = {}
-        for name in ("audio", "image"):
+        for name in ("audio", "image", "video"):
             path = getattr(args, name)
             if path is not None:
                 if not path.is_file():
@@ -185,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         request = build_request(
             args.prompt, args.system, files.get("audio"), files.get("image"), args.voice, args.text_only,
             args.max_new_tokens, args.talker_max_new_tokens, return_codec_frames=args.json,
+            video=files.get("video"), use_audio_in_video=args.use_audio_in_video,
         )
         channel, stub = connect(args.target, tls_from_args(args))
         try:

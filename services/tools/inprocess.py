@@ -30,6 +30,7 @@ def talker_job(prefilled: Prefilled, prompt: PromptInputs, speaker_id: int, samp
         multimodal_positions=prefilled.multimodal_positions, multimodal_hidden=prefilled.multimodal_hidden,
         tts_embeds=prefilled.tts_embeds, speaker_id=speaker_id, sampling=sampling,
         image_grid_thw=prompt.image_grid_thw, audio_feature_lengths=prompt.audio_feature_lengths,
+        video_grid_thw=prompt.video_grid_thw, video_second_per_grid=prompt.video_second_per_grid,
     )
 
 

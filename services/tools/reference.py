@@ -231,17 +231,19 @@ class ReferenceRunner:
         thinker_sampling: dict | None = None,
         talker_sampling: dict | None = None,
         seed: int | None = None,
+        inputs: dict | None = None,
     ) -> ReferenceResult:
         """Greedy unless `thinker_sampling` / `talker_sampling` (generate's temperature, top_k, top_p,
         repetition_penalty) are given: then that stage samples, from torch's global generator seeded
         with `seed` just before generate. `forced_ids`: make the thinker produce exactly these ids
         (text-to-speech oracle): a logits processor leaves only the next forced id finite at each
         step, so greedy `generate` picks it and the rest of `generate` (hidden states, talker,
-        vocoder) runs unchanged on that output."""
+        vocoder) runs unchanged on that output. `inputs`: processor inputs made elsewhere (the video
+        oracle, services/tools/video_oracle.py; `use_audio_in_video` among them), in place of the messages'."""
         import torch
 
         name = self.speaker(voice)
-        inputs = self.inputs(messages)
+        inputs = self.inputs(messages) if inputs is None else inputs
         prompt_tokens = int(inputs["input_ids"].shape[1])
         model_inputs = self.model_inputs(inputs)
         if self.family is Family.QWEN2_5_OMNI:
@@ -354,7 +356,7 @@ class ReferenceRunner:
     def model_inputs(self, inputs: dict) -> dict:
         """Processor inputs (one request's, or a collated batch) as this family's generate takes
         them, on the model's device."""
-        inputs = {k: v.to(self.device) for k, v in inputs.items()}
+        inputs = {k: v.to(self.device) if hasattr(v, "to") else v for k, v in inputs.items()}
         if self.family is Family.QWEN2_5_OMNI:
             # transformers quirk: generate hands unprefixed pixel_values to the talker too, whose generate
             # rejects them (ValueError: model_kwargs not used); prefixed, they reach the thinker alone, and

@@ -25,7 +25,7 @@ from services.runtime.families import Family
 from services.runtime.full_size import REAL_LAYOUT, check_layout, merge_layout
 from services.runtime.full_size_qwen2_5 import REAL_LAYOUT as QWEN2_5_REAL_LAYOUT
 from services.tools import tiny_qwen2_5_omni
-from services.tools.tiny_tokenizer import train_tokenizer, write_preprocessor_config
+from services.tools.tiny_tokenizer import train_tokenizer, write_preprocessor_config, write_video_preprocessor_config
 from services.tools.tiny_weights import init_weights_, save_config_only, save_model
 
 SPECIAL_TOKENS = [
@@ -62,6 +62,7 @@ CHAT_TEMPLATE = (
     "{%- if part['type'] == 'text' -%}{{ part['text'] }}"
     "{%- elif part['type'] == 'audio' -%}{{ '<|audio_start|><|audio_pad|><|audio_end|>' }}"
     "{%- elif part['type'] == 'image' -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'video' -%}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
     "{%- endif -%}{%- endfor -%}{%- endif -%}"
     "{{ '<|im_end|>\\n' }}"
     "{%- endfor -%}"
@@ -88,6 +89,7 @@ def build_tokenizer(out: Path) -> dict[str, int]:
 def write_processor_files(out: Path) -> None:
     """Feature extractor (Whisper, 128 mel bins) and image processor (Qwen2-VL, 16-pixel patches), small sizes."""
     write_preprocessor_config(out, patch_size=16, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+    write_video_preprocessor_config(out, patch_size=16, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
 
 
 def build_config(ids: dict[str, int], layout: dict | None = None):

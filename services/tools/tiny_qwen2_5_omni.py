@@ -28,7 +28,7 @@ from pathlib import Path
 
 from services.runtime.full_size import merge_layout
 from services.runtime.full_size_qwen2_5 import check_layout
-from services.tools.tiny_tokenizer import train_tokenizer, write_preprocessor_config
+from services.tools.tiny_tokenizer import train_tokenizer, write_preprocessor_config, write_video_preprocessor_config
 from services.tools.tiny_weights import init_weights_, save_config_only, save_model
 
 SPECIAL_TOKENS = [
@@ -99,6 +99,8 @@ def write_processor_files(out: Path) -> None:
     """Whisper features as the Qwen3 tiny; Qwen2-VL images with 14-pixel patches and CLIP's mean and std."""
     write_preprocessor_config(out, patch_size=14, image_mean=[0.48145466, 0.4578275, 0.40821073],
                               image_std=[0.26862954, 0.26130258, 0.27577711])
+    write_video_preprocessor_config(out, patch_size=14, image_mean=[0.48145466, 0.4578275, 0.40821073],
+                                    image_std=[0.26862954, 0.26130258, 0.27577711])
 
 
 def build_config(ids: dict[str, int], layout: dict | None = None):

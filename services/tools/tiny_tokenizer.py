@@ -118,3 +118,16 @@ def write_preprocessor_config(out: Path, patch_size: int, image_mean: list[float
         "size": {"shortest_edge": (2 * patch_size) ** 2, "longest_edge": (4 * patch_size) ** 2},
     }
     (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2, sort_keys=True) + "\n")
+
+
+def write_video_preprocessor_config(out: Path, patch_size: int, image_mean: list[float], image_std: list[float]) -> None:
+    """The video processor (Qwen2-VL's) in video_preprocessor_config.json. Its frame sizes are
+    moot: the omni processors pass their own `size` (at least 128 tokens a frame pair)."""
+    video = {
+        "video_processor_type": "Qwen2VLVideoProcessor",
+        "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
+        "rescale_factor": 1 / 255, "image_mean": image_mean, "image_std": image_std,
+        "patch_size": patch_size, "temporal_patch_size": 2, "merge_size": 2, "min_frames": 4, "max_frames": 768,
+        "size": {"shortest_edge": (2 * patch_size) ** 2, "longest_edge": (4 * patch_size) ** 2},
+    }
+    (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2, sort_keys=True) + "\n")

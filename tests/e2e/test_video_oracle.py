@@ -1,0 +1,91 @@
+"""Video in the user turn, against an oracle that shares no input code with the pipeline.
+
+The oracle's inputs come from transformers' own processor with its real video processor
+(services/tools/video_oracle.py: `Qwen2VLVideoProcessor`, run in a child process where
+torchvision imports); the pipeline's from the project's PromptBuilder (services/runtime/video.py).
+Then the real stack over gRPC against `generate` on those inputs: text ids and codec frames equal,
+with and without the audio track (Qwen3-Omni interleaves the track's pads with the frames' pads by
+time). The videos are made here with PyAV (tests/video_media.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omni.v1 import omni_pb2
+from services.runtime.prompt import ChatMessage, Part, PromptBuilder, Role
+from services.tools.client import collect
+from services.tools.video_oracle import video_inputs
+from tests.e2e.test_independent_oracle import ROLES, wav
+from tests.video_media import video
+
+pytestmark = pytest.mark.slow  # the oracle's child process imports transformers again (~20-50 s on 2 cores)
+
+FPS = 2.0  # PromptLimits.video_fps
+
+
+def cases() -> dict[str, tuple[list[ChatMessage], bool]]:
+    S, U = Role.SYSTEM, Role.USER
+    clip = video(frames=12, width=64, height=48, fps=6, audio_seconds=2.0, seed=1)
+    return {
+        # 12 frames at 6 fps, 2 sampled a second: 4 frames, 2 temporal patches.
+        "video_and_text": ([ChatMessage(S, (Part(text="Answer briefly."),)),
+                            ChatMessage(U, (Part(video=clip), Part(text="What moves?")))], False),
+        # The track (2 s at 16 kHz) interleaved with the frames; an audio part before it shares the
+        # audio feature batch, in prompt order.
+        "video_with_its_audio_track_after_an_audio": (
+            [ChatMessage(U, (Part(audio=wav(0.6, 330)), Part(text="then"),
+                             Part(video=clip, use_audio_in_video=True), Part(text="What is heard?")))], True),
+    }
+
+
+def as_video_request(messages: list[ChatMessage], use_audio: bool, voice: str, max_new: int, talker_max: int):
+    request = omni_pb2.GenerateRequest(return_codec_frames=True, voice=voice, use_audio_in_video=use_audio)
+    for message in messages:
+        turn = request.messages.add(role=ROLES[message.role])
+        for part in message.parts:
+            kind = next(k for k in ("text", "audio", "image", "video") if getattr(part, k) is not None)
+            turn.content.add(**{kind: getattr(part, kind)})
+    request.output_modalities.extend([omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO])
+    request.thinker_sampling.max_new_tokens = max_new
+    request.talker_sampling.max_new_tokens = talker_max
+    return request
+
+
+@pytest.fixture(scope="module")
+def oracle_inputs(tiny_checkpoint):
+    return {name: video_inputs(tiny_checkpoint, messages, use_audio, FPS)
+            for name, (messages, use_audio) in cases().items()}
+
+
+@pytest.mark.parametrize("case", sorted(cases()))
+def test_video_prompt_inputs_equal_transformers_video_processor(case, oracle_inputs, reference, tiny_checkpoint):
+    messages, use_audio = cases()[case]
+    oracle = oracle_inputs[case]
+    built = PromptBuilder(tiny_checkpoint, reference.config).build(messages).model_kwargs()
+    assert built.pop("use_audio_in_video", False) is use_audio
+    assert sorted(built) == sorted(oracle)
+    for key, value in oracle.items():
+        assert built[key].shape == value.shape, key
+        assert torch.equal(built[key].to(value.dtype), value), key
+    ids = oracle["input_ids"][0].tolist()
+    cfg = reference.config.thinker_config
+    assert oracle["video_grid_thw"].tolist() == [[2, 20, 28]]  # 4 frames of 320x448 (the processor's minimum size)
+    assert ids.count(cfg.video_token_id) == 2 * 20 * 28 // 4
+    if use_audio:  # the track's pads lie between the video's pads
+        video_at = [i for i, t in enumerate(ids) if t == cfg.video_token_id]
+        audio_at = [i for i, t in enumerate(ids) if t == cfg.audio_token_id]
+        assert any(video_at[0] < i < video_at[-1] for i in audio_at)
+
+
+@pytest.mark.parametrize("case", sorted(cases()))
+def test_pipeline_equals_generate_on_video_inputs(case, oracle_inputs, omni, reference):
+    messages, use_audio = cases()[case]
+    inputs = dict(oracle_inputs[case], **({"use_audio_in_video": True} if use_audio else {}))
+    expected = reference.generate([], voice="aiden", max_new_tokens=10, talker_max_new_tokens=30, inputs=inputs)
+    got = collect(omni, as_video_request(messages, use_audio, "aiden", 10, 30), timeout=240)
+    assert got.thinker_token_ids == expected.thinker_token_ids
+    assert got.codec_frames == expected.codec_frames
+    assert len(got.codec_frames) == 29
+    assert got.final.usage.prompt_tokens == expected.prompt_tokens

@@ -1,0 +1,51 @@
+"""Test videos made here (PyAV encoding synthetic frames and a tone), no downloads."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+
+
+def video(frames: int = 12, width: int = 64, height: int = 48, fps: int = 6, container: str = "mp4",
+          codec: str | None = None, audio_seconds: float | None = None, audio_rate: int = 16000,
+          seed: int = 0, flat: bool = False, options: dict | None = None) -> bytes:
+    """An mp4 (h264 + aac) or webm (vp9 + opus) of moving random pixels (`flat`: one grey, which
+    compresses to almost nothing at any size); with `audio_seconds`, a tone track. `options`: the
+    muxer's (e.g. movflags=faststart: the index before the data)."""
+    import av
+
+    codec = codec or {"mp4": "libx264", "webm": "libvpx-vp9"}[container]
+    rng = np.random.default_rng(seed)
+    base = (np.full((height, width, 3), 128, dtype=np.uint8) if flat
+            else rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format=container, options=options or {}) as out:
+        stream = out.add_stream(codec, rate=fps)
+        stream.width, stream.height = width, height
+        stream.pix_fmt = "yuv420p" if codec != "mjpeg" else "yuvj420p"
+        if codec == "libx264":
+            stream.options = {"preset": "ultrafast", "crf": "18"}
+        track = None
+        if audio_seconds is not None:
+            track = out.add_stream({"mp4": "aac", "webm": "libopus"}[container], rate=audio_rate)
+            track.layout = "mono"
+        for i in range(frames):
+            pixels = np.roll(base, shift=3 * i, axis=1)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+        if track is not None:
+            n = int(audio_seconds * audio_rate)
+            t = np.arange(n) / audio_rate
+            samples = (0.3 * np.sin(2 * np.pi * 440 * t) * (1 + t)).astype(np.float32)[None]
+            step = 1024
+            for start in range(0, n, step):
+                frame = av.AudioFrame.from_ndarray(samples[:, start:start + step], format="flt", layout="mono")
+                frame.sample_rate = audio_rate
+                for packet in track.encode(frame):
+                    out.mux(packet)
+            for packet in track.encode():
+                out.mux(packet)
+    return buf.getvalue()
