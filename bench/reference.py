@@ -57,6 +57,11 @@ def collate(inputs: list[PromptInputs], pad_id: int) -> dict[str, torch.Tensor]:
     if images:
         batch["pixel_values"] = torch.cat([i.pixel_values for i in images])
         batch["image_grid_thw"] = torch.cat([i.image_grid_thw for i in images])
+    videos = [i for i in inputs if i.pixel_values_videos is not None]
+    if videos:  # the bench's videos carry no audio track (use_audio_in_video is one flag per batch)
+        batch["pixel_values_videos"] = torch.cat([i.pixel_values_videos for i in videos])
+        batch["video_grid_thw"] = torch.cat([i.video_grid_thw for i in videos])
+        batch["video_second_per_grid"] = torch.cat([i.video_second_per_grid for i in videos])
     return batch
 
 

@@ -84,7 +84,8 @@ class PipelineSystem:
 
     def request(self, prompt: BenchPrompt):
         return build_request(prompt.text, prompt.system, prompt.audio, prompt.image, self.voice,
-                             max_new_tokens=self.max_new_tokens, talker_max_new_tokens=self.talker_max_new_tokens)
+                             max_new_tokens=self.max_new_tokens, talker_max_new_tokens=self.talker_max_new_tokens,
+                             video=prompt.video)
 
     def call(self, request) -> Outcome:
         try:
@@ -135,6 +136,9 @@ class GatewaySystem:
         if prompt.image is not None:
             content.append({"type": "image_url",
                             "image_url": {"url": "data:image/png;base64," + base64.b64encode(prompt.image).decode()}})
+        if prompt.video is not None:
+            content.append({"type": "video_url",
+                            "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(prompt.video).decode()}})
         content.append({"type": "text", "text": prompt.text})
         messages = ([{"role": "system", "content": prompt.system}] if prompt.system else []) + [
             {"role": "user", "content": content}]

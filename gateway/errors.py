@@ -47,6 +47,8 @@ _PARAMS = (
     (re.compile(r"^output_modalities$"), "modalities"),
     (re.compile(r"^messages\[(\d+)\]\.content\[(\d+)\]\.audio$"), r"messages[\1].content[\2].input_audio"),
     (re.compile(r"^messages\[(\d+)\]\.content\[(\d+)\]\.image$"), r"messages[\1].content[\2].image_url"),
+    (re.compile(r"^messages\[(\d+)\]\.content\[(\d+)\]\.video$"), r"messages[\1].content[\2].video_url"),
+    (re.compile(r"^use_audio_in_video$"), "mm_processor_kwargs.use_audio_in_video"),
     (re.compile(r"^forced_text$"), "input"),
 )
 

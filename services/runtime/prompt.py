@@ -274,16 +274,27 @@ class PromptBuilder:
         # preprocessor_config.json) under the omni processor's own video defaults.
         from transformers.video_processing_utils import BaseVideoProcessor
 
-        video_dict, _ = BaseVideoProcessor.get_video_processor_dict(str(folder))
-        kwargs_class = processor_cls.valid_processor_kwargs
-        self.video_rules = video_rules(video_dict, kwargs_class._defaults["videos_kwargs"], limits.video_fps)
+        self._video_dict, _ = BaseVideoProcessor.get_video_processor_dict(str(folder))
+        self._video_defaults = processor_cls.valid_processor_kwargs._defaults["videos_kwargs"]
         self.audio_rules = audio_rules(self.family, config, self.feature_extractor)
-        model_max = config.thinker_config.text_config.max_position_embeddings
+        self.max_token_bytes = max_token_bytes(self.tokenizer)
+        self._set_limits(limits)
+
+    def _set_limits(self, limits: PromptLimits) -> None:
+        model_max = self.config.thinker_config.text_config.max_position_embeddings
         self.max_prompt_tokens = min(limits.max_prompt_tokens or model_max, model_max)
         self.limits = limits
-        self.max_token_bytes = max_token_bytes(self.tokenizer)
         # Text beyond this cannot fit the prompt limit: refused before it is tokenized.
         self.max_text_bytes = text_byte_limit(self.max_prompt_tokens, self.max_token_bytes)
+        self.video_rules = video_rules(self._video_dict, self._video_defaults, limits.video_fps)
+
+    def with_limits(self, limits: PromptLimits) -> PromptBuilder:
+        """The same tokenizer and processors under other limits (no reloading)."""
+        import copy
+
+        other = copy.copy(self)
+        other._set_limits(limits)
+        return other
 
     def audio_tokens_at_least(self, header: AudioHeader) -> int:
         """Prompt tokens an audio part of this header yields, at least (whole encoder chunks)."""

@@ -79,6 +79,7 @@ import numpy as np
 import torch
 
 from services.runtime.checkpoint import load_config
+from services.runtime.errors import InvalidArgument
 from services.runtime.events import RequestFailed
 from services.runtime.finish import FinishReason
 from services.runtime.prompt import (
@@ -174,7 +175,13 @@ def pad_audio(messages: list[ChatMessage], hop: int) -> list[ChatMessage]:
 
 
 def build_prompt(prompts: PromptBuilder, messages: list[ChatMessage]) -> PromptInputs:
-    """What the vLLM backend's requests carry: audio padded as vLLM pads it, raw media attached."""
+    """What the vLLM backend's requests carry: audio padded as vLLM pads it, raw media attached.
+    Videos are refused: their expansion in vLLM is not checked against the processor's here."""
+    for i, message in enumerate(messages):
+        for j, part in enumerate(message.parts):
+            if part.video is not None:
+                raise InvalidArgument(f"messages[{i}].content[{j}].video",
+                                      "the vLLM thinker backend takes no video (use --backend transformers)")
     padded = pad_audio(messages, prompts.feature_extractor.hop_length)
     return with_media(prompts.build(padded), padded)
 

@@ -39,36 +39,39 @@ VISION_DIR = Path(sys.prefix) / "oracle-vision"  # `make setup`: pip install --t
 AUDIO_SAMPLE_RATE = 16000
 
 
-def video_inputs(folder: str | Path, messages: list[ChatMessage], use_audio_in_video: bool, fps: float,
-                 timeout: float = 300.0) -> dict:
-    """The processor's model inputs for these messages (tensors), built in a child process."""
+def video_inputs(folder: str | Path, prompts: list[tuple[list[ChatMessage], bool]], fps: float,
+                 timeout: float = 600.0) -> list[dict]:
+    """The processor's model inputs (tensors) for each (messages, use_audio_in_video), all built in
+    one child process (it imports transformers once)."""
     from safetensors.torch import load_file
 
     if not (VISION_DIR / "torchvision").is_dir():
         raise RuntimeError(f"{VISION_DIR} has no torchvision: run `make setup`")
     with tempfile.TemporaryDirectory(prefix="video-oracle-") as tmp:
-        job = {"folder": str(folder), "use_audio_in_video": use_audio_in_video, "fps": fps, "messages": []}
-        for i, message in enumerate(messages):
-            parts = []
-            for j, part in enumerate(message.parts):
-                for kind in ("audio", "image", "video"):
-                    data = getattr(part, kind)
-                    if data is not None:
-                        path = Path(tmp) / f"{i}-{j}.{kind}"
-                        path.write_bytes(data)
-                        parts.append({"type": kind, "path": str(path)})
-                        break
-                else:
-                    parts.append({"type": "text", "text": part.text})
-            job["messages"].append({"role": message.role.value, "content": parts})
-        (Path(tmp) / "job.json").write_text(json.dumps(job))
+        jobs = []
+        for k, (messages, use_audio_in_video) in enumerate(prompts):
+            job = {"folder": str(folder), "use_audio_in_video": use_audio_in_video, "fps": fps, "messages": []}
+            for i, message in enumerate(messages):
+                parts = []
+                for j, part in enumerate(message.parts):
+                    for kind in ("audio", "image", "video"):
+                        data = getattr(part, kind)
+                        if data is not None:
+                            path = Path(tmp) / f"{k}-{i}-{j}.{kind}"
+                            path.write_bytes(data)
+                            parts.append({"type": kind, "path": str(path)})
+                            break
+                    else:
+                        parts.append({"type": "text", "text": part.text})
+                job["messages"].append({"role": message.role.value, "content": parts})
+            jobs.append(job)
+        (Path(tmp) / "jobs.json").write_text(json.dumps(jobs))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(VISION_DIR), os.getcwd()]))
         done = subprocess.run([sys.executable, "-m", "services.tools.video_oracle", tmp], env=env,
                               capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0:
             raise RuntimeError(f"video oracle failed:\n{done.stderr[-4000:]}")
-        out = load_file(str(Path(tmp) / "inputs.safetensors"))
-    return out
+        return [load_file(str(Path(tmp) / f"inputs-{k}.safetensors")) for k in range(len(jobs))]
 
 
 def _shim_torchvision_ops() -> None:
@@ -152,9 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from safetensors.torch import save_file
 
-    out = _build(json.loads((tmp / "job.json").read_text()))
-    tensors = {k: (v if isinstance(v, torch.Tensor) else torch.tensor(v)).contiguous() for k, v in out.items()}
-    save_file(tensors, str(tmp / "inputs.safetensors"))
+    for k, job in enumerate(json.loads((tmp / "jobs.json").read_text())):
+        out = _build(job)
+        tensors = {name: (v if isinstance(v, torch.Tensor) else torch.tensor(v)).contiguous() for name, v in out.items()}
+        save_file(tensors, str(tmp / f"inputs-{k}.safetensors"))
     return 0
 
 

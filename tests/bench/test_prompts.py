@@ -11,11 +11,12 @@ from services.runtime.errors import UserError
 from services.runtime.prompt import Role
 
 
-def test_built_in_prompts_are_text_with_a_system_turn():
+def test_built_in_prompts_are_text_and_one_video_with_a_system_turn():
     prompts = built_in_prompts()
-    assert len(prompts) >= 4
-    assert all(p.modalities == "text" for p in prompts)
+    assert len(prompts) >= 5
+    assert [p.modalities for p in prompts] == ["text"] * (len(prompts) - 1) + ["text+video"]
     assert [m.role for m in prompts[0].messages()] == [Role.SYSTEM, Role.USER]
+    assert prompts[-1].messages()[-1].parts[0].video == prompts[-1].video
 
 
 def test_jsonl_reads_relative_media_paths_from_the_files_folder(tmp_path, wav_bytes, png_bytes):
@@ -37,7 +38,8 @@ def test_jsonl_reads_relative_media_paths_from_the_files_folder(tmp_path, wav_by
 @pytest.mark.parametrize("line, message", [
     ('{"prompt": ', "set.jsonl:1: not valid JSON"),
     ('{"text": "hi"}', 'non-empty "prompt"'),
-    ('{"prompt": "hi", "video": "v.mp4"}', "unknown keys ['video']"),
+    ('{"prompt": "hi", "movie": "v.mp4"}', "unknown keys ['movie']"),
+    ('{"prompt": "hi", "video": "missing.mp4"}', "video file not found"),
     ('{"prompt": "hi", "audio": "missing.wav"}', "audio file not found"),
 ])
 def test_jsonl_mistakes_name_the_line(tmp_path, line, message):

@@ -11,9 +11,20 @@ import services.runtime.prompt as prompt_module
 from services.runtime.errors import InvalidArgument
 from services.runtime.prompt import ChatMessage, Part, PromptBuilder, PromptLimits, Role
 from services.runtime.video import VideoLimits, bytes_per_token, video_grid, video_tokens
-from tests.video_media import video
+from services.tools.synthetic_video import video
 
 FIELD = "messages[0].content[0].video"
+
+
+def wav_of_silence() -> bytes:
+    import io
+
+    import numpy as np
+    import soundfile as sf
+
+    buf = io.BytesIO()
+    sf.write(buf, np.zeros(8000, np.float32), 16000, format="WAV")
+    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -22,18 +33,18 @@ def clip() -> bytes:
 
 
 @pytest.fixture(scope="module")
-def config(tiny_checkpoint):
-    return AutoConfig.from_pretrained(tiny_checkpoint)
+def builder(tiny_checkpoint):
+    return PromptBuilder(tiny_checkpoint, AutoConfig.from_pretrained(tiny_checkpoint))
 
 
-def build(folder, config, data: bytes, limits: PromptLimits = PromptLimits(), use_audio: bool = False):
-    builder = PromptBuilder(folder, config, limits)
-    return builder.build([ChatMessage(Role.USER, (Part(video=data, use_audio_in_video=use_audio), Part(text="hi")))])
+def build(builder, data: bytes, limits: PromptLimits = PromptLimits(), use_audio: bool = False):
+    return builder.with_limits(limits).build(
+        [ChatMessage(Role.USER, (Part(video=data, use_audio_in_video=use_audio), Part(text="hi")))])
 
 
-def refused(folder, config, data: bytes, limits: PromptLimits = PromptLimits(), use_audio: bool = False) -> str:
+def refused(builder, data: bytes, limits: PromptLimits = PromptLimits(), use_audio: bool = False) -> str:
     with pytest.raises(InvalidArgument) as info:
-        build(folder, config, data, limits, use_audio)
+        build(builder, data, limits, use_audio)
     assert info.value.field == FIELD, info.value
     return info.value.description
 
@@ -48,76 +59,72 @@ def no_decoding(monkeypatch):
 
 @pytest.mark.parametrize("limit, field, value", [
     ("max_pixels", "pixels", 64 * 48), ("max_frames", "frames", 12), ("max_seconds", "s", 2.0)])
-def test_each_video_limit_holds_exactly_at_its_bound(limit, field, value, clip, config, tiny_checkpoint):
+def test_each_video_limit_holds_exactly_at_its_bound(limit, field, value, clip, builder):
     at = PromptLimits(video=VideoLimits(**{**vars(VideoLimits()), limit: value}))
-    assert build(tiny_checkpoint, config, clip, at).video_grid_thw.tolist() == [[2, 20, 28]]
+    assert build(builder, clip, at).video_grid_thw.tolist() == [[2, 20, 28]]
     over = value - 1 if isinstance(value, int) else value - 0.1
-    details = refused(tiny_checkpoint, config, clip, PromptLimits(video=VideoLimits(**{**vars(VideoLimits()),
+    details = refused(builder, clip, PromptLimits(video=VideoLimits(**{**vars(VideoLimits()),
                                                                                       limit: over})))
     assert str(over) in details or f"{over:.1f}" in details, details
 
 
-def test_a_resolution_bomb_is_refused_from_its_header(config, tiny_checkpoint, no_decoding):
+def test_a_resolution_bomb_is_refused_from_its_header(builder, no_decoding):
     bomb = video(frames=1, width=4096, height=2304, fps=1, flat=True, codec="mpeg4")  # ~100 KB, 9.4 M pixels
     assert len(bomb) < 200_000
-    details = refused(tiny_checkpoint, config, bomb)
+    details = refused(builder, bomb)
     assert "9437184 pixels (4096x2304)" in details and str(3840 * 2160) in details, details
 
 
-def test_frame_count_and_duration_bombs_are_refused_from_the_header(config, tiny_checkpoint, no_decoding):
+def test_frame_count_and_duration_bombs_are_refused_from_the_header(builder, no_decoding):
     long_flat = video(frames=240, width=32, height=32, fps=120, flat=True)  # declares 240 frames, 2 s
-    details = refused(tiny_checkpoint, config, long_flat, PromptLimits(video=VideoLimits(max_frames=239)))
+    details = refused(builder, long_flat, PromptLimits(video=VideoLimits(max_frames=239)))
     assert "240 frames" in details, details
-    details = refused(tiny_checkpoint, config, long_flat, PromptLimits(video=VideoLimits(max_seconds=1.5)))
+    details = refused(builder, long_flat, PromptLimits(video=VideoLimits(max_seconds=1.5)))
     assert "2.0 s" in details and "1.5" in details, details
 
 
-def test_a_truncated_container_is_invalid_argument(clip, config, tiny_checkpoint):
+def test_a_truncated_container_is_invalid_argument(clip, builder):
     for cut in (200, len(clip) // 2, len(clip) - 100):  # no index / index gone / frames cut short
-        details = refused(tiny_checkpoint, config, clip[:cut])
+        details = refused(builder, clip[:cut])
         assert "mp4/webm" in details or "truncated" in details, details
     webm = video(frames=12, container="webm")
-    assert "truncated" in refused(tiny_checkpoint, config, webm[:len(webm) // 2])
+    assert "truncated" in refused(builder, webm[:len(webm) // 2])
 
 
-def test_a_codec_or_container_not_taken_is_invalid_argument(config, tiny_checkpoint, no_decoding):
-    assert "video codec mjpeg" in refused(tiny_checkpoint, config, video(frames=4, codec="mjpeg"))
-    from tests.e2e.test_independent_oracle import wav
-
-    assert "not a readable mp4/webm" in refused(tiny_checkpoint, config, b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 64)
-    assert "container wav" in refused(tiny_checkpoint, config, wav(0.5, 440))
+def test_a_codec_or_container_not_taken_is_invalid_argument(builder, no_decoding):
+    assert "video codec mjpeg" in refused(builder, video(frames=4, codec="mjpeg"))
+    assert "not a readable mp4/webm" in refused(builder, b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 64)
+    assert "container wav" in refused(builder, wav_of_silence())
 
 
-def test_use_audio_in_video_needs_a_track_and_one_value_for_every_video(clip, config, tiny_checkpoint):
-    assert "no audio track" in refused(tiny_checkpoint, config, clip, use_audio=True)
-    builder = PromptBuilder(tiny_checkpoint, config)
+def test_use_audio_in_video_needs_a_track_and_one_value_for_every_video(clip, builder):
+    assert "no audio track" in refused(builder, clip, use_audio=True)
     with pytest.raises(InvalidArgument) as info:
         builder.build([ChatMessage(Role.USER, (Part(video=clip), Part(video=clip, use_audio_in_video=True)))])
     assert info.value.field == "use_audio_in_video"
 
 
 def test_the_prompt_limit_counts_video_tokens_from_the_header_so_memory_is_bounded_before_decoding(
-        clip, config, tiny_checkpoint, monkeypatch):
-    builder = PromptBuilder(tiny_checkpoint, config)
+        clip, builder, monkeypatch):
     header = builder._declared_video(Part(video=clip), FIELD)
     tokens = video_tokens(builder.video_rules, video_grid(builder.video_rules, header, FIELD))
-    exact = build(tiny_checkpoint, config, clip).num_tokens
+    exact = build(builder, clip).num_tokens
     assert tokens == 2 * 20 * 28 // 4 and exact > tokens
     # At the limit it is served; one token under, refused before any frame is decoded.
-    assert build(tiny_checkpoint, config, clip, PromptLimits(max_prompt_tokens=exact)).num_tokens == exact
+    assert build(builder, clip, PromptLimits(max_prompt_tokens=exact)).num_tokens == exact
     monkeypatch.setattr(prompt_module, "decode_video", lambda *a, **k: pytest.fail("decoded"))
     with pytest.raises(InvalidArgument) as info:
-        build(tiny_checkpoint, config, clip, PromptLimits(max_prompt_tokens=tokens - 1))
+        build(builder, clip, PromptLimits(max_prompt_tokens=tokens - 1))
     assert info.value.field == "messages"
     # The float32 patches a video token holds (tiny checkpoint: 16-pixel patches, 2 frames, 2x2 merge).
     assert bytes_per_token(builder.video_rules) == 4 * 4 * 3 * 2 * 16 * 16
 
 
-def test_webm_and_the_audio_track_decode(config, tiny_checkpoint):
-    webm = build(tiny_checkpoint, config, video(frames=12, container="webm", audio_seconds=2.0, audio_rate=48000),
+def test_webm_and_the_audio_track_decode(builder):
+    webm = build(builder, video(frames=12, container="webm", audio_seconds=2.0, audio_rate=48000),
                  use_audio=True)
     assert webm.video_grid_thw.tolist() == [[2, 20, 28]]
     assert webm.use_audio_in_video and webm.input_features is not None
-    cfg = config.thinker_config
+    cfg = builder.config.thinker_config
     ids = webm.input_ids[0].tolist()
     assert ids.count(cfg.video_token_id) == 280 and ids.count(cfg.audio_token_id) > 0

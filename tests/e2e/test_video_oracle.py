@@ -10,21 +10,24 @@ time). The videos are made here with PyAV (tests/video_media.py).
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from omni.v1 import omni_pb2
 from services.runtime.prompt import ChatMessage, Part, PromptBuilder, Role
 from services.tools.client import collect
+from services.tools.synthetic_video import video
 from services.tools.video_oracle import video_inputs
 from tests.e2e.test_independent_oracle import ROLES, wav
-from tests.video_media import video
 
 pytestmark = pytest.mark.slow  # the oracle's child process imports transformers again (~20-50 s on 2 cores)
 
 FPS = 2.0  # PromptLimits.video_fps
 
 
+@functools.cache  # one encoding of each video for the oracle and the pipeline alike
 def cases() -> dict[str, tuple[list[ChatMessage], bool]]:
     S, U = Role.SYSTEM, Role.USER
     clip = video(frames=12, width=64, height=48, fps=6, audio_seconds=2.0, seed=1)
@@ -55,8 +58,8 @@ def as_video_request(messages: list[ChatMessage], use_audio: bool, voice: str, m
 
 @pytest.fixture(scope="module")
 def oracle_inputs(tiny_checkpoint):
-    return {name: video_inputs(tiny_checkpoint, messages, use_audio, FPS)
-            for name, (messages, use_audio) in cases().items()}
+    names = sorted(cases())
+    return dict(zip(names, video_inputs(tiny_checkpoint, [cases()[name] for name in names], FPS)))
 
 
 @pytest.mark.parametrize("case", sorted(cases()))
@@ -88,4 +91,43 @@ def test_pipeline_equals_generate_on_video_inputs(case, oracle_inputs, omni, ref
     assert got.thinker_token_ids == expected.thinker_token_ids
     assert got.codec_frames == expected.codec_frames
     assert len(got.codec_frames) == 29
+    assert got.final.usage.prompt_tokens == expected.prompt_tokens
+
+
+# Qwen2.5-Omni: its processor's own video defaults (28-pixel factor, 25 positions a second) and its
+# interleave (2-second chunks: each chunk's video pads, then its audio pads); the talker takes the
+# thinker's hidden states, so the video reaches it through them alone.
+@pytest.fixture(scope="module")
+def qwen2_5(tiny_qwen2_5_checkpoint):
+    from services.tools.reference import ReferenceRunner
+    from tests.stacks import stack_of
+
+    names = sorted(cases())
+    inputs = dict(zip(names, video_inputs(tiny_qwen2_5_checkpoint, [cases()[n] for n in names], FPS)))
+    with stack_of(tiny_qwen2_5_checkpoint) as stack:
+        yield inputs, ReferenceRunner(tiny_qwen2_5_checkpoint), stack
+
+
+@pytest.mark.parametrize("case", sorted(cases()))
+def test_qwen2_5_video_inputs_and_outputs_equal_transformers(case, qwen2_5, tiny_qwen2_5_checkpoint):
+    from services.tools.client import connect
+
+    oracle_inputs, runner, stack = qwen2_5
+    messages, use_audio = cases()[case]
+    oracle = oracle_inputs[case]
+    built = PromptBuilder(tiny_qwen2_5_checkpoint, runner.config).build(messages).model_kwargs()
+    assert built.pop("use_audio_in_video", False) is use_audio
+    assert sorted(built) == sorted(oracle)
+    for key, value in oracle.items():
+        assert built[key].shape == value.shape and torch.equal(built[key].to(value.dtype), value), key
+
+    inputs = dict(oracle, **({"use_audio_in_video": True} if use_audio else {}))
+    expected = runner.generate([], voice="ethan", max_new_tokens=10, talker_max_new_tokens=30, inputs=inputs)
+    channel, stub = connect(stack.target)
+    try:
+        got = collect(stub, as_video_request(messages, use_audio, "ethan", 10, 30), timeout=240)
+    finally:
+        channel.close()
+    assert got.thinker_token_ids == expected.thinker_token_ids
+    assert got.codec_frames == expected.codec_frames and len(got.codec_frames) > 0
     assert got.final.usage.prompt_tokens == expected.prompt_tokens

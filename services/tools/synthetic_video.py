@@ -1,4 +1,5 @@
-"""Test videos made here (PyAV encoding synthetic frames and a tone), no downloads."""
+"""Synthetic videos (PyAV encoding moving random pixels and a tone): the tests' and the bench's
+video prompts, made where they are used, no downloads."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import numpy as np
 
 def video(frames: int = 12, width: int = 64, height: int = 48, fps: int = 6, container: str = "mp4",
           codec: str | None = None, audio_seconds: float | None = None, audio_rate: int = 16000,
-          seed: int = 0, flat: bool = False, options: dict | None = None) -> bytes:
+          seed: int = 0, flat: bool = False, options: dict | None = None, last_at_s: float | None = None) -> bytes:
     """An mp4 (h264 + aac) or webm (vp9 + opus) of moving random pixels (`flat`: one grey, which
     compresses to almost nothing at any size); with `audio_seconds`, a tone track. `options`: the
-    muxer's (e.g. movflags=faststart: the index before the data)."""
+    muxer's (e.g. movflags=faststart: the index before the data). `last_at_s`: the last frame's
+    timestamp (a video of two frames can declare hours)."""
     import av
 
     codec = codec or {"mp4": "libx264", "webm": "libvpx-vp9"}[container]
@@ -32,7 +34,12 @@ def video(frames: int = 12, width: int = 64, height: int = 48, fps: int = 6, con
             track.layout = "mono"
         for i in range(frames):
             pixels = np.roll(base, shift=3 * i, axis=1)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+            frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
+            if last_at_s is not None and i == frames - 1:
+                frame.pts = int(last_at_s * fps)  # the stream's time base is 1 / fps
+            elif last_at_s is not None:
+                frame.pts = i
+            for packet in stream.encode(frame):
                 out.mux(packet)
         for packet in stream.encode():
             out.mux(packet)
