@@ -42,8 +42,11 @@ from services.runtime.qwen2_5_omni import audio_placeholders
 from services.runtime.video import (
     VideoHeader,
     VideoLimits,
+    declared_frames,
     declared_video,
     decode_video,
+    sample_indices,
+    video_from_frames,
     video_grid,
     video_rules,
     video_tokens,
@@ -68,6 +71,8 @@ class Part:
     audio: bytes | None = None  # wav/flac file bytes
     image: bytes | None = None  # png/jpeg file bytes
     video: bytes | None = None  # mp4/webm file bytes
+    video_frames: tuple[bytes, ...] | None = None  # a video as png/jpeg frames, taken at video_fps a second
+    video_fps: float = 0.0
     # With a video: its audio track is heard too, interleaved by time (transformers'
     # `use_audio_in_video`, one value for every video of a prompt).
     use_audio_in_video: bool = False
@@ -340,10 +345,11 @@ class PromptBuilder:
                     width, height = declared_image_size(part.image, f"{where}.image")
                     check_image_size(width, height, f"{where}.image", self.limits.max_image_pixels)
                     at_least += self.image_tokens(width, height)
-                elif part.video is not None:
-                    header = self._declared_video(part, f"{where}.video")
+                elif part.video is not None or part.video_frames is not None:
+                    field_name = f"{where}.video" if part.video is not None else f"{where}.video_frames"
+                    header = self._declared_video(part, field_name)
                     headers[(i, j)] = header
-                    at_least += video_tokens(self.video_rules, video_grid(self.video_rules, header, f"{where}.video"))
+                    at_least += video_tokens(self.video_rules, video_grid(self.video_rules, header, field_name))
                     if header.audio is not None:
                         frames = int(header.audio.seconds * AUDIO_SAMPLE_RATE) // _MEL_HOP
                         at_least += self.audio_rules.at_least(frames)
@@ -357,6 +363,9 @@ class PromptBuilder:
         return headers
 
     def _declared_video(self, part: Part, field_name: str) -> VideoHeader:
+        if part.video_frames is not None:
+            return declared_frames(part.video_frames, part.video_fps, field_name, self.limits.video,
+                                   part.use_audio_in_video)
         header = declared_video(part.video, field_name, self.limits.video, with_audio=part.use_audio_in_video)
         if header.audio is not None and header.audio.seconds > self.limits.max_audio_seconds:
             raise InvalidArgument(field_name, f"the audio track is {header.audio.seconds:.1f} s, longer than "
@@ -373,7 +382,8 @@ class PromptBuilder:
                 raise InvalidArgument(f"{field_prefix}[{i}].content", "a message needs at least one part")
         if not any(m.role is Role.USER for m in messages):
             raise InvalidArgument(field_prefix, "at least one user message is required")
-        with_audio = {p.use_audio_in_video for m in messages for p in m.parts if p.video is not None}
+        with_audio = {p.use_audio_in_video for m in messages for p in m.parts
+                      if p.video is not None or p.video_frames is not None}
         if len(with_audio) > 1:
             raise InvalidArgument("use_audio_in_video", "applies to every video of a prompt or to none")
         use_audio_in_video = with_audio == {True}
@@ -401,6 +411,13 @@ class PromptBuilder:
                     videos.append(video)
                     if video.audio is not None:  # in prompt order among the audio parts, as the processor takes them
                         audios.append(resample(video.audio, video.audio_rate, AUDIO_SAMPLE_RATE))
+                    content.append({"type": "video"})
+                elif part.video_frames is not None:
+                    field_name = f"{where}.video_frames"
+                    frames = [np.asarray(decode_image(part.video_frames[k], f"{field_name}[{k}]",
+                                                      self.limits.video.max_pixels))
+                              for k in sample_indices(self.video_rules, headers[(i, j)], field_name)]
+                    videos.append(video_from_frames(frames, self.video_rules))
                     content.append({"type": "video"})
                 else:
                     raise InvalidArgument(where, "empty content part")

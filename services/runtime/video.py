@@ -194,6 +194,34 @@ def declared_video(data: bytes, field_name: str, limits: VideoLimits, with_audio
     return VideoHeader(kind, codec, width, height, frames, fps, audio)
 
 
+def declared_frames(frames: tuple[bytes, ...], fps: float, field_name: str, limits: VideoLimits,
+                    with_audio: bool = False) -> VideoHeader:
+    """A video given as png/jpeg frames: every frame's header (one size for all), checked against
+    the limits before any is decoded."""
+    from services.runtime.input_limits import declared_image_size
+
+    if with_audio:
+        raise InvalidArgument(field_name, "use_audio_in_video is set but video frames carry no audio track")
+    if not fps > 0:
+        raise InvalidArgument(f"{field_name}.fps", f"must be > 0, got {fps}")
+    if not frames:
+        raise InvalidArgument(f"{field_name}.frames", "at least one frame is required")
+    if len(frames) > limits.max_frames:
+        raise InvalidArgument(f"{field_name}.frames", f"{len(frames)} frames, more than {limits.max_frames}")
+    if len(frames) / fps > limits.max_seconds:
+        raise InvalidArgument(field_name, f"video is {len(frames) / fps:.1f} s, longer than {limits.max_seconds} s")
+    sizes = [declared_image_size(frame, f"{field_name}.frames[{k}]") for k, frame in enumerate(frames)]
+    width, height = sizes[0]
+    for k, size in enumerate(sizes):
+        if size != (width, height):
+            raise InvalidArgument(f"{field_name}.frames[{k}]", f"is {size[0]}x{size[1]}, not {width}x{height} "
+                                                               "as frame 0")
+    if width <= 0 or height <= 0 or width * height > limits.max_pixels:
+        raise InvalidArgument(field_name, f"video frames have {width * height} pixels ({width}x{height}), "
+                                          f"not 1..{limits.max_pixels}")
+    return VideoHeader("frames", "png/jpeg", width, height, len(frames), float(fps), None)
+
+
 def _declared_seconds(container, stream) -> float | None:
     if stream.duration is not None and stream.time_base:
         return float(stream.duration * stream.time_base)
@@ -312,6 +340,17 @@ def decode_video(data: bytes, field_name: str, header: VideoHeader, rules: Video
     pixel_values, grid = patchify(rules, normalize(rules, frames))
     rate = header.audio.rate if header.audio is not None else 0
     return DecodedVideo(pixel_values, grid, audio, rate)
+
+
+def video_from_frames(frames: list[np.ndarray], rules: VideoRules) -> DecodedVideo:
+    """The sampled frames of a video given as images ([H, W, 3] uint8 RGB each) -> its patches."""
+    import torch
+
+    height, width = resized_size(rules, frames[0].shape[0], frames[0].shape[1], "video_frames")
+    resized = [_resize(torch.from_numpy(np.array(f, dtype=np.uint8)).permute(2, 0, 1).contiguous(), height, width)
+               for f in frames]
+    pixel_values, grid = patchify(rules, normalize(rules, torch.stack(resized)))
+    return DecodedVideo(pixel_values, grid, None, 0)
 
 
 def _resize(frame, height: int, width: int):

@@ -113,6 +113,9 @@ def messages_from_proto(request: omni_pb2.GenerateRequest) -> list[ChatMessage]:
                 raise InvalidArgument(f"messages[{i}].content[{j}]", "empty content part")
             if kind == "video":
                 parts.append(Part(video=content.video, use_audio_in_video=request.use_audio_in_video))
+            elif kind == "video_frames":
+                parts.append(Part(video_frames=tuple(content.video_frames.frames), video_fps=content.video_frames.fps,
+                                  use_audio_in_video=request.use_audio_in_video))
             else:
                 parts.append(Part(**{kind: getattr(content, kind)}))
         messages.append(ChatMessage(_ROLES[message.role], tuple(parts)))

@@ -56,3 +56,16 @@ def video(frames: int = 12, width: int = 64, height: int = 48, fps: int = 6, con
             for packet in track.encode():
                 out.mux(packet)
     return buf.getvalue()
+
+
+def frame_images(frames: int = 12, width: int = 64, height: int = 48, seed: int = 0) -> tuple[bytes, ...]:
+    """The same moving random pixels as `video`, as png files (a video given as its frames)."""
+    from PIL import Image
+
+    base = np.random.default_rng(seed).integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    out = []
+    for i in range(frames):
+        buf = io.BytesIO()
+        Image.fromarray(np.roll(base, shift=3 * i, axis=1)).save(buf, format="PNG")
+        out.append(buf.getvalue())
+    return tuple(out)

@@ -54,6 +54,13 @@ def video_inputs(folder: str | Path, prompts: list[tuple[list[ChatMessage], bool
             for i, message in enumerate(messages):
                 parts = []
                 for j, part in enumerate(message.parts):
+                    if part.video_frames is not None:
+                        paths = []
+                        for n, frame in enumerate(part.video_frames):
+                            paths.append(str(Path(tmp) / f"{k}-{i}-{j}-{n}.frame"))
+                            Path(paths[-1]).write_bytes(frame)
+                        parts.append({"type": "video_frames", "paths": paths, "fps": part.video_fps})
+                        continue
                     for kind in ("audio", "image", "video"):
                         data = getattr(part, kind)
                         if data is not None:
@@ -110,7 +117,7 @@ def _build(job: dict) -> dict:
         Qwen2_5OmniProcessor,
         Qwen3OmniMoeProcessor,
     )
-    from transformers.video_utils import load_video
+    from transformers.video_utils import VideoMetadata, load_video
 
     from services.runtime.families import Family, family_of
     from services.tools.reference import oracle_audio
@@ -130,7 +137,7 @@ def _build(job: dict) -> dict:
         content = []
         for part in message["content"]:
             kind = part["type"]
-            content.append({"type": kind} if kind != "text" else part)
+            content.append(part if kind == "text" else {"type": "video" if kind == "video_frames" else kind})
             if kind == "audio":
                 audios.append(oracle_audio(Path(part["path"]).read_bytes(), "audio"))
             elif kind == "image":
@@ -141,6 +148,12 @@ def _build(job: dict) -> dict:
                 metadata_list.append(metadata)
                 if job["use_audio_in_video"]:
                     audios.append(_track(part["path"]))
+            elif kind == "video_frames":  # frames as a user holds them: RGB arrays, with their rate
+                frames = np.stack([np.asarray(Image.open(path).convert("RGB")) for path in part["paths"]])
+                videos.append(frames)
+                metadata_list.append(VideoMetadata(total_num_frames=len(frames), fps=part["fps"],
+                                                   duration=len(frames) / part["fps"], height=frames.shape[1],
+                                                   width=frames.shape[2]))
         conversation.append({"role": message["role"], "content": content})
     text = processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
     out = processor(text=text, audio=audios or None, images=images or None, videos=videos or None,

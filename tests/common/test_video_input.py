@@ -128,3 +128,25 @@ def test_webm_and_the_audio_track_decode(builder):
     cfg = builder.config.thinker_config
     ids = webm.input_ids[0].tolist()
     assert ids.count(cfg.video_token_id) == 280 and ids.count(cfg.audio_token_id) > 0
+
+
+def test_video_frames_are_checked_from_their_headers(builder, no_decoding):
+    from services.tools.synthetic_video import frame_images
+
+    frames = frame_images(frames=6)
+    field = "messages[0].content[0].video_frames"
+
+    def frames_refused(part: Part, limits: PromptLimits = PromptLimits()) -> InvalidArgument:
+        with pytest.raises(InvalidArgument) as info:
+            builder.with_limits(limits).build([ChatMessage(Role.USER, (part,))])
+        return info.value
+
+    odd = frames[:3] + frame_images(frames=1, width=48, height=64) + frames[3:]
+    assert frames_refused(Part(video_frames=odd, video_fps=6.0)).field == f"{field}.frames[3]"
+    assert frames_refused(Part(video_frames=frames, video_fps=0.0)).field == f"{field}.fps"
+    error = frames_refused(Part(video_frames=frames, video_fps=6.0), PromptLimits(video=VideoLimits(max_frames=5)))
+    assert error.field == f"{field}.frames" and "6 frames, more than 5" in error.description
+    error = frames_refused(Part(video_frames=frames, video_fps=6.0, use_audio_in_video=True))
+    assert error.field == field and "no audio track" in error.description
+    error = frames_refused(Part(video_frames=frames[:1], video_fps=6.0))  # fewer than one temporal patch
+    assert error.field == field and "fewer than the 2" in error.description

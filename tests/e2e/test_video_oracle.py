@@ -18,9 +18,9 @@ import torch
 from omni.v1 import omni_pb2
 from services.runtime.prompt import ChatMessage, Part, PromptBuilder, Role
 from services.tools.client import collect
-from services.tools.synthetic_video import video
+from services.tools.synthetic_video import frame_images, video
 from services.tools.video_oracle import video_inputs
-from tests.e2e.test_independent_oracle import ROLES, wav
+from tests.e2e.test_independent_oracle import ROLES, image, wav
 
 pytestmark = pytest.mark.slow  # the oracle's child process imports transformers again (~20-50 s on 2 cores)
 
@@ -40,6 +40,10 @@ def cases() -> dict[str, tuple[list[ChatMessage], bool]]:
         "video_with_its_audio_track_after_an_audio": (
             [ChatMessage(U, (Part(audio=wav(0.6, 330)), Part(text="then"),
                              Part(video=clip, use_audio_in_video=True), Part(text="What is heard?")))], True),
+        # A video given as its 12 png frames at 6 fps (Content.video_frames), after an image.
+        "video_as_frames": ([ChatMessage(U, (Part(image=image(48, 64, 5)),
+                                             Part(video_frames=frame_images(seed=2), video_fps=6.0),
+                                             Part(text="What moves?")))], False),
     }
 
 
@@ -48,6 +52,9 @@ def as_video_request(messages: list[ChatMessage], use_audio: bool, voice: str, m
     for message in messages:
         turn = request.messages.add(role=ROLES[message.role])
         for part in message.parts:
+            if part.video_frames is not None:
+                turn.content.add(video_frames=omni_pb2.VideoFrames(frames=part.video_frames, fps=part.video_fps))
+                continue
             kind = next(k for k in ("text", "audio", "image", "video") if getattr(part, k) is not None)
             turn.content.add(**{kind: getattr(part, kind)})
     request.output_modalities.extend([omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO])
