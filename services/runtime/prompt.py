@@ -275,8 +275,10 @@ class PromptBuilder:
         self.vision_eos = getattr(self.tokenizer, "vision_eos_token", None) or "<|vision_end|>"
         self.audio_bos = getattr(self.tokenizer, "audio_bos_token", None) or "<|audio_start|>"
         self.audio_eos = getattr(self.tokenizer, "audio_eos_token", None) or "<|audio_end|>"
-        # The video processor's config (transformers' loader: video_preprocessor_config.json, else
+        # PyAV maps ~35 MB of FFmpeg libraries: at start-up, not in the first video request. The
+        # video processor's config (transformers' loader: video_preprocessor_config.json, else
         # preprocessor_config.json) under the omni processor's own video defaults.
+        import av  # noqa: F401
         from transformers.video_processing_utils import BaseVideoProcessor
 
         self._video_dict, _ = BaseVideoProcessor.get_video_processor_dict(str(folder))

@@ -45,3 +45,21 @@ def test_a_bad_video_part_is_400_naming_it(client, part, extra, param):
                                        extra_body={"mm_processor_kwargs": extra} if extra else None)
     error = error_of(caught.value)
     assert caught.value.status_code == 400 and error["param"] == param, error
+
+
+def test_omni_client_video_flag_sends_the_file_and_its_track(gw_stack, omni, tmp_path, capsys):
+    import json
+
+    from services.tools import client as omni_client
+
+    clip = video(frames=12, width=64, height=48, fps=6, audio_seconds=2.0, seed=3)
+    (tmp_path / "clip.mp4").write_bytes(clip)
+    want = collect(omni, build_request("Heard?", video=clip, use_audio_in_video=True, text_only=True,
+                                       max_new_tokens=5), timeout=120)
+    assert omni_client.main(["--target", gw_stack.target, "--video", str(tmp_path / "clip.mp4"),
+                             "--use-audio-in-video", "--prompt", "Heard?", "--text-only", "--max-new-tokens", "5",
+                             "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["thinker_token_ids"] == want.thinker_token_ids and got["thinker_token_ids"]
+    assert omni_client.main(["--target", gw_stack.target, "--video", str(tmp_path / "none.mp4"), "--prompt", "x"]) == 2
+    assert "--video" in capsys.readouterr().err
