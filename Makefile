@@ -7,9 +7,21 @@ PORT ?= 50051
 PROTO_SRC := $(wildcard protos/omni/v1/*.proto)
 STAMP := $(VENV)/.installed
 
-.PHONY: setup proto proto-gen checkpoint run demo lint test test-portable test-all bench bench-wide clean setup-vllm test-vllm
+.PHONY: setup tools proto proto-gen checkpoint run demo lint test test-portable test-all test-slow bench bench-wide clean setup-vllm test-vllm
 
-setup: $(STAMP)
+setup: $(STAMP) tools
+
+# Commands the tests run besides Python: openssl (certificates for the TLS tests; Debian's openssl
+# package, installed with apt-get when this runs as root) and kubectl >= 1.27 (the k8s manifest
+# tests render every overlay with `kubectl kustomize`; Debian's kubernetes-client is too old, so
+# it is not installed here: see docs/testing.md). Without them the TLS tests skip with the reason
+# (and fail under CI=true); the k8s tests fail.
+tools:
+	@command -v openssl >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+		{ apt-get update -q >/dev/null; apt-get install -y -q --no-install-recommends openssl >/dev/null; }; } || \
+		echo "make setup: openssl is missing and could not be installed (apt-get install openssl as root)" >&2
+	@command -v kubectl >/dev/null 2>&1 || [ -n "$(KUBECTL)" ] || \
+		echo "make setup: kubectl (>= 1.27) is missing: the k8s tests will fail; see docs/testing.md" >&2
 
 # NOTE: the protobuf code is generated before the editable install: setuptools maps the
 # project's top-level packages (omni among them) when it installs, not later.
@@ -48,10 +60,11 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
-# The suite, then its op-level exactness tests once more under torch's portable kernels
-# (ATEN_CPU_CAPABILITY=default): a second ISA on the same host, so a kernel invariant on one ISA
-# only fails here, not on a user's machine. make test-portable runs every exactness test under
-# every capability this CPU offers.
+# The default suite (everything but the tests marked slow and vllm: pyproject.toml's addopts
+# deselect slow; the vllm ones skip without vLLM), then its op-level exactness tests once more
+# under torch's portable kernels (ATEN_CPU_CAPABILITY=default): a second ISA on the same host, so
+# a kernel invariant on one ISA only fails here, not on a user's machine. make test-portable runs
+# every exactness test under every capability this CPU offers.
 test: setup lint
 	$(PY) -m pytest -q
 	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q -m exactness tests/common tests/talker/test_code_predictor.py
@@ -65,8 +78,13 @@ test-portable: setup
 	  ATEN_CPU_CAPABILITY=$$cap $(PY) -m pytest -q -m exactness || exit 1; \
 	done
 
+# Every test, the slow ones included (10k fuzz, the chaos soak, real-width runs: tens of minutes).
 test-all: setup lint
 	$(PY) -m pytest -q -m ""
+
+# Only the slow ones.
+test-slow: setup lint
+	$(PY) -m pytest -q -m slow
 
 bench: setup checkpoint
 	$(VENV)/bin/omni-bench --checkpoint $(CHECKPOINT) --out out
@@ -94,4 +112,4 @@ $(VLLM_STAMP): requirements.txt requirements-vllm.txt pyproject.toml | $(STAMP)
 	touch $(VLLM_STAMP)
 
 test-vllm: setup-vllm
-	$(VENV_VLLM)/bin/python -m pytest -q -m vllm tests/thinker/test_vllm_backend.py tests/e2e/test_vllm_pipeline.py
+	OMNI_REQUIRE_VLLM=1 $(VENV_VLLM)/bin/python -m pytest -q -m vllm tests/thinker/test_vllm_backend.py tests/e2e/test_vllm_pipeline.py

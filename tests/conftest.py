@@ -7,10 +7,38 @@ area shares one way of doing it.
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+# `make test-vllm` sets this: the vLLM tests are what the run is for, so vLLM failing to import is
+# an error of the run (exit 4), not 11 skips and a green exit.
+REQUIRE_VLLM = "OMNI_REQUIRE_VLLM"
+
+
+def pytest_report_header(config) -> str:
+    from tests.fuzzing import SEED, SEED_ENV
+
+    return f"fuzz seed: {SEED} (replay the fuzz tests' cases with {SEED_ENV}={SEED})"
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    from tests.fuzzing import SEED, SEED_ENV
+
+    terminalreporter.write_line(f"fuzz seed: {SEED} ({SEED_ENV}={SEED} replays the fuzz tests' cases)")
+
+
+def pytest_configure(config) -> None:
+    if os.environ.get(REQUIRE_VLLM) == "1":
+        from services.thinker.vllm_backend import vllm_available
+
+        ok, detail = vllm_available()
+        if not ok:
+            raise pytest.UsageError(f"{REQUIRE_VLLM}=1 but vLLM does not import: {detail} "
+                                    "(make setup-vllm installs it into .venv-vllm)")
+
 
 # 1 s of a 440 Hz sine at 16 kHz, the rate the Whisper feature extractor wants (no resampling).
 WAV_SAMPLE_RATE = 16000

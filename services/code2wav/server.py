@@ -74,6 +74,10 @@ class Code2WavServicer(stages_pb2_grpc.Code2WavServicer):
         self.handle = handle
         self.idle_timeout_s = idle_timeout_s
         self.sample_rate = engine.geometry.sample_rate
+        # Codec ids the vocoder embeds: the caller's error, refused here naming the field (the
+        # engine's own check would end the stream INTERNAL).
+        self.codebook_size = (engine.geometry.num_embeds if isinstance(engine, Token2WavEngine)
+                              else engine.codebook_size)
 
     async def Decode(self, request_iterator, context: grpc.aio.ServicerContext):
         first = await anext(aiter(request_iterator), None)
@@ -144,6 +148,9 @@ class Code2WavServicer(stages_pb2_grpc.Code2WavServicer):
                     if frames.shape[1] != self.engine.num_quantizers:
                         raise InvalidArgument("frames.num_code_groups",
                                               f"must be {self.engine.num_quantizers}, got {frames.shape[1]}")
+                    if frames.numel() and (frames.min() < 0 or frames.max() >= self.codebook_size):
+                        raise InvalidArgument("frames.ids", f"codec ids must be in [0, {self.codebook_size}), got "
+                                                            f"{int(frames.min())}..{int(frames.max())}")
                     self.loop.add_input(key, CodecChunk(frames))
                 elif message.HasField("end"):
                     self.loop.add_input(key, CodecEnd())

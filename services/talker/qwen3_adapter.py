@@ -22,18 +22,26 @@ def talker_job_from_proto(start: stages_pb2.TalkerStart, model_config, config: T
     """Validate and convert the start message (fields named as in the proto)."""
     hidden = model_config.thinker_config.text_config.hidden_size
     _, speaker_id = resolve_voice(model_config, start.voice or None)
+    ids = list(start.prompt_token_ids)
+    # The talker's prefill starts at the last "<|im_start|>assistant\n" (3 positions): a prompt
+    # without one is refused here, rather than failing the engine step of every running request.
+    im_start, assistant = model_config.im_start_token_id, model_config.assistant_token_id
+    if not any(ids[i] == im_start and ids[i + 1] == assistant for i in range(len(ids) - 2)):
+        raise InvalidArgument("start.prompt_token_ids", "must hold the assistant turn's <|im_start|>assistant\\n")
     embeds = tensor_from_proto(start.prompt_embeds)
-    if embeds.ndim != 2 or embeds.shape[1] != hidden or embeds.shape[0] != len(start.prompt_token_ids):
+    if (embeds.ndim != 2 or embeds.shape[1] != hidden or embeds.shape[0] != len(start.prompt_token_ids)
+            or not embeds.is_floating_point()):
         raise InvalidArgument("start.prompt_embeds", f"must be [{len(start.prompt_token_ids)}, {hidden}], "
-                                                     f"got {list(embeds.shape)}")
+                                                     f"got {list(embeds.shape)} {embeds.dtype}")
     positions = list(start.multimodal_positions)
     mm_hidden = (tensor_from_proto(start.multimodal_hidden) if start.HasField("multimodal_hidden")
                  else torch.zeros((0, hidden)))
-    if mm_hidden.shape != (len(positions), hidden) or any(not 0 <= p < embeds.shape[0] for p in positions):
+    if (mm_hidden.shape != (len(positions), hidden) or not mm_hidden.is_floating_point()
+            or any(not 0 <= p < embeds.shape[0] for p in positions)):
         raise InvalidArgument("start.multimodal_hidden", "must have one row per multimodal position inside the prompt")
     tts = tensor_from_proto(start.tts_embeds)
-    if tts.shape != (3, hidden):
-        raise InvalidArgument("start.tts_embeds", f"must be [3, {hidden}], got {list(tts.shape)}")
+    if tts.shape != (3, hidden) or not tts.is_floating_point():
+        raise InvalidArgument("start.tts_embeds", f"must be [3, {hidden}] floats, got {list(tts.shape)} {tts.dtype}")
     sampling = sampling_from_proto(start.sampling, "talker_sampling", config.default_max_new_tokens,
                                    config.max_new_tokens_limit, default_repetition_penalty=1.05)
     needed = talker_prompt_len(list(start.prompt_token_ids), model_config) + sampling.max_new_tokens
@@ -54,10 +62,14 @@ def talker_job_from_proto(start: stages_pb2.TalkerStart, model_config, config: T
     )
 
 
-def text_input_from_proto(message: stages_pb2.TalkerInput) -> TextRow | TextEnd:
-    """A Qwen3-Omni talker input after start: a token's text row, or the text's end."""
+def text_input_from_proto(message: stages_pb2.TalkerInput, hidden: int | None = None) -> TextRow | TextEnd:
+    """A Qwen3-Omni talker input after start: a token's text row ([hidden] floats when `hidden` is
+    given), or the text's end."""
     if message.HasField("token"):
-        return TextRow(tensor_from_proto(message.token.embedding))
+        row = tensor_from_proto(message.token.embedding)
+        if hidden is not None and (tuple(row.shape) != (hidden,) or not row.is_floating_point()):
+            raise InvalidArgument("token.embedding", f"must be [{hidden}] floats, got {list(row.shape)} {row.dtype}")
+        return TextRow(row)
     if message.HasField("finished"):
         return TextEnd()
     raise InvalidArgument("event", "expected token or finished after start")
@@ -76,7 +88,7 @@ class Qwen3TalkerAdapter:
         return talker_job_from_proto(start, self.model_config, self.config)
 
     def input_from_proto(self, message: stages_pb2.TalkerInput) -> TextRow | TextEnd:
-        return text_input_from_proto(message)
+        return text_input_from_proto(message, self.model_config.thinker_config.text_config.hidden_size)
 
     def text_rows_to_first_chunk(self, chunks: ChunkPolicy) -> int:
         # Frame 0 (the prefill) takes row 0, frame f row f: a first chunk of n frames takes n rows.

@@ -74,13 +74,17 @@ class Call:
     """One `Omni/Generate` call, run to its end by `run()` on the calling thread.
 
     Other threads may read its progress (`texts`: text tokens, `audios`: chunks) or `cancel()` it. `method` is a stub's
-    `Generate`, or a raw `channel.unary_stream(GENERATE)` for a request given as bytes."""
+    `Generate`, or a raw `channel.unary_stream(GENERATE)` for a request given as bytes. `on_response(call)`, if
+    given, runs on the calling thread after each response is counted and before the cancel point is checked
+    (a test reads the stages' loads there while the request is certainly still running)."""
 
-    def __init__(self, method, request, timeout: float, cancel_at: CancelPoint | None = None):
+    def __init__(self, method, request, timeout: float, cancel_at: CancelPoint | None = None,
+                 on_response: Callable[[Call], None] | None = None):
         self.method = method
         self.request = request
         self.timeout = timeout
         self.cancel_at = cancel_at
+        self.on_response = on_response
         self.texts = self.audios = self.messages = 0
         self.final: omni_pb2.Final | None = None
         self.code: grpc.StatusCode | None = None  # None while running
@@ -106,6 +110,8 @@ class Call:
                 self.cancel()
             for response in self._call:
                 self._note(response)
+                if self.on_response is not None:
+                    self.on_response(self)
                 if point is not None and point.reached(self):
                     self.cancel()
             self.code = Code.OK
@@ -227,7 +233,10 @@ class StageLoad:
 
     @property
     def idle(self) -> bool:
-        return not (self.in_flight or self.running or self.queue_depth)
+        """Whether the replica reported holding nothing. A replica whose load cannot be read (dead,
+        stopped, hung) is never idle: nothing proves it let go of its work. Callers that killed a
+        replica on purpose leave its address out of what they check."""
+        return self.reachable and not (self.in_flight or self.running or self.queue_depth)
 
 
 def read_load(stage: str, address: str, timeout: float = 1.0) -> StageLoad:
@@ -240,7 +249,8 @@ def read_load(stage: str, address: str, timeout: float = 1.0) -> StageLoad:
 
 
 def read_loads(replicas: dict[str, tuple[str, ...]]) -> list[StageLoad]:
-    """Every replica's load; replicas: stage -> addresses. Unreachable ones (dead) hold nothing."""
+    """Every replica's load; replicas: stage -> addresses. An unreachable one comes back with
+    reachable=False, which counts as busy (StageLoad.idle)."""
     return [read_load(stage, address) for stage, addresses in replicas.items() for address in addresses]
 
 
@@ -299,10 +309,11 @@ class Settled:
                                               and not any(self.router.reported.values()))
         return router_idle and all(load.idle for load in self.loads)
 
-    def busy(self) -> dict[str, tuple[int, int, int]]:
-        """'stage address' -> (in_flight, running, queue_depth) of every replica not idle."""
-        return {f"{load.stage} {load.address}": (load.in_flight, load.running, load.queue_depth)
-                for load in self.loads if not load.idle}
+    def busy(self) -> dict[str, tuple[int, int, int] | str]:
+        """'stage address' -> (in_flight, running, queue_depth) of every replica not idle, or
+        'unreachable' for one whose load could not be read."""
+        return {f"{load.stage} {load.address}": (load.in_flight, load.running, load.queue_depth) if load.reachable
+                else "unreachable" for load in self.loads if not load.idle}
 
 
 def wait_settled(replicas: dict[str, tuple[str, ...]], metrics_url: str | None = None,
@@ -465,14 +476,14 @@ class Summary:
     examples: dict  # "kind CODE" -> the status details of the first such unexpected end
     hung: int  # requests that ran into the hang bound, plus worker loops that never came back
     leaked: int  # streams / admitted requests still held after settling; must be 0
-    busy: dict  # "stage address" -> (in_flight, running, queue_depth) of replicas not idle at the end
+    busy: dict  # "stage address" -> (in_flight, running, queue_depth), or "unreachable", of replicas not idle at the end
     unreachable: list  # "stage address" of replicas whose load could not be read at the end
     settle_s: float
     memory: dict = field(default_factory=dict)  # process -> RSS of the first vs the last window (MemoryWatch.report)
 
     @property
     def ok(self) -> bool:
-        return self.leaked == 0 and self.hung == 0 and not self.unexpected and not self.busy
+        return self.leaked == 0 and self.hung == 0 and not self.unexpected and not self.busy and not self.unreachable
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "ok": self.ok}, sort_keys=True)
@@ -481,7 +492,7 @@ class Summary:
         failed = ", ".join(f"{code} {n}" for code, n in sorted(self.failed.items())) or "0"
         unexpected = ", ".join(f"{what} {n}" for what, n in sorted(self.unexpected.items())) or "0"
         busy = f" (busy: {self.busy})" if self.busy else ""
-        busy += f" (unreachable, not counted: {', '.join(self.unreachable)})" if self.unreachable else ""
+        busy += f" (unreachable, counted as busy: {', '.join(self.unreachable)})" if self.unreachable else ""
         examples = [f"    {what}: {details}" for what, details in sorted(self.examples.items())]
         return [
             f"omni-soak: {self.requests} requests in {self.duration_s:.1f} s",

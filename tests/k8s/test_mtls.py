@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import shutil
 import socket
 import ssl
 
@@ -21,6 +20,7 @@ from omni.v1 import common_pb2, omni_pb2_grpc, stages_pb2_grpc
 from router.replicas import ReplicaSource
 from services.serving.security import TLSConfig, secure_or_insecure_channel
 from services.tools.client import build_request, collect, connect
+from tests.needs import need_command
 
 from .manifests import (
     COMPONENTS,
@@ -222,8 +222,7 @@ class PKI:
 
 @pytest.fixture(scope="module")
 def running(rendered, tiny_checkpoint, tmp_path_factory):
-    if shutil.which("openssl") is None:
-        pytest.skip("needs the openssl command")
+    need_command("openssl", "the test issues the cluster's certificates with it")
     objects = rendered[MTLS]
     root = tmp_path_factory.mktemp("mtls-pods")
     (root / "pki").mkdir()

@@ -5,7 +5,9 @@ long it takes on this machine, then run again and cancelled (or given a deadline
 stage replica's GetLoad (in_flight, running, queue_depth) must drop to 0 well before the request
 would have ended on its own: within half of the time it had left. A stage that kept generating
 after the abort would stay busy for about all of that time. No fixed time bounds: only ratios of
-measured durations, so a loaded machine slows both sides alike.
+measured durations, so a loaded machine slows both sides alike. Which stages held the request is
+read from their GetLoad while the request is certainly still running (on the client's thread, at
+the response the abort follows), not assumed.
 """
 
 from __future__ import annotations
@@ -35,15 +37,30 @@ def wait_idle(stack, limit_s: float) -> float:
     return time.perf_counter()
 
 
+class SeenBusy:
+    """`Call.on_response` hook: the stages busy when the call first reached `count` texts or audios."""
+
+    def __init__(self, stack, kind: str, count: int = 1):
+        self.stack, self.kind, self.count = stack, kind, count
+        self.stages: set[str] | None = None
+
+    def __call__(self, call: Call) -> None:
+        if self.stages is None and getattr(call, self.kind) >= self.count:
+            self.stages = busy_stages(self.stack)
+
+
 def full_duration(omni, request) -> float:
     call = Call(omni.Generate, request, 600).run()
     assert call.code.name == "OK", (call.code, call.details)
     return call.seconds
 
 
-def assert_freed_early(stack, call: Call, full_s: float, ended_at: float, stages: set[str]) -> None:
-    """`ended_at`: when the abort happened (cancel sent, or the deadline). The stages must all be
-    idle within half of the time the request had left."""
+def assert_freed_early(stack, call: Call, full_s: float, ended_at: float, stages: set[str], seen: SeenBusy) -> None:
+    """`ended_at`: when the abort happened (cancel sent, or the deadline). `stages` must have been
+    seen holding the request just before it (`seen`), and every stage must be idle within half of
+    the time the request had left."""
+    assert seen.stages is not None, f"the call never reached {seen.count} {seen.kind}"
+    assert stages <= seen.stages, f"{stages - seen.stages} held nothing before the abort (busy: {seen.stages})"
     elapsed = ended_at - call.started
     remaining = full_s - elapsed
     assert remaining > 0.5 * full_s, f"aborted too late to tell: {elapsed:.2f} s of {full_s:.2f} s"
@@ -51,32 +68,32 @@ def assert_freed_early(stack, call: Call, full_s: float, ended_at: float, stages
     took = idle_at - ended_at
     assert took < remaining / 2, (f"stages idle {took:.2f} s after the abort; the request had {remaining:.2f} s "
                                   f"left (a stage ignoring the abort stays busy that long)")
-    assert stages, "no stage was seen busy"
 
 
 def test_cancel_mid_audio_frees_every_stage_long_before_the_request_would_end(stack, omni):
     request = build_request("a long answer", max_new_tokens=8, talker_max_new_tokens=TALKER_FRAMES)
     full_s = full_duration(omni, request)
-    call = Call(omni.Generate, request, 600, CancelPoint(CancelWhen.AFTER_AUDIO, 1)).run()
+    seen = SeenBusy(stack, "audios")
+    call = Call(omni.Generate, request, 600, CancelPoint(CancelWhen.AFTER_AUDIO, 1), on_response=seen).run()
     assert call.code.name == "CANCELLED", (call.code, call.details)
-    # Both stages had the request when it was cancelled, proven by what came back rather than by
-    # polling their loads (a poll can miss a stage busy for less than one round on a loaded
-    # machine): audio comes only from code2wav, from frames the talker made, and the talker still
-    # had most of its 300 frames to go (assert_freed_early checks the cancel came in the first
-    # half). (The thinker's engine is done after its 8 tokens, long before; it relays the audio.)
+    # Both stages had the request when it was cancelled: their loads were read at the first audio
+    # chunk, before the cancel, while the talker had most of its 300 frames to go
+    # (assert_freed_early checks the cancel came in the first half). (The thinker's engine is done
+    # after its 8 tokens, long before; it relays the audio.)
     assert call.audios >= 1 and call.final is None, "cancelled before any audio: nothing to abort"
-    assert_freed_early(stack, call, full_s, call.cancelled_at, {"talker", "code2wav"})
+    assert_freed_early(stack, call, full_s, call.cancelled_at, {"talker", "code2wav"}, seen)
     assert_recovered(stack, omni)
 
 
 def test_cancel_mid_text_frees_the_thinker_long_before_the_request_would_end(stack, omni):
     request = build_request("a long text", text_only=True, max_new_tokens=TEXT_TOKENS)
     full_s = full_duration(omni, request)
-    call = Call(omni.Generate, request, 600, CancelPoint(CancelWhen.AFTER_TEXT, 5))
+    seen = SeenBusy(stack, "texts", 5)
+    call = Call(omni.Generate, request, 600, CancelPoint(CancelWhen.AFTER_TEXT, 5), on_response=seen)
     call.run()
     assert call.code.name == "CANCELLED", (call.code, call.details)
     assert call.texts < TEXT_TOKENS / 2
-    assert_freed_early(stack, call, full_s, call.cancelled_at, {"thinker"})
+    assert_freed_early(stack, call, full_s, call.cancelled_at, {"thinker"}, seen)
     assert_recovered(stack, omni)
 
 
@@ -84,8 +101,9 @@ def test_a_deadline_mid_audio_frees_every_stage_long_before_the_request_would_en
     request = build_request("a long answer", max_new_tokens=8, talker_max_new_tokens=TALKER_FRAMES)
     full_s = full_duration(omni, request)
     deadline_s = full_s / 5
-    call = Call(omni.Generate, request, deadline_s).run()
+    seen = SeenBusy(stack, "audios")
+    call = Call(omni.Generate, request, deadline_s, on_response=seen).run()
     assert call.code.name == "DEADLINE_EXCEEDED", (call.code, call.details)
     assert call.audios >= 1, "the deadline passed before any audio: the stages had nothing to abort"
-    assert_freed_early(stack, call, full_s, call.started + deadline_s, {"talker"})
+    assert_freed_early(stack, call, full_s, call.started + deadline_s, {"talker", "code2wav"}, seen)
     assert_recovered(stack, omni)

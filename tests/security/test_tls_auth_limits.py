@@ -7,7 +7,6 @@ the pipeline's processes and the client, and a rogue CA's certificate that must 
 from __future__ import annotations
 
 import io
-import shutil
 import subprocess
 
 import grpc
@@ -18,9 +17,13 @@ from omni.v1 import common_pb2, stages_pb2_grpc
 from services.serving.security import TLSConfig, secure_or_insecure_channel
 from services.tools.client import build_request, collect, connect
 from services.tools.launcher import free_port, health_status
+from tests.needs import need_command
 from tests.stacks import stack_of
 
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+
+@pytest.fixture(scope="module", autouse=True)
+def openssl_command() -> str:
+    return need_command("openssl", "the tests make their certificates with it")
 
 TOKEN = "s3cret-token"
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import subprocess
 from dataclasses import replace
 
@@ -16,8 +15,12 @@ import pytest
 from services.runtime.errors import UserError
 from services.serving.channels import RotatingChannels
 from services.serving.security import TLSFiles
+from tests.needs import need_command
 
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+
+@pytest.fixture(scope="module", autouse=True)
+def openssl_command() -> str:
+    return need_command("openssl", "the tests make their certificates with it")
 
 
 def make_pair(directory, name: str) -> tuple[bytes, bytes]:
