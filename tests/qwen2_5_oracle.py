@@ -16,14 +16,20 @@ servers load them (`load_stage`), beside the runner's own copy of the model.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
+from transformers import Qwen2_5OmniForConditionalGeneration
 
 from services.runtime.checkpoint import Stage, load_stage
 from services.runtime.prompt import ChatMessage
-from services.runtime.qwen2_5_omni import TALKER_EOS_IDS
 from services.tools.reference import ReferenceRunner
+
+# generate's own default talker end ids, read from transformers (not from the project's constant,
+# services/runtime/qwen2_5_omni.TALKER_EOS_IDS, which the code under test uses and the tests check).
+TALKER_EOS_IDS = tuple(inspect.signature(Qwen2_5OmniForConditionalGeneration.generate)
+                       .parameters["talker_eos_token_id"].default)
 
 
 @dataclass(frozen=True)

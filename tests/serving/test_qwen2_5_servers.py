@@ -18,7 +18,6 @@ from omni.v1 import stages_pb2, stages_pb2_grpc
 from services.code2wav.qwen2_5_engine import Token2WavEngine
 from services.code2wav.server import Code2WavConfig
 from services.code2wav.server import create_server as create_code2wav
-from services.runtime.qwen2_5_omni import TALKER_EOS_IDS
 from services.runtime.settings import ModelConfig
 from services.serving.config import ServingConfig
 from services.talker import server as talker_server
@@ -29,7 +28,7 @@ from services.thinker.engine import ThinkerEngineConfig
 from services.thinker.qwen2_5 import Qwen2_5ThinkerEngine
 from services.tools.client import build_request
 from services.tools.reference import ReferenceRunner
-from tests.qwen2_5_oracle import BY_ID, generate_reference, media
+from tests.qwen2_5_oracle import BY_ID, TALKER_EOS_IDS, generate_reference, media
 from tests.qwen2_5_oracle import case_messages as oracle_messages
 from tests.serving.inprocess import serving
 
@@ -53,7 +52,7 @@ def test_each_server_has_an_adapter_for_every_family():
 def test_concurrent_requests_over_grpc_equal_generate(tiny_qwen2_5_checkpoint):
     files = media()
     runner = ReferenceRunner(tiny_qwen2_5_checkpoint)
-    # The servers' talker end ids are generate's defaults (TALKER_EOS_IDS); the oracle gets the same.
+    # The servers' talker end ids must be generate's defaults: the oracle takes them from transformers.
     expected = {c.request_id: generate_reference(runner, oracle_messages(c, files), c.voice, c.max_new_tokens,
                                                  c.talker_max_new_tokens, TALKER_EOS_IDS) for c in CASES}
     model = ModelConfig(checkpoint=str(tiny_qwen2_5_checkpoint))

@@ -21,7 +21,7 @@ from omni.v1 import omni_pb2, stages_pb2
 from services.runtime.checkpoint import voice_bos_tokens
 from services.runtime.finish import FinishReason
 from services.runtime.prompt import PromptBuilder
-from services.runtime.qwen2_5_omni import TALKER_EOS_IDS, resolve_voice
+from services.runtime.qwen2_5_omni import resolve_voice
 from services.runtime.sampling import SamplingConfig
 from services.runtime.settings import ModelConfig
 from services.serving.config import ServingConfig
@@ -33,7 +33,7 @@ from services.thinker.engine import Finished, ThinkerEngineConfig, Token
 from services.thinker.qwen2_5 import Qwen2_5Prefilled, Qwen2_5ThinkerEngine, Qwen2_5ThinkerJob
 from services.thinker.qwen2_5_adapter import qwen2_5_talker_start, qwen2_5_text_tokens
 from services.tools.reference import ReferenceRunner
-from tests.qwen2_5_oracle import BY_ID, CASES, case_messages, generate_reference, load_engine_stages, media
+from tests.qwen2_5_oracle import BY_ID, CASES, TALKER_EOS_IDS, case_messages, generate_reference, load_engine_stages, media
 from tests.talker.pipeline import TwoStagePipeline, assert_clean
 
 SLOTS = 16
