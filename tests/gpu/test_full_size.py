@@ -197,7 +197,7 @@ def test_full_size_cli_writes_no_weights_and_loading_needs_random_weights(tmp_pa
     out = tmp_path / "full"
     assert main(["--full-size", "--no-weights", "--out", str(out)]) == 0
     assert {f.name for f in out.iterdir()} == {"config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                                               "preprocessor_config.json"}
+                                               "preprocessor_config.json", "video_preprocessor_config.json"}
     assert load_config(out, need_weights=False).thinker_config.text_config.num_hidden_layers == 48
     with pytest.raises(UserError, match="--random-weights"):
         load_stage(out, Stage.CODE2WAV)

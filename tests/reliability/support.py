@@ -27,8 +27,12 @@ class Reliable:
 
     @property
     def replicas(self) -> dict[str, tuple[str, ...]]:
-        """stage -> addresses of its replicas."""
-        return {stage: tuple(self.stack.addresses(stage)) for stage in STAGES}
+        """stage -> addresses of its replicas whose process has not exited. One the test killed or
+        drained on purpose is not a replica that hangs; one stopped (SIGSTOP) is still here, and
+        counts as busy when its load cannot be read."""
+        running = {f"{self.stack.options.host}:{p.port}" for p in self.stack.processes.values()
+                   if p.popen.poll() is None}
+        return {stage: tuple(a for a in self.stack.addresses(stage) if a in running) for stage in STAGES}
 
     @property
     def target(self) -> str:
