@@ -6,6 +6,8 @@ CHECKPOINT ?= models/tiny-qwen3-omni
 PORT ?= 50051
 PROTO_SRC := $(wildcard protos/omni/v1/*.proto)
 STAMP := $(VENV)/.installed
+# make test's pytest-xdist workers (TEST_WORKERS=0: one process, the plain pytest order)
+TEST_WORKERS ?= 2
 
 .PHONY: setup tools proto proto-gen checkpoint run demo lint test test-portable test-all test-slow bench bench-wide clean setup-vllm test-vllm
 
@@ -66,7 +68,7 @@ lint: setup
 # a kernel invariant on one ISA only fails here, not on a user's machine. make test-portable runs
 # every exactness test under every capability this CPU offers.
 test: setup lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q -m exactness tests/common tests/talker/test_code_predictor.py
 
 test-portable: setup

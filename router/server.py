@@ -395,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
                 write_port_file(args.port_file, handle.port)
                 health = asyncio.get_running_loop().create_task(router.keep_health(handle))
 
-            await serve_until_signal(handle, config.serving.grace_s, on_started=started,
+            await serve_until_signal(handle, config.serving.grace_s, drain_delay_s=config.serving.drain_delay_s,
+                                     on_started=started,
                                      light_load_cpus=config.serving.light_load_cpus)
 
             if health is not None:

@@ -17,6 +17,11 @@ import pytest
 # an error of the run (exit 4), not 11 skips and a green exit.
 REQUIRE_VLLM = "OMNI_REQUIRE_VLLM"
 
+# Every process a test starts inherits this: on SIGTERM, stop at once rather than keep taking calls
+# for 2 s while routers notice NOT_SERVING (that delay is for production's probes; every stack's
+# teardown paid it). The drain tests set --drain-delay-s themselves; the k8s tests drop OMNI_*.
+os.environ.setdefault("OMNI_DRAIN_DELAY_S", "0")
+
 
 def pytest_report_header(config) -> str:
     from tests.fuzzing import SEED, SEED_ENV
@@ -38,6 +43,45 @@ def pytest_configure(config) -> None:
         if not ok:
             raise pytest.UsageError(f"{REQUIRE_VLLM}=1 but vLLM does not import: {detail} "
                                     "(make setup-vllm installs it into .venv-vllm)")
+
+
+# Packages whose tests share one stack (a session- or package-scoped fixture in their conftest):
+# under pytest-xdist (`make test` runs two workers, --dist loadscope) each goes to one worker whole,
+# so its stack starts once; every other test goes with its module (module-scoped stacks start once).
+SHARED_STACK_PACKAGES = ("reliability", "e2e", "gateway", "hostile", "observability", "k8s")
+
+
+def stack_scope(nodeid: str) -> tuple[int, str]:
+    """(order, scope) of a test: shared-stack packages first (the longest units: they start first
+    and the short modules fill in behind them), then modules in file order."""
+    path = nodeid.split("::")[0]
+    parts = path.split("/")
+    if len(parts) > 2 and parts[1] in SHARED_STACK_PACKAGES:
+        return SHARED_STACK_PACKAGES.index(parts[1]), "/".join(parts[:2])
+    return len(SHARED_STACK_PACKAGES), path
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadscope with `stack_scope` as the scope. NOTE: not --dist loadgroup with marks:
+    xdist 3.8 groups by rewriting item._nodeid, which pytest 9 no longer reads."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByStack(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return stack_scope(nodeid)[1]
+
+    return ByStack(config, log)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    if not hasattr(config, "workerinput"):  # not an xdist worker: collection order as it is
+        return
+    # NOTE: stable, and the same on every worker (xdist checks that the collections are equal);
+    # with --no-loadscope-reorder the scopes are handed out in this order.
+    order = {item.nodeid: i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (stack_scope(item.nodeid)[0], order[item.nodeid]))
 
 
 # 1 s of a 440 Hz sine at 16 kHz, the rate the Whisper feature extractor wants (no resampling).
@@ -151,3 +195,4 @@ def png_file(tmp_path_factory, png_bytes) -> Path:
     path = tmp_path_factory.mktemp("inputs") / "noise48x64.png"
     path.write_bytes(png_bytes)
     return path
+

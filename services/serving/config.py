@@ -24,6 +24,7 @@ class ServingConfig:
     port: int = 0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     grace_s: float = 30.0  # SIGTERM: time to finish in-flight streams
+    drain_delay_s: float = 2.0  # SIGTERM: time NOT_SERVING is shown while still taking calls
     metrics_port: int = 0  # Prometheus /metrics over HTTP; 0 = off
     stream_idle_timeout_s: float = 120.0  # a stream with no progress this long is ended (dead peer)
     tls: TLSConfig = TLSConfig()  # plaintext unless certificates are given
@@ -50,6 +51,9 @@ def add_serving_flags(parser: argparse.ArgumentParser, default_port: int,
                         help=f"largest request or response message, both directions (default {max_message_mb})")
     parser.add_argument("--grace-s", type=float, default=env_default("grace_s", 30.0),
                         help="on SIGTERM, seconds to let in-flight streams finish")
+    parser.add_argument("--drain-delay-s", type=float, default=env_default("drain_delay_s", 2.0),
+                        help="on SIGTERM, keep taking calls this long while health reports NOT_SERVING, so "
+                             "routers and probes (polling every 0.5-1 s) stop sending first (default 2)")
     parser.add_argument("--metrics-port", type=int, default=env_default("metrics_port", 0),
                         help="serve Prometheus metrics on this HTTP port (0 = off)")
     parser.add_argument("--stream-idle-timeout-s", type=float, default=env_default("stream_idle_timeout_s", 120.0),
@@ -66,7 +70,7 @@ def add_serving_flags(parser: argparse.ArgumentParser, default_port: int,
 def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
     return ServingConfig(
         host=args.host, port=args.port, max_message_bytes=args.max_message_mb << 20, grace_s=args.grace_s,
-        metrics_port=args.metrics_port, stream_idle_timeout_s=args.stream_idle_timeout_s,
+        drain_delay_s=args.drain_delay_s, metrics_port=args.metrics_port, stream_idle_timeout_s=args.stream_idle_timeout_s,
         tls=tls_from_args(args), health_port=args.health_port, light_load_cpus=parse_cpus(args.light_load_cpus),
         tracing=tracing_from_args(args),
     )

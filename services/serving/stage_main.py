@@ -27,7 +27,7 @@ def serve_stage(name: str, create_server, config, port_file: str | None) -> None
             if close is not None:
                 close()
 
-        await serve_until_signal(handle, config.serving.grace_s,
+        await serve_until_signal(handle, config.serving.grace_s, drain_delay_s=config.serving.drain_delay_s,
                                  on_started=lambda: write_port_file(port_file, handle.port), on_stop=stop,
                                  light_load_cpus=config.serving.light_load_cpus)
 

@@ -30,7 +30,7 @@ def reliable(tiny_checkpoint):
     metrics_port = free_port()
     stack = stack_of(
         tiny_checkpoint, talker_replicas=2, code2wav_replicas=1,
-        talker_args=("--grace-s", str(TALKER_GRACE_S)),
+        talker_args=("--grace-s", str(TALKER_GRACE_S), "--drain-delay-s", "2"),  # the drain test
         router_args=("--max-in-flight", str(MAX_IN_FLIGHT), "--max-queue", str(MAX_QUEUE),
                      "--queue-timeout-s", str(QUEUE_TIMEOUT_S), "--metrics-port", str(metrics_port)),
     )
