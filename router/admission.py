@@ -28,6 +28,7 @@ class Admission:
     def __init__(self, config: AdmissionConfig):
         self.config = config
         self.in_flight = 0
+        self.peak = 0  # the most in flight at once since the start (omni_router_in_flight_peak)
         self._waiters: deque[asyncio.Future] = deque()
 
     @property
@@ -37,6 +38,7 @@ class Admission:
     async def acquire(self) -> None:
         if self.in_flight < self.config.max_in_flight and not self._waiters:
             self.in_flight += 1
+            self.peak = max(self.peak, self.in_flight)
             return
         if len(self._waiters) >= self.config.max_queue:
             raise Rejected(f"router at capacity: {self.in_flight} in flight, queue of {self.config.max_queue} full")

@@ -25,6 +25,9 @@ class RouterMetrics:
         self.requests = Counter("omni_router_requests", "Requests by outcome", ["outcome"], registry=r)
         self.queue_depth = Gauge("omni_router_queue_depth", "Requests waiting for admission", registry=r)
         self.in_flight = Gauge("omni_router_in_flight", "Requests admitted and streaming", registry=r)
+        # Kept at the source (Admission.peak), so a test or an alert cannot miss a spike between scrapes.
+        self.in_flight_peak = Gauge("omni_router_in_flight_peak", "The most requests admitted at once since the start",
+                                    registry=r)
         self.in_flight_limit = Gauge("omni_router_in_flight_limit", "Requests that may stream at once (--max-in-flight)",
                                      registry=r)
         self.queue_limit = Gauge("omni_router_queue_limit", "Requests that may wait for admission (--max-queue)",
@@ -54,6 +57,14 @@ class RouterMetrics:
         self.replica_reported_load = Gauge("omni_router_replica_reported_load",
                                            "Queued plus running requests the replica reported at the last poll",
                                            ["stage", "replica"], registry=r)
+        # Totals since the start, counted in the poll itself: a short suspect spell or a brief
+        # time down shows here even when no scrape of replica_state fell inside it.
+        self.replica_missed_polls = Gauge("omni_router_replica_missed_polls",
+                                          "Health/load polls of the replica that ran past their deadline since the start",
+                                          ["stage", "replica"], registry=r)
+        self.replica_downs = Gauge("omni_router_replica_downs",
+                                   "Times the replica was taken out (down: refused, reset, not serving, failed a call) "
+                                   "since the start", ["stage", "replica"], registry=r)
         self.replica_state = Gauge("omni_router_replica_state",
                                    "1 for the replica's state: up, suspect (polls missing their deadline, "
                                    "still used) or down (refused, reset or not serving)",

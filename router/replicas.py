@@ -71,6 +71,8 @@ class Replica:
     in_flight: int = 0  # this router's requests on it now
     last_ok: float = 0.0  # monotonic time of the last successful poll
     misses: int = 0  # polls in a row that ran past their deadline
+    missed_polls: int = 0  # polls that ran past their deadline since the start (counted here, never sampled)
+    downs: int = 0  # times it was taken out (a poll or a failed call) since the start
 
     @property
     def state(self) -> str:
@@ -161,6 +163,7 @@ class ReplicaSet:
         if replica is not None and replica.healthy:
             log.warning("%s replica %s failed a call; unhealthy until it answers SERVING again", self.stage, address)
             replica.healthy = False
+            replica.downs += 1
 
     async def refresh(self) -> None:
         """One round: re-resolve if due, then poll health and load of every replica."""
@@ -204,6 +207,7 @@ class ReplicaSet:
         verdict = poll_verdict(code, serving)
         if verdict == SUSPECT:
             replica.misses += 1
+            replica.missed_polls += 1
             if replica.misses < self.down_after_misses or not replica.healthy:
                 if replica.healthy:
                     log.info("%s replica %s is suspect: %d poll(s) in a row missed their deadline", self.stage,
@@ -214,6 +218,8 @@ class ReplicaSet:
             log.info("%s replica %s is %s", self.stage, replica.address,
                      "SERVING" if verdict == UP else f"down ({code.name if code else 'not serving'})")
         replica.misses = 0
+        if replica.healthy and verdict != UP:
+            replica.downs += 1
         replica.healthy = verdict == UP
         replica.load = load
         replica.draining = bool(load.draining) if load is not None else not replica.healthy
@@ -226,3 +232,5 @@ def publish_state(metrics, stage: str, replica: Replica) -> None:
     for state in STATES:
         metrics.replica_state.labels(stage, replica.address, state).set(int(replica.state == state))
     metrics.replica_reported_load.labels(stage, replica.address).set(replica.reported)
+    metrics.replica_missed_polls.labels(stage, replica.address).set(replica.missed_polls)
+    metrics.replica_downs.labels(stage, replica.address).set(replica.downs)

@@ -138,6 +138,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         finally:
             self.metrics.queue_depth.set(self.admission.queued)
         self.metrics.in_flight.set(self.admission.in_flight)
+        self.metrics.in_flight_peak.set(self.admission.peak)
         route: dict[str, Replica] = {}
         outcome = grpc.StatusCode.UNKNOWN
         spans: RequestTrace | None = None

@@ -167,7 +167,7 @@ class Code2WavServicer(stages_pb2_grpc.Code2WavServicer):
             pass  # the caller went away; the handler's finally aborts the request
 
     async def GetLoad(self, request, context):
-        return self.loop.load_report("code2wav", 0, self.handle.draining)
+        return self.loop.load_report("code2wav", 0, self.handle.draining, reset_peak=request.reset_peak)
 
 
 async def create_server(config: Code2WavConfig) -> tuple[ServerHandle, EngineLoop]:

@@ -183,13 +183,15 @@ class EngineLoop:
         return max(len(self._sinks), self.streams.open if self.streams is not None else 0)
 
     def load_report(self, stage: str, cache_capacity: int = 0, draining: bool = False,
-                    limits: common_pb2.StageLimits | None = None) -> common_pb2.LoadReport:
+                    limits: common_pb2.StageLimits | None = None, reset_peak: bool = False) -> common_pb2.LoadReport:
         """omni.v1.LoadReport of this stage, read by the router to balance (and, for `limits`, by
         the stage before it)."""
         return common_pb2.LoadReport(
             stage=stage, queue_depth=self.engine.queue_depth, running=self.engine.running,
             step_ms=self.stats.step_ms_ewma, cache_used=self.engine.running if cache_capacity else 0,
             cache_capacity=cache_capacity, draining=draining, in_flight=self.in_flight, limits=limits,
+            in_flight_peak=self.streams.take_peak(reset_peak) if self.streams is not None else 0,
+            streams_total=self.streams.opened if self.streams is not None else 0,
         )
 
     def _observe(self, elapsed_ms: float, batch: int) -> None:

@@ -223,7 +223,11 @@ class Downstream:
             self._sent[0] = first
         for message in self._sent:
             if not await write_quietly(self.call, message):
-                return  # the relay says how the new stream ended
+                # The new replica's stream broke during the replay (it died too): moved all the
+                # same. Its relay reports how it ended, and a death there moves the request again
+                # (the caller's next read); returning None here made the caller end the request
+                # with the first failure although fallbacks were left.
+                return True
         if self._closed:
             await close_quietly(self.call)
         return True

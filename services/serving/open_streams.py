@@ -25,10 +25,23 @@ class OpenStreams(grpc.aio.ServerInterceptor):
     def __init__(self, service_names: tuple[str, ...]):
         self.prefixes = tuple(f"/{name}/" for name in service_names)
         self.open = 0
+        self.peak = 0  # the most open at once since the start or the last reset (LoadReport.in_flight_peak)
+        self.opened = 0  # streams opened since the start (LoadReport.streams_total)
         self.on_change: Callable[[int], None] | None = None  # called with the new count (placement.py)
+
+    def take_peak(self, reset: bool = False) -> int:
+        """The most streams open at once since the start or the last reset; `reset` starts a new
+        mark from the streams open now."""
+        peak = self.peak
+        if reset:
+            self.peak = self.open
+        return peak
 
     def _count(self, delta: int) -> None:
         self.open += delta
+        if delta > 0:
+            self.opened += delta
+            self.peak = max(self.peak, self.open)
         if self.on_change is not None:
             self.on_change(self.open)
 

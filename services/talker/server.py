@@ -197,7 +197,8 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
             pass
 
     async def GetLoad(self, request, context):
-        return self.loop.load_report("talker", self.config.engine.num_slots, self.handle.draining, self.limits)
+        return self.loop.load_report("talker", self.config.engine.num_slots, self.handle.draining, self.limits,
+                                     reset_peak=request.reset_peak)
 
     @property
     def limits(self) -> common_pb2.StageLimits:

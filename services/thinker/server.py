@@ -388,7 +388,8 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         return omni_pb2.GenerateResponse(request_id=request_id, final=final)
 
     async def GetLoad(self, request, context):
-        return self.loop.load_report("thinker", self.config.engine.num_slots, self.handle.draining)
+        return self.loop.load_report("thinker", self.config.engine.num_slots, self.handle.draining,
+                                     reset_peak=request.reset_peak)
 
 
 async def create_server(config: ThinkerConfig) -> tuple[ServerHandle, EngineLoop]:

@@ -230,6 +230,8 @@ class StageLoad:
     running: int = 0
     queue_depth: int = 0
     reachable: bool = True
+    in_flight_peak: int = 0  # the most streams open at once since the start or the last reset (the stage's count)
+    streams_total: int = 0  # streams opened since the process started (the stage's count)
 
     @property
     def idle(self) -> bool:
@@ -239,13 +241,15 @@ class StageLoad:
         return self.reachable and not (self.in_flight or self.running or self.queue_depth)
 
 
-def read_load(stage: str, address: str, timeout: float = 1.0) -> StageLoad:
+def read_load(stage: str, address: str, timeout: float = 1.0, reset_peak: bool = False) -> StageLoad:
+    """The replica's GetLoad; `reset_peak` starts a new high-water mark after this report."""
     with grpc.insecure_channel(address) as channel:
         try:
-            report = _LOAD_STUBS[stage](channel).GetLoad(common_pb2.LoadRequest(), timeout=timeout)
+            report = _LOAD_STUBS[stage](channel).GetLoad(common_pb2.LoadRequest(reset_peak=reset_peak), timeout=timeout)
         except grpc.RpcError:
             return StageLoad(stage, address, reachable=False)
-    return StageLoad(stage, address, report.in_flight, report.running, report.queue_depth)
+    return StageLoad(stage, address, report.in_flight, report.running, report.queue_depth,
+                     in_flight_peak=report.in_flight_peak, streams_total=report.streams_total)
 
 
 def read_loads(replicas: dict[str, tuple[str, ...]]) -> list[StageLoad]:
@@ -261,6 +265,7 @@ class RouterGauges:
     healthy: dict  # (stage, address) -> bool: SERVING and not draining, as the router sees it
     outcomes: dict  # outcome label -> requests counted
     reported: dict = field(default_factory=dict)  # (stage, address) -> queued + running at the router's last poll
+    in_flight_peak: int = 0  # the most requests admitted at once since the router started (its own count)
 
     @property
     def replicas(self) -> dict[str, tuple[str, ...]]:
@@ -272,12 +277,14 @@ def read_router_gauges(url: str, timeout: float = 2.0) -> RouterGauges:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(url, timeout=timeout).read().decode()
-    in_flight = queue_depth = 0
+    in_flight = queue_depth = peak = 0
     healthy, outcomes, reported = {}, {}, {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "omni_router_in_flight":
                 in_flight = int(sample.value)
+            elif sample.name == "omni_router_in_flight_peak":
+                peak = int(sample.value)
             elif sample.name == "omni_router_queue_depth":
                 queue_depth = int(sample.value)
             elif sample.name == "omni_router_replica_healthy":
@@ -286,7 +293,7 @@ def read_router_gauges(url: str, timeout: float = 2.0) -> RouterGauges:
                 outcomes[sample.labels["outcome"]] = int(sample.value)
             elif sample.name == "omni_router_replica_reported_load":
                 reported[(sample.labels["stage"], sample.labels["replica"])] = int(sample.value)
-    return RouterGauges(in_flight, queue_depth, healthy, outcomes, reported)
+    return RouterGauges(in_flight, queue_depth, healthy, outcomes, reported, peak)
 
 
 @dataclass(frozen=True)

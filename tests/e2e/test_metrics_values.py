@@ -9,7 +9,6 @@ and one for the end of the stream (the samples held back for the frames after th
 
 from __future__ import annotations
 
-import threading
 import time
 import urllib.request
 
@@ -18,7 +17,7 @@ import pytest
 
 from services.tools.client import build_request, collect, connect
 from services.tools.launcher import free_port
-from services.tools.soak import read_loads
+from services.tools.soak import read_loads, read_router_gauges
 from tests.stacks import stack_of
 
 AUDIO_REQUESTS, TEXT_REQUESTS = 3, 2
@@ -70,7 +69,17 @@ def measured(tiny_checkpoint):
             while not all(load.idle for load in read_loads(replicas)):
                 assert time.monotonic() < deadline, "stages still busy"
                 time.sleep(0.05)
-            threading.Event().wait(0.6)  # one router poll interval: its gauges follow the stages
+            # The router's own counts, not a fixed wait: it has ended every request (its outcome
+            # counter, incremented as each handler ends: the cancelled one too), holds none, and its
+            # last poll of every stage saw them idle.
+            sent = AUDIO_REQUESTS + TEXT_REQUESTS + 2  # the refused one and the cancelled one
+            while True:
+                router = read_router_gauges(f"http://127.0.0.1:{ports['router']}/metrics")
+                if (sum(router.outcomes.values()) == sent and router.in_flight == router.queue_depth == 0
+                        and not any(router.reported.values())):
+                    break
+                assert time.monotonic() < deadline, (router.outcomes, router.in_flight, router.reported)
+                time.sleep(0.05)
             final = {name: scrape(port) for name, port in ports.items()}
             yield after_ok, final
 

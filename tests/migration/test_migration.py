@@ -1,7 +1,7 @@
 """A stage replica dies (kill -9) mid-stream; its requests move to a healthy replica and complete,
 and each client hears exactly the audio it would have heard without the fault.
 
-One stack with two replicas of every stage. For each stage: 8 concurrent requests with audio run
+One stack with two replicas of every stage (three talkers). For each stage: 8 concurrent requests with audio run
 once without a fault (the expected results), then again with one replica of that stage killed at
 a seeded random moment while every request streams audio. Every request must complete; the greedy
 ones (even indices) with the same text ids, codec frames and audio (same length, SNR >= 100 dB:
@@ -42,7 +42,9 @@ SETTLE_S = 15.0
 @pytest.fixture(scope="module")
 def migrating(tiny_checkpoint):
     metrics_port = free_port()
-    stack = stack_of(tiny_checkpoint, thinker_replicas=2, talker_replicas=2, code2wav_replicas=2,
+    # A third talker: a request moved off a dead talker can move again when its replacement dies
+    # while replaying it (test_a_replacement_that_dies_mid_replay_...).
+    stack = stack_of(tiny_checkpoint, thinker_replicas=2, talker_replicas=3, code2wav_replicas=2,
                      router_args=("--metrics-port", str(metrics_port), "--max-migrations", "2",
                                   "--max-in-flight", "16"))
     with stack:
@@ -205,7 +207,7 @@ def wait_router_uses_all(stack, timeout_s: float = 60.0) -> None:
         text = urllib.request.urlopen(stack.metrics_url, timeout=5).read().decode()
         healthy = [sample.value for family in text_string_to_metric_families(text)
                    if family.name == "omni_router_replica_healthy" for sample in family.samples]
-        if len(healthy) == 6 and all(healthy):
+        if len(healthy) == sum(p.stage != "router" for p in stack.processes.values()) and all(healthy):
             return
         time.sleep(0.2)
     raise AssertionError("the router does not use every replica again")
@@ -233,5 +235,105 @@ def test_when_every_replica_of_a_stage_dies_the_request_ends_unavailable_naming_
         assert settled.idle, f"left behind: {settled.busy()}, router {settled.router}"
     finally:
         for name in talkers:
+            migrating.restart(name)
+        wait_router_uses_all(migrating)
+
+
+def wait_streamed(running: Running, chunks: int, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
+    """Until every greedy request has `chunks` audio chunks: far enough in that a replay of it takes a
+    while (the new replica regenerates everything up to there before it passes anything new up)."""
+    deadline = time.monotonic() + timeout_s
+    while min(running.audio_chunks[::2]) < chunks:
+        assert not any(running.errors), [e.details() for e in running.errors if e is not None]
+        assert time.monotonic() < deadline, running.audio_chunks
+        time.sleep(0.02)
+
+
+def streams_opened(stack, stage: str) -> dict[str, int]:
+    """address -> streams each live replica of `stage` has opened since it started (its own count)."""
+    running = {f"{stack.options.host}:{p.port}" for p in stack.processes.values() if p.popen.poll() is None}
+    return {address: read_load(stage, address).streams_total for address in stack.addresses(stage) if address in running}
+
+
+def name_of(stack, address: str) -> str:
+    return next(name for name, p in stack.processes.items() if f"{stack.options.host}:{p.port}" == address)
+
+
+def kill_then_kill_during_the_replay(stack, stub, second_stage: str) -> tuple[Running, list[int], list[int], list[str]]:
+    """Kill the talker holding the most requests once every greedy one is a few chunks in; as soon
+    as the other talkers have opened the replay streams of the moved requests (counted by those
+    talkers: their streams_total), kill a second replica: of `second_stage` the one holding the
+    most (for "talker": the one that took the most replays). Returns the run, each request's audio
+    chunks at the first and at the second kill, and the killed processes."""
+    running = Running(stub, hold=True)
+    running.wait_greedy_streaming()
+    wait_streamed(running, 3)
+    first = victim_of(stack, "talker")
+    held = read_load("talker", f"127.0.0.1:{stack.port(first)}").in_flight
+    before = streams_opened(stack, "talker")
+    before.pop(f"127.0.0.1:{stack.port(first)}")
+    at_first = list(running.audio_chunks)
+    stack.kill(first)
+    deadline = time.monotonic() + 60
+    while True:
+        now = streams_opened(stack, "talker")
+        took = {address: now.get(address, 0) - n for address, n in before.items()}
+        if sum(took.values()) >= held:
+            break
+        assert time.monotonic() < deadline, f"the moved requests never reached another talker: {took}, held {held}"
+        time.sleep(0.005)
+    if second_stage == "talker":
+        second = name_of(stack, max(took, key=took.get))
+    else:
+        second = victim_of(stack, second_stage)
+    stack.kill(second)
+    at_second = list(running.audio_chunks)
+    running.join()
+    return running, at_first, at_second, [first, second]
+
+
+def test_a_replacement_that_dies_mid_replay_moves_the_request_again_with_the_same_audio(migrating, expected):
+    """The talker a request moved to dies while it replays the request (before it passed anything
+    new up): the request moves a second time, to the third talker, and completes with exactly the
+    fault-free run's audio."""
+    channel, stub = connect(migrating.target)
+    with channel:
+        running, at_first, at_second, killed = kill_then_kill_during_the_replay(migrating, stub, "talker")
+    try:
+        assert not any(running.errors), [(e.code(), e.details()) for e in running.errors if e is not None]
+        assert_same_as_without_fault(running.results, expected)
+        moved = [r.final.migrations for r in running.results]
+        twice = [i for i, m in enumerate(moved) if m == 2]
+        assert twice and max(moved) == 2, moved
+        # Mid-replay: a request moved twice got no new audio between the two kills (one that was on
+        # the second talker from the start, moved through the dead first one, may have streamed on).
+        assert any(at_second[i] == at_first[i] for i in twice), (at_first, at_second, moved)
+        alive = {s: tuple(a for a in addresses if name_of(migrating, a) not in killed)
+                 for s, addresses in replicas(migrating).items()}
+        settled = wait_settled(alive, migrating.metrics_url, SETTLE_S)
+        assert settled.idle, f"left behind: {settled.busy()}, router {settled.router}"
+    finally:
+        for name in killed:
+            migrating.restart(name)
+        wait_router_uses_all(migrating)
+
+
+def test_a_second_fault_during_a_replay_moves_both_hops_with_the_same_audio(migrating, expected):
+    """While the moved requests replay on another talker, the code2wav replica holding the most
+    requests dies too: every request completes, each with the fault-free run's audio."""
+    channel, stub = connect(migrating.target)
+    with channel:
+        running, at_first, at_second, killed = kill_then_kill_during_the_replay(migrating, stub, "code2wav")
+    try:
+        assert not any(running.errors), [(e.code(), e.details()) for e in running.errors if e is not None]
+        assert_same_as_without_fault(running.results, expected)
+        moved = [r.final.migrations for r in running.results]
+        assert sum(moved) >= 2, moved
+        alive = {s: tuple(a for a in addresses if name_of(migrating, a) not in killed)
+                 for s, addresses in replicas(migrating).items()}
+        settled = wait_settled(alive, migrating.metrics_url, SETTLE_S)
+        assert settled.idle, f"left behind: {settled.busy()}, router {settled.router}"
+    finally:
+        for name in killed:
             migrating.restart(name)
         wait_router_uses_all(migrating)
