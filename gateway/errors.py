@@ -43,6 +43,7 @@ _PARAMS = (
     (re.compile(r"^thinker_sampling\.max_new_tokens$"), "max_tokens"),
     (re.compile(r"^thinker_sampling\.(temperature|top_p|seed)$"), r"\1"),
     (re.compile(r"^thinker_sampling$"), "messages"),
+    (re.compile(r"^talker_sampling\.max_new_tokens$"), "max_audio_frames"),  # speech only sets it
     (re.compile(r"^voice$"), "voice"),
     (re.compile(r"^output_modalities$"), "modalities"),
     (re.compile(r"^messages\[(\d+)\]\.content\[(\d+)\]\.audio$"), r"messages[\1].content[\2].input_audio"),

@@ -119,7 +119,8 @@ class SpeechRequest(_Open):
     # Not OpenAI's: the talker's frame limit for this request (12.5 frames a second for Qwen3-Omni).
     # Without it the talker's own default applies and audio cut there is an error the caller sees;
     # with it, reaching it is the end the caller asked for.
-    max_audio_frames: int | None = Field(default=None, ge=1)
+    # At most the proto's int32; the talker checks its own, lower, limit.
+    max_audio_frames: int | None = Field(default=None, ge=1, le=2**31 - 1)
 
 
 SPEECH_REFUSED = {

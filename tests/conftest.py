@@ -36,6 +36,17 @@ def pytest_terminal_summary(terminalreporter) -> None:
 
 
 def pytest_configure(config) -> None:
+    from tests.fuzzing import SEED, SEED_ENV
+
+    os.environ[SEED_ENV] = str(SEED)  # xdist's workers start later, from this environment: one seed per run
+    workers = getattr(config, "workerinput", {}).get("workercount")
+    if workers:
+        # Under xdist, each worker's in-process torch gets its share of the cores: two workers on
+        # two cores each with torch's default of two threads ran the compute tests 2-4x slower.
+        # Tests about thread counts set their own; stage processes get --threads from the stack.
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
     if os.environ.get(REQUIRE_VLLM) == "1":
         from services.thinker.vllm_backend import vllm_available
 
