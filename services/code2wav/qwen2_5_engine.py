@@ -11,6 +11,14 @@ window that became ready (qwen2_5.py: they depend on tokens and noise only), win
 length as one batch across requests, then every BigVGAN window that became ready, again batched by
 length. After the first chunks nearly every DiT window is left + chunk + ahead tokens long and
 every BigVGAN window chunk*r + 2*vocoder mel frames, so they batch.
+
+Exact mode (`exact=True`, code2wav's `--exact-batching`, on by default on CPU) decodes every window
+alone instead: one DiT ODE and one BigVGAN call per window, with the shape the window itself has,
+so a window's bits cannot depend on what else was ready at that step, in this request or another.
+That is what a migrated request's replay needs (services/serving/migration.py): a new replica
+decodes the same windows at other steps, beside other requests, and must give the same audio bit
+for bit. Batched windows differ in the last bits (the convolutions' and attention's reductions
+follow the batch), so the replay check refused every replayed Qwen2.5-Omni request.
 """
 
 from __future__ import annotations
@@ -51,7 +59,7 @@ class _Request:
 class Token2WavEngine:
     def __init__(self, model, voices: dict[str, Voice], default_voice: str | None = None,
                  context: StreamContext = StreamContext(), sampling: Sampling = Sampling(), seed: int = 0,
-                 max_batch: int = 16):
+                 max_batch: int = 16, exact: bool = False):
         if not voices:
             raise ValueError("token2wav needs at least one voice")
         self.runner = Token2WavRunner(model, sampling)
@@ -62,7 +70,8 @@ class Token2WavEngine:
             raise ValueError(f"default voice {self.default_voice!r} is not one of {sorted(voices)}")
         self.context = context
         self.seed = seed
-        self.max_batch = max_batch
+        self.max_batch = 1 if exact else max_batch  # exact: every window alone (the module's docstring)
+        self.exact = exact
         self.num_quantizers = 1
         self.timer = ForwardTimer()  # seconds in DiT and BigVGAN forwards (services/runtime/timing.py)
         self._requests: dict[str, _Request] = {}  # request_id -> its stream

@@ -25,9 +25,11 @@ from services.runtime.chunking import DEFAULT_CHUNKS
 from services.runtime.errors import InvalidArgument, UserError, run_cli
 from services.runtime.families import DEFAULT_VOICES, Family
 from services.runtime.settings import (
+    EXACT_CHOICES,
     ModelConfig,
     add_model_flags,
     env_default,
+    exact_batching,
     model_config_from_args,
     parse_buckets,
 )
@@ -65,6 +67,9 @@ class Code2WavConfig:
     graph_windows: tuple[int, ...] = DEFAULT_CHUNKS.windows(25)
     # Qwen2.5-Omni's streaming Token2Wav: tokens of context around each chunk (services/code2wav/qwen2_5.py).
     token2wav_context: StreamContext = StreamContext()
+    # Qwen2.5-Omni's Token2Wav: each window decoded alone, bit-identical whatever else decodes
+    # (services/code2wav/qwen2_5_engine.py); Qwen3-Omni's incremental decoder is per request already.
+    exact: bool = True
 
 
 class Code2WavServicer(stages_pb2_grpc.Code2WavServicer):
@@ -197,7 +202,8 @@ def token2wav_engine(loaded, config: Code2WavConfig) -> Token2WavEngine:
     mel_dim = loaded.config.token2wav_config.dit_config.mel_dim
     voices = voices_of(load_voices(config.model.checkpoint), mel_dim)
     default = next((n for n in voices if n.lower() == DEFAULT_VOICES[Family.QWEN2_5_OMNI].lower()), next(iter(voices)))
-    return Token2WavEngine(loaded.model, voices, default_voice=default, context=config.token2wav_context)
+    return Token2WavEngine(loaded.model, voices, default_voice=default, context=config.token2wav_context,
+                           exact=config.exact)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,6 +229,11 @@ def main(argv: list[str] | None = None) -> int:
                              "streamed chunk (default 96:48:24:32: 109 dB against one whole Token2Wav call on the tiny "
                              "checkpoint, where 48:24 gives 69 dB; "
                              "docs/qwen2_5-omni-token2wav.md has the trade-off table)")
+    parser.add_argument("--exact-batching", choices=EXACT_CHOICES, default=env_default("exact_batching", "auto"),
+                        help="Qwen2.5-Omni's Token2Wav: on decodes every window alone, bit-identical whatever else "
+                             "is decoding (a migrated request's replay needs it); off batches equal-length windows "
+                             "across requests (auto: on for cpu, off for cuda; gemm: on). Qwen3-Omni's incremental "
+                             "decoder decodes one request at a time either way")
     args = parser.parse_args(argv)
 
     def run() -> None:
@@ -237,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         config = Code2WavConfig(serving=serving_config_from_args(args), model=model_config_from_args(args),
                                 left_context=args.left_context, decoder=args.decoder, graph_windows=windows,
                                 delivery_ms=args.delivery_ms,
-                                token2wav_context=context)
+                                token2wav_context=context, exact=exact_batching(args))
         serve_stage("code2wav", create_server, config, args.port_file)
 
     return run_cli(run)

@@ -258,6 +258,32 @@ def test_concurrent_requests_each_equal_their_own_forward(model, voice, codes, f
     assert engine.running == 0
 
 
+@pytest.mark.exactness
+def test_exact_mode_gives_each_request_the_bits_it_gets_alone_whatever_else_decodes(model, voice, codes):
+    """What a migrated request's replay needs: the same audio, bit for bit, whatever was ready beside
+    it and in whatever chunks its codes came."""
+    n = 40
+    others = {"r2": random_codes(n, seed=8), "r3": random_codes(n, seed=9)}
+
+    def alone(chunk: int):
+        engine = Token2WavEngine(model, {"a": voice}, seed=SEED, exact=True)
+        engine.add("r1", None)
+        arrivals = [("r1", CodecChunk(codes[i:min(i + chunk, n)].reshape(-1, 1))) for i in range(0, n, chunk)]
+        return run_engine(engine, arrivals + [("r1", CodecEnd())])["r1"][0]
+
+    engine = Token2WavEngine(model, {"a": voice}, seed=SEED, exact=True)
+    for r in ("r1", *others):
+        engine.add(r, None)
+    arrivals = []
+    for i in range(0, n, 8):  # every request's windows become ready at the same steps: same lengths
+        arrivals += [("r1", CodecChunk(codes[i:i + 8].reshape(-1, 1)))]
+        arrivals += [(r, CodecChunk(c[i:i + 8].reshape(-1, 1))) for r, c in others.items()]
+    together = run_engine(engine, arrivals + [(r, CodecEnd()) for r in ("r1", *others)])["r1"][0]
+    assert engine.max_batch == 1
+    for chunk in (8, 24):
+        assert np.array_equal(alone(chunk), together), chunk
+
+
 def test_engine_checks_its_inputs(model, voice):
     engine = Token2WavEngine(model, {"a": voice})
     with pytest.raises(ValueError):
