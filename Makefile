@@ -84,9 +84,10 @@ test-portable: setup
 test-all: setup lint
 	$(PY) -m pytest -q -m ""
 
-# Only the slow ones.
+# The slow tests but the long ones (own stacks, the video oracles, tracing, TLS rotation, Qwen2.5
+# migration: minutes), on the same workers; CI runs them after make test.
 test-slow: setup lint
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -m "slow and not long" -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 bench: setup checkpoint
 	$(VENV)/bin/omni-bench --checkpoint $(CHECKPOINT) --out out

@@ -113,6 +113,7 @@ def test_short_real_run_prints_the_table(bench_run):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_default_run_finishes_within_the_ten_minutes_make_bench_has(tiny_checkpoint, tmp_path):
     started = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()):

@@ -245,6 +245,7 @@ def test_garbage_bodies_and_headers_end_in_a_4xx_naming_the_field_and_the_gatewa
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.timeout(3600)
 def test_many_garbage_requests_to_the_gateway(gateway):
     fuzz(gateway, examples=2000)

@@ -217,6 +217,7 @@ def test_fuzzed_requests_and_raw_bodies_end_cleanly(stack):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.timeout(3600)
 def test_ten_thousand_fuzzed_requests_end_cleanly(stack):
     assert fuzz(stack, examples=math.ceil(10_000 / BATCH)) >= 10_000

@@ -225,6 +225,7 @@ def test_fuzzed_code2wav_streams_end_as_the_oracle_says(stages):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.timeout(1800)
 def test_many_fuzzed_code2wav_streams_end_as_the_oracle_says(stages):
     codes = fuzz_code2wav(stages, 2000)
@@ -335,6 +336,7 @@ def test_fuzzed_talker_streams_end_ok_or_invalid_argument_naming_a_field(stages)
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.timeout(1800)
 def test_many_fuzzed_talker_streams_end_ok_or_invalid_argument_naming_a_field(stages):
     codes = fuzz_talker(stages, 1000)

@@ -33,6 +33,7 @@ def test_a_short_soak_reports_nothing_leaked_or_hung(stack, omni, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_omni_soak_with_its_own_stack_and_chaos_leaks_nothing(tiny_checkpoint):
     run = subprocess.run(
         [sys.executable, "-m", "services.tools.soak", "--checkpoint", str(tiny_checkpoint), "--duration-s", "30",
