@@ -77,71 +77,93 @@ def run_block(system: PipelineSystem, stack: Stack, prompts, concurrency: int) -
     return done / result.wall_s, (cpu_seconds(stack) - before) / max(done, 1), errors
 
 
-async def _hop_cost(mode: str, endpoint: str, streams: int = 40, messages: int = 60, rounds: int = 3) -> float:
+HOP_MODES = ("off", "client", "server", "both")
+
+
+async def _hop_costs(endpoint: str, rounds: int, streams: int = 40, messages: int = 60) -> dict[str, list[float]]:
     """CPU microseconds per message round trip on one loopback bidi stream hop (the shape of
-    thinker -> talker -> code2wav), with tracing's interceptors on neither end, the client's, the
-    server's or both: what tracing adds per message, without any model."""
+    thinker -> talker -> code2wav), with tracing on neither end, the client's (`tracing.call`), the
+    server's (its interceptor) or both: what tracing adds per message, without any model. The
+    servers are a stage's (`build_server`: its own interceptors, health, reflection), one built
+    before tracing is set up (untraced), one after. One process, the modes' rounds interleaved (in
+    turn reversed), so that drift and other load hit every mode alike; each round ends with the
+    exporter flushed, so a round pays for its own spans (the collector is in this process too)."""
     import asyncio
 
     import grpc
+    from opentelemetry import trace
     from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
     from services.serving import tracing
+    from services.serving.grpc_server import build_server
 
     message = trace_service_pb2.ExportTraceServiceRequest  # any small message
-    if mode != "off":
-        tracing.setup("bench", tracing.TracingConfig(otlp_endpoint=endpoint), 1)
 
     async def echo(requests, context):
         async for m in requests:
             yield m
 
-    server = grpc.aio.server(interceptors=tracing.server_interceptors() if mode in ("server", "both") else ())
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("omni.v1.Talker", {
-        "Speak": grpc.stream_stream_rpc_method_handler(echo, message.FromString, message.SerializeToString)}),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}",
-                                        interceptors=tracing.client_interceptors() if mode in ("client", "both") else None)
-    speak = channel.stream_stream("/omni.v1.Talker/Speak", message.SerializeToString, message.FromString)
+    async def server():
+        handle = build_server("127.0.0.1", 0, ("omni.v1.Talker",))
+        handle.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("omni.v1.Talker", {
+            "Speak": grpc.stream_stream_rpc_method_handler(echo, message.FromString, message.SerializeToString)}),))
+        await handle.server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}")
+        return handle, channel, channel.stream_stream("/omni.v1.Talker/Speak", message.SerializeToString,
+                                                      message.FromString)
 
-    async def one() -> None:
-        call = speak()
+    untraced = await server()  # (its interceptors are chosen when it is built: tracing is off yet)
+    tracing.setup("bench", tracing.TracingConfig(otlp_endpoint=endpoint), 1)
+    traced = await server()
+    provider = trace.get_tracer_provider()
+    # mode -> (the server's stream method, whether the client opens its calls through tracing.call)
+    modes = {"off": (untraced[2], False), "client": (untraced[2], True), "server": (traced[2], False),
+             "both": (traced[2], True)}
+
+    async def one(speak, client_traced: bool) -> None:
+        call = tracing.call("/omni.v1.Talker/Speak", speak) if client_traced else speak()
         for _ in range(messages):
             await call.write(message())
             await call.read()
         await call.done_writing()
         await call.read()
 
-    await one()
-    cpu = time.process_time()
-    for _ in range(rounds):
-        await asyncio.gather(*(one() for _ in range(streams)))
-    cost = (time.process_time() - cpu) * 1e6 / (rounds * streams * messages)
-    await channel.close()
-    await server.stop(0)
-    return cost
+    async def block(mode: str) -> float:
+        cpu = time.process_time()
+        await asyncio.gather(*(one(*modes[mode]) for _ in range(streams)))
+        await asyncio.sleep(0.01)  # the calls' done callbacks (client spans end there)
+        provider.force_flush()
+        return (time.process_time() - cpu) * 1e6 / (streams * messages)
+
+    for mode in HOP_MODES:  # first-call costs, not counted
+        await block(mode)
+    costs: dict[str, list[float]] = {mode: [] for mode in HOP_MODES}
+    for r in range(rounds):
+        for mode in HOP_MODES if r % 2 == 0 else HOP_MODES[::-1]:
+            costs[mode].append(await block(mode))
+    for handle, channel, _ in (untraced, traced):
+        await channel.close()
+        await handle.server.stop(0)
+    return costs
 
 
-def hop_cost(mode: str) -> None:
-    """One mode per process (the tracer provider is set once per process): prints its cost."""
+def grpc_hop_costs(rounds: int) -> dict:
+    """Prints each mode's median and its median extra cost over `off` in the same round."""
     import asyncio
 
+    load_before = os.getloadavg()
     with OtlpSink() as sink:
-        print(f"{mode} {asyncio.run(_hop_cost(mode, sink.endpoint)):.1f}")
-
-
-def grpc_hop_costs() -> dict[str, float]:
-    import subprocess
-
-    costs = {}
-    for mode in ("off", "client", "server", "both"):
-        out = subprocess.run([sys.executable, "-m", "bench.tracing_cost", "--hop-mode", mode], capture_output=True,
-                             text=True, timeout=300, check=True)
-        costs[mode] = float(out.stdout.split()[-1])
-        print(f"one gRPC stream hop, tracing interceptors on {mode:6}: {costs[mode]:6.1f} us CPU per message round trip",
+        costs = asyncio.run(_hop_costs(sink.endpoint, rounds))
+    report = {"rounds": rounds, "us_per_message": costs, "load_average": [load_before[0], os.getloadavg()[0]]}
+    for mode in HOP_MODES:
+        extra = statistics.median(c - off for c, off in zip(costs[mode], costs["off"]))
+        report[f"{mode}_extra_us"] = extra
+        print(f"one gRPC stream hop, tracing on {mode:6}: {statistics.median(costs[mode]):6.1f} us CPU per message "
+              f"round trip (median of {rounds} rounds), {extra:+5.1f} us over off in the same round (median)",
               flush=True)
-    return costs
+    print(f"load average {load_before[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end "
+          f"({os.cpu_count()} CPUs)")
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,14 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("out"))
     p.add_argument("--grpc-only", action="store_true",
                    help="only the per-message cost on one loopback gRPC stream (no model, no stack)")
-    p.add_argument("--hop-mode", choices=["off", "client", "server", "both"], help=argparse.SUPPRESS)
+    p.add_argument("--hop-rounds", type=int, default=10, help="--grpc-only: rounds of each mode, interleaved")
     args = p.parse_args(argv)
-    if args.hop_mode:
-        hop_cost(args.hop_mode)
-        return 0
     if args.grpc_only:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "tracing_hop_cost.json").write_text(json.dumps(grpc_hop_costs(), indent=1) + "\n")
+        (args.out / "tracing_hop_cost.json").write_text(json.dumps(grpc_hop_costs(args.hop_rounds), indent=1) + "\n")
         return 0
 
     def run() -> None:

@@ -55,6 +55,7 @@ from omni.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 from services.runtime.errors import UserError, run_cli
 from services.runtime.families import DEFAULT_VOICES, Family
 from services.runtime.settings import env_default, env_flag
+from services.serving import tracing
 from services.serving.channels import RotatingChannels
 from services.serving.gc_heap import GCCollector, freeze_startup_heap
 from services.serving.grpc_server import channel_options, setup_logging
@@ -162,7 +163,8 @@ class Call:
         self.received = time.perf_counter()
         auth = http.headers.get("authorization")
         metadata = (("authorization", auth),) if auth else None
-        self.call = gateway.stub().Generate(request, timeout=gateway.config.timeout_s, metadata=metadata)
+        self.call = tracing.call("/omni.v1.Omni/Generate", gateway.stub().Generate, request,
+                                 timeout=gateway.config.timeout_s, metadata=metadata)
         self.first: omni_pb2.GenerateResponse | None = None
         self.final: omni_pb2.Final | None = None
         self._seen_audio = False

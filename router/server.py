@@ -26,6 +26,7 @@ from router.metrics import RouterMetrics
 from router.replicas import Replica, ReplicaSet, ReplicaSource, publish_state
 from services.runtime.errors import run_cli
 from services.runtime.settings import env_default
+from services.serving import tracing
 from services.serving.config import ServingConfig, add_serving_flags, serving_config_from_args
 from services.serving.grpc_server import (
     ServerHandle,
@@ -190,7 +191,9 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         while True:
             thinker = route["thinker"]
             with spans.within("migrate"):  # a replay's call under the `migrate` span of its move
-                call = stages_pb2_grpc.ThinkerStub(self.stages["thinker"].channel(thinker.address)).Generate(
+                call = tracing.call(
+                    "/omni.v1.Thinker/Generate",
+                    stages_pb2_grpc.ThinkerStub(self.stages["thinker"].channel(thinker.address)).Generate,
                     thinker_request, timeout=time_remaining(context))
             try:
                 async for response in _watched(call, "thinker", thinker.address, self.config.thinker_stall_s):

@@ -38,7 +38,6 @@ import grpc
 
 from services.runtime.errors import UserError
 from services.runtime.settings import env_default
-from services.serving.tracing import client_interceptors
 
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 log = logging.getLogger("tls")
@@ -212,11 +211,9 @@ def secure_or_insecure_channel(target: str, tls: TLSConfig, options: list, aio: 
     _, tls = tls.latest()
     credentials = tls.channel_credentials()
     module = grpc.aio if aio else grpc
-    # Tracing's interceptors (services/serving/tracing.py; none when off) on the asyncio channels.
-    traced = {"interceptors": client_interceptors()} if aio else {}
     if credentials is None:
-        return module.insecure_channel(target, options=options, **traced)
-    return module.secure_channel(target, credentials, options=options + tls.channel_options(), **traced)
+        return module.insecure_channel(target, options=options)
+    return module.secure_channel(target, credentials, options=options + tls.channel_options())
 
 
 def load_tokens(token_file: str | None, env_value: str | None = None) -> tuple[bytes, ...]:

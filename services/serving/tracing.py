@@ -5,13 +5,19 @@ Off by default. `--otlp-endpoint URL` (or OMNI_OTLP_ENDPOINT, or the standard
 OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT) turns it on; the other standard
 OTEL_* variables keep their meaning (OTEL_TRACES_SAMPLER, OTEL_BSP_SCHEDULE_DELAY,
 OTEL_RESOURCE_ATTRIBUTES, OTEL_SDK_DISABLED=true turns it off again). Every process calls `setup`
-once at start, before it builds its server or channels; the rest of the code only ever calls
-`server_interceptors`, `client_interceptors` and `RequestTrace`, which cost nothing when off.
+once at start, before it builds its server; the rest of the code only ever calls
+`server_interceptors`, `call` and `RequestTrace`, which cost nothing when off (no interceptor is
+installed, no metadata touched).
 
-W3C trace context (`traceparent`) travels in gRPC metadata: the gRPC instrumentation's
-interceptors put it on every pipeline call (Generate, Speak, Decode; not the health and load
-polls) and start each server span from it, so the stages' spans share the caller's trace, across
-migrations too (a replay's call is opened under the `migrate` span of the stage that moved it).
+W3C trace context (`traceparent`, `tracestate`) travels in gRPC metadata, once per call, never
+per message: `call` opens each pipeline call (Generate, Speak, Decode; not the health and load
+polls) under a CLIENT span and puts its context into the call's metadata, and the server
+interceptor reads it from the invocation metadata and opens the SERVER span, so the stages'
+spans share the caller's trace, across migrations too (a replay's call is opened under the
+`migrate` span of the stage that moved it). No interceptor touches a call's messages: the
+stage-to-stage streams carry one message per token or frame, and grpc.aio's client-side
+intercepted calls (what the OpenTelemetry gRPC instrumentation uses) cost more per message than
+the rest of its round trip (docs/observability.md, "What tracing costs").
 The HTTP gateway's server span, continuing the HTTP caller's `traceparent` header, is FastAPI's
 own (its built-in telemetry starts once a tracer provider is set).
 
@@ -27,6 +33,7 @@ import argparse
 import asyncio
 import contextlib
 import contextvars
+import inspect
 import json
 import logging
 import os
@@ -41,9 +48,7 @@ from services.runtime.settings import env_default
 # The request a log line is about (set by RequestTrace in the handler's task; empty elsewhere).
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("omni_request_id", default="")
 
-# The calls that carry one request through the pipeline; health checks and load polls (several a
-# second per replica) are not traced.
-PIPELINE_METHODS = ("Generate", "Speak", "Decode")
+PIPELINE_METHODS = ("Generate", "Speak", "Decode")  # of the omni.v1 services (is_pipeline_call)
 LOG_FORMATS = ("text", "json")
 
 
@@ -83,8 +88,8 @@ _STATE = _State()
 
 def setup(service: str, config: TracingConfig, port: int = 0) -> bool:
     """Install the tracer provider and OTLP exporter for process `service` (router, thinker, ...)
-    when an endpoint is configured; True when tracing is on. Call once, before any server or
-    channel is built (their interceptors are chosen then)."""
+    when an endpoint is configured; True when tracing is on. Call once, before any server is built
+    (its interceptors are chosen then)."""
     _STATE.replica = f"{socket.gethostname()}:{port}" if port else f"{socket.gethostname()}/pid{os.getpid()}"
     endpoint = config.endpoint
     if not endpoint:
@@ -106,111 +111,147 @@ def setup(service: str, config: TracingConfig, port: int = 0) -> bool:
     return True
 
 
-def _pipeline_filter():
-    from opentelemetry.instrumentation.grpc import filters
+def is_pipeline_call(method: str) -> bool:
+    """Whether `method` (a full name) carries one request through the pipeline: Omni/Generate,
+    Thinker/Generate, Talker/Speak, Code2Wav/Decode. Health checks and load polls (several a second
+    per replica) are not traced."""
+    return method.startswith("/omni.v1.") and method.rsplit("/", 1)[-1] in PIPELINE_METHODS
 
-    return filters.all_of(filters.service_prefix("omni.v1."),
-                          filters.any_of(*(filters.method_name(m) for m in PIPELINE_METHODS)))
+
+def _rpc_attributes(method: str) -> dict:
+    service, _, name = method.lstrip("/").partition("/")
+    return {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name}
+
+
+def call(method: str, multicallable, *args, metadata=None, **kwargs):
+    """Open pipeline call `method` (e.g. "/omni.v1.Talker/Speak"): `multicallable(*args,
+    metadata=..., **kwargs)`, a stub's method. Tracing off: exactly that, nothing else. On: under a
+    CLIENT span, a child of the current one, whose context goes along in the call's metadata
+    (`traceparent`, `tracestate`: the global propagator, OTEL_PROPAGATORS); the span ends when the
+    call does. Once per call: the call's messages go through no interceptor (grpc.aio's intercepted
+    call wraps every read and write, which cost more than the rest of a message's round trip)."""
+    if not _STATE.enabled:
+        return multicallable(*args, metadata=metadata, **kwargs)
+    from opentelemetry import propagate
+
+    span = _TRACER.start_span(method, kind=trace.SpanKind.CLIENT, attributes=_rpc_attributes(method))
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=trace.set_span_in_context(span))
+    try:
+        opened = multicallable(*args, metadata=(*(metadata or ()), *carrier.items()), **kwargs)
+    except BaseException as error:
+        span.record_exception(error)
+        span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+        span.end()
+        raise
+    opened.add_done_callback(lambda done: _end_client_span(span, done))
+    return opened
+
+
+_ENDING: set = set()  # the tasks that end client spans (a reference until they ran)
+
+
+def _end_client_span(span, done_call) -> None:
+    """A client span ends when its call does: a stream's end is usually a cancel, once the `final`
+    message has arrived (services/serving/streams.py), not the end of its response iterator."""
+    import grpc
+
+    async def end() -> None:
+        code, details = await done_call.code(), await done_call.details()
+        span.set_attribute("rpc.grpc.status_code", code.value[0])
+        if code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):  # a stream's end is a cancel
+            span.set_status(trace.Status(trace.StatusCode.ERROR, f"{code.name}: {details}"))
+        span.end()
+
+    task = asyncio.ensure_future(end())
+    _ENDING.add(task)
+    task.add_done_callback(_ENDING.discard)
 
 
 def server_interceptors() -> tuple:
-    """The gRPC server interceptors of tracing (none when off): a server span per pipeline call,
-    continuing the caller's trace from its `traceparent`."""
+    """The gRPC server interceptors of tracing: none when off; when on, one that opens a SERVER
+    span per pipeline call, continuing the caller's trace from its metadata."""
     if not _STATE.enabled:
         return ()
-    from opentelemetry.instrumentation.grpc import aio_server_interceptor
-
-    return (_closing(aio_server_interceptor(filter_=_pipeline_filter())),)
+    return (_server_spans(),)
 
 
-def _closing(interceptor):
-    """The instrumentation's server interceptor, except that a streaming handler is closed before
-    its span ends. NOTE: its wrapper only iterates the handler, so a call cancelled while the handler
-    waited at a `yield` ended the span at once and the handler's own `finally` (RequestTrace.finish:
-    outcome, counts) ran later, when the handler was collected, on an ended span."""
-    from opentelemetry.instrumentation.grpc import _aio_server
-
-    class Closing(_aio_server.OpenTelemetryAioServerInterceptor):
-        def _intercept_aio_server_stream(self, behavior, handler_call_details):
-            async def stream(request_or_iterator, context):
-                with self._set_remote_context(context):
-                    with self._start_span(handler_call_details, context, set_status_on_exception=False) as span:
-                        context = _aio_server._OpenTelemetryAioServicerContext(context, span)
-                        responses = behavior(request_or_iterator, context)
-                        try:
-                            async for response in responses:
-                                yield response
-                        except Exception as error:
-                            if type(error) is not Exception:  # (as the instrumentation: a bare one is an abort)
-                                span.record_exception(error)
-                            raise
-                        finally:
-                            close = getattr(responses, "aclose", None)  # (an async generator: every handler here)
-                            if close is not None:
-                                await close()
-
-            return stream
-
-    return Closing(interceptor._tracer, filter_=interceptor._filter)
-
-
-def client_interceptors() -> list | None:
-    """The grpc.aio client interceptors of tracing (None when off): a client span per pipeline call,
-    its context sent on as `traceparent`."""
-    if not _STATE.enabled:
-        return None
-    from opentelemetry.instrumentation.grpc import aio_client_interceptors
-
-    return [_streaming(i) for i in aio_client_interceptors(filter_=_pipeline_filter())]
-
-
-_ENDING: set = set()  # the tasks that end streaming calls' client spans (a reference until they ran)
-
-
-def _streaming(interceptor):
-    """The instrumentation's interceptor, except that a streaming call's client span ends when the
-    call does. NOTE: its own ends the span when the response iterator is exhausted, and the stages
-    stop reading at the `final` message and cancel the call (services/serving/streams.py), so the
-    span never ended: not one talker or code2wav client span reached the collector."""
+def _server_spans():
     import grpc
-    from opentelemetry.instrumentation.grpc import _aio_client
 
-    def ending(span, call):
-        async def end() -> None:
-            code, details = await call.code(), await call.details()
-            span.set_attribute("rpc.grpc.status_code", code.value[0])
-            if code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):  # a stream's end is a cancel
-                span.set_status(trace.Status(trace.StatusCode.ERROR, f"{code.name}: {details}"))
-            span.end()
+    class ServerSpans(grpc.aio.ServerInterceptor):
+        """Per call, not per message: the caller's context is read from the invocation metadata
+        once, the server span opened and made current in the call's task, and the handler (an
+        async generator) driven by `context.write`, which is what grpc.aio itself does with one
+        (an extra generator around it would be one more hop per message). The handler is closed
+        before the span ends, also when the call is cancelled while it waits at a `yield` (else
+        its own `finally`, RequestTrace.finish: outcome and counts, would run later, when it is
+        collected, on an ended span)."""
 
-        def done(_call) -> None:
-            task = asyncio.ensure_future(end())
-            _ENDING.add(task)
-            task.add_done_callback(_ENDING.discard)
+        async def intercept_service(self, continuation, handler_call_details):
+            handler = await continuation(handler_call_details)
+            method = handler_call_details.method
+            if (handler is None or not hasattr(handler, "_replace") or not handler.response_streaming
+                    or not is_pipeline_call(method)):
+                return handler
+            kind = "stream_stream" if handler.request_streaming else "unary_stream"
+            inner = getattr(handler, kind)
+            if not inspect.isasyncgenfunction(inner):
+                return handler
+            metadata = handler_call_details.invocation_metadata
 
-        call.add_done_callback(done)
-        return call
+            async def traced(request, context) -> None:
+                from opentelemetry import context as otel_context
+                from opentelemetry import propagate
 
-    class UnaryStream(_aio_client.UnaryStreamAioClientInterceptor):
-        async def intercept_unary_stream(self, continuation, client_call_details, request):
-            if self.tracing_skipped(client_call_details):
-                return await continuation(client_call_details, request)
-            with self._start_interceptor_span(client_call_details.method) as span:
-                return ending(span, await continuation(self.propagate_trace_in_details(client_call_details), request))
+                parent = propagate.extract({key: value for key, value in metadata or () if isinstance(value, str)})
+                span = _TRACER.start_span(method, context=parent, kind=trace.SpanKind.SERVER,
+                                          attributes={**_rpc_attributes(method), **_peer(context.peer())})
+                token = otel_context.attach(trace.set_span_in_context(span, parent))
+                responses = inner(request, context)
+                code = None
+                try:
+                    async for response in responses:
+                        try:
+                            await context.write(response)
+                        except Exception:  # (ExecuteBatchError) the call ended under the write: the caller left
+                            code = grpc.StatusCode.CANCELLED
+                            raise
+                except asyncio.CancelledError:
+                    code = grpc.StatusCode.CANCELLED
+                    raise
+                except grpc.aio.AbortError:  # context.abort: its code is the context's
+                    raise
+                except Exception as error:
+                    if code is grpc.StatusCode.CANCELLED:
+                        raise
+                    code = grpc.StatusCode.UNKNOWN  # (what grpc makes of a handler's exception)
+                    span.record_exception(error)
+                    raise
+                finally:
+                    try:
+                        await responses.aclose()
+                    finally:
+                        code = (context.code() or (grpc.StatusCode.CANCELLED if context.cancelled() else code)
+                                or grpc.StatusCode.OK)
+                        span.set_attribute("rpc.grpc.status_code", code.value[0])
+                        if code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
+                            span.set_status(trace.Status(trace.StatusCode.ERROR, f"{code.name}: {context.details() or ''}"))
+                        span.end()
+                        otel_context.detach(token)
 
-    class StreamStream(_aio_client.StreamStreamAioClientInterceptor):
-        async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
-            if self.tracing_skipped(client_call_details):
-                return await continuation(client_call_details, request_iterator)
-            with self._start_interceptor_span(client_call_details.method) as span:
-                return ending(span, await continuation(self.propagate_trace_in_details(client_call_details),
-                                                       request_iterator))
+            return handler._replace(**{kind: traced})
 
-    for base, replacement in ((_aio_client.UnaryStreamAioClientInterceptor, UnaryStream),
-                              (_aio_client.StreamStreamAioClientInterceptor, StreamStream)):
-        if type(interceptor) is base:
-            return replacement(interceptor._tracer, filter_=interceptor._filter)
-    return interceptor
+    return ServerSpans()
+
+
+def _peer(peer: str) -> dict:
+    """net.peer.ip and net.peer.port of a gRPC peer ("ipv4:127.0.0.1:57284", "ipv6:[::1]:57284")."""
+    kind, _, address = (peer or "").partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return {}
+    ip, _, port = address.split(",")[0].rpartition(":")
+    return {"net.peer.ip": ip, "net.peer.port": port}
 
 
 def now_ns() -> int:

@@ -27,6 +27,7 @@ from services.runtime.settings import (
     exact_gemm,
     model_config_from_args,
 )
+from services.serving import tracing
 from services.serving.channels import ChannelPool
 from services.serving.config import (
     add_serving_flags,
@@ -104,7 +105,9 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
         route = start.route
         decode = Downstream(
             "talker", "code2wav", [route.code2wav, *route.code2wav_fallbacks],
-            lambda address: stages_pb2_grpc.Code2WavStub(self.channels.get(address)).Decode(timeout=time_remaining(context)),
+            lambda address: tracing.call("/omni.v1.Code2Wav/Decode",
+                                         stages_pb2_grpc.Code2WavStub(self.channels.get(address)).Decode,
+                                         timeout=time_remaining(context)),
             sink, lambda out: out.HasField("final"), route.max_migrations, self.metrics,
             stall_timeout_s=self.config.serving.stall_timeout_s(stages_below=0))
         decode.open()

@@ -37,6 +37,7 @@ from services.runtime.settings import (
     on_unless_cuda,
 )
 from services.runtime.video import VideoLimits
+from services.serving import tracing
 from services.serving.channels import ChannelPool
 from services.serving.config import (
     ServingConfig,
@@ -357,7 +358,9 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
     def _open_talker(self, route: stages_pb2.Route, sink: EventSink, context) -> Downstream:
         speak = Downstream(
             "thinker", "talker", [route.talker, *route.talker_fallbacks],
-            lambda address: stages_pb2_grpc.TalkerStub(self.channels.get(address)).Speak(timeout=time_remaining(context)),
+            lambda address: tracing.call("/omni.v1.Talker/Speak",
+                                         stages_pb2_grpc.TalkerStub(self.channels.get(address)).Speak,
+                                         timeout=time_remaining(context)),
             sink, lambda out: out.HasField("final"), route.max_migrations, self.metrics,
             stall_timeout_s=self.config.serving.stall_timeout_s(stages_below=1))
         speak.open()

@@ -28,7 +28,10 @@ def test_off_by_default_and_the_flag_or_the_otel_variables_turn_it_on(monkeypatc
     config = tracing.tracing_from_args(parser.parse_args([]))
     assert config == TracingConfig() and config.endpoint == "" and config.log_format == "text"
     assert tracing.setup("router", config) is False
-    assert tracing.server_interceptors() == () and tracing.client_interceptors() is None
+    assert tracing.server_interceptors() == ()
+    opened = []  # off, a pipeline call is opened exactly as asked: no span, no metadata added
+    tracing.call("/omni.v1.Talker/Speak", lambda *a, **k: opened.append((a, k)), 1, metadata=None, timeout=2)
+    assert opened == [((1,), {"metadata": None, "timeout": 2})]
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317")
     assert TracingConfig().endpoint == "http://collector:4317"
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://traces:4317")
@@ -120,3 +123,131 @@ def test_json_log_lines_carry_the_trace_and_request_ids():
     assert line["time"].endswith("Z")
     bare = json.loads(JsonFormatter("router").format(logging.LogRecord("router", logging.INFO, __file__, 1, "up", (), None)))
     assert "trace_id" not in bare and "request_id" not in bare
+
+
+WIRE_CHILD = r"""
+import asyncio, json
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from services.serving import tracing
+from services.serving.grpc_server import build_server
+from services.serving.tracing import REQUEST_ID, RequestTrace, now_ns
+
+exporter = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(exporter))
+trace.set_tracer_provider(provider)
+tracing._STATE.enabled = True  # (what `setup` does, with the in-memory exporter instead of OTLP)
+seen = {}
+
+async def speak(requests, context):
+    metadata = dict(context.invocation_metadata())
+    first = await anext(aiter(requests))
+    request_id = first.decode()
+    spans = RequestTrace("talker", request_id)
+    seen[request_id] = {"traceparent": metadata.get("traceparent"), "current": spans.on,
+                        "request_id": REQUEST_ID.get()}
+    spans.phase("queue", now_ns() - 1000)
+    outcome = "cancelled"
+    try:
+        yield b"started"
+        async for message in requests:
+            if message == b"end":
+                outcome = "ok"
+                yield b"final"
+                return
+            if message == b"flood":  # more than the caller reads: the handler waits at a yield
+                while True:
+                    yield bytes(1 << 20)
+            spans.count("frames")
+            yield message
+    finally:
+        spans.finish(outcome)
+
+async def main():
+    handle = build_server("127.0.0.1", 0, ("omni.v1.Talker",))
+    handle.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "omni.v1.Talker", {"Speak": grpc.stream_stream_rpc_method_handler(speak)}),))
+    await handle.server.start()
+    await handle.set_serving(True)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}")
+    method = channel.stream_stream("/omni.v1.Talker/Speak")
+    await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())  # not traced
+    with trace.get_tracer("test").start_as_current_span("caller"):
+        done = tracing.call("/omni.v1.Talker/Speak", method, metadata=(("authorization", "Bearer x"),))
+        await done.write(b"req-ok")
+        assert await done.read() == b"started"
+        for i in range(3):
+            await done.write(b"frame")
+            assert await done.read() == b"frame"
+        await done.write(b"end")
+        assert await done.read() == b"final"
+        done.cancel()  # as the stages end a stream once its final message is in
+        gone = tracing.call("/omni.v1.Talker/Speak", method)
+        await gone.write(b"req-gone")
+        assert await gone.read() == b"started"
+        await gone.write(b"frame")
+        assert await gone.read() == b"frame"
+        gone.cancel()  # the caller goes away while the handler waits for input
+        held = tracing.call("/omni.v1.Talker/Speak", method)
+        await held.write(b"req-held")
+        assert await held.read() == b"started"
+        await held.write(b"flood")
+        await asyncio.sleep(0.5)  # (flow control stops the handler at a yield)
+        held.cancel()
+    for _ in range(200):
+        if len(exporter.get_finished_spans()) >= 10:
+            break
+        await asyncio.sleep(0.02)
+    await channel.close()
+    await handle.server.stop(0)
+
+asyncio.run(main())
+print(json.dumps({"seen": seen, "spans": [
+    {"name": s.name, "kind": s.kind.name, "id": s.context.span_id, "trace": s.context.trace_id,
+     "parent": s.parent.span_id if s.parent else None, "attributes": dict(s.attributes),
+     "events": [e.name for e in s.events], "status": s.status.status_code.name}
+    for s in exporter.get_finished_spans()]}))
+"""
+
+
+def test_a_pipeline_call_carries_its_trace_in_metadata_and_the_server_span_is_opened_once_per_call():
+    """Real gRPC on loopback, tracing on: `tracing.call` opens the CLIENT span and sends its context
+    as `traceparent`; the server's interceptor opens the SERVER span from it, current in the handler,
+    and ends it after the handler's `finally` (outcome, counts), for a cancelled call too."""
+    out = subprocess.run([sys.executable, "-c", WIRE_CHILD], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    spans = result["spans"]
+    assert sorted((s["name"], s["kind"]) for s in spans) == sorted(
+        [("caller", "INTERNAL")] + [("/omni.v1.Talker/Speak", "CLIENT"), ("/omni.v1.Talker/Speak", "SERVER"),
+                                    ("queue", "INTERNAL")] * 3), "one client and one server span per call, no health"
+    (caller,) = [s for s in spans if s["name"] == "caller"]
+    assert {s["trace"] for s in spans} == {caller["trace"]}
+    by_id = {s["id"]: s for s in spans}
+    # (status codes: the handler of req-ok ended OK, and its caller cancelled after the final message,
+    # which may reach the client first; a cancel reaches req-gone's handler as the end of its input
+    # first, where it may end before grpc cancels it)
+    for request_id, outcome, codes, client_codes in (("req-ok", "ok", {0}, {0, 1}),
+                                                     ("req-gone", "cancelled", {0, 1}, {1}),
+                                                     ("req-held", "cancelled", {1}, {1})):
+        (server,) = [s for s in spans if s["kind"] == "SERVER" and s["attributes"]["omni.request_id"] == request_id]
+        client = by_id[server["parent"]]
+        assert client["kind"] == "CLIENT" and client["parent"] == caller["id"]
+        seen = result["seen"][request_id]
+        assert seen["traceparent"].startswith(f"00-{caller['trace']:032x}-{client['id']:016x}-"), seen  # (flags: sampled)
+        assert seen["current"] and seen["request_id"] == request_id
+        assert server["attributes"]["omni.outcome"] == outcome, server["attributes"]
+        assert server["attributes"]["rpc.grpc.status_code"] in codes and server["status"] == "UNSET"
+        assert server["attributes"]["rpc.service"] == "omni.v1.Talker" and server["attributes"]["rpc.method"] == "Speak"
+        assert client["attributes"]["rpc.grpc.status_code"] in client_codes and client["status"] == "UNSET"
+        (queue,) = [s for s in spans if s["name"] == "queue" and s["parent"] == server["id"]]
+    ok = next(s for s in spans if s["kind"] == "SERVER" and s["attributes"]["omni.request_id"] == "req-ok")
+    assert ok["attributes"]["omni.frames"] == 3
+    for request_id in ("req-gone", "req-held"):  # req-held's handler was closed at its yield, before the span ended
+        gone = next(s for s in spans if s["kind"] == "SERVER" and s["attributes"]["omni.request_id"] == request_id)
+        assert gone["events"] == ["cancelled"]
