@@ -1,6 +1,6 @@
 """Video parts in PromptBuilder: hostile videos are refused from the header before a frame is
 decoded, each limit holds exactly at its bound, and the prompt's tokens (so its memory) are known
-before decoding. Videos are made here with PyAV (tests/video_media.py)."""
+before decoding. Videos are made here with PyAV (services/tools/synthetic_video.py)."""
 
 from __future__ import annotations
 
