@@ -91,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tiny: per-step overhead dominates (make bench); wide: a generated ~58 M-parameter "
                         "checkpoint where compute dominates, with fewer tokens per request (default %(default)s)")
     p.add_argument("--out", type=Path, default=Path("out"), help="writes bench.json and bench.png here (default out)")
-    p.add_argument("--prompts", type=Path, help="JSONL prompt set: {prompt, system?, audio?, image?} per line "
-                                                "(default: 8 built-in text prompts)")
+    p.add_argument("--prompts", type=Path, help="JSONL prompt set: {prompt, system?, audio?, image?, video?} per "
+                                                "line (default: 8 built-in text prompts and a video prompt)")
     p.add_argument("--concurrency", default=",".join(map(str, DEFAULT_CONCURRENCY)),
                    help="comma-separated concurrency levels (default %(default)s)")
     p.add_argument("--requests", type=int,

@@ -447,7 +447,11 @@ class PromptBuilder:
             merge = self.image_processor.merge_size ** 2
             image_counts = [int(g.prod()) // merge for g in pix["image_grid_thw"]]
         if videos:
-            inputs["pixel_values_videos"] = torch.cat([v.pixel_values for v in videos])
+            # One video: its patches as they are (a cat would hold a second copy at the peak).
+            inputs["pixel_values_videos"] = (videos[0].pixel_values if len(videos) == 1
+                                             else torch.cat([v.pixel_values for v in videos]))
+            for v in videos:
+                v.pixel_values = None
             inputs["video_grid_thw"] = torch.tensor([v.grid for v in videos])
             inputs["video_second_per_grid"] = torch.tensor([self.video_rules.second_per_grid] * len(videos))
             inputs["use_audio_in_video"] = use_audio_in_video

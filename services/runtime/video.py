@@ -31,6 +31,7 @@ from the header, bounds the last two.
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 from dataclasses import dataclass
@@ -298,6 +299,17 @@ def bytes_per_token(rules: VideoRules) -> int:
     return 4 * rules.merge_size ** 2 * 3 * rules.temporal_patch_size * rules.patch_size ** 2
 
 
+def build_bytes(rules: VideoRules, header: VideoHeader, field_name: str = "video") -> int:
+    """The most memory building one video's patches takes (docs/video.md), from its header: one
+    decoded frame at its declared size (yuv420 and RGB: 4.5 bytes a pixel), the sampled frames at
+    their resized size twice (uint8: in frame order and in patch order) and the float32 patches."""
+    height, width = resized_size(rules, header.height, header.width, field_name)
+    grid = video_grid(rules, header, field_name)
+    frames = grid[0] * rules.temporal_patch_size  # the sampled frames, a whole number of temporal patches
+    return (int(4.5 * header.width * header.height) + 2 * frames * 3 * height * width
+            + video_tokens(rules, grid) * bytes_per_token(rules))
+
+
 @dataclass
 class DecodedVideo:
     pixel_values: object  # torch.Tensor [grid_t * grid_h * grid_w, C * t * p * p] float32
@@ -313,10 +325,14 @@ def decode_video(data: bytes, field_name: str, header: VideoHeader, rules: Video
     import torch
 
     indices = sample_indices(rules, header, field_name)
-    wanted = set(int(i) for i in indices)
+    slot = {int(i): k for k, i in enumerate(indices)}  # frame index -> its place among the sampled
     last = int(indices[-1])
     height, width = resized_size(rules, header.height, header.width, field_name)
-    kept: dict[int, torch.Tensor] = {}  # frame index -> [3, height, width] uint8
+    # The sampled frames' home, allocated before any frame is decoded: a resized frame allocated
+    # while its full-size RGB array is alive would split the hole that array leaves, and the next
+    # frame's array would grow the heap instead (measured at 3840x2160: ~9 MB kept a sampled frame).
+    frames = torch.empty((len(indices), 3, height, width), dtype=torch.uint8)  # [T, 3, H, W]
+    filled = 0
     try:
         with _open(data, field_name) as container:
             stream = container.streams.video[0]
@@ -326,18 +342,20 @@ def decode_video(data: bytes, field_name: str, header: VideoHeader, rules: Video
                 if frame.width != header.width or frame.height != header.height:
                     raise InvalidArgument(field_name, f"frame {i} is {frame.width}x{frame.height}, not the "
                                                       f"{header.width}x{header.height} the header declares")
-                if i in wanted:
-                    rgb = torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1).contiguous()
-                    kept[i] = _resize(rgb, height, width)
+                if i in slot:  # [3, H, W], a view of the decoded HWC array (channels-last): no copy
+                    rgb = torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1)
+                    frames[slot[i]].copy_(_resize(rgb, height, width))
+                    del rgb
+                    filled += 1
+                    _give_back_freed_memory()
             audio = _decode_audio(container, field_name) if with_audio else None
     except av.FFmpegError as exc:
         raise InvalidArgument(field_name, f"not a readable mp4/webm video, truncated or corrupt "
                                           f"({type(exc).__name__})") from None
-    if len(kept) < len(wanted):
+    if filled < len(slot):
         raise InvalidArgument(field_name, f"video ends after fewer frames than the {header.frames} it declares "
                                           "(truncated?)")
-    frames = torch.stack([kept[int(i)] for i in indices])  # [T, 3, H, W] uint8
-    pixel_values, grid = patchify(rules, normalize(rules, frames))
+    pixel_values, grid = normalized_patches(rules, frames)
     rate = header.audio.rate if header.audio is not None else 0
     return DecodedVideo(pixel_values, grid, audio, rate)
 
@@ -347,28 +365,60 @@ def video_from_frames(frames: list[np.ndarray], rules: VideoRules) -> DecodedVid
     import torch
 
     height, width = resized_size(rules, frames[0].shape[0], frames[0].shape[1], "video_frames")
-    resized = [_resize(torch.from_numpy(np.array(f, dtype=np.uint8)).permute(2, 0, 1).contiguous(), height, width)
+    resized = [_resize(torch.from_numpy(np.array(f, dtype=np.uint8)).permute(2, 0, 1), height, width)
                for f in frames]
-    pixel_values, grid = patchify(rules, normalize(rules, torch.stack(resized)))
+    pixel_values, grid = normalized_patches(rules, torch.stack(resized))
     return DecodedVideo(pixel_values, grid, None, 0)
 
 
+def _give_back_freed_memory() -> None:
+    """glibc's malloc_trim: return the freed full-size frame buffers to the kernel. Without it
+    glibc keeps them (past the first free of a large block it raises its mmap threshold to that
+    size and serves the next ones from the heap), and each sampled frame left ~12 MB more resident
+    at 3840x2160: the peak grew with the frame count, by the allocator's whim (73-193 MB measured
+    for the same 8 frames). A no-op where libc has no malloc_trim."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
 def _resize(frame, height: int, width: int):
-    """torchvision's tensor resize (bicubic, antialias) of one uint8 frame, [3, H, W] -> [3, h, w]."""
+    """torchvision's tensor resize (bicubic, antialias) of one uint8 frame, [3, H, W] -> [3, h, w]
+    (contiguous). Given the decoded frame's own channels-last layout: torch's uint8 antialiased
+    path runs on that layout and first copies a contiguous [3, H, W] into it, so a contiguous input
+    cost two more full-size copies (53 MB at 3840x2160; the output is the same, bit for bit)."""
     import torch.nn.functional as F
 
     if tuple(frame.shape[-2:]) == (height, width):
-        return frame
-    return F.interpolate(frame[None], size=[height, width], mode="bicubic", align_corners=False, antialias=True)[0]
+        return frame.contiguous()
+    return F.interpolate(frame[None], size=[height, width], mode="bicubic", align_corners=False,
+                         antialias=True)[0].contiguous()
 
 
-def normalize(rules: VideoRules, frames):
-    """Fused rescale + normalize, as transformers' torchvision backend: float32 [T, 3, H, W]."""
+def normalized_patches(rules: VideoRules, frames) -> tuple[object, tuple[int, int, int]]:
+    """uint8 [T, 3, H, W] -> float32 patches: transformers' fused rescale + normalize, then its
+    patching. Patched first (in uint8) and normalized in place after, which gives the same values
+    (the same elementwise operations on the same pixels) with one float32 copy alive, not two."""
     import torch
 
-    mean = (torch.tensor(rules.image_mean) * (1.0 / rules.rescale_factor)).view(-1, 1, 1)
-    std = (torch.tensor(rules.image_std) * (1.0 / rules.rescale_factor)).view(-1, 1, 1)
-    return frames.to(torch.float32).sub_(mean).div_(std)
+    patches, grid = patchify(rules, frames)
+    n, width = patches.shape
+    mean = (torch.tensor(rules.image_mean) * (1.0 / rules.rescale_factor)).view(1, -1, 1)
+    std = (torch.tensor(rules.image_std) * (1.0 / rules.rescale_factor)).view(1, -1, 1)
+    values = patches.to(torch.float32)
+    values.view(n, mean.shape[1], -1).sub_(mean).div_(std)  # the patch's last dim is (C, t, p, p)
+    return values, grid
 
 
 def patchify(rules: VideoRules, frames) -> tuple[object, tuple[int, int, int]]:

@@ -10,11 +10,14 @@ import numpy as np
 
 def video(frames: int = 12, width: int = 64, height: int = 48, fps: int = 6, container: str = "mp4",
           codec: str | None = None, audio_seconds: float | None = None, audio_rate: int = 16000,
-          seed: int = 0, flat: bool = False, options: dict | None = None, last_at_s: float | None = None) -> bytes:
+          seed: int = 0, flat: bool = False, options: dict | None = None, last_at_s: float | None = None,
+          audio_codec: str | None = None) -> bytes:
     """An mp4 (h264 + aac) or webm (vp9 + opus) of moving random pixels (`flat`: one grey, which
     compresses to almost nothing at any size); with `audio_seconds`, a tone track. `options`: the
     muxer's (e.g. movflags=faststart: the index before the data). `last_at_s`: the last frame's
-    timestamp (a video of two frames can declare hours)."""
+    timestamp (a video of two frames can declare hours). `audio_codec` "vorbis" (webm): FFmpeg's
+    own Vorbis encoder (stereo only, the same tone in both channels), which, unlike Opus (always
+    decoded at 48 kHz), decodes at the rate it was written at."""
     import av
 
     codec = codec or {"mp4": "libx264", "webm": "libvpx-vp9"}[container]
@@ -30,8 +33,11 @@ def video(frames: int = 12, width: int = 64, height: int = 48, fps: int = 6, con
             stream.options = {"preset": "ultrafast", "crf": "18"}
         track = None
         if audio_seconds is not None:
-            track = out.add_stream({"mp4": "aac", "webm": "libopus"}[container], rate=audio_rate)
-            track.layout = "mono"
+            audio_codec = audio_codec or {"mp4": "aac", "webm": "libopus"}[container]
+            track = out.add_stream(audio_codec, rate=audio_rate)
+            track.layout = "stereo" if audio_codec == "vorbis" else "mono"
+            if audio_codec == "vorbis":
+                track.codec_context.options = {"strict": "experimental"}
         for i in range(frames):
             pixels = np.roll(base, shift=3 * i, axis=1)
             frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
@@ -47,9 +53,13 @@ def video(frames: int = 12, width: int = 64, height: int = 48, fps: int = 6, con
             n = int(audio_seconds * audio_rate)
             t = np.arange(n) / audio_rate
             samples = (0.3 * np.sin(2 * np.pi * 440 * t) * (1 + t)).astype(np.float32)[None]
+            layout, fmt = "mono", "flt"
+            if audio_codec == "vorbis":
+                samples, layout, fmt = np.repeat(samples, 2, axis=0), "stereo", "fltp"
             step = 1024
             for start in range(0, n, step):
-                frame = av.AudioFrame.from_ndarray(samples[:, start:start + step], format="flt", layout="mono")
+                frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples[:, start:start + step]), format=fmt,
+                                                   layout=layout)
                 frame.sample_rate = audio_rate
                 for packet in track.encode(frame):
                     out.mux(packet)

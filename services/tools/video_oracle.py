@@ -107,6 +107,28 @@ def _track(path: str) -> np.ndarray:
     return np.concatenate(blocks)
 
 
+def _load_video(path: str):
+    """transformers' `load_video(backend="pyav")`: every frame as RGB, and its `VideoMetadata`.
+
+    The reader takes the frame count from the container (`stream.frames`), which a webm does not
+    declare: there it is 0, the reader's default sampling picks no frame and fails. So for such a
+    file the oracle counts the frames itself, by decoding them all (the pipeline counts packets),
+    hands the reader every index, and writes the count and the duration it implies into the
+    metadata, as the reader does from a declared count."""
+    import av
+    from transformers.video_utils import load_video
+
+    with av.open(path) as container:
+        if container.streams.video[0].frames:
+            return load_video(path, backend="pyav")
+        count = sum(1 for _ in container.decode(video=0))
+    frames, metadata = load_video(path, backend="pyav", sample_indices_fn=lambda metadata, **_: np.arange(count))
+    assert len(frames) == count, (len(frames), count)
+    metadata.total_num_frames = count
+    metadata.duration = count / metadata.fps
+    return frames, metadata
+
+
 def _build(job: dict) -> dict:
     from PIL import Image
     from transformers import (
@@ -117,7 +139,7 @@ def _build(job: dict) -> dict:
         Qwen2_5OmniProcessor,
         Qwen3OmniMoeProcessor,
     )
-    from transformers.video_utils import VideoMetadata, load_video
+    from transformers.video_utils import VideoMetadata
 
     from services.runtime.families import Family, family_of
     from services.tools.reference import oracle_audio
@@ -143,7 +165,7 @@ def _build(job: dict) -> dict:
             elif kind == "image":
                 images.append(Image.open(part["path"]))
             elif kind == "video":
-                frames, metadata = load_video(part["path"], backend="pyav")  # every frame; the processor samples
+                frames, metadata = _load_video(part["path"])  # every frame; the processor samples
                 videos.append(frames)
                 metadata_list.append(metadata)
                 if job["use_audio_in_video"]:

@@ -1,6 +1,6 @@
 """Video parts in PromptBuilder: hostile videos are refused from the header before a frame is
 decoded, each limit holds exactly at its bound, and the prompt's tokens (so its memory) are known
-before decoding. Videos are made here with PyAV (tests/video_media.py)."""
+before decoding. Videos are made here with PyAV (services/tools/synthetic_video.py)."""
 
 from __future__ import annotations
 
@@ -150,3 +150,47 @@ def test_video_frames_are_checked_from_their_headers(builder, no_decoding):
     assert error.field == field and "no audio track" in error.description
     error = frames_refused(Part(video_frames=frames[:1], video_fps=6.0))  # fewer than one temporal patch
     assert error.field == field and "fewer than the 2" in error.description
+
+
+BUILD_AT_THE_BOUND = """
+import json, os, sys
+from transformers import AutoConfig
+from services.runtime.prompt import ChatMessage, Part, PromptBuilder, Role
+from services.runtime.video import VideoLimits, build_bytes
+from services.tools.synthetic_video import video
+
+def status(key):
+    with open(f"/proc/{os.getpid()}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+builder = PromptBuilder(sys.argv[1], AutoConfig.from_pretrained(sys.argv[1]))
+warm = video(frames=4, width=64, height=48, fps=2)  # PyAV's and torch's first use, not the video's
+builder.build([ChatMessage(Role.USER, (Part(video=warm), Part(text="hi")))])
+clip = video(frames=4, width=3840, height=2160, fps=2, flat=True, codec="mpeg4")  # 100 KB
+header = builder._declared_video(Part(video=clip), "video")
+assert header.width * header.height <= VideoLimits().max_pixels
+with open(f"/proc/{os.getpid()}/clear_refs", "w") as f:
+    f.write("5")  # the peak (VmHWM) from here
+start = status("VmRSS")
+built = builder.build([ChatMessage(Role.USER, (Part(video=clip), Part(text="hi")))])
+print(json.dumps({"growth": status("VmHWM") - start, "bound": build_bytes(builder.video_rules, header),
+                  "pixels": header.width * header.height, "tokens": built.num_tokens}))
+"""
+
+
+def test_memory_to_build_a_video_at_the_pixel_bound_is_the_documented_bound(tiny_checkpoint):
+    """A 3840x2160 video (exactly the default --max-video-pixels), 4 frames sampled, built in a
+    process of its own (so that the heap is the build's alone): the peak resident growth stays
+    within `build_bytes` (docs/video.md's formula: one full-size frame, the sampled frames twice in
+    uint8, the float32 patches; 90 MB here, measured 90 MB)."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", BUILD_AT_THE_BOUND, str(tiny_checkpoint)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["pixels"] == VideoLimits().max_pixels == 3840 * 2160, got
+    print({k: f"{v / 2**20:.1f} MB" if k in ("growth", "bound") else v for k, v in got.items()})
+    assert got["growth"] <= got["bound"] + (4 << 20), got

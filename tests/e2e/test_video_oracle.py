@@ -5,7 +5,8 @@ The oracle's inputs come from transformers' own processor with its real video pr
 torchvision imports); the pipeline's from the project's PromptBuilder (services/runtime/video.py).
 Then the real stack over gRPC against `generate` on those inputs: text ids and codec frames equal,
 with and without the audio track (Qwen3-Omni interleaves the track's pads with the frames' pads by
-time). The videos are made here with PyAV (tests/video_media.py).
+time), in both containers: mp4 (h264, aac) and webm (vp9, vorbis; a webm declares no frame count).
+The videos are made here with PyAV (services/tools/synthetic_video.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ FPS = 2.0  # PromptLimits.video_fps
 def cases() -> dict[str, tuple[list[ChatMessage], bool]]:
     S, U = Role.SYSTEM, Role.USER
     clip = video(frames=12, width=64, height=48, fps=6, audio_seconds=2.0, seed=1)
+    # A webm: vp9 and a 16 kHz Vorbis track (Opus decodes at 48 kHz, which the oracle does not resample).
+    webm = video(frames=12, width=64, height=48, fps=6, container="webm", audio_seconds=2.0, audio_codec="vorbis",
+                 seed=3)
     return {
         # 12 frames at 6 fps, 2 sampled a second: 4 frames, 2 temporal patches.
         "video_and_text": ([ChatMessage(S, (Part(text="Answer briefly."),)),
@@ -40,6 +44,9 @@ def cases() -> dict[str, tuple[list[ChatMessage], bool]]:
         "video_with_its_audio_track_after_an_audio": (
             [ChatMessage(U, (Part(audio=wav(0.6, 330)), Part(text="then"),
                              Part(video=clip, use_audio_in_video=True), Part(text="What is heard?")))], True),
+        "webm_and_text": ([ChatMessage(U, (Part(text="Look."), Part(video=webm), Part(text="What moves?")))], False),
+        "webm_with_its_audio_track": ([ChatMessage(U, (Part(video=webm, use_audio_in_video=True),
+                                                       Part(text="What is heard?")))], True),
         # A video given as its 12 png frames at 6 fps (Content.video_frames), after an image.
         "video_as_frames": ([ChatMessage(U, (Part(image=image(48, 64, 5)),
                                              Part(video_frames=frame_images(seed=2), video_fps=6.0),

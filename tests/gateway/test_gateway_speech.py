@@ -235,3 +235,60 @@ def test_speech_cut_at_the_talkers_limit_is_not_a_whole_response(client):
     with pytest.raises(openai.InternalServerError) as caught:
         client.audio.speech.create(model="m", input=TEXT, voice=VOICE, response_format="flac")
     assert caught.value.response.json()["error"]["code"] == "audio_truncated"
+
+
+
+def test_a_stage_failing_mid_stream_is_not_a_whole_response(client, gw_stack, omni):
+    """code2wav killed (-9) while three speech streams are under way: the router's call fails
+    (UNAVAILABLE) after the headers and some audio went out. Raw pcm and raw mp3 end without
+    HTTP's final chunk, so the SDK's reader (httpx2) raises instead of returning a short body that
+    looks whole; SSE ends in an error event naming the failure, never `speech.audio.done`. Then
+    code2wav is restarted on its port and the stack serves again (the session's other tests
+    share it)."""
+    import contextlib
+    import time
+
+    from services.tools.launcher import health_status, http_ready
+
+    victim = "code2wav-0"
+    streams, broken = [], {}
+    try:
+        with contextlib.ExitStack() as opened:
+            for fmt, stream_format in (("pcm", "audio"), ("mp3", "audio"), ("pcm", "sse")):
+                response = opened.enter_context(client.audio.speech.with_streaming_response.create(
+                    model="m", input=TEXT, voice=VOICE, response_format=fmt, stream_format=stream_format,
+                    extra_body={"max_audio_frames": 2000}))  # a minute of streaming here: going on at the kill
+                pieces = response.iter_lines() if stream_format == "sse" else response.iter_bytes()
+                first = next(piece for piece in pieces if piece)  # audio came before the failure
+                streams.append((fmt, stream_format, pieces, first))
+            gw_stack.kill(victim)
+            for fmt, stream_format, pieces, first in streams:
+                if stream_format == "sse":  # an SSE stream ends in an event: HTTP's end is clean
+                    lines = [first, *pieces]
+                    events = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: ")]
+                    continue
+                got = len(first)
+                with pytest.raises(httpx2.RemoteProtocolError) as caught:
+                    for piece in pieces:
+                        got += len(piece)
+                broken[fmt] = (got, str(caught.value))
+    finally:
+        gw_stack.processes[victim].popen.wait(timeout=30)
+        gw_stack.restart(victim)
+        deadline = time.monotonic() + 60
+        while not (health_status(gw_stack.target, "omni.v1.Omni") == "SERVING"
+                   and http_ready(f"{gw_stack.http_url}/health")):
+            assert time.monotonic() < deadline, "the router or the gateway never took code2wav back"
+            time.sleep(0.1)
+    assert set(broken) == {"pcm", "mp3"} and all(got > 0 for got, _ in broken.values()), broken
+    assert all("incomplete" in why for _, why in broken.values()), broken
+    assert events[0]["type"] == "speech.audio.delta"
+    assert not any(e.get("type") == "speech.audio.done" for e in events), events[-1]
+    error = events[-1]["error"]
+    assert error["code"] == "service_unavailable" and "code2wav" in error["message"], error
+    # Back: whole speech again.
+    data = client.audio.speech.create(model="m", input=TEXT, voice=VOICE, response_format="pcm",
+                                      extra_body={"max_audio_frames": 8}).content
+    want = collect(omni, forced_request(TEXT, VOICE, talker_max_new_tokens=8), timeout=120).audio
+    got = np.frombuffer(data, "<i2").astype(np.float64) / 32768
+    assert got.shape == want.shape and np.max(np.abs(got - want)) <= LSB
