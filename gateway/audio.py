@@ -13,6 +13,8 @@ import io
 
 import numpy as np
 
+from services.runtime.resample import resample
+
 SAMPLE_RATE = 24000
 
 # OpenAI format name -> (libsndfile container, subtype); None = raw little-endian int16.
@@ -89,18 +91,6 @@ def encode(samples: np.ndarray, fmt: str, sample_rate: int = SAMPLE_RATE) -> byt
 
 class AudioTooLong(ValueError):
     """Input audio over the gateway's limit (the thinker's --max-audio-seconds)."""
-
-
-def resample(samples: np.ndarray, rate: int, target: int) -> np.ndarray:
-    """Band-limited resampling by zero-padding / truncating the spectrum: the thinker's own
-    (services/runtime/prompt.py resample, which this process may not import), so audio resampled
-    here is the audio the thinker would have made."""
-    if rate == target or samples.size == 0:
-        return samples.astype(np.float32)
-    n_out = max(1, int(round(samples.size * target / rate)))
-    spectrum = np.fft.rfft(samples.astype(np.float64))
-    out = np.fft.irfft(spectrum, n=n_out) * (n_out / samples.size)
-    return out.astype(np.float32)
 
 
 _DECODE_BLOCK = 1 << 16  # frames

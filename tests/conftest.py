@@ -41,8 +41,8 @@ def pytest_configure(config) -> None:
     os.environ[SEED_ENV] = str(SEED)  # xdist's workers start later, from this environment: one seed per run
     workers = getattr(config, "workerinput", {}).get("workercount")
     if workers:
-        # Under xdist, each worker's in-process torch gets its share of the cores: two workers on
-        # two cores each with torch's default of two threads ran the compute tests 2-4x slower.
+        # Under xdist, each worker's in-process torch gets its share of the cores (at least one):
+        # workers each with torch's default of one thread a core ran the compute tests 2-4x slower.
         # Tests about thread counts set their own; stage processes get --threads from the stack.
         import torch
 
@@ -57,7 +57,7 @@ def pytest_configure(config) -> None:
 
 
 # Packages whose tests share one stack (a session- or package-scoped fixture in their conftest):
-# under pytest-xdist (`make test` runs two workers, --dist loadscope) each goes to one worker whole,
+# under pytest-xdist (`make test` runs three workers, --dist loadscope) each goes to one worker whole,
 # so its stack starts once; every other test goes with its module (module-scoped stacks start once).
 SHARED_STACK_PACKAGES = ("reliability", "e2e", "gateway", "hostile", "observability", "k8s")
 

@@ -39,6 +39,7 @@ from services.runtime.input_limits import (
     text_byte_limit,
 )
 from services.runtime.qwen2_5_omni import audio_placeholders
+from services.runtime.resample import resample
 from services.runtime.video import (
     VideoHeader,
     VideoLimits,
@@ -159,14 +160,6 @@ def audio_rules(family: Family, config, feature_extractor) -> AudioRules:
                       lambda frames: int(frames // (n_window * 2)) * 13)  # whole encoder chunks
 
 
-def resample(samples: np.ndarray, rate: int, target: int) -> np.ndarray:
-    """Band-limited resampling by zero-padding / truncating the spectrum (deterministic)."""
-    if rate == target or samples.size == 0:
-        return samples.astype(np.float32)
-    n_out = max(1, int(round(samples.size * target / rate)))
-    spectrum = np.fft.rfft(samples.astype(np.float64))
-    out = np.fft.irfft(spectrum, n=n_out) * (n_out / samples.size)
-    return out.astype(np.float32)
 
 
 def decode_audio(data: bytes, field_name: str, max_seconds: float | None = None,

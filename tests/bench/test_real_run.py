@@ -43,6 +43,7 @@ def bench_run(tiny_checkpoint, tmp_path_factory, wav_file, png_file):
     return code, out, time.perf_counter() - started, printed.getvalue()
 
 
+@pytest.mark.slow  # a real bench run (~25 s): make test-slow (and CI) run it
 def test_short_real_run_writes_json_and_png_with_every_figure(bench_run):
     code, out, _, _ = bench_run
     assert code == 0
@@ -98,6 +99,7 @@ def test_short_real_run_writes_json_and_png_with_every_figure(bench_run):
         assert stages["talker-0"]["wire_s"] > 0  # text rows decoded, frames encoded
 
 
+@pytest.mark.slow
 def test_short_real_run_prints_the_table(bench_run):
     code, out, wall, printed = bench_run
     assert code == 0

@@ -69,6 +69,7 @@ def random_frames(n: int) -> torch.Tensor:
                          generator=torch.Generator().manual_seed(1))
 
 
+@pytest.mark.slow  # real widths (12-24 s on 2 cores): make test-slow (and CI) run it
 def test_real_widths_with_two_layers_stream_within_float32_rounding():
     # The real hidden, decoder and window widths, 2 of the 8 transformer layers: the default
     # suite's real-width check (~10 s).
