@@ -71,7 +71,6 @@ class Token2WavEngine:
         self.context = context
         self.seed = seed
         self.max_batch = 1 if exact else max_batch  # exact: every window alone (the module's docstring)
-        self.exact = exact
         self.num_quantizers = 1
         self.timer = ForwardTimer()  # seconds in DiT and BigVGAN forwards (services/runtime/timing.py)
         self._requests: dict[str, _Request] = {}  # request_id -> its stream

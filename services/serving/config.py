@@ -11,7 +11,7 @@ import argparse
 from dataclasses import dataclass
 
 from services.runtime.settings import env_default
-from services.serving.grpc_server import DEFAULT_MAX_MESSAGE_BYTES
+from services.serving.grpc_server import DEFAULT_DRAIN_DELAY_S, DEFAULT_MAX_MESSAGE_BYTES
 from services.serving.open_streams import LIGHT_LOAD_STREAMS
 from services.serving.placement import parse_cpus
 from services.serving.security import TLSConfig, add_tls_flags, tls_from_args
@@ -24,7 +24,7 @@ class ServingConfig:
     port: int = 0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     grace_s: float = 30.0  # SIGTERM: time to finish in-flight streams
-    drain_delay_s: float = 2.0  # SIGTERM: time NOT_SERVING is shown while still taking calls
+    drain_delay_s: float = DEFAULT_DRAIN_DELAY_S  # SIGTERM: time NOT_SERVING is shown while still taking calls
     metrics_port: int = 0  # Prometheus /metrics over HTTP; 0 = off
     stream_idle_timeout_s: float = 120.0  # a stream with no progress this long is ended (dead peer)
     tls: TLSConfig = TLSConfig()  # plaintext unless certificates are given
@@ -51,9 +51,9 @@ def add_serving_flags(parser: argparse.ArgumentParser, default_port: int,
                         help=f"largest request or response message, both directions (default {max_message_mb})")
     parser.add_argument("--grace-s", type=float, default=env_default("grace_s", 30.0),
                         help="on SIGTERM, seconds to let in-flight streams finish")
-    parser.add_argument("--drain-delay-s", type=float, default=env_default("drain_delay_s", 2.0),
+    parser.add_argument("--drain-delay-s", type=float, default=env_default("drain_delay_s", DEFAULT_DRAIN_DELAY_S),
                         help="on SIGTERM, keep taking calls this long while health reports NOT_SERVING, so "
-                             "routers and probes (polling every 0.5-1 s) stop sending first (default 2)")
+                             f"routers and probes (polling every 0.5-1 s) stop sending first (default {DEFAULT_DRAIN_DELAY_S:g})")
     parser.add_argument("--metrics-port", type=int, default=env_default("metrics_port", 0),
                         help="serve Prometheus metrics on this HTTP port (0 = off)")
     parser.add_argument("--stream-idle-timeout-s", type=float, default=env_default("stream_idle_timeout_s", 120.0),

@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 # Hidden states of a long multimodal prompt at the real model's width (2048 x fp32) run to tens
 # of MB; set the limit explicitly on both ends of every channel instead of relying on 4 MB.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+# SIGTERM: how long a server keeps taking calls while it reports NOT_SERVING (--drain-delay-s).
+DEFAULT_DRAIN_DELAY_S = 2.0
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
@@ -105,7 +107,7 @@ def build_server(host: str, port: int, service_names: tuple[str, ...],
 
 
 async def serve_until_signal(handle: ServerHandle, grace_s: float, on_started=None, on_stop=None,
-                             initially_serving: bool = True, drain_delay_s: float = 2.0,
+                             initially_serving: bool = True, drain_delay_s: float = DEFAULT_DRAIN_DELAY_S,
                              light_load_cpus: frozenset[int] | None = None) -> None:
     if light_load_cpus is not None and handle.streams is not None:
         placement = Placement(light_load_cpus)
