@@ -13,6 +13,7 @@ must hold nothing afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
@@ -299,33 +300,42 @@ def kill_then_kill_during_the_replay(stack, stub, second_stage: str) -> tuple[Ru
     return running, at_first, at_second, [first, second]
 
 
+@contextlib.contextmanager
+def killed_twice(stack, expected, second_stage: str):
+    """`kill_then_kill_during_the_replay`, then what both double-fault tests require: no request
+    failed, each equals the fault-free run, and (after the test's own checks) every replica left
+    alive settles idle. Yields (each request's migrations, audio chunks at the first kill, at the
+    second). The killed processes are restarted whatever happens."""
+    channel, stub = connect(stack.target)
+    with channel:
+        running, at_first, at_second, killed = kill_then_kill_during_the_replay(stack, stub, second_stage)
+    try:
+        assert not any(running.errors), [(e.code(), e.details()) for e in running.errors if e is not None]
+        assert_same_as_without_fault(running.results, expected)
+        yield [r.final.migrations for r in running.results], at_first, at_second
+        alive = {s: tuple(a for a in addresses if name_of(stack, a) not in killed)
+                 for s, addresses in replicas(stack).items()}
+        settled = wait_settled(alive, stack.metrics_url, SETTLE_S)
+        assert settled.idle, f"left behind: {settled.busy()}, router {settled.router}"
+    finally:
+        for name in killed:
+            stack.restart(name)
+        wait_router_uses_all(stack)
+
+
 @pytest.mark.slow  # ~12 s each on the shared stack: make test-slow (and CI) run them
 def test_a_replacement_that_dies_mid_replay_moves_the_request_again_with_the_same_audio(migrating, expected):
     """The talker a request moved to dies while it replays the request (before it passed anything
     new up): the request moves a second time, to the third talker, and completes with exactly the
     fault-free run's audio."""
-    channel, stub = connect(migrating.target)
-    with channel:
-        running, at_first, at_second, killed = kill_then_kill_during_the_replay(migrating, stub, "talker")
-    try:
-        assert not any(running.errors), [(e.code(), e.details()) for e in running.errors if e is not None]
-        assert_same_as_without_fault(running.results, expected)
-        moved = [r.final.migrations for r in running.results]
+    with killed_twice(migrating, expected, "talker") as (moved, at_first, at_second):
         assert max(moved) <= 2, moved
         twice = [i for i, m in enumerate(moved) if m == 2]
         # Mid-replay: a request moved twice got no new audio between the two kills (one that was on
         # the second talker from the start, moved through the dead first one, may have streamed on).
         # NOTE: the second kill races the replay; on a loaded host the replay can finish first.
-        # Then the case was not exercised (everything above still had to hold): skip, saying so.
+        # Then the case was not exercised (everything else still had to hold): skip, saying so.
         mid_replay = any(at_second[i] == at_first[i] for i in twice)
-        alive = {s: tuple(a for a in addresses if name_of(migrating, a) not in killed)
-                 for s, addresses in replicas(migrating).items()}
-        settled = wait_settled(alive, migrating.metrics_url, SETTLE_S)
-        assert settled.idle, f"left behind: {settled.busy()}, router {settled.router}"
-    finally:
-        for name in killed:
-            migrating.restart(name)
-        wait_router_uses_all(migrating)
     if not mid_replay:
         pytest.skip(f"the replay outran the second kill (migrations {moved}): no request was killed mid-replay")
 
@@ -334,19 +344,5 @@ def test_a_replacement_that_dies_mid_replay_moves_the_request_again_with_the_sam
 def test_a_second_fault_during_a_replay_moves_both_hops_with_the_same_audio(migrating, expected):
     """While the moved requests replay on another talker, the code2wav replica holding the most
     requests dies too: every request completes, each with the fault-free run's audio."""
-    channel, stub = connect(migrating.target)
-    with channel:
-        running, at_first, at_second, killed = kill_then_kill_during_the_replay(migrating, stub, "code2wav")
-    try:
-        assert not any(running.errors), [(e.code(), e.details()) for e in running.errors if e is not None]
-        assert_same_as_without_fault(running.results, expected)
-        moved = [r.final.migrations for r in running.results]
+    with killed_twice(migrating, expected, "code2wav") as (moved, _, _):
         assert sum(moved) >= 2, moved
-        alive = {s: tuple(a for a in addresses if name_of(migrating, a) not in killed)
-                 for s, addresses in replicas(migrating).items()}
-        settled = wait_settled(alive, migrating.metrics_url, SETTLE_S)
-        assert settled.idle, f"left behind: {settled.busy()}, router {settled.router}"
-    finally:
-        for name in killed:
-            migrating.restart(name)
-        wait_router_uses_all(migrating)

@@ -202,22 +202,36 @@ def test_the_gateway_continues_the_http_callers_traceparent_into_the_pipeline(tr
     assert (by_id[router.parent_span_id].service, by_id[router.parent_span_id].kind) == ("omni-gateway", CLIENT)
 
 
+def holding_replica(stack, call, stage: str) -> tuple[str, str]:
+    """(process name, address) of the `stage` replica holding `call`, once it streams: the only
+    one with a request in flight."""
+    assert call.streaming.wait(120) and call.error is None
+    loads = {a: read_load(stage, a).in_flight for a in stack.addresses(stage)}
+    address = max(loads, key=loads.get)
+    assert loads[address] == 1, loads
+    name = next(name for name, p in stack.processes.items() if p.stage == stage and f"127.0.0.1:{p.port}" == address)
+    return name, address
+
+
+def kill_and_complete(stack, call, victim: str) -> int:
+    """Kill `victim` (-9), let the held call go on: it must complete, moved once. -> when the kill
+    was sent (time.time_ns)."""
+    killed_ns = time.time_ns()
+    stack.kill(victim)
+    stack.processes[victim].popen.wait(10)
+    call.release()
+    call.join()
+    assert call.error is None, (call.error.code(), call.error.details())
+    assert call.final.migrations == 1
+    return killed_ns
+
+
 def test_a_request_moved_off_a_killed_code2wav_replica_stays_one_trace_under_a_migrate_span(traced_stack, collector):
     call = Call(traced_stack, audio_request(f"move-{secrets.token_hex(4)}", frames=250), hold=True)
     victim = None
     try:
-        assert call.streaming.wait(120) and call.error is None
-        loads = {a: read_load("code2wav", a).in_flight for a in traced_stack.addresses("code2wav")}
-        address = max(loads, key=loads.get)
-        assert loads[address] == 1, loads
-        victim = next(name for name, p in traced_stack.processes.items()
-                      if p.stage == "code2wav" and f"127.0.0.1:{p.port}" == address)
-        traced_stack.kill(victim)
-        traced_stack.processes[victim].popen.wait(10)
-        call.release()
-        call.join()
-        assert call.error is None, (call.error.code(), call.error.details())
-        assert call.final.migrations == 1
+        victim, address = holding_replica(traced_stack, call, "code2wav")
+        kill_and_complete(traced_stack, call, victim)
         port = address.rsplit(":", 1)[1]
         (survivor,) = (a for a in traced_stack.addresses("code2wav") if a != address)
 
@@ -274,19 +288,8 @@ def test_a_request_moved_off_a_killed_thinker_replica_stays_one_trace_under_the_
     call = Call(traced_stack, audio_request(f"move-thinker-{secrets.token_hex(4)}", frames=250), hold=True)
     victim = None
     try:
-        assert call.streaming.wait(120) and call.error is None
-        loads = {a: read_load("thinker", a).in_flight for a in traced_stack.addresses("thinker")}
-        address = max(loads, key=loads.get)
-        assert loads[address] == 1, loads
-        victim = next(name for name, p in traced_stack.processes.items()
-                      if p.stage == "thinker" and f"127.0.0.1:{p.port}" == address)
-        killed_ns = time.time_ns()
-        traced_stack.kill(victim)
-        traced_stack.processes[victim].popen.wait(10)
-        call.release()
-        call.join()
-        assert call.error is None, (call.error.code(), call.error.details())
-        assert call.final.migrations == 1
+        victim, address = holding_replica(traced_stack, call, "thinker")
+        killed_ns = kill_and_complete(traced_stack, call, victim)
         (survivor,) = (a for a in traced_stack.addresses("thinker") if a != address)
         replay = [("omni-router", "/omni.v1.Thinker/Generate", CLIENT), ("omni-thinker", "/omni.v1.Thinker/Generate", SERVER),
                   ("omni-thinker", "/omni.v1.Talker/Speak", CLIENT), ("omni-talker", "/omni.v1.Talker/Speak", SERVER),
