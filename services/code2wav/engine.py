@@ -48,6 +48,7 @@ from services.code2wav.streaming import (
     measure_geometry,
 )
 from services.runtime.cuda_graphs import GraphRunner, pad_rows, plan_padding
+from services.runtime.engine import EngineDefaults, StepResult
 from services.runtime.events import EngineEvent
 from services.runtime.settings import GraphSettings
 from services.runtime.timing import ForwardTimer
@@ -129,7 +130,7 @@ class Code2WavGraphs:
         return wav[:plan.batch]
 
 
-class Code2WavEngine:
+class Code2WavEngine(EngineDefaults):
     def __init__(self, model, config, left_context: int = 25, graphs: GraphSettings = GraphSettings(),
                  graph_windows: tuple[int, ...] = (), decoder: str = "incremental", delivery_ms: float = 100.0):
         if decoder not in ("incremental", "window"):
@@ -180,12 +181,12 @@ class Code2WavEngine:
     def running(self) -> int:
         return len(self._states)
 
-    def step(self) -> list[tuple[str, object]]:
+    def step(self) -> StepResult:
         if self.decoder == "incremental":
             return self._step_incremental()
         # Take every request's next pending item; decode all chunk windows of equal length in
         # one forward (a batch), each request's chunks in order.
-        events: list[tuple[str, object]] = []
+        events: StepResult = []
         windows: dict[int, list[tuple[str, torch.Tensor]]] = {}  # window length -> [(request_id, window)]
         for request_id, state in list(self._states.items()):
             if not state.pending:
@@ -208,7 +209,7 @@ class Code2WavEngine:
                     events.append((request_id, Audio(samples, first, decoder.frames_seen)))
         return events
 
-    def _step_incremental(self) -> list[tuple[str, object]]:
+    def _step_incremental(self) -> StepResult:
         """One chunk (or end) of the request with the earliest deadline; its audio goes up now."""
         rate = self.geometry.sample_rate
         request_id, state = min(((r, s) for r, s in self._states.items() if s.pending),
@@ -227,9 +228,9 @@ class Code2WavEngine:
             state.first_audio_at = time.monotonic()
         return [(request_id, Audio(samples, first, state.decoder.frames_seen))]
 
-    def _finish(self, request_id: str, state: _State) -> list[tuple[str, object]]:
+    def _finish(self, request_id: str, state: _State) -> StepResult:
         """The request's end: the decoder's held-back tail, then Decoded; its state goes."""
-        events: list[tuple[str, object]] = []
+        events: StepResult = []
         first = state.decoder.samples_emitted
         with self.timer:
             tail = state.decoder.finish()

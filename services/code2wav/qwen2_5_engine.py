@@ -36,6 +36,7 @@ from services.code2wav.qwen2_5 import (
     VocoderWindow,
     Voice,
 )
+from services.runtime.engine import EngineDefaults, StepResult
 from services.runtime.timing import ForwardTimer
 
 
@@ -56,7 +57,7 @@ class _Request:
     queued_tokens: int = 0  # tokens received by add_input, pending or pushed
 
 
-class Token2WavEngine:
+class Token2WavEngine(EngineDefaults):
     def __init__(self, model, voices: dict[str, Voice], default_voice: str | None = None,
                  context: StreamContext = StreamContext(), sampling: Sampling = Sampling(), seed: int = 0,
                  max_batch: int = 16, exact: bool = False):
@@ -112,7 +113,7 @@ class Token2WavEngine:
     def running(self) -> int:
         return len(self._requests)
 
-    def step(self) -> list[tuple[str, object]]:
+    def step(self) -> StepResult:
         for request in self._requests.values():
             if request.pending:
                 item = request.pending.popleft()
@@ -151,11 +152,11 @@ class Token2WavEngine:
         for request, window, mel in mels:
             request.stream.accept_mel(window, mel)
 
-    def _vocode(self) -> list[tuple[str, object]]:
+    def _vocode(self) -> StepResult:
         windows = [(request_id, window) for request_id, request in self._requests.items()
                    for window in request.stream.vocoder_windows()]
         wavs = self._batched(windows, lambda batch: self.runner.vocode([w for _, w in batch]))
-        events: list[tuple[str, object]] = []
+        events: StepResult = []
         for request_id, window, wav in wavs:
             stream = self._requests[request_id].stream
             first = stream.samples_emitted

@@ -19,7 +19,6 @@ without its weights.
 
 from __future__ import annotations
 
-import enum
 import logging
 import warnings
 from dataclasses import dataclass
@@ -41,14 +40,9 @@ from services.runtime.errors import UserError
 from services.runtime.families import Family, family_of
 from services.runtime.full_size import build_random_stage
 from services.runtime.settings import ModelConfig
+from services.runtime.stages import Stage
 
 log = logging.getLogger(__name__)
-
-
-class Stage(enum.Enum):
-    THINKER = "thinker"
-    TALKER = "talker"
-    CODE2WAV = "code2wav"
 
 
 def check_folder(folder: str | Path, need_weights: bool = True) -> Path:

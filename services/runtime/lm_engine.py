@@ -12,11 +12,12 @@ from __future__ import annotations
 import contextlib
 
 from services.runtime.batching import using_kernels
+from services.runtime.engine import EngineDefaults, StepResult
 from services.runtime.invariance import ProbeReport
 from services.runtime.scheduler import LMScheduler, StepPlan
 
 
-class SlotScheduledEngine:
+class SlotScheduledEngine(EngineDefaults):
     scheduler: LMScheduler
     _requests: dict  # request_id -> the subclass's per-request state
     exact_report: ProbeReport | None = None  # exact mode's kernel paths here (services/runtime/invariance.py)
@@ -40,13 +41,13 @@ class SlotScheduledEngine:
     def running(self) -> int:
         return self.scheduler.running
 
-    def step(self) -> list[tuple[str, object]]:
+    def step(self) -> StepResult:
         with self.kernels():
             return self._step()
 
-    def _step(self) -> list[tuple[str, object]]:
+    def _step(self) -> StepResult:
         plan = self.scheduler.schedule()
-        events: list[tuple[str, object]] = []
+        events: StepResult = []
         for request_id in plan.prefill:
             events += self.prefill(request_id, plan.slots[request_id])
         if plan.decode:
@@ -59,7 +60,7 @@ class SlotScheduledEngine:
         self.after_step(plan)
         return events
 
-    def end_step(self) -> list[tuple[str, object]]:
+    def end_step(self) -> StepResult:
         """Hook: work this step's prefills and decode left to be done together (the talker's code
         predictor over all their rows); its events."""
         return []
@@ -67,8 +68,8 @@ class SlotScheduledEngine:
     def after_step(self, plan: StepPlan) -> None:
         """Hook: e.g. mark requests whose next step must wait for input."""
 
-    def prefill(self, request_id: str, slot: int) -> list[tuple[str, object]]:
+    def prefill(self, request_id: str, slot: int) -> StepResult:
         raise NotImplementedError
 
-    def decode(self, request_ids: list[str], slots: list[int]) -> list[tuple[str, object]]:
+    def decode(self, request_ids: list[str], slots: list[int]) -> StepResult:
         raise NotImplementedError

@@ -16,29 +16,14 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from omni.v1 import common_pb2
+from services.runtime.engine import Engine
 from services.runtime.events import EngineEvent, RequestFailed
 from services.serving.status import EngineFailed, StreamIdle
 
 log = logging.getLogger(__name__)
-
-
-class Engine(Protocol):
-    """What a stage engine offers the loop. All calls happen on the loop thread."""
-
-    def add(self, request_id: str, payload: Any) -> None: ...
-    def add_input(self, request_id: str, payload: Any) -> None: ...
-    def abort(self, request_id: str) -> None: ...
-    def has_work(self) -> bool: ...
-    def step(self) -> list[tuple[str, EngineEvent]]: ...  # (request_id, event) pairs
-
-    @property
-    def queue_depth(self) -> int: ...  # requests admitted, waiting for a slot or for input
-
-    @property
-    def running(self) -> int: ...  # requests holding a KV slot / decoder
 
 
 # Loop commands: what handlers ask of the loop thread.
@@ -154,9 +139,8 @@ class EngineLoop:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-engine", daemon=True)
         self.streams = None  # the server's OpenStreams: its open streams count as in flight too
-        report = getattr(engine, "exact_report", None)  # LM engines in exact mode: the probed kernel paths
-        if metrics is not None and report is not None:
-            metrics.exact_kernels(report.kernels)
+        if metrics is not None and engine.exact_report is not None:  # LM engines in exact mode: the probed paths
+            metrics.exact_kernels(engine.exact_report.kernels)
 
     def start(self) -> None:
         self._thread.start()
@@ -250,13 +234,12 @@ class EngineLoop:
 
     def _idle_wait(self) -> float:
         """How long an idle loop blocks for a command: 0.5 s, or less when the engine wants a step
-        by a time of its own (`wake_in`, optional: the thinker's text holds end on their own)."""
-        wake_in = getattr(self.engine, "wake_in", None)
-        due = wake_in() if wake_in is not None else None
+        by a time of its own (`wake_in`: the thinker's text holds end on their own)."""
+        due = self.engine.wake_in()
         return 0.5 if due is None else min(0.5, due)
 
     def _run(self) -> None:
-        timer = getattr(self.engine, "timer", None)  # a ForwardTimer: seconds in model forwards
+        timer = self.engine.timer  # a ForwardTimer (seconds in model forwards), or None
         cpu = time.thread_time()
         while not self._stopped.is_set():
             # Block for a command only when the engine has nothing to do.

@@ -23,9 +23,7 @@ def serve_stage(name: str, create_server, config, port_file: str | None) -> None
 
         def stop() -> None:
             loop.stop()
-            close = getattr(loop.engine, "close", None)  # the vLLM backend owns an engine process
-            if close is not None:
-                close()
+            loop.engine.close()  # the vLLM backend owns an engine process; the others hold nothing outside
 
         await serve_until_signal(handle, config.serving.grace_s, drain_delay_s=config.serving.drain_delay_s,
                                  on_started=lambda: write_port_file(port_file, handle.port), on_stop=stop,

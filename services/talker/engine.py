@@ -30,6 +30,7 @@ from services.runtime.batching import (
     batch_invariant,
     use_rowwise_attention,
 )
+from services.runtime.engine import StepResult
 from services.runtime.events import EngineEvent
 from services.runtime.finish import FinishReason
 from services.runtime.invariance import choose_exact_kernels, experts_modules, linear_weights
@@ -214,7 +215,7 @@ class TalkerEngine(SlotScheduledEngine):
 
     # Model work.
     @torch.inference_mode()
-    def prefill(self, request_id: str, slot: int) -> list[tuple[str, object]]:
+    def prefill(self, request_id: str, slot: int) -> StepResult:
         from transformers import DynamicCache
 
         state = self._requests[request_id]
@@ -282,7 +283,7 @@ class TalkerEngine(SlotScheduledEngine):
         return self._after_forward([request_id], [state], out.logits[:, -1], out.hidden_states[0][-1][:, -1:])
 
     @torch.inference_mode()
-    def decode(self, request_ids: list[str], slots: list[int]) -> list[tuple[str, object]]:
+    def decode(self, request_ids: list[str], slots: list[int]) -> StepResult:
         """One talker step for every ready request: frame f's codec embeddings + text row f + 1."""
         states = [self._requests[r] for r in request_ids]
         inputs = []
@@ -316,7 +317,7 @@ class TalkerEngine(SlotScheduledEngine):
         # logits: [B, vocab]; hidden: [B, 1, H] last layer at the last position.
         logits = logits.cpu()  # sampling runs on the host (CPU generators and masks); a no-op on CPU
         picked = self._greedy_codes(states, logits)
-        events: list[tuple[str, object]] = []
+        events: StepResult = []
         keep: list[int] = []  # rows that go on to make a frame
         for row, (request_id, state) in enumerate(zip(request_ids, states)):
             code = picked[row] if row in picked else select_token(logits[row], state.job.sampling, state.codes,
@@ -337,7 +338,7 @@ class TalkerEngine(SlotScheduledEngine):
         return events
 
     @torch.inference_mode()
-    def end_step(self) -> list[tuple[str, object]]:
+    def end_step(self) -> StepResult:
         """The code predictor over every row this step's prefills and decode left, in one batch.
 
         NOTE: why together. The predictor's 15 small steps cost about as much for one row as for a
@@ -350,7 +351,7 @@ class TalkerEngine(SlotScheduledEngine):
         with self.timer:
             codes, embeds = self.predict_residuals([state for _, state, _ in rows],
                                                    torch.cat([hidden for _, _, hidden in rows]))
-        events: list[tuple[str, object]] = []
+        events: StepResult = []
         for i, (request_id, state, _) in enumerate(rows):
             state.next_codec_embed = embeds[i:i + 1]
             events.append((request_id, Frame(index=state.frames, codes=codes[i])))

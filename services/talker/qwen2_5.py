@@ -27,6 +27,7 @@ import torch
 from transformers import DynamicCache
 
 from services.runtime.batching import SlotKVCache, batch_invariant, use_rowwise_attention
+from services.runtime.engine import StepResult
 from services.runtime.finish import FinishReason
 from services.runtime.invariance import choose_exact_kernels, linear_weights
 from services.runtime.lm_engine import SlotScheduledEngine
@@ -124,7 +125,7 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
 
     # Model work.
     @torch.inference_mode()
-    def prefill(self, request_id: str, slot: int) -> list[tuple[str, object]]:
+    def prefill(self, request_id: str, slot: int) -> StepResult:
         state = self._requests[request_id]
         if not state.replies:  # the text ended after one token: generate has no reply part to start from
             return [(request_id, TalkerDone(FinishReason.STOP, 0))]
@@ -140,7 +141,7 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
         return self._after_forward([request_id], [state], out.logits[:, -1])
 
     @torch.inference_mode()
-    def decode(self, request_ids: list[str], slots: list[int]) -> list[tuple[str, object]]:
+    def decode(self, request_ids: list[str], slots: list[int]) -> StepResult:
         """One talker step for every ready request: its last code's embedding + its text vector."""
         states = [self._requests[r] for r in request_ids]
         codes = torch.tensor([[s.codes[-1]] for s in states], device=self.device)  # [B, 1]
@@ -162,10 +163,10 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
         row = 1 if k == len(state.replies) else 2
         return state.job.text_embeds[row].to(self.device, self.dtype).view(1, 1, -1)
 
-    def _after_forward(self, request_ids, states, logits: torch.Tensor) -> list[tuple[str, object]]:
+    def _after_forward(self, request_ids, states, logits: torch.Tensor) -> StepResult:
         logits = logits.cpu()  # [B, vocab]; sampling runs on the host (CPU generators and masks)
         picked = self._greedy_codes(states, logits)
-        events: list[tuple[str, object]] = []
+        events: StepResult = []
         for row, (request_id, state) in enumerate(zip(request_ids, states)):
             code = picked[row] if row in picked else select_token(
                 logits[row], state.job.sampling, torch.nonzero(state.seen).flatten().tolist(), state.generator,

@@ -32,6 +32,7 @@ from services.runtime.batching import (
     batch_invariant,
     use_rowwise_attention,
 )
+from services.runtime.engine import StepResult
 from services.runtime.events import EngineEvent
 from services.runtime.finish import FinishReason
 from services.runtime.invariance import choose_exact_kernels, experts_modules, linear_weights
@@ -200,7 +201,7 @@ class ThinkerEngine(SlotScheduledEngine):
         self._apply_holds()
         return self.scheduler.has_work
 
-    def step(self) -> list[tuple[str, object]]:
+    def step(self) -> StepResult:
         self._apply_holds()
         return super().step()
 
@@ -211,11 +212,11 @@ class ThinkerEngine(SlotScheduledEngine):
 
     # Model work.
     @torch.inference_mode()
-    def prefill(self, request_id: str, slot: int) -> list[tuple[str, object]]:
+    def prefill(self, request_id: str, slot: int) -> StepResult:
         """One request through the module's own path (as generate runs it), then into its slot."""
         request = self._requests[request_id]
         out, kwargs = self._prefill_forward(request, slot)
-        events: list[tuple[str, object]] = []
+        events: StepResult = []
         if request.job.want_talker_inputs:
             events.append((request_id, self._prefilled(kwargs["input_ids"][0], out.hidden_states)))
         return events + self._sample(request_id, request, out.logits[0, -1].cpu())
@@ -248,7 +249,7 @@ class ThinkerEngine(SlotScheduledEngine):
         return out, kwargs
 
     @torch.inference_mode()
-    def decode(self, request_ids: list[str], slots: list[int]) -> list[tuple[str, object]]:
+    def decode(self, request_ids: list[str], slots: list[int]) -> StepResult:
         """One decode step for every request in the batch, each over its own slot."""
         requests = [self._requests[r] for r in request_ids]
         for request in requests:
@@ -267,7 +268,7 @@ class ThinkerEngine(SlotScheduledEngine):
             logits = out.logits[:, -1]
         logits = logits.cpu()  # sampling runs on the host (CPU generators and masks); a no-op on CPU
         picked, embeddings = self._greedy_rows(requests, logits)
-        events: list[tuple[str, object]] = []
+        events: StepResult = []
         for row, (request_id, request) in enumerate(zip(request_ids, requests)):
             events += self._sample(request_id, request, logits[row], picked.get(row), embeddings.get(row))
         return events
@@ -303,7 +304,7 @@ class ThinkerEngine(SlotScheduledEngine):
         )
 
     def _sample(self, request_id: str, request: _Request, logits: torch.Tensor, token: int | None = None,
-                embedding: torch.Tensor | None = None, reply: torch.Tensor | None = None) -> list[tuple[str, object]]:
+                embedding: torch.Tensor | None = None, reply: torch.Tensor | None = None) -> StepResult:
         """`token` / `embedding`: already picked / looked up for this row (`_greedy_rows`); `reply`:
         what the event carries for the token before (Qwen2.5-Omni)."""
         cfg = request.job.sampling
@@ -319,7 +320,7 @@ class ThinkerEngine(SlotScheduledEngine):
         last = token in self.eos_ids or len(request.generated) >= cfg.max_new_tokens
         if embedding is None and request.job.want_talker_inputs and self.feeds_token_embeddings:
             embedding = self.embed(torch.tensor([token], device=self.device))[0].cpu()
-        events: list[tuple[str, object]] = [(request_id, Token(token, index, embedding, last, reply))]
+        events: StepResult = [(request_id, Token(token, index, embedding, last, reply))]
         if last:
             reason = FinishReason.STOP if token in self.eos_ids else FinishReason.LENGTH
             events.append((request_id, Finished(reason, request.job.prompt.num_tokens, len(request.generated))))

@@ -32,6 +32,7 @@ import torch
 from transformers import GenerationConfig
 
 from services.runtime.batching import batch_invariant
+from services.runtime.engine import StepResult
 from services.runtime.events import EngineEvent
 from services.runtime.qwen2_5_omni import text_embed_ids
 from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig, ThinkerJob
@@ -76,19 +77,19 @@ class Qwen2_5ThinkerEngine(ThinkerEngine):
         super().add(request_id, job)
 
     @torch.inference_mode()
-    def prefill(self, request_id: str, slot: int) -> list[tuple[str, object]]:
+    def prefill(self, request_id: str, slot: int) -> StepResult:
         request = self._requests[request_id]
         job = request.job
         # NOTE: generate drops the attention mask once it is all ones (a prompt's always is), after the
         # 4-row positions ([4, 1, P]) are made from it, so the forward runs without one.
         out, kwargs = self._prefill_forward(request, slot, drop_attention_mask=True)
-        events: list[tuple[str, object]] = []
+        events: StepResult = []
         if job.want_talker_inputs:
             events.append((request_id, self._prefilled(job, kwargs, out.hidden_states)))
         return events + self._sample(request_id, request, out.logits[0, -1].cpu())
 
     @torch.inference_mode()
-    def decode(self, request_ids: list[str], slots: list[int]) -> list[tuple[str, object]]:
+    def decode(self, request_ids: list[str], slots: list[int]) -> StepResult:
         """One step for every request in the batch; talker-fed rows also get the reply part of the
         token they fed (the last-layer hidden state at its position + its layer-0 embedding)."""
         requests = [self._requests[r] for r in request_ids]
@@ -106,7 +107,7 @@ class Qwen2_5ThinkerEngine(ThinkerEngine):
         # hidden_states[-1]: the last layer's output after the final norm; [0]: the layer-0 inputs. [B, H]
         replies = (out.hidden_states[-1][:, -1] + out.hidden_states[0][:, -1]).cpu() if any(fed) else None
         picked, _ = self._greedy_rows(requests, logits)
-        events: list[tuple[str, object]] = []
+        events: StepResult = []
         for row, (request_id, request) in enumerate(zip(request_ids, requests)):
             reply = replies[row].clone() if fed[row] else None
             events += self._sample(request_id, request, logits[row], picked.get(row), None, reply)

@@ -79,6 +79,7 @@ import numpy as np
 import torch
 
 from services.runtime.checkpoint import load_config
+from services.runtime.engine import EngineDefaults, StepResult
 from services.runtime.errors import InvalidArgument
 from services.runtime.events import RequestFailed
 from services.runtime.finish import FinishReason
@@ -339,7 +340,7 @@ class _Request:
     checked: bool = False  # vLLM's expanded prompt compared with ours
 
 
-class VllmThinkerEngine:
+class VllmThinkerEngine(EngineDefaults):
     def __init__(self, engine_config: VllmThinkerConfig):
         self.engine_config = engine_config
         self.config = load_config(engine_config.checkpoint)  # the full Qwen3OmniMoeConfig, as ThinkerEngine's
@@ -384,9 +385,9 @@ class VllmThinkerEngine:
     def running(self) -> int:
         return sum(1 for r in self._requests.values() if r.generated > 0)
 
-    def step(self) -> list[tuple[str, object]]:
+    def step(self) -> StepResult:
         # Prefilled before any Token of its request: the servicer opens the talker stream on it.
-        events: list[tuple[str, object]] = []
+        events: StepResult = []
         while self._talker_pending:
             request_id = self._talker_pending.pop(0)
             events.append((request_id, self.talker.prefilled(self._requests[request_id].job.prompt)))
@@ -395,7 +396,7 @@ class VllmThinkerEngine:
                 events += self.update(output)
         return events
 
-    def update(self, output) -> list[tuple[str, object]]:
+    def update(self, output) -> StepResult:
         """One vLLM RequestOutput (DELTA: the tokens new since the last one) -> events."""
         request_id = output.request_id
         request = self._requests[request_id]
@@ -409,7 +410,7 @@ class VllmThinkerEngine:
                     f"to {len(expected)}: audio/image positions differ"))]
         completion = output.outputs[0]
         new = list(completion.token_ids)
-        events: list[tuple[str, object]] = []
+        events: StepResult = []
         for i, token in enumerate(new):
             embedding = self.talker.embedding(token) if request.job.want_talker_inputs else None
             last = output.finished and i == len(new) - 1

@@ -83,7 +83,9 @@ def test_short_real_run_writes_json_and_png_with_every_figure(bench_run):
     assert {r["text_tokens"] for r in requests} == {MAX_TEXT}
     assert len({round(r["audio_seconds"], 6) for r in requests}) == 1
     streamed = [r for r in requests if r["system"] == "pipeline"]
-    assert all(len(r["timeline_s"]["audio"]) == 2 for r in streamed)  # 4 frames, then 7
+    # 4 frames, then 7: in one chunk, or in more where a slow talker cut early (services/runtime/chunking.py)
+    assert all(len(r["timeline_s"]["audio"]) >= 2 for r in streamed)
+    assert len({r["timeline_s"]["audio_durations"][0] for r in streamed}) == 1  # the first chunk: 4 frames
     assert all(r["ttft_ms"] < r["ttfp_ms"] for r in streamed)
 
     # Every stage's own metrics, scraped around each pipeline block: where its time went.

@@ -10,6 +10,7 @@ from typing import ClassVar
 
 import pytest
 
+from services.runtime.engine import EngineDefaults
 from services.runtime.events import EngineEvent, RequestFailed
 from services.serving.engine_loop import EngineLoop, EventSink
 from services.serving.status import EngineFailed, StreamIdle
@@ -27,7 +28,7 @@ class Done(EngineEvent):
 
 
 @dataclass
-class CountingEngine:
+class CountingEngine(EngineDefaults):
     """Each request asks for `payload` pieces; one step emits one piece per running request, then
     Done. Inputs add to a request's count; a payload of -1 makes `add` raise, -2 makes the
     request fail inside a step, -3 makes the step itself raise. A request named in `waiting`
@@ -219,7 +220,7 @@ def test_load_report_counts_streams_and_carries_limits():
 class TimedEngine(CountingEngine):
     """A CountingEngine whose steps spend ~5 ms in a "forward" (a ForwardTimer block) and ~2 ms around it."""
 
-    timer: object = None
+    timer: ForwardTimer | None = None
 
     def step(self):
         import time
