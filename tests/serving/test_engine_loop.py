@@ -12,6 +12,7 @@ import pytest
 
 from services.runtime.engine import EngineDefaults
 from services.runtime.events import EngineEvent, RequestFailed
+from services.runtime.timing import ForwardTimer
 from services.serving.engine_loop import EngineLoop, EventSink
 from services.serving.status import EngineFailed, StreamIdle
 
@@ -232,7 +233,6 @@ class TimedEngine(CountingEngine):
 
 
 def test_the_loop_accounts_step_time_to_forward_and_engine():
-    from services.runtime.timing import ForwardTimer
     from services.serving.metrics import StageMetrics
 
     metrics = StageMetrics("test")
