@@ -1,5 +1,5 @@
 """The gateway's HTTP plumbing below FastAPI: a streamed response tied to its router call, and the
-bearer-token check in front of every route.
+bearer-token check in front of every route, the response count and the body-size limit.
 
 A streamed response (`CallStream`) ends its router call however it ends, which frees the request in
 every stage: the body done, the client gone (noticed at once: a task waits on `http.disconnect`
@@ -16,7 +16,10 @@ import asyncio
 import hmac
 import logging
 
+from prometheus_client import Counter
 from starlette.responses import StreamingResponse
+
+from gateway.errors import APIError
 
 log = logging.getLogger("gateway")
 # uvicorn logs this at ERROR when a response ends without its final chunk: for a CallStream that is
@@ -128,3 +131,55 @@ def metrics_wsgi_app(registry, tokens: tuple[bytes, ...]):
         return inner(environ, start_response)
 
     return app
+
+
+class CountAndLimit:
+    """Plain ASGI middleware (streamed responses pass straight through): counts responses per endpoint and
+    status, and refuses request bodies over the limit with 413 before they are read whole."""
+
+    ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/audio/speech": "speech"}
+
+    def __init__(self, app, requests: Counter, max_body_bytes: int):
+        self.app = app
+        self.requests = requests  # omni_gateway_requests_total{endpoint, status}
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        endpoint = self.ENDPOINTS.get(scope["path"])
+        too_large = APIError(413, f"request body over {self.max_body_bytes >> 20} MB", "invalid_request_error",
+                             None, "request_too_large")
+        length = dict(scope.get("headers", ())).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            if endpoint is not None:
+                self.requests.labels(endpoint, "413").inc()
+            return await too_large.response()(scope, receive, send)
+        if length is None and scope.get("method") == "POST":
+            # A chunked body: read it here (FastAPI reads it whole anyway), up to the limit, then
+            # hand it on as one message.
+            chunks, size, more = [], 0, True
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return  # the client went away
+                chunks.append(message.get("body", b""))
+                size += len(chunks[-1])
+                more = message.get("more_body", False)
+                if size > self.max_body_bytes:
+                    if endpoint is not None:
+                        self.requests.labels(endpoint, "413").inc()
+                    return await too_large.response()(scope, receive, send)
+            replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+            async def replaying_receive():
+                return replay.pop() if replay else await receive()
+        else:
+            replaying_receive = receive
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start" and endpoint is not None:
+                self.requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, replaying_receive, counting_send)

@@ -40,7 +40,7 @@ from prometheus_client import (
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import audio as audio_codec
-from gateway.asgi import BearerAuth, CallStream, IncompleteFilter, StreamBroken, metrics_wsgi_app
+from gateway.asgi import BearerAuth, CallStream, CountAndLimit, IncompleteFilter, StreamBroken, metrics_wsgi_app
 from gateway.convert import chat_to_proto, speech_to_proto
 from gateway.errors import APIError, bad_request, from_rpc, from_validation
 from gateway.schemas import (
@@ -608,58 +608,6 @@ def _left(watcher: asyncio.Task) -> bool:
             and not (task is not None and task.cancelling()))
 
 
-class CountAndLimit:
-    """Plain ASGI middleware (streamed responses pass straight through): counts responses per endpoint and
-    status, and refuses request bodies over the limit with 413 before they are read whole."""
-
-    ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/audio/speech": "speech"}
-
-    def __init__(self, app, metrics: Metrics, max_body_bytes: int):
-        self.app = app
-        self.metrics = metrics
-        self.max_body_bytes = max_body_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        endpoint = self.ENDPOINTS.get(scope["path"])
-        too_large = APIError(413, f"request body over {self.max_body_bytes >> 20} MB", "invalid_request_error",
-                             None, "request_too_large")
-        length = dict(scope.get("headers", ())).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            if endpoint is not None:
-                self.metrics.requests.labels(endpoint, "413").inc()
-            return await too_large.response()(scope, receive, send)
-        if length is None and scope.get("method") == "POST":
-            # A chunked body: read it here (FastAPI reads it whole anyway), up to the limit, then
-            # hand it on as one message.
-            chunks, size, more = [], 0, True
-            while more:
-                message = await receive()
-                if message["type"] != "http.request":
-                    return  # the client went away
-                chunks.append(message.get("body", b""))
-                size += len(chunks[-1])
-                more = message.get("more_body", False)
-                if size > self.max_body_bytes:
-                    if endpoint is not None:
-                        self.metrics.requests.labels(endpoint, "413").inc()
-                    return await too_large.response()(scope, receive, send)
-            replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
-
-            async def replaying_receive():
-                return replay.pop() if replay else await receive()
-        else:
-            replaying_receive = receive
-
-        async def counting_send(message):
-            if message["type"] == "http.response.start" and endpoint is not None:
-                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
-            await send(message)
-
-        await self.app(scope, replaying_receive, counting_send)
-
-
 def create_app(config: GatewayConfig) -> FastAPI:
     gateway = Gateway(config)
 
@@ -671,13 +619,19 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     app = FastAPI(title="omni-gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gateway
-    metrics = gateway.metrics
-
-    app.add_middleware(CountAndLimit, metrics=metrics, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(CountAndLimit, requests=gateway.metrics.requests, max_body_bytes=config.max_body_bytes)
     # Outermost: a caller without a token is refused before its body is read or counted.
     app.add_middleware(BearerAuth, tokens=config.auth_tokens, open_paths=OPEN_PATHS, denied=lambda: APIError(
         401, "missing or invalid bearer token (Authorization: Bearer <token>)", "invalid_request_error", None,
         "invalid_api_key", {"WWW-Authenticate": "Bearer"}).response())
+    _add_error_handlers(app)
+    _add_api_routes(app, gateway)
+    _add_probe_routes(app, gateway)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI's error body: ours, pydantic's (422 -> 400 naming the field), Starlette's."""
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -691,6 +645,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def http_error(request: Request, exc: StarletteHTTPException):
         kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
         return APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind).response()
+
+
+def _add_api_routes(app: FastAPI, gateway: Gateway) -> None:
+    model = gateway.config.model
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -706,11 +664,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.get("/v1/models/{model_id}")
     async def get_model(model_id: str):
-        if model_id != config.model:
-            raise APIError(404, f"model {model_id!r} not found; served: {config.model}", "invalid_request_error",
+        if model_id != model:
+            raise APIError(404, f"model {model_id!r} not found; served: {model}", "invalid_request_error",
                            "model", "model_not_found")
         return gateway.model_card()
 
+
+def _add_probe_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.get("/live")
     async def live():
         """Liveness: the process answers (it does not follow the router, so a router outage does not
@@ -721,13 +681,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def health():
         if await gateway.ready():
             return {"status": "ok"}
-        return JSONResponse({"status": "unavailable", "router": config.router}, status_code=503)
+        return JSONResponse({"status": "unavailable", "router": gateway.config.router}, status_code=503)
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    return app
+        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 def listen_socket(host: str, port: int, send_buffer_bytes: int = 256 << 10) -> socket.socket:
@@ -746,7 +704,7 @@ def listen_socket(host: str, port: int, send_buffer_bytes: int = 256 << 10) -> s
     return sock
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni-gateway", description=__doc__.splitlines()[0])
     parser.add_argument("--router", default=env_default("router", "localhost:50051"), help="router host:port")
     parser.add_argument("--host", default=env_default("host", "0.0.0.0"))
@@ -788,58 +746,68 @@ def main(argv: list[str] | None = None) -> int:
                              "pods get calls (default 60; calls go round robin over its addresses)")
     add_tls_flags(parser)
     add_tracing_flags(parser)
-    args = parser.parse_args(argv)
+    return parser
 
-    def run() -> None:
-        import uvicorn
 
-        checkpoint = read_checkpoint_config(args.checkpoint) if args.checkpoint else {}
-        voices = voices_from_config(checkpoint)
-        if args.voices:
-            voices = tuple(v.strip().lower() for v in args.voices.split(",") if v.strip())
-        name = args.model_name or (Path(args.checkpoint).name if args.checkpoint else "qwen3-omni")
-        tokens = load_tokens(args.auth_token_file)
-        if args.require_auth and not tokens:
-            raise UserError("--require-auth: no tokens (--auth-token-file or OMNI_AUTH_TOKENS)")
-        config = GatewayConfig(router=args.router, host=args.host, port=args.port, model=name, voices=voices,
-                               timeout_s=args.timeout_s, tls=tls_from_args(args),
-                               max_message_bytes=args.max_message_mb << 20,
-                               max_body_bytes=args.max_body_mb << 20,
-                               end_token_id=end_token_from_config(checkpoint), family=family_from_config(checkpoint),
-                               auth_tokens=tokens, send_timeout_s=args.send_timeout_s,
-                               max_audio_seconds=args.max_audio_seconds, router_refresh_s=args.router_refresh_s)
-        setup_logging("gateway", args.log_format)
-        setup_tracing("gateway", tracing_from_args(args), args.port)
-        logging.getLogger("uvicorn.error").addFilter(IncompleteFilter())
-        try:
-            sock = listen_socket(config.host, config.port, args.send_buffer_kb << 10)
-        except OSError as exc:
-            raise UserError(f"cannot listen on {config.host}:{config.port}: {exc}") from None
-        port = sock.getsockname()[1]
-        app = create_app(config)
-        if args.metrics_port:
-            import threading
-            from wsgiref.simple_server import WSGIRequestHandler, make_server
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    checkpoint = read_checkpoint_config(args.checkpoint) if args.checkpoint else {}
+    voices = voices_from_config(checkpoint)
+    if args.voices:
+        voices = tuple(v.strip().lower() for v in args.voices.split(",") if v.strip())
+    tokens = load_tokens(args.auth_token_file)
+    if args.require_auth and not tokens:
+        raise UserError("--require-auth: no tokens (--auth-token-file or OMNI_AUTH_TOKENS)")
+    return GatewayConfig(
+        router=args.router, host=args.host, port=args.port, voices=voices,
+        model=args.model_name or (Path(args.checkpoint).name if args.checkpoint else "qwen3-omni"),
+        timeout_s=args.timeout_s, tls=tls_from_args(args), max_message_bytes=args.max_message_mb << 20,
+        max_body_bytes=args.max_body_mb << 20, end_token_id=end_token_from_config(checkpoint),
+        family=family_from_config(checkpoint), auth_tokens=tokens, send_timeout_s=args.send_timeout_s,
+        max_audio_seconds=args.max_audio_seconds, router_refresh_s=args.router_refresh_s)
 
-            class Quiet(WSGIRequestHandler):
-                def log_message(self, *args) -> None:
-                    pass
 
-            metrics_server = make_server(config.host, args.metrics_port,
-                                         metrics_wsgi_app(app.state.gateway.metrics.registry, tokens),
-                                         handler_class=Quiet)
-            threading.Thread(target=metrics_server.serve_forever, daemon=True, name="metrics").start()
-        # Keep-alive longer than the usual 60 s idle timeout of load balancers, so they close first.
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=75,
-                                               timeout_graceful_shutdown=args.grace_s))
-        log.info("omni-gateway on %s:%d -> router %s (model %s, voices %s, %s)", config.host, port, config.router,
-                 config.model, ",".join(voices) or "?", f"{len(tokens)} tokens" if tokens else "no token check")
-        log.info("froze %d start-up objects out of garbage collection", freeze_startup_heap())
-        if args.port_file:
-            Path(args.port_file).write_text(str(port))
-        server.run(sockets=[sock])
+def serve_metrics(host: str, port: int, registry, tokens: tuple[bytes, ...]) -> None:
+    """`--metrics-port`: Prometheus metrics on a port of their own, from a thread (WSGI)."""
+    import threading
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-    return run_cli(run)
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+    server = make_server(host, port, metrics_wsgi_app(registry, tokens), handler_class=Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True, name="metrics").start()
+
+
+def serve(config: GatewayConfig, args: argparse.Namespace) -> None:
+    import uvicorn
+
+    setup_logging("gateway", args.log_format)
+    setup_tracing("gateway", tracing_from_args(args), args.port)
+    logging.getLogger("uvicorn.error").addFilter(IncompleteFilter())
+    try:
+        sock = listen_socket(config.host, config.port, args.send_buffer_kb << 10)
+    except OSError as exc:
+        raise UserError(f"cannot listen on {config.host}:{config.port}: {exc}") from None
+    port = sock.getsockname()[1]
+    app = create_app(config)
+    if args.metrics_port:
+        serve_metrics(config.host, args.metrics_port, app.state.gateway.metrics.registry, config.auth_tokens)
+    # Keep-alive longer than the usual 60 s idle timeout of load balancers, so they close first.
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=75,
+                                           timeout_graceful_shutdown=args.grace_s))
+    tokens = config.auth_tokens
+    log.info("omni-gateway on %s:%d -> router %s (model %s, voices %s, %s)", config.host, port, config.router,
+             config.model, ",".join(config.voices) or "?", f"{len(tokens)} tokens" if tokens else "no token check")
+    log.info("froze %d start-up objects out of garbage collection", freeze_startup_heap())
+    if args.port_file:
+        Path(args.port_file).write_text(str(port))
+    server.run(sockets=[sock])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_cli(lambda: serve(config_from_args(args), args))
 
 
 if __name__ == "__main__":
