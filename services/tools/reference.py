@@ -240,104 +240,79 @@ class ReferenceRunner:
         step, so greedy `generate` picks it and the rest of `generate` (hidden states, talker,
         vocoder) runs unchanged on that output. `inputs`: processor inputs made elsewhere (the video
         oracle, services/tools/video_oracle.py; `use_audio_in_video` among them), in place of the messages'."""
-        import torch
-
         name = self.speaker(voice)
         inputs = self.inputs(messages) if inputs is None else inputs
         prompt_tokens = int(inputs["input_ids"].shape[1])
-        model_inputs = self.model_inputs(inputs)
-        if self.family is Family.QWEN2_5_OMNI:
-            return self._generate_qwen2_5(model_inputs, name, prompt_tokens, max_new_tokens,
-                                          talker_max_new_tokens, return_audio, forced_ids, thinker_sampling,
-                                          talker_sampling, seed)
-        captured = []  # the codes generate hands to the vocoder, [1, Q, frames]
-        original = self.model.code2wav.chunked_decode if return_audio else None
-
-        def capture(codes, *args, **kwargs):
-            captured.append(codes.detach().clone())
-            return original(codes, *args, **kwargs)
-
-        sampling = {"thinker_do_sample": thinker_sampling is not None, "talker_do_sample": talker_sampling is not None}
-        sampling.update({f"thinker_{k}": v for k, v in (thinker_sampling or {}).items()})
-        if forced_ids:
-            from transformers import LogitsProcessorList
-
-            sampling["thinker_logits_processor"] = LogitsProcessorList([_ForceIds(forced_ids, prompt_tokens)])
-            max_new_tokens = len(forced_ids)
-        start = time.perf_counter()
-        if seed is not None:
-            torch.manual_seed(seed)
-        with torch.inference_mode():
-            if return_audio:
-                self.model.code2wav.chunked_decode = capture
-                try:
-                    sequences, wav = self.model.generate(
-                        **model_inputs, speaker=name, return_audio=True,
-                        thinker_max_new_tokens=max_new_tokens, thinker_eos_token_id=self.eos_id,
-                        talker_max_new_tokens=talker_max_new_tokens, **sampling,
-                        **{f"talker_{k}": v for k, v in (talker_sampling or {}).items()},
-                    )
-                finally:
-                    del self.model.code2wav.chunked_decode
-            else:
-                sequences = self.model.generate(
-                    **model_inputs, return_audio=False, thinker_max_new_tokens=max_new_tokens,
-                    thinker_eos_token_id=self.eos_id, thinker_do_sample=thinker_sampling is not None,
-                    **{k: v for k, v in sampling.items() if k.startswith("thinker_") and k != "thinker_do_sample"},
-                )
-                wav = None
-        wall = time.perf_counter() - start
-        ids = sequences[0, prompt_tokens:].cpu().tolist()
-        frames = captured[0][0].T.tolist() if captured else []
-        audio = wav.reshape(-1).float().cpu().numpy() if wav is not None else np.zeros(0, np.float32)
-        return ReferenceResult(
-            text=self.decode(ids), thinker_token_ids=ids, codec_frames=frames, audio=audio,
-            sample_rate=self.sample_rate, prompt_tokens=prompt_tokens, wall_s=wall,
-        )
-
-    def _generate_qwen2_5(self, model_inputs: dict, speaker: str, prompt_tokens: int, max_new_tokens: int,
-                          talker_max_new_tokens: int, return_audio: bool, forced_ids: list[int] | None,
-                          thinker_sampling: dict | None, talker_sampling: dict | None,
-                          seed: int | None) -> ReferenceResult:
-        """`generate` for Qwen2.5-Omni (see `generate`). Greedy is do_sample=False for both LMs, with
-        generate's other talker defaults kept (repetition penalty 1.05); the codes come from a forward
-        pre-hook on Token2Wav, which gets them after generate's cut at the first codec EOS."""
-        import torch
-
-        kwargs = {f"thinker_{k}": v for k, v in (thinker_sampling or {}).items()}
-        kwargs.update({f"talker_{k}": v for k, v in (talker_sampling or {}).items()})
-        kwargs.update(thinker_do_sample=thinker_sampling is not None, talker_do_sample=talker_sampling is not None)
+        kwargs = _sampling_kwargs(thinker_sampling, talker_sampling)
         if forced_ids:
             from transformers import LogitsProcessorList
 
             kwargs["thinker_logits_processor"] = LogitsProcessorList([_ForceIds(forced_ids, prompt_tokens)])
             max_new_tokens = len(forced_ids)
-        captured = []  # the codes generate hands to Token2Wav, [1, codes]
-        hook = self.model.token2wav.register_forward_pre_hook(
-            lambda module, args, kw: captured.append(args[0].detach().clone()), with_kwargs=True)
+        kwargs.update(thinker_max_new_tokens=max_new_tokens, thinker_eos_token_id=self.eos_id)
+        if return_audio:
+            kwargs["talker_max_new_tokens"] = talker_max_new_tokens
+        else:
+            kwargs = {k: v for k, v in kwargs.items() if k.startswith("thinker_")}
+        run = self._generate_qwen2_5 if self.family is Family.QWEN2_5_OMNI else self._generate_qwen3
         start = time.perf_counter()
-        torch.manual_seed(TOKEN2WAV_SEED if seed is None else seed)
-        try:
-            with torch.inference_mode():
-                if return_audio:
-                    sequences, wav = self.model.generate(
-                        **model_inputs, speaker=speaker, thinker_max_new_tokens=max_new_tokens,
-                        thinker_eos_token_id=self.eos_id, talker_max_new_tokens=talker_max_new_tokens, **kwargs)
-                else:
-                    sequences = self.model.generate(
-                        **model_inputs, speaker=speaker, generation_mode="text", thinker_max_new_tokens=max_new_tokens,
-                        thinker_eos_token_id=self.eos_id, **{k: v for k, v in kwargs.items() if k.startswith("thinker_")})
-                    wav = None
-        finally:
-            hook.remove()
+        sequences, wav, frames = run(self.model_inputs(inputs), name, return_audio, kwargs, seed)
         wall = time.perf_counter() - start
         ids = sequences[0, prompt_tokens:].cpu().tolist()
-        frames = [[code] for code in captured[0][0].tolist()] if captured else []
         audio = wav.reshape(-1).float().cpu().numpy() if wav is not None else np.zeros(0, np.float32)
         return ReferenceResult(
             text=self.decode(ids), thinker_token_ids=ids, codec_frames=frames, audio=audio,
             sample_rate=self.sample_rate, prompt_tokens=prompt_tokens, wall_s=wall,
         )
+
+    def _generate_qwen3(self, model_inputs: dict, speaker: str, return_audio: bool, kwargs: dict,
+                        seed: int | None) -> tuple:
+        """Qwen3-Omni's `generate`; the codes are those generate hands to the vocoder's
+        `chunked_decode` ([1, Q, frames]). (sequences, waveform or None, frames)"""
+        import torch
+
+        if seed is not None:
+            torch.manual_seed(seed)
+        if not return_audio:
+            with torch.inference_mode():
+                return self.model.generate(**model_inputs, return_audio=False, **kwargs), None, []
+        captured = []  # [1, Q, frames]
+        original = self.model.code2wav.chunked_decode
+
+        def capture(codes, *args, **kw):
+            captured.append(codes.detach().clone())
+            return original(codes, *args, **kw)
+
+        self.model.code2wav.chunked_decode = capture
+        try:
+            with torch.inference_mode():
+                sequences, wav = self.model.generate(**model_inputs, speaker=speaker, return_audio=True, **kwargs)
+        finally:
+            del self.model.code2wav.chunked_decode
+        return sequences, wav, captured[0][0].T.tolist() if captured else []
+
+    def _generate_qwen2_5(self, model_inputs: dict, speaker: str, return_audio: bool, kwargs: dict,
+                          seed: int | None) -> tuple:
+        """Qwen2.5-Omni's `generate`. Greedy is do_sample=False for both LMs, with generate's other
+        talker defaults kept (repetition penalty 1.05); the codes come from a forward pre-hook on
+        Token2Wav, which gets them after generate's cut at the first codec EOS ([1, codes]); its
+        diffusion noise comes from torch's global generator, seeded here. (sequences, waveform or None, frames)"""
+        import torch
+
+        captured = []  # [1, codes]
+        hook = self.model.token2wav.register_forward_pre_hook(
+            lambda module, args, kw: captured.append(args[0].detach().clone()), with_kwargs=True)
+        torch.manual_seed(TOKEN2WAV_SEED if seed is None else seed)
+        try:
+            with torch.inference_mode():
+                if return_audio:
+                    sequences, wav = self.model.generate(**model_inputs, speaker=speaker, **kwargs)
+                else:
+                    sequences = self.model.generate(**model_inputs, speaker=speaker, generation_mode="text", **kwargs)
+                    wav = None
+        finally:
+            hook.remove()
+        return sequences, wav, [[code] for code in captured[0][0].tolist()] if captured else []
 
     def inputs(self, messages: list[ChatMessage]) -> dict:
         """The model inputs transformers' processor makes of the messages (`oracle_inputs`)."""
@@ -386,6 +361,14 @@ class ReferenceRunner:
 
     def decode(self, ids: list[int]) -> str:
         return self.processor.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def _sampling_kwargs(thinker: dict | None, talker: dict | None) -> dict:
+    """generate's sampling keywords: a stage samples when its settings are given, else is greedy."""
+    kwargs = {f"thinker_{k}": v for k, v in (thinker or {}).items()}
+    kwargs.update({f"talker_{k}": v for k, v in (talker or {}).items()})
+    kwargs.update(thinker_do_sample=thinker is not None, talker_do_sample=talker is not None)
+    return kwargs
 
 
 class _ForceIds:

@@ -92,6 +92,11 @@ def write_processor_files(out: Path) -> None:
     write_video_preprocessor_config(out, patch_size=16, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
 
 
+HEAD_DIM = 16
+MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "interleaved": True}
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
+
+
 def build_config(ids: dict[str, int], layout: dict | None = None):
     """The tiny config; `layout` (nested dicts of sizes, e.g. full_size.REAL_LAYOUT) is merged over
     it, while every special token id stays the tiny tokenizer's."""
@@ -99,14 +104,26 @@ def build_config(ids: dict[str, int], layout: dict | None = None):
 
     layout = layout or {}
     codebook = layout.get("code2wav_config", {}).get("codebook_size", CODEBOOK_SIZE)
-    vocab = ids["vocab_size"]  # every id the thinker can emit decodes
-    head_dim = 16
-    mrope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "interleaved": True}
-    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
-    thinker_text = dict(
-        vocab_size=vocab, hidden_size=TEXT_HIDDEN, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim, max_position_embeddings=4096,
-        rope_parameters=mrope, **moe,
+    stages = merge_layout(dict(thinker_config=thinker_config(ids), talker_config=talker_config(ids, codebook),
+                               code2wav_config=code2wav_config(codebook)), layout)
+    config = Qwen3OmniMoeConfig(
+        **stages, enable_audio_output=True,
+        im_start_token_id=ids["<|im_start|>"], im_end_token_id=ids["<|im_end|>"],
+        tts_pad_token_id=ids["<tts_pad>"], tts_bos_token_id=ids["<tts_text_bos>"],
+        tts_eos_token_id=ids["<tts_text_eod>"], system_token_id=ids["system"], user_token_id=ids["user"],
+        assistant_token_id=ids["assistant"],
+    )
+    check_layout(config)
+    return config
+
+
+def thinker_config(ids: dict[str, int]) -> dict:
+    """The thinker: a 2-layer MoE text model, a 1-layer audio encoder and a 1-block vision encoder."""
+    text = dict(
+        vocab_size=ids["vocab_size"],  # every id the thinker can emit decodes
+        hidden_size=TEXT_HIDDEN, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=HEAD_DIM, max_position_embeddings=4096,
+        rope_parameters=MROPE, **MOE,
     )
     audio = dict(
         num_mel_bins=128, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, d_model=32,
@@ -118,19 +135,29 @@ def build_config(ids: dict[str, int], layout: dict | None = None):
         spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=TEXT_HIDDEN,
         num_position_embeddings=256, deepstack_visual_indexes=[0],
     )
+    return dict(
+        text_config=text, audio_config=audio, vision_config=vision,
+        audio_token_id=ids["<|audio_pad|>"], image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], audio_start_token_id=ids["<|audio_start|>"],
+        vision_start_token_id=ids["<|vision_start|>"], user_token_id=ids["user"], position_id_per_seconds=25,
+    )
+
+
+def talker_config(ids: dict[str, int], codebook: int) -> dict:
+    """The talker: a 2-layer MoE codec LM and a 1-layer code predictor over 16 codebooks."""
     special = codebook  # codec specials and speakers live in [codebook, codebook + 1024)
-    talker_text = dict(
+    text = dict(
         vocab_size=codebook + 1024, hidden_size=TALKER_HIDDEN, intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim,
-        max_position_embeddings=4096, rope_parameters=mrope, shared_expert_intermediate_size=32, **moe,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=HEAD_DIM,
+        max_position_embeddings=4096, rope_parameters=MROPE, shared_expert_intermediate_size=32, **MOE,
     )
     code_predictor = dict(
         vocab_size=codebook, hidden_size=TALKER_HIDDEN, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=head_dim, num_code_groups=16,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=HEAD_DIM, num_code_groups=16,
         max_position_embeddings=64,
     )
-    talker = dict(
-        text_config=talker_text, code_predictor_config=code_predictor, num_code_groups=16,
+    return dict(
+        text_config=text, code_predictor_config=code_predictor, num_code_groups=16,
         thinker_hidden_size=TEXT_HIDDEN, accept_hidden_layer=1, spatial_merge_size=2,
         codec_eos_token_id=special + 102, codec_pad_id=special + 100, codec_bos_id=special + 101,
         codec_nothink_id=special + 107, codec_think_bos_id=special + 108, codec_think_eos_id=special + 109,
@@ -139,27 +166,14 @@ def build_config(ids: dict[str, int], layout: dict | None = None):
         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
         audio_start_token_id=ids["<|audio_start|>"], position_id_per_seconds=25,
     )
-    code2wav = dict(
+
+
+def code2wav_config(codebook: int) -> dict:
+    return dict(
         codebook_size=codebook, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
         num_hidden_layers=2, sliding_window=8, intermediate_size=64, num_quantizers=16,
         upsample_rates=[8, 5, 4, 3], upsampling_ratios=[2, 2], decoder_dim=32, max_position_embeddings=8000,
     )
-    thinker = dict(
-        text_config=thinker_text, audio_config=audio, vision_config=vision,
-        audio_token_id=ids["<|audio_pad|>"], image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"], audio_start_token_id=ids["<|audio_start|>"],
-        vision_start_token_id=ids["<|vision_start|>"], user_token_id=ids["user"], position_id_per_seconds=25,
-    )
-    stages = merge_layout(dict(thinker_config=thinker, talker_config=talker, code2wav_config=code2wav), layout)
-    config = Qwen3OmniMoeConfig(
-        **stages, enable_audio_output=True,
-        im_start_token_id=ids["<|im_start|>"], im_end_token_id=ids["<|im_end|>"],
-        tts_pad_token_id=ids["<tts_pad>"], tts_bos_token_id=ids["<tts_text_bos>"],
-        tts_eos_token_id=ids["<tts_text_eod>"], system_token_id=ids["system"], user_token_id=ids["user"],
-        assistant_token_id=ids["assistant"],
-    )
-    check_layout(config)
-    return config
 
 
 def init_weights(model, seed: int) -> None:
