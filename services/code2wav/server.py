@@ -19,7 +19,8 @@ from services.code2wav.config import Code2WavConfig, Decoder
 from services.code2wav.engine import Audio, CodecEnd, Decoded
 from services.code2wav.qwen2_5_adapter import Qwen2_5Code2WavAdapter
 from services.code2wav.qwen3_adapter import Qwen3Code2WavAdapter
-from services.code2wav.token2wav import StreamContext
+from services.code2wav.token2wav import StreamContext, Token2WavGeometry
+from services.code2wav.vocoder import VocoderGeometry
 from services.runtime.checkpoint import LoadedStage, load_for_serving
 from services.runtime.chunking import DEFAULT_CHUNKS
 from services.runtime.errors import InvalidArgument, UserError, run_cli
@@ -62,8 +63,8 @@ def adapter_for(loaded: LoadedStage, config: Code2WavConfig) -> Code2WavAdapter:
 
 
 class Code2WavServicer(stages_pb2_grpc.Code2WavServicer):
-    def __init__(self, loop: EngineLoop, adapter: Code2WavAdapter, geometry, handle: ServerHandle,
-                 idle_timeout_s: float):
+    def __init__(self, loop: EngineLoop, adapter: Code2WavAdapter, geometry: VocoderGeometry | Token2WavGeometry,
+                 handle: ServerHandle, idle_timeout_s: float):
         self.loop = loop
         self.adapter = adapter  # the family's: start message -> engine job, frames -> engine input
         self.geometry = geometry  # the engine's: samples_per_frame, sample_rate
