@@ -10,10 +10,12 @@ checkpoint's family (services/tools/inprocess.py, `handoff_for`):
    talker starts on reply part 0, which comes with token 1, and frame f needs reply part f, so 4
    frames need 5 tokens;
 3. talker: prefill + frame 0, then decode steps to `first_chunk_frames` frames;
-4. code2wav: one `push` of those frames into a fresh decoder of the family's (`CODE2WAV_DECODERS`;
-   Qwen3-Omni: `StreamingDecoder` on the first chunk; Qwen2.5-Omni: streaming Token2Wav, whose
-   first audio needs a chunk plus its look-ahead of tokens (`--token2wav-context`, 24 + 48 by
-   default), so the talker part of its floor runs to that many frames).
+4. code2wav: those frames into the engine the code2wav service builds, through the family's
+   adapter (services/code2wav/server.py, `ADAPTERS`; the service's default config), as a new
+   request's first input, to its first audio (`Code2WavFloor`; Qwen3-Omni: the incremental
+   engine on the first chunk; Qwen2.5-Omni: streaming Token2Wav, whose first audio needs a chunk
+   plus its look-ahead of tokens (`--token2wav-context`, 24 + 48 by default), so the talker part
+   of its floor runs to that many frames: `frames_to_first_audio`).
 
 TTFP / floor is then the cost of serving: processes, gRPC hops, queueing and scheduling. The
 floor excludes prompt building (tokenizer, audio features, image patches), reported apart as
@@ -31,19 +33,21 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from bench.prompts import BenchPrompt
-from services.code2wav.qwen2_5 import StreamContext, Token2WavDecoder, Token2WavRunner, voices_of
-from services.code2wav.qwen2_5 import Voice as Token2WavVoice
-from services.code2wav.streaming import StreamingDecoder, measure_geometry
-from services.runtime.checkpoint import load_voices
-from services.runtime.families import Family
+from omni.v1 import stages_pb2
+from services.code2wav.config import Code2WavConfig
+from services.code2wav.engine import Audio, CodecChunk, CodecEnd
+from services.code2wav.server import ADAPTERS
+from services.runtime.checkpoint import LoadedStage
 from services.runtime.prompt import PromptBuilder
 from services.runtime.sampling import SamplingConfig
+from services.runtime.settings import ModelConfig
+from services.runtime.stages import Stage
+from services.serving.config import ServingConfig
 from services.talker.engine import Frame, TalkerDone
 from services.thinker.engine import Token
 from services.tools.inprocess import handoff_for
@@ -60,7 +64,7 @@ class FloorSample:
     thinker_decode_ms: float  # tokens 2.. that the first chunk's frames consume
     talker_prefill_ms: float  # text projection + prefill + frame 0
     talker_decode_ms: float  # frames 1..n-1
-    code2wav_ms: float  # one push of the chunk
+    code2wav_ms: float  # the first chunk to its first audio (`Code2WavFloor.first_audio`)
     thinker_tokens: int
     frames: int
 
@@ -99,42 +103,34 @@ class FirstChunk:
     chunk: torch.Tensor | None  # [frames, num_code_groups]; None when the talker made no frame
 
 
-def qwen3_decoders(runner: ReferenceRunner, left_context: int,
-                   first_chunk_frames: int) -> tuple[Callable[[], StreamingDecoder], int]:
-    """Qwen3-Omni's code2wav: a fresh `StreamingDecoder` per request, whose first `push` is what
-    the code2wav service does with a request's first chunk."""
-    geometry = measure_geometry(runner.model.code2wav)
-    return lambda: StreamingDecoder(runner.model.code2wav, geometry, left_context), first_chunk_frames
+class Code2WavFloor:
+    """Step 4 of the floor: the code2wav engine of the checkpoint's family, built by its adapter as
+    the service builds it (the service's default config), beside the reference's other stages; each
+    request starts as the talker starts it (`Code2WavStart` with the request's voice)."""
 
+    def __init__(self, runner: ReferenceRunner, device: str, voice: str | None, left_context: int = 25):
+        adapter_cls = ADAPTERS[runner.family]
+        loaded = LoadedStage(Stage.CODE2WAV, adapter_cls.stage_of(runner.model), runner.config, runner.family)
+        config = Code2WavConfig(serving=ServingConfig(), model=ModelConfig(checkpoint=str(runner.folder), device=device),
+                                left_context=left_context)
+        self.adapter = adapter_cls(loaded, config)
+        self.engine = self.adapter.build_engine()
+        self.job = self.adapter.job_from_proto(stages_pb2.Code2WavStart(voice=voice or ""))
 
-class Token2WavFirstAudio:
-    """Qwen2.5-Omni's code2wav as the floor times it: the tokens its first audio needs, pushed at once
-    into a fresh stream of the service's streaming Token2Wav (default context, the voice's conditioning)."""
+    def admit(self, request_id: str) -> None:
+        self.engine.add(request_id, self.job)
 
-    def __init__(self, runner: Token2WavRunner, voice: Token2WavVoice):
-        self.decoder = Token2WavDecoder(runner, voice, seed=0)
+    def first_audio(self, request_id: str, chunk: torch.Tensor) -> None:
+        """A new request's first frames [n, num_code_groups] decoded to its first audio: what the floor
+        times. A request with no more frames than these and fewer than the decoder's look-ahead hears
+        its first audio when it ends: the stream flushes then."""
+        self.engine.add_input(request_id, CodecChunk(chunk))
+        if not any(isinstance(event, Audio) for _, event in self.engine.step()):
+            self.engine.add_input(request_id, CodecEnd())
+            self.engine.step()
 
-    def push(self, frames: torch.Tensor):
-        audio = self.decoder.push(frames[:, 0])
-        # A request with fewer codes than a chunk plus its look-ahead hears its first audio when it
-        # ends: the stream flushes then.
-        return audio if audio.size else self.decoder.finish()
-
-
-def qwen2_5_decoders(runner: ReferenceRunner, left_context: int,
-                     first_chunk_frames: int) -> tuple[Callable[[], Token2WavFirstAudio], int]:
-    context = StreamContext()
-    mel_dim = runner.model.config.token2wav_config.dit_config.mel_dim
-    voices = {name.lower(): v for name, v in voices_of(load_voices(runner.folder), mel_dim).items()}
-    voice = voices[runner.speaker(None).lower()]
-    t2w = Token2WavRunner(runner.model.token2wav)
-    return lambda: Token2WavFirstAudio(t2w, voice), context.chunk + context.ahead
-
-
-# family -> (the reference runner, left context frames, first chunk frames) -> (a factory of
-# per-request decoders, each with `push(frames [n, num_code_groups])`, the call the floor times;
-# the frames that first push takes).
-CODE2WAV_DECODERS = {Family.QWEN3_OMNI: qwen3_decoders, Family.QWEN2_5_OMNI: qwen2_5_decoders}
+    def release(self, request_id: str) -> None:
+        self.engine.abort(request_id)
 
 
 class LMFloor:
@@ -228,18 +224,22 @@ class FloorMeter:
 
     def __init__(self, runner: ReferenceRunner, device: str, voice: str | None, max_new_tokens: int,
                  talker_max_new_tokens: int, first_chunk_frames: int = 4, left_context: int = 25):
-        self.new_decoder, first_audio_frames = CODE2WAV_DECODERS[runner.family](runner, left_context,
-                                                                                first_chunk_frames)
+        self.code2wav = Code2WavFloor(runner, device, voice, left_context)
+        first_audio_frames = self.code2wav.adapter.frames_to_first_audio(first_chunk_frames)
         self.lms = LMFloor(runner, device, voice, max_new_tokens, talker_max_new_tokens, first_audio_frames)
 
     def measure(self, prompt: BenchPrompt, prompt_index: int = 0) -> FloorSample:
         first = self.lms.measure(prompt, prompt_index)
         code2wav_ms = 0.0
         if first.chunk is not None:
-            decoder = self.new_decoder()
-            start = self.lms.clock()
-            decoder.push(first.chunk)
-            code2wav_ms = (self.lms.clock() - start) * 1000
+            rid = f"floor-{prompt_index}"
+            self.code2wav.admit(rid)
+            try:
+                start = self.lms.clock()
+                self.code2wav.first_audio(rid, first.chunk)
+                code2wav_ms = (self.lms.clock() - start) * 1000
+            finally:
+                self.code2wav.release(rid)
         return FloorSample(
             prompt_index=prompt_index, prompt_ms=first.prompt_ms,
             thinker_prefill_ms=first.thinker_prefill_ms, thinker_decode_ms=first.thinker_decode_ms,
@@ -279,7 +279,9 @@ class FloorMeter:
                             frames[rid].append(event.codes)
                         done = isinstance(event, TalkerDone)
                         if len(frames[rid]) >= lms.first_chunk_frames or (done and frames[rid]):
-                            self.new_decoder().push(torch.stack(frames[rid][:lms.first_chunk_frames]))
+                            self.code2wav.admit(rid)
+                            self.code2wav.first_audio(rid, torch.stack(frames[rid][:lms.first_chunk_frames]))
+                            self.code2wav.release(rid)
                             first_audio[rid] = (lms.clock() - start) * 1000
                         elif done:
                             ended.add(rid)

@@ -28,7 +28,7 @@ import time
 import numpy as np
 import torch
 
-from services.code2wav.qwen2_5 import (
+from services.code2wav.token2wav import (
     DitWindow,
     NoiseStream,
     StreamContext,

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.code2wav.streaming import decode_full
+from services.code2wav.vocoder import decode_full
 
 # SNR(streamed vs float64) may fall this far below SNR(float32 forward vs float64).
 MARGIN_DB = 1.0

@@ -1,17 +1,19 @@
-"""The code2wav engine: decodes the codec chunks that are ready.
+"""Qwen3-Omni's code2wav engines: decode the codec chunks that are ready.
 
-Two decoders (`--decoder`): "incremental" (the default, exact for any vocoder: the
-pre-transformer keeps a KV cache per request, see incremental.py) decodes each request's chunk
-on its own, one chunk per step, earliest playback deadline first (below); "window" re-decodes
-a left context before every chunk (exact only while the context covers the vocoder's reach: the
-tiny checkpoint, not the real 8-layer, window-72 one) and batches.
-
-With "window", each request owns a `StreamingDecoder` (left context + held-back tail, see
-streaming.py); the engine keeps a FIFO of received chunks per request; each step takes the oldest
-chunk of every request and decodes the windows of equal length together (after the first chunk nearly all
-windows are context + 25 frames, so they batch). With CUDA graphs (`Code2WavGraphs`) each group
-of windows is padded to a batch bucket and replayed from a graph captured per (window length,
-bucket): window lengths are few (first chunk, first + context, context + chunk, and the tails).
+One engine per decoder (`--decoder`, config.Decoder), picked once at start-up by the family's
+adapter (qwen3_adapter.py):
+- `IncrementalCode2WavEngine` (the default, exact for any vocoder: the pre-transformer keeps a KV
+  cache per request, incremental.py) decodes each request's chunk on its own, one chunk per step,
+  earliest playback deadline first (the NOTE below);
+- `WindowCode2WavEngine` re-decodes a left context before every chunk (window.py: exact only while
+  the context covers the vocoder's reach, the tiny checkpoint's, not the real 8-layer, window-72
+  one) and batches: each step takes the oldest chunk of every request and decodes the windows of
+  equal length together (after the first chunk nearly all windows are context + 25 frames, so
+  they batch). With CUDA graphs (graphs.py) each group of windows is padded to a batch bucket and
+  replayed from a graph captured per (window length, bucket).
+Both derive from `Code2WavEngine`: a FIFO of received chunks per request, the input checks, and a
+request's end (its decoder's tail, then `Decoded`). Qwen2.5-Omni's engine is token2wav_engine.py,
+with the same inputs and events (below).
 
 NOTE: why one chunk per step, by deadline. An incremental chunk is decoded on its own (batching
 equal windows measured no gain: the convolutions are compute-bound), and a step's events reach
@@ -31,7 +33,8 @@ dry"): the two together cut underruns at 16; either alone did not (README, "Play
 
 from __future__ import annotations
 
-import logging
+import abc
+import functools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -40,20 +43,14 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from services.code2wav.graphs import Code2WavGraphs
 from services.code2wav.incremental import IncrementalDecoder
-from services.code2wav.streaming import (
-    StreamingDecoder,
-    VocoderGeometry,
-    forward_batch,
-    measure_geometry,
-)
-from services.runtime.cuda_graphs import GraphRunner, pad_rows, plan_padding
+from services.code2wav.vocoder import VocoderGeometry, forward_batch, measure_geometry
+from services.code2wav.window import WindowDecoder
 from services.runtime.engine import EngineDefaults, StepResult
 from services.runtime.events import EngineEvent
 from services.runtime.settings import GraphSettings
 from services.runtime.timing import ForwardTimer
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -82,10 +79,10 @@ class Decoded(EngineEvent):
 
 @dataclass
 class _State:
-    decoder: StreamingDecoder | IncrementalDecoder
+    decoder: WindowDecoder | IncrementalDecoder
     pending: deque = field(default_factory=deque)  # CodecChunk | CodecEnd, in arrival order
     added_at: float = field(default_factory=time.monotonic)
-    first_audio_at: float | None = None  # monotonic time of its first audio
+    first_audio_at: float | None = None  # monotonic time of its first audio (set by the incremental engine)
 
     def deadline(self, sample_rate: int, delivery_s: float) -> float:
         """When this request's next audio must leave here for its listener not to run dry (see the
@@ -95,67 +92,31 @@ class _State:
         return self.first_audio_at + self.decoder.samples_emitted / sample_rate - delivery_s
 
 
-class Code2WavGraphs:
-    """Vocoder forwards of [B, n, Q] windows, replayed from a graph per (n, bucket)."""
+class Code2WavEngine(EngineDefaults, abc.ABC):
+    """What both Qwen3-Omni engines share: per-request bookkeeping and a request's end. A subclass
+    says which decoder a request gets (`new_decoder`) and what a step decodes (`step`)."""
 
-    def __init__(self, model, settings: GraphSettings, max_graphs: int = 96):
-        self.model = model
-        self.settings = settings
-        self.device = next(model.parameters()).device
-        self.runner = GraphRunner(self._forward, settings.enabled, "code2wav", max_graphs=max_graphs)
-
-    def _forward(self, codes: torch.Tensor) -> torch.Tensor:
-        # codes [B, Q, n] long on the device -> wav [B, n*U - L] float32
-        return self.model(codes)[:, 0].float()
-
-    @torch.inference_mode()
-    def capture(self, window_lengths: tuple[int, ...], num_quantizers: int) -> None:
-        """Capture every (window length, bucket) at start-up; others are captured on first use."""
-        for n in window_lengths:
-            for bucket in self.settings.buckets:
-                codes = torch.zeros((bucket, num_quantizers, n), dtype=torch.long, device=self.device)
-                if self.runner.capture((n, bucket), codes) is None:
-                    break
-        log.info("%s (windows %s; other lengths on first use)", self.runner.summary(), list(window_lengths))
-
-    @torch.inference_mode()
-    def decode(self, windows: torch.Tensor) -> torch.Tensor:
-        """windows [G, n, Q] -> wav [G, n*U - L] float32 (eagerly above the largest bucket)."""
-        plan = plan_padding(windows.shape[0], self.settings.buckets)
-        if plan is None or not self.runner.enabled:
-            return forward_batch(self.model, windows)
-        codes = windows.to(device=self.device, dtype=torch.long).transpose(1, 2)  # [G, Q, n]
-        zeros = torch.zeros_like(codes[:1])  # padded rows decode silence codes
-        (wav,) = self.runner((codes.shape[2], plan.bucket), pad_rows(codes, plan, fill=zeros))
-        return wav[:plan.batch]
-
-
-class Code2WavEngine(EngineDefaults):
-    def __init__(self, model, config, left_context: int = 25, graphs: GraphSettings = GraphSettings(),
-                 graph_windows: tuple[int, ...] = (), decoder: str = "incremental", delivery_ms: float = 100.0):
-        if decoder not in ("incremental", "window"):
-            raise ValueError(f"decoder must be incremental or window, got {decoder!r}")
+    def __init__(self, model, config):
         self.model = model
         self.config = config
         self.timer = ForwardTimer()  # seconds in vocoder forwards (services/runtime/timing.py)
-        self.left_context = left_context
-        self.decoder = decoder
-        self.delivery_s = delivery_ms / 1000  # audio's way from here to its listener (the module note)
         self.geometry: VocoderGeometry = measure_geometry(model)
-        self.graphs = None
-        if graphs.enabled:
-            self.graphs = Code2WavGraphs(model, graphs)
-            self.graphs.capture(graph_windows, int(config.code2wav_config.num_quantizers))
         self.codebook_size = int(config.code2wav_config.codebook_size)
         self.num_quantizers = int(config.code2wav_config.num_quantizers)
         self._states: dict[str, _State] = {}  # request_id -> decoder state
 
-    def add(self, request_id: str, _payload=None) -> None:
-        decoder = (IncrementalDecoder(self.model, self.geometry) if self.decoder == "incremental"
-                   else StreamingDecoder(self.model, self.geometry, self.left_context))
-        self._states[request_id] = _State(decoder)
+    @abc.abstractmethod
+    def new_decoder(self) -> WindowDecoder | IncrementalDecoder:
+        """A new request's decoder state."""
 
-    def add_input(self, request_id: str, payload) -> None:
+    @abc.abstractmethod
+    def step(self) -> StepResult:
+        """Decode what is ready (the engine contract, services/runtime/engine.py)."""
+
+    def add(self, request_id: str, _payload=None) -> None:
+        self._states[request_id] = _State(self.new_decoder())
+
+    def add_input(self, request_id: str, payload: CodecChunk | CodecEnd) -> None:
         state = self._states.get(request_id)
         if state is None:
             return
@@ -181,39 +142,33 @@ class Code2WavEngine(EngineDefaults):
     def running(self) -> int:
         return len(self._states)
 
-    def step(self) -> StepResult:
-        if self.decoder == "incremental":
-            return self._step_incremental()
-        # Take every request's next pending item; decode all chunk windows of equal length in
-        # one forward (a batch), each request's chunks in order.
+    def _finish(self, request_id: str, state: _State) -> StepResult:
+        """The request's end: the decoder's held-back tail, then Decoded; its state goes."""
         events: StepResult = []
-        windows: dict[int, list[tuple[str, torch.Tensor]]] = {}  # window length -> [(request_id, window)]
-        for request_id, state in list(self._states.items()):
-            if not state.pending:
-                continue
-            item = state.pending.popleft()
-            if isinstance(item, CodecEnd):
-                events += self._finish(request_id, state)
-            elif item.frames.shape[0]:
-                window = state.decoder.window(item.frames)
-                windows.setdefault(window.shape[0], []).append((request_id, window))
-        for group in windows.values():
-            stacked = torch.stack([w for _, w in group])  # [G, n, Q]
-            with self.timer:
-                wavs = self.graphs.decode(stacked) if self.graphs is not None else forward_batch(self.model, stacked)
-            for (request_id, window), wav in zip(group, wavs):
-                decoder = self._states[request_id].decoder
-                first = decoder.samples_emitted
-                samples = decoder.accept(window, wav)
-                if samples.size:
-                    events.append((request_id, Audio(samples, first, decoder.frames_seen)))
+        first = state.decoder.samples_emitted
+        with self.timer:
+            tail = state.decoder.finish()
+        if tail.size:
+            events.append((request_id, Audio(tail, first, state.decoder.frames_seen)))
+        events.append((request_id, Decoded(state.decoder.samples_emitted, state.decoder.frames_seen)))
+        del self._states[request_id]
         return events
 
-    def _step_incremental(self) -> StepResult:
+
+class IncrementalCode2WavEngine(Code2WavEngine):
+    """One request's chunk a step, the earliest playback deadline first (the module note), through
+    its `IncrementalDecoder`: every frame decoded once, exact for any vocoder. Eager: no CUDA graphs."""
+
+    def __init__(self, model, config, delivery_ms: float = 100.0):
+        super().__init__(model, config)
+        self.delivery_s = delivery_ms / 1000  # audio's way from here to its listener (the module note)
+
+    def new_decoder(self) -> IncrementalDecoder:
+        return IncrementalDecoder(self.model, self.geometry)
+
+    def step(self) -> StepResult:
         """One chunk (or end) of the request with the earliest deadline; its audio goes up now."""
-        rate = self.geometry.sample_rate
-        request_id, state = min(((r, s) for r, s in self._states.items() if s.pending),
-                                key=lambda item: item[1].deadline(rate, self.delivery_s))
+        request_id, state = self._most_due()
         item = state.pending.popleft()
         if isinstance(item, CodecEnd):
             return self._finish(request_id, state)
@@ -228,14 +183,67 @@ class Code2WavEngine(EngineDefaults):
             state.first_audio_at = time.monotonic()
         return [(request_id, Audio(samples, first, state.decoder.frames_seen))]
 
-    def _finish(self, request_id: str, state: _State) -> StepResult:
-        """The request's end: the decoder's held-back tail, then Decoded; its state goes."""
+    def _most_due(self) -> tuple[str, _State]:
+        """The request with input waiting whose listener runs dry first."""
+        rate = self.geometry.sample_rate
+        return min(((r, s) for r, s in self._states.items() if s.pending),
+                   key=lambda item: item[1].deadline(rate, self.delivery_s))
+
+
+class WindowCode2WavEngine(Code2WavEngine):
+    """Every request's next chunk a step, each decoded with `left_context` frames before it
+    (`WindowDecoder`), windows of equal length in one batched forward; from CUDA graphs
+    (`Code2WavGraphs`) where enabled."""
+
+    def __init__(self, model, config, left_context: int = 25, graphs: GraphSettings = GraphSettings(),
+                 graph_windows: tuple[int, ...] = ()):
+        super().__init__(model, config)
+        self.left_context = left_context
+        self.graphs = None
+        # windows [G, n, Q] -> wav [G, n*U - L]: replayed graphs, or one eager forward.
+        self.forward_windows = functools.partial(forward_batch, model)
+        if graphs.enabled:
+            self.graphs = Code2WavGraphs(model, graphs)
+            self.graphs.capture(graph_windows, self.num_quantizers)
+            self.forward_windows = self.graphs.decode
+
+    def new_decoder(self) -> WindowDecoder:
+        return WindowDecoder(self.model, self.geometry, self.left_context)
+
+    def step(self) -> StepResult:
+        """Every request's next pending item: ends first, then the chunks' windows, a batch per
+        window length, each request's chunks in order."""
+        events, groups = self._take_windows()
+        for group in groups.values():
+            events += self._decode(group)
+        return events
+
+    def _take_windows(self) -> tuple[StepResult, dict[int, list[tuple[str, torch.Tensor]]]]:
+        """Pop every request's next item: the ends' events, and the chunks' windows grouped by
+        length (window length -> [(request_id, window [n, Q])])."""
         events: StepResult = []
-        first = state.decoder.samples_emitted
+        groups: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        for request_id, state in list(self._states.items()):
+            if not state.pending:
+                continue
+            item = state.pending.popleft()
+            if isinstance(item, CodecEnd):
+                events += self._finish(request_id, state)
+            elif item.frames.shape[0]:
+                window = state.decoder.window(item.frames)
+                groups.setdefault(window.shape[0], []).append((request_id, window))
+        return events, groups
+
+    def _decode(self, group: list[tuple[str, torch.Tensor]]) -> StepResult:
+        """One forward over windows of equal length; each request's decoder takes its row."""
+        stacked = torch.stack([w for _, w in group])  # [G, n, Q]
         with self.timer:
-            tail = state.decoder.finish()
-        if tail.size:
-            events.append((request_id, Audio(tail, first, state.decoder.frames_seen)))
-        events.append((request_id, Decoded(state.decoder.samples_emitted, state.decoder.frames_seen)))
-        del self._states[request_id]
+            wavs = self.forward_windows(stacked)  # [G, n*U - L]
+        events: StepResult = []
+        for (request_id, window), wav in zip(group, wavs):
+            decoder = self._states[request_id].decoder
+            first = decoder.samples_emitted
+            samples = decoder.accept(window, wav)
+            if samples.size:
+                events.append((request_id, Audio(samples, first, decoder.frames_seen)))
         return events

@@ -1,7 +1,7 @@
 """Exact streaming vocoding for any window and any chunk: every layer of the vocoder keeps the
 state it needs across chunks, so each frame is decoded exactly once.
 
-NOTE: why. `StreamingDecoder` re-decodes `left_context` frames before every chunk; that is exact
+NOTE: why. `WindowDecoder` (window.py) re-decodes `left_context` frames before every chunk; that is exact
 only while the context covers the vocoder's whole reach back: the transformer's
 layers x (window - 1) frames plus the convolutions' ~10 frames. The tiny checkpoint (2 layers,
 window 8) is covered by 25 frames; the real layout (8 layers, window 72) reaches ~580 frames back,
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from services.code2wav.streaming import EMPTY, VocoderGeometry
+from services.code2wav.vocoder import EMPTY, VocoderGeometry
 
 
 def _extend(history: torch.Tensor, x: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,8 @@
-"""Code2Wav gRPC service: codec frames in, PCM chunks out, on one bidirectional stream."""
+"""Code2Wav gRPC service: codec frames in, PCM chunks out, on one bidirectional stream.
+
+The family's adapter (adapter.py, picked once at start by the checkpoint's model_type) builds the
+engine and converts the stream's messages; each stream is one `DecodeCall`.
+"""
 
 from __future__ import annotations
 
@@ -6,35 +10,31 @@ import argparse
 import asyncio
 import logging
 import sys
-from dataclasses import dataclass
 
 import grpc
 
 from omni.v1 import stages_pb2, stages_pb2_grpc
-from services.code2wav.engine import (
-    Audio,
-    Code2WavEngine,
-    CodecChunk,
-    CodecEnd,
-    Decoded,
-)
-from services.code2wav.qwen2_5 import StreamContext, voices_of
-from services.code2wav.qwen2_5_engine import Token2WavEngine, Token2WavStart
-from services.runtime.checkpoint import Stage, load_for_serving, load_voices
+from services.code2wav.adapter import Code2WavAdapter
+from services.code2wav.config import Code2WavConfig, Decoder
+from services.code2wav.engine import Audio, CodecEnd, Decoded
+from services.code2wav.qwen2_5_adapter import Qwen2_5Code2WavAdapter
+from services.code2wav.qwen3_adapter import Qwen3Code2WavAdapter
+from services.code2wav.token2wav import StreamContext, Token2WavGeometry
+from services.code2wav.vocoder import VocoderGeometry
+from services.runtime.checkpoint import LoadedStage, load_for_serving
 from services.runtime.chunking import DEFAULT_CHUNKS
 from services.runtime.errors import InvalidArgument, UserError, run_cli
-from services.runtime.families import DEFAULT_VOICES, Family
+from services.runtime.families import Family
 from services.runtime.settings import (
     EXACT_CHOICES,
-    ModelConfig,
     add_model_flags,
     env_default,
     exact_batching,
     model_config_from_args,
     parse_buckets,
 )
+from services.runtime.stages import Stage
 from services.serving.config import (
-    ServingConfig,
     add_serving_flags,
     serving_config_from_args,
 )
@@ -49,168 +49,149 @@ from services.serving.stage_main import serve_stage
 from services.serving.status import WireError, abort_for
 from services.serving.streams import let_end
 from services.serving.tracing import RequestTrace, now_ns
-from services.serving.wire import audio_to_proto, frames_from_proto
+from services.serving.wire import audio_to_proto
 
 log = logging.getLogger("code2wav")
 SERVICE = stages_pb2.DESCRIPTOR.services_by_name["Code2Wav"].full_name
 
+# family -> its adapter (adapter.py), picked once at start by the checkpoint's model_type
+ADAPTERS = {Family.QWEN3_OMNI: Qwen3Code2WavAdapter, Family.QWEN2_5_OMNI: Qwen2_5Code2WavAdapter}
 
-@dataclass(frozen=True)
-class Code2WavConfig:
-    serving: ServingConfig
-    model: ModelConfig
-    left_context: int = 25  # --decoder window: frames of context decoded before each chunk
-    decoder: str = "incremental"  # or "window" (see services/code2wav/engine.py)
-    delivery_ms: float = 100.0  # a running request's chunk is due this long before its listener runs dry
-    # Window lengths captured as CUDA graphs at start-up (others on first use): those of the
-    # talker's default chunks (services/runtime/chunking.py) with `left_context` frames of context.
-    graph_windows: tuple[int, ...] = DEFAULT_CHUNKS.windows(25)
-    # Qwen2.5-Omni's streaming Token2Wav: tokens of context around each chunk (services/code2wav/qwen2_5.py).
-    token2wav_context: StreamContext = StreamContext()
-    # Qwen2.5-Omni's Token2Wav: each window decoded alone, bit-identical whatever else decodes
-    # (services/code2wav/qwen2_5_engine.py); Qwen3-Omni's incremental decoder is per request already.
-    exact: bool = True
+
+def adapter_for(loaded: LoadedStage, config: Code2WavConfig) -> Code2WavAdapter:
+    return ADAPTERS[loaded.family](loaded, config)
 
 
 class Code2WavServicer(stages_pb2_grpc.Code2WavServicer):
-    def __init__(self, loop: EngineLoop, engine: Code2WavEngine, handle: ServerHandle, idle_timeout_s: float):
+    def __init__(self, loop: EngineLoop, adapter: Code2WavAdapter, geometry: VocoderGeometry | Token2WavGeometry,
+                 handle: ServerHandle, idle_timeout_s: float):
         self.loop = loop
-        self.engine = engine
+        self.adapter = adapter  # the family's: start message -> engine job, frames -> engine input
+        self.geometry = geometry  # the engine's: samples_per_frame, sample_rate
         self.handle = handle
         self.idle_timeout_s = idle_timeout_s
-        self.sample_rate = engine.geometry.sample_rate
-        # Codec ids the vocoder embeds: the caller's error, refused here naming the field (the
-        # engine's own check would end the stream INTERNAL).
-        self.codebook_size = (engine.geometry.num_embeds if isinstance(engine, Token2WavEngine)
-                              else engine.codebook_size)
 
     async def Decode(self, request_iterator, context: grpc.aio.ServicerContext):
         first = await anext(aiter(request_iterator), None)
         if first is None or not first.HasField("start"):
             await abort_for(context, InvalidArgument("start", "the first message must be start"))
-        request_id = first.start.request_id or "anonymous"
-        spans = RequestTrace("code2wav", request_id)
-        key = engine_key(request_id)  # unique per stream, whatever ids callers reuse
-        sink = EventSink(asyncio.get_running_loop())
-        added_ns = now_ns()
-        self.loop.add(key, self._start_payload(first.start), sink)
-        reader = asyncio.create_task(self._read_inputs(key, request_iterator, sink))
-        index = 0
-        finished = False
-        outcome = "cancelled"  # unless the stream ends otherwise (the caller went away)
+        call = DecodeCall(self, first.start.request_id or "anonymous", context)
+        async for output in call.run(first.start, request_iterator):
+            yield output
+
+    async def GetLoad(self, request, context):
+        return self.loop.load_report(Stage.CODE2WAV, 0, self.handle.draining, reset_peak=request.reset_peak)
+
+
+class DecodeCall:
+    """One Decode stream, in its steps: admit the request, take its frames (a reader task beside
+    the handler), wait for what the engine decoded, send each audio chunk, finish with the final
+    message; on any other way out, the outcome for the trace and the request aborted."""
+
+    def __init__(self, servicer: Code2WavServicer, request_id: str, context: grpc.aio.ServicerContext):
+        self.loop = servicer.loop
+        self.adapter = servicer.adapter
+        self.geometry = servicer.geometry
+        self.idle_timeout_s = servicer.idle_timeout_s
+        self.context = context
+        self.spans = RequestTrace(Stage.CODE2WAV, request_id)
+        self.key = engine_key(request_id)  # unique per stream, whatever ids callers reuse
+        self.sink = EventSink(asyncio.get_running_loop())
+        self.added_ns = 0  # now_ns() when admitted
+        self.chunks_sent = 0  # the next AudioChunk.index
+        self.finished = False  # Decoded came: the engine holds nothing of the request any more
+        self.outcome = "cancelled"  # unless the stream ends otherwise (the caller went away)
+
+    async def run(self, start: stages_pb2.Code2WavStart, request_iterator):
+        self.admit(start)
+        reader = asyncio.create_task(self.take_frames(request_iterator))
         try:
             while True:
-                match await sink.get(self.idle_timeout_s, "code2wav"):
+                match await self.sink.get(self.idle_timeout_s, Stage.CODE2WAV):  # what the engine decoded
                     case Audio() as audio:
-                        if index == 0:
-                            spans.phase("queue", added_ns, sink.first_step_ns)
-                            spans.phase("first_chunk", added_ns, samples=int(audio.samples.shape[-1]))
-                            spans.open("decode")
-                        spans.count("chunks")
-                        yield stages_pb2.Code2WavOutput(audio=audio_to_proto(
-                            audio.samples, self.sample_rate, index,
-                            audio.first_sample // self.engine.geometry.samples_per_frame, audio.end_frame))
-                        index += 1
-                    case Decoded(samples=samples):
-                        finished = True
-                        outcome = "ok"
-                        spans.close("decode", samples=samples)
-                        yield stages_pb2.Code2WavOutput(final=stages_pb2.Code2WavFinal(audio_samples=samples))
+                        yield self.send_audio(audio)
+                    case Decoded() as decoded:
+                        yield self.finish(decoded)
                         return
         except grpc.aio.AbortError:
-            outcome = "error"
+            self.outcome = "error"
             raise
         except Exception as exc:  # a failed engine or a bad input stream
-            # A talker that goes away (cancelled) often reaches the reader as its stream's end before the
-            # cancellation reaches the handler: a stream closed without the end mark is abandoned, for the trace.
-            gone = context.cancelled() or (isinstance(exc, InvalidArgument) and exc.field == "end")
-            outcome = "cancelled" if gone else type(exc).__name__
-            await abort_for(context, exc)
+            await self.fail(exc)
         finally:
-            spans.finish(outcome)
+            self.spans.finish(self.outcome)
             let_end(reader)  # never cancelled mid-read (services/serving/streams.py); ends with the call
-            if not finished:
-                self.loop.abort(key)
+            if not self.finished:
+                self.loop.abort(self.key)
 
-    def _start_payload(self, start: stages_pb2.Code2WavStart):
-        """What the engine takes with a new request: Token2Wav's voice; nothing for Qwen3's vocoder."""
-        if isinstance(self.engine, Token2WavEngine):
-            return Token2WavStart(voice=self.engine_voice(start.voice))
-        return None
+    def admit(self, start: stages_pb2.Code2WavStart) -> None:
+        self.added_ns = now_ns()
+        self.loop.add(self.key, self.adapter.job_from_proto(start), self.sink)
 
-    def engine_voice(self, voice: str) -> str | None:
-        """The engine's spelling of `voice` (matched case-insensitively, as the thinker does)."""
-        if not voice:
-            return None
-        names = {name.lower(): name for name in self.engine.voices}
-        return names.get(voice.lower(), voice)  # an unknown one fails in the engine, naming it
-
-    async def _read_inputs(self, key: str, request_iterator, sink: EventSink) -> None:
+    async def take_frames(self, request_iterator) -> None:
+        """The messages after start, into the engine, up to the end mark; a bad one fails the stream."""
         try:
             async for message in request_iterator:
-                if message.HasField("frames"):
-                    frames = frames_from_proto(message.frames)
-                    if frames.shape[1] != self.engine.num_quantizers:
-                        raise InvalidArgument("frames.num_code_groups",
-                                              f"must be {self.engine.num_quantizers}, got {frames.shape[1]}")
-                    if frames.numel() and (frames.min() < 0 or frames.max() >= self.codebook_size):
-                        raise InvalidArgument("frames.ids", f"codec ids must be in [0, {self.codebook_size}), got "
-                                                            f"{int(frames.min())}..{int(frames.max())}")
-                    self.loop.add_input(key, CodecChunk(frames))
-                elif message.HasField("end"):
-                    self.loop.add_input(key, CodecEnd())
+                item = self.adapter.input_from_proto(message)
+                self.loop.add_input(self.key, item)
+                if isinstance(item, CodecEnd):
                     return
-                else:
-                    raise InvalidArgument("event", "expected frames or end after start")
             # The caller half-closed without an end mark: it gave up on this request.
             raise InvalidArgument("end", "stream closed before the end mark")
         except (InvalidArgument, WireError) as exc:
-            sink.fail(exc)
+            self.sink.fail(exc)
         except asyncio.CancelledError:
             raise
         except grpc.aio.AioRpcError:
             pass  # the caller went away; the handler's finally aborts the request
 
-    async def GetLoad(self, request, context):
-        return self.loop.load_report("code2wav", 0, self.handle.draining, reset_peak=request.reset_peak)
+    def send_audio(self, audio: Audio) -> stages_pb2.Code2WavOutput:
+        if self.chunks_sent == 0:
+            self.spans.phase("queue", self.added_ns, self.sink.first_step_ns)
+            self.spans.phase("first_chunk", self.added_ns, samples=int(audio.samples.shape[-1]))
+            self.spans.open("decode")
+        self.spans.count("chunks")
+        first_frame = audio.first_sample // self.geometry.samples_per_frame
+        chunk = audio_to_proto(audio.samples, self.geometry.sample_rate, self.chunks_sent, first_frame, audio.end_frame)
+        self.chunks_sent += 1
+        return stages_pb2.Code2WavOutput(audio=chunk)
+
+    def finish(self, decoded: Decoded) -> stages_pb2.Code2WavOutput:
+        self.finished = True
+        self.outcome = "ok"
+        self.spans.close("decode", samples=decoded.samples)
+        return stages_pb2.Code2WavOutput(final=stages_pb2.Code2WavFinal(audio_samples=decoded.samples))
+
+    async def fail(self, exc: Exception) -> None:
+        """End the stream with `exc`'s status (services/serving/status.py)."""
+        # A talker that goes away (cancelled) often reaches the reader as its stream's end before the
+        # cancellation reaches the handler: a stream closed without the end mark is abandoned, for the trace.
+        gone = self.context.cancelled() or (isinstance(exc, InvalidArgument) and exc.field == "end")
+        self.outcome = "cancelled" if gone else type(exc).__name__
+        await abort_for(self.context, exc)
 
 
 async def create_server(config: Code2WavConfig) -> tuple[ServerHandle, EngineLoop]:
     loaded = load_for_serving(config.model, Stage.CODE2WAV)
-    if loaded.family is Family.QWEN2_5_OMNI:
-        engine = token2wav_engine(loaded, config)
-    else:
-        engine = Code2WavEngine(loaded.model, loaded.config, left_context=config.left_context,
-                                decoder=config.decoder, graphs=config.model.graphs, graph_windows=config.graph_windows,
-                                delivery_ms=config.delivery_ms)
-    metrics = StageMetrics("code2wav")
+    adapter = adapter_for(loaded, config)
+    engine = adapter.build_engine()
+    metrics = StageMetrics(Stage.CODE2WAV)
     metrics.serve(config.serving.metrics_port)
-    loop = EngineLoop(engine, "code2wav", metrics)
+    loop = EngineLoop(engine, Stage.CODE2WAV, metrics)
     loop.start()
     handle = build_server(config.serving.host, config.serving.port, (SERVICE,), config.serving.max_message_bytes,
                           tls=config.serving.tls, health_port=config.serving.health_port)
     loop.streams = handle.streams  # LoadReport.in_flight counts open streams
-    servicer = Code2WavServicer(loop, engine, handle, config.serving.stream_idle_timeout_s)
+    servicer = Code2WavServicer(loop, adapter, engine.geometry, handle, config.serving.stream_idle_timeout_s)
     stages_pb2_grpc.add_Code2WavServicer_to_server(servicer, handle.server)
     return handle, loop
 
 
-def token2wav_engine(loaded, config: Code2WavConfig) -> Token2WavEngine:
-    """Qwen2.5-Omni's code2wav: streaming Token2Wav conditioned on the checkpoint's voices."""
-    if config.model.graphs.enabled:
-        log.warning("CUDA graphs are not implemented for Token2Wav: decoding eagerly")
-    mel_dim = loaded.config.token2wav_config.dit_config.mel_dim
-    voices = voices_of(load_voices(config.model.checkpoint), mel_dim)
-    default = next((n for n in voices if n.lower() == DEFAULT_VOICES[Family.QWEN2_5_OMNI].lower()), next(iter(voices)))
-    return Token2WavEngine(loaded.model, voices, default_voice=default, context=config.token2wav_context,
-                           exact=config.exact)
-
-
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni-code2wav", description=__doc__)
     add_model_flags(parser)
     add_serving_flags(parser, default_port=50063)
-    parser.add_argument("--decoder", choices=["incremental", "window"], default=env_default("decoder", "incremental"),
+    parser.add_argument("--decoder", choices=list(Decoder), default=env_default("decoder", Decoder.INCREMENTAL.value),
                         help="incremental (default): the vocoder's transformer keeps a KV cache per request, exact "
                              "for any checkpoint; window: re-decode --left-context frames before each chunk, batched "
                              "across requests (exact only for short-reach vocoders such as the tiny checkpoint's)")
@@ -234,24 +215,26 @@ def main(argv: list[str] | None = None) -> int:
                              "is decoding (a migrated request's replay needs it); off batches equal-length windows "
                              "across requests (auto: on for cpu, off for cuda; gemm: on). Qwen3-Omni's incremental "
                              "decoder decodes one request at a time either way")
-    args = parser.parse_args(argv)
+    return parser
 
-    def run() -> None:
-        try:
-            context = StreamContext.parse(args.token2wav_context) if args.token2wav_context else StreamContext()
-        except ValueError as exc:
-            raise UserError(f"--token2wav-context: {exc}") from None
-        if args.delivery_ms < 0:
-            raise UserError(f"--delivery-ms must be >= 0, got {args.delivery_ms}")
-        windows = (parse_buckets(args.graph_windows, "--graph-windows")  # the same syntax: positive integers
-                   if args.graph_windows else DEFAULT_CHUNKS.windows(args.left_context))
-        config = Code2WavConfig(serving=serving_config_from_args(args), model=model_config_from_args(args),
-                                left_context=args.left_context, decoder=args.decoder, graph_windows=windows,
-                                delivery_ms=args.delivery_ms,
-                                token2wav_context=context, exact=exact_batching(args))
-        serve_stage("code2wav", create_server, config, args.port_file)
 
-    return run_cli(run)
+def config_from_args(args: argparse.Namespace) -> Code2WavConfig:
+    try:
+        context = StreamContext.parse(args.token2wav_context) if args.token2wav_context else StreamContext()
+    except ValueError as exc:
+        raise UserError(f"--token2wav-context: {exc}") from None
+    if args.delivery_ms < 0:
+        raise UserError(f"--delivery-ms must be >= 0, got {args.delivery_ms}")
+    windows = (parse_buckets(args.graph_windows, "--graph-windows")  # the same syntax: positive integers
+               if args.graph_windows else DEFAULT_CHUNKS.windows(args.left_context))
+    return Code2WavConfig(serving=serving_config_from_args(args), model=model_config_from_args(args),
+                          left_context=args.left_context, decoder=Decoder(args.decoder), graph_windows=windows,
+                          delivery_ms=args.delivery_ms, token2wav_context=context, exact=exact_batching(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_cli(lambda: serve_stage(Stage.CODE2WAV, create_server, config_from_args(args), args.port_file))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The incremental code2wav engine decodes one chunk per step, earliest playback deadline first
-(services/code2wav/engine.py, module note): a request not yet heard is due from when it arrived,
-a running one `delivery_ms` before its listener's audio runs out."""
+(services/code2wav/engine.py, `IncrementalCode2WavEngine` and the module note): a request not yet
+heard is due from when it arrived, a running one `delivery_ms` before its listener's audio runs out."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from services.code2wav.engine import Audio, Code2WavEngine, CodecChunk
+from services.code2wav.engine import Audio, CodecChunk, IncrementalCode2WavEngine
 from services.runtime.checkpoint import Stage, load_stage
 
 SAMPLES_PER_FRAME, LOOKAHEAD, RATE = 1920, 555, 24000  # the tiny vocoder's geometry (the real one's)
@@ -27,7 +27,7 @@ def frames(n: int) -> CodecChunk:
 def decoded_first(loaded, first_frames: int, wait_s: float, delivery_ms: float = 100.0) -> str:
     """"a" is heard (its first chunk of `first_frames` frames decoded); `wait_s` later "b" arrives;
     both have a chunk waiting. Which does the next step decode?"""
-    engine = Code2WavEngine(loaded.model, loaded.config, delivery_ms=delivery_ms)
+    engine = IncrementalCode2WavEngine(loaded.model, loaded.config, delivery_ms=delivery_ms)
     engine.add("a")
     engine.add_input("a", frames(first_frames))
     assert [request for request, event in engine.step() if isinstance(event, Audio)] == ["a"]

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from services.code2wav.incremental import IncrementalDecoder
-from services.code2wav.streaming import StreamingDecoder, decode_full, measure_geometry
+from services.code2wav.vocoder import decode_full, measure_geometry
+from services.code2wav.window import WindowDecoder
 from services.runtime.checkpoint import Stage, load_stage
 from tests.audio_checks import check_streamed_audio, snr_db
 
@@ -53,7 +54,7 @@ def test_left_context_re_decoding_cannot_cover_the_real_reach(vocoders):
     model = vocoders["real-reach"]
     frames = torch.randint(0, 64, (FRAMES, 16), generator=torch.Generator().manual_seed(1))
     reference = decode_full(model, frames)
-    windowed = stream(StreamingDecoder(model, measure_geometry(model), left_context=25), frames, 25)
+    windowed = stream(WindowDecoder(model, measure_geometry(model), left_context=25), frames, 25)
     assert snr_db(reference, windowed) < 30  # why incremental is the default decoder
 
 

@@ -26,7 +26,8 @@ import pytest
 import torch
 
 from services.code2wav.incremental import IncrementalDecoder
-from services.code2wav.streaming import StreamingDecoder, measure_geometry
+from services.code2wav.vocoder import measure_geometry
+from services.code2wav.window import WindowDecoder
 from services.runtime.chunking import FrameChunker
 from services.runtime.full_size import REAL_LAYOUT, build_random_stage
 from services.talker.server import TalkerConfig
@@ -95,7 +96,7 @@ def test_real_vocoder_config_streams_within_float32_rounding():
     assert check.float32_snr_db < 95
     # Re-decoding 25 frames of left context cannot cover the ~580 frames the real vocoder reaches
     # back: right length, wrong audio (measured 3.3 dB).
-    windowed = stream(StreamingDecoder(model, geometry, left_context=25), frames, sizes)
+    windowed = stream(WindowDecoder(model, geometry, left_context=25), frames, sizes)
     truth = decode_float64(model, frames)
     assert windowed.shape == truth.shape
     assert snr_db(truth, windowed) < 30

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.code2wav.streaming import decode_full
+from services.code2wav.vocoder import decode_full
 from services.tools.client import build_request, collect, connect
 from tests.stacks import stack_of
 

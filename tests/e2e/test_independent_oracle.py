@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from omni.v1 import omni_pb2
-from services.code2wav.streaming import decode_full
+from services.code2wav.vocoder import decode_full
 from services.runtime.prompt import ChatMessage, Part, PromptBuilder, Role
 from services.tools.client import build_request, collect
 

@@ -14,10 +14,10 @@ import torch
 
 from services.code2wav.engine import (
     Audio,
-    Code2WavEngine,
     CodecChunk,
     CodecEnd,
     Decoded,
+    IncrementalCode2WavEngine,
 )
 from services.runtime.checkpoint import Stage, load_stage
 from services.runtime.finish import FinishReason
@@ -85,7 +85,7 @@ def test_bf16_talker_takes_float32_thinker_tensors(bf16, tiny_checkpoint, reques
 
 def test_bf16_code2wav_streams_finite_audible_audio(bf16):
     model, config = bf16[Stage.CODE2WAV].model, bf16[Stage.CODE2WAV].config
-    engine = Code2WavEngine(model, config)
+    engine = IncrementalCode2WavEngine(model, config)
     codebook, groups = config.code2wav_config.codebook_size, config.code2wav_config.num_quantizers
     frames = torch.randint(0, codebook, (33, groups), generator=torch.Generator().manual_seed(0))
     engine.add("r")

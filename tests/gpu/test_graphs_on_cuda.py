@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.code2wav.engine import Code2WavGraphs
-from services.code2wav.streaming import forward_batch
+from services.code2wav.graphs import Code2WavGraphs
+from services.code2wav.vocoder import forward_batch
 from services.runtime.checkpoint import Stage, load_stage
 from services.runtime.prompt import PromptBuilder
 from services.runtime.settings import GraphSettings

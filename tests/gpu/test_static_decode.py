@@ -114,7 +114,7 @@ def test_code_predictor_frame_has_no_host_sync_at_full_size(meta_stages):
 
 
 def test_code2wav_window_has_no_host_sync_at_full_size(meta_stages):
-    from services.code2wav.engine import Code2WavGraphs
+    from services.code2wav.graphs import Code2WavGraphs
 
     graphs = Code2WavGraphs(meta_stages[Stage.CODE2WAV], GraphSettings(False, (1, 8)))
     with torch.inference_mode(), capturing():

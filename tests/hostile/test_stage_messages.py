@@ -22,7 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from omni.v1 import common_pb2, stages_pb2
-from services.code2wav.server import Code2WavConfig
+from services.code2wav.config import Code2WavConfig
 from services.code2wav.server import create_server as create_code2wav
 from services.runtime.checkpoint import load_config
 from services.runtime.settings import ModelConfig

@@ -15,9 +15,9 @@ import grpc
 import pytest
 
 from omni.v1 import stages_pb2, stages_pb2_grpc
-from services.code2wav.qwen2_5_engine import Token2WavEngine
-from services.code2wav.server import Code2WavConfig
+from services.code2wav.config import Code2WavConfig
 from services.code2wav.server import create_server as create_code2wav
+from services.code2wav.token2wav_engine import Token2WavEngine
 from services.runtime.settings import ModelConfig
 from services.serving.config import ServingConfig
 from services.talker import server as talker_server

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from omni.v1 import stages_pb2, stages_pb2_grpc
-from services.code2wav.server import Code2WavConfig
+from services.code2wav.config import Code2WavConfig
 from services.code2wav.server import create_server as create_code2wav
 from services.runtime.checkpoint import Stage, load_stage
 from services.runtime.chunking import ChunkPolicy

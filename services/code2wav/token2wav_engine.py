@@ -1,16 +1,17 @@
 """The code2wav engine for Qwen2.5-Omni: streaming Token2Wav over the stage's engine interface.
 
-The same calls and events as `Code2WavEngine` (engine.py), so the engine loop and the servicer
-drive it unchanged: `add(request_id, Token2WavStart | None)`, `add_input(request_id, CodecChunk |
-CodecEnd)` with frames [n, 1] (one codec token a frame), `step() -> [(request_id, Audio |
-Decoded)]`, `abort`, `has_work`, `queue_depth`, `running`, `geometry.samples_per_frame` (480
-samples a token) and `geometry.sample_rate`, `num_quantizers` (1).
+The same calls and events as Qwen3-Omni's engines (engine.py, `Code2WavEngine`), so the engine
+loop and the servicer drive it unchanged: `add(request_id, Token2WavStart | None)`,
+`add_input(request_id, CodecChunk | CodecEnd)` with frames [n, 1] (one codec token a frame),
+`step() -> [(request_id, Audio | Decoded)]`, `abort`, `has_work`, `queue_depth`, `running`,
+`geometry.samples_per_frame` (480 samples a token) and `geometry.sample_rate`, `num_quantizers` (1).
+The server reaches it through qwen2_5_adapter.py.
 
-Each step takes every request's oldest pending item (as engine.py does), then decodes every DiT
-window that became ready (qwen2_5.py: they depend on tokens and noise only), windows of equal
-length as one batch across requests, then every BigVGAN window that became ready, again batched by
-length. After the first chunks nearly every DiT window is left + chunk + ahead tokens long and
-every BigVGAN window chunk*r + 2*vocoder mel frames, so they batch.
+Each step takes every request's oldest pending item (as the window engine does), then decodes
+every DiT window that became ready (token2wav.py: they depend on tokens and noise only), windows
+of equal length as one batch across requests, then every BigVGAN window that became ready, again
+batched by length. After the first chunks nearly every DiT window is left + chunk + ahead tokens
+long and every BigVGAN window chunk*r + 2*vocoder mel frames, so they batch.
 
 Exact mode (`exact=True`, code2wav's `--exact-batching`, on by default on CPU) decodes every window
 alone instead: one DiT ODE and one BigVGAN call per window, with the shape the window itself has,
@@ -27,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from services.code2wav.engine import Audio, CodecChunk, CodecEnd, Decoded
-from services.code2wav.qwen2_5 import (
+from services.code2wav.token2wav import (
     DitWindow,
     Sampling,
     StreamContext,

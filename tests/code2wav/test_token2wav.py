@@ -23,7 +23,7 @@ from bench.token2wav_reach import (
     snr_db,
 )
 from services.code2wav.engine import Audio, CodecChunk, CodecEnd, Decoded
-from services.code2wav.qwen2_5 import (
+from services.code2wav.token2wav import (
     NoiseStream,
     Sampling,
     StreamContext,
@@ -33,7 +33,7 @@ from services.code2wav.qwen2_5 import (
     decode_full,
     voices_from_speakers,
 )
-from services.code2wav.qwen2_5_engine import Token2WavEngine, Token2WavStart
+from services.code2wav.token2wav_engine import Token2WavEngine, Token2WavStart
 
 TOLERANCE_DB = 100.0  # streamed vs whole forward at the default context, float32 (measured: docs)
 FLOAT64_MARGIN_DB = 1.0  # streamed vs float64 may be this much below the float32 forward vs float64

@@ -1,18 +1,13 @@
-"""Incremental code2wav decoding: codec frames arriving in chunks -> one continuous PCM stream.
+"""The window decoder (`--decoder window`): codec frames arriving in chunks -> one continuous PCM
+stream, each chunk decoded together with a left context of the frames before it.
 
 The talker emits codec frames a few at a time; the client should hear audio as soon as the first
 chunk is decoded, and the concatenated stream must equal one vocoder forward over all frames
-(`decode_full`, the reference), within float tolerance.
+(`vocoder.decode_full`, the reference), within float tolerance.
 
-NOTE: algorithm. `Qwen3OmniMoeCode2Wav` is causal: a causal sliding-window transformer, then
-left-padded convolutions and transposed convolutions that trim the samples still waiting for the
-next frame's overlap-add (docs/qwen3-omni.md, section "The vocoder": geometry and reach). So a
-forward over frames [a, b) returns the samples of the true answer at global positions
-[a*U, b*U - L), exactly, provided frame a has enough frames before it:
-
-    U = samples_per_frame  (model.total_upsample, 1920 for the real layout)
-    L = lookahead_samples  (555 for upsample_rates (8, 5, 4, 3): sum of each transposed conv's
-                            stride times the upsampling after it, 8*60 + 5*12 + 4*3 + 3)
+NOTE: algorithm. The vocoder is causal (vocoder.py, U and L), so a forward over frames [a, b)
+returns the samples of the true answer at global positions [a*U, b*U - L), exactly, provided
+frame a has enough frames before it.
 
 Each push decodes the new chunk [s, e) together with the last `left_context` frames before it,
 window [s - c, e), and emits global samples [s*U - L, e*U - L) ([0, e*U - L) for the first
@@ -25,7 +20,7 @@ The window start is a cut, so its first samples differ from the true answer (zer
 the convolutions, attention without the earlier frames); 25 frames of context cover the tiny
 checkpoint's reach (~24 frames), so the emitted part matches there within float32 rounding. The
 real vocoder (sliding window 72 over 8 layers) reaches ~580 frames back: 25 frames (the upstream
-`chunked_decode` default) give ~3 dB SNR there, which is why the engine's default decoder is
+`chunked_decode` default) give ~3 dB SNR there, which is why the default decoder is
 incremental.py's (docs/qwen3-omni.md, sections "The vocoder" and "Float32 and float64").
 
 The vocoder's forward trims the L look-ahead samples itself, so nothing else is ever pending and
@@ -34,76 +29,14 @@ The vocoder's forward trims the L look-ahead samples itself, so nothing else is 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
-from services.runtime.qwen3_omni import DEFAULT_SAMPLE_RATE
-
-EMPTY = np.zeros(0, dtype=np.float32)
+from services.code2wav.vocoder import EMPTY, VocoderGeometry, forward, model_device
 
 
-@dataclass(frozen=True)
-class VocoderGeometry:
-    samples_per_frame: int  # U
-    lookahead_samples: int  # L: samples of a chunk that depend on later frames
-    sample_rate: int  # 24000 (take from config if present, else 24000)
-
-    @property
-    def min_left_context(self) -> int:
-        # Frames of context needed to regenerate the L samples held back at a chunk boundary.
-        return -(-self.lookahead_samples // self.samples_per_frame)
-
-
-def _model_device(model) -> torch.device:
-    return next(model.parameters()).device
-
-
-def _forward(model, frames: torch.Tensor) -> torch.Tensor:
-    # frames [n, Q] int64, time-major -> codes [1, Q, n] -> wav [1, 1, n*U - L]
-    # -> [n*U - L] float32, still on the model's device.
-    return forward_batch(model, frames.unsqueeze(0))[0]
-
-
-def forward_batch(model, windows: torch.Tensor) -> torch.Tensor:
-    """windows [B, n, Q] (equal lengths) -> wav [B, n*U - L] float32: one vocoder forward."""
-    codes = windows.to(device=_model_device(model), dtype=torch.long).transpose(1, 2)  # [B, Q, n]
-    with torch.inference_mode():
-        wav = model(codes)
-    return wav[:, 0].float()
-
-
-def measure_geometry(model) -> VocoderGeometry:
-    """U from the model, L from two dummy forwards; call once per model at start-up."""
-    samples_per_frame = int(model.total_upsample)
-    num_quantizers = int(model.config.num_quantizers)
-    # Two sizes (2 and 3 frames, a few ms even on the real model) check that the output length
-    # is affine, n*U - L, which the decoder's bookkeeping relies on.
-    lookaheads = set()
-    for n in (2, 3):
-        dummy = torch.zeros((n, num_quantizers), dtype=torch.long)
-        lookaheads.add(n * samples_per_frame - _forward(model, dummy).shape[-1])
-    if len(lookaheads) != 1:
-        raise RuntimeError(
-            f"vocoder output length is not n*U - L (U={samples_per_frame}, L in {sorted(lookaheads)})"
-        )
-    lookahead = lookaheads.pop()
-    if not 0 <= lookahead < samples_per_frame:
-        raise RuntimeError(f"implausible vocoder look-ahead L={lookahead} for U={samples_per_frame}")
-    sample_rate = getattr(model.config, "sample_rate", None) or DEFAULT_SAMPLE_RATE
-    return VocoderGeometry(samples_per_frame, int(lookahead), int(sample_rate))
-
-
-def decode_full(model, frames: torch.Tensor) -> np.ndarray:
-    """The true answer: one forward over all frames [n, Q] -> float32 [n*U - L]."""
-    if frames.shape[0] == 0:
-        return EMPTY.copy()
-    return _forward(model, frames).cpu().numpy()
-
-
-class StreamingDecoder:
-    """Per-request incremental decoder state (not thread-safe; one per request)."""
+class WindowDecoder:
+    """Per-request window decoder state (not thread-safe; one per request)."""
 
     def __init__(self, model, geometry: VocoderGeometry, left_context: int = 25):
         if left_context < geometry.min_left_context:
@@ -117,7 +50,7 @@ class StreamingDecoder:
         self.num_quantizers = int(model.config.num_quantizers)
         # [<= left_context, Q] int64 on the model's device: the frames before the next chunk.
         # Bounded, so memory does not grow with the stream.
-        self._context = torch.zeros((0, self.num_quantizers), dtype=torch.long, device=_model_device(model))
+        self._context = torch.zeros((0, self.num_quantizers), dtype=torch.long, device=model_device(model))
         self._frames_seen = 0
         self._samples_emitted = 0
         self._finished = False
@@ -159,7 +92,7 @@ class StreamingDecoder:
         if frames.shape[0] == 0 and not self._finished:
             return EMPTY.copy()
         window = self.window(frames)
-        return self.accept(window, _forward(self.model, window))
+        return self.accept(window, forward(self.model, window))
 
     def finish(self) -> np.ndarray:
         """End of stream: the held-back tail. The forward already trims the L samples that

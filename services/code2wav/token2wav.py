@@ -378,7 +378,7 @@ class Token2WavRunner:
     def _evaluate(self, x: torch.Tensor, t: torch.Tensor, inputs: dict) -> torch.Tensor:
         # x [B, M, mel_dim] -> the DiT's output rows [2B or B, M, mel_dim]: the body of
         # Qwen2_5OmniToken2WavDiTModel.forward with the speaker encoder's output precomputed and
-        # absolute positions (tests/code2wav/test_qwen2_5.py checks it against the forward).
+        # absolute positions (tests/code2wav/test_token2wav.py checks it against the forward).
         dit = self.dit
         h = torch.cat([x, x]) if self.cfg else x
         t = t.repeat(h.shape[0]) if t.ndim == 0 else t

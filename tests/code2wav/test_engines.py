@@ -1,0 +1,76 @@
+"""Qwen3-Omni's two code2wav engines, as the family adapter builds them (services/code2wav/
+qwen3_adapter.py): `--decoder` picks the engine once, only the window engine has CUDA graphs, and
+both give each of several interleaved streams one vocoder forward of its own frames."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from services.code2wav.config import Code2WavConfig, Decoder
+from services.code2wav.engine import (
+    Audio,
+    CodecChunk,
+    CodecEnd,
+    Decoded,
+    IncrementalCode2WavEngine,
+    WindowCode2WavEngine,
+)
+from services.code2wav.server import adapter_for, build_parser, config_from_args
+from services.runtime.checkpoint import Stage, load_stage
+from services.runtime.settings import ModelConfig
+from services.serving.config import ServingConfig
+from tests.audio_checks import check_streamed_audio
+
+ENGINES = {Decoder.INCREMENTAL: IncrementalCode2WavEngine, Decoder.WINDOW: WindowCode2WavEngine}
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_checkpoint):
+    return load_stage(tiny_checkpoint, Stage.CODE2WAV)
+
+
+def engine_for(loaded, tiny_checkpoint, decoder: Decoder):
+    config = Code2WavConfig(serving=ServingConfig(), model=ModelConfig(checkpoint=str(tiny_checkpoint)), decoder=decoder)
+    return adapter_for(loaded, config).build_engine()
+
+
+@pytest.mark.parametrize("decoder", list(Decoder))
+def test_the_decoder_flag_picks_its_engine(loaded, tiny_checkpoint, decoder):
+    config = config_from_args(build_parser().parse_args(["--checkpoint", str(tiny_checkpoint), "--decoder", decoder]))
+    assert config.decoder is decoder
+    engine = engine_for(loaded, tiny_checkpoint, config.decoder)
+    assert type(engine) is ENGINES[decoder]
+    assert getattr(engine, "graphs", None) is None  # CPU: no graphs; the incremental engine has none at all
+
+
+@pytest.mark.parametrize("decoder", list(Decoder))
+def test_interleaved_streams_each_equal_one_vocoder_forward(loaded, tiny_checkpoint, decoder):
+    engine = engine_for(loaded, tiny_checkpoint, decoder)
+    lengths = {"a": 33, "b": 29, "c": 4}  # b's chunks meet a's in equal windows (the window engine batches them)
+    frames = {r: torch.randint(0, engine.codebook_size, (n, engine.num_quantizers),
+                               generator=torch.Generator().manual_seed(i)) for i, (r, n) in enumerate(lengths.items())}
+    for request_id in lengths:
+        engine.add(request_id)
+    for start, end in ((0, 4), (4, 12), (12, 29), (29, 33)):
+        for request_id, codes in frames.items():
+            if start < codes.shape[0]:
+                engine.add_input(request_id, CodecChunk(codes[start:end]))
+    for request_id in lengths:
+        engine.add_input(request_id, CodecEnd())
+    audio: dict[str, list[np.ndarray]] = {r: [] for r in lengths}
+    decoded: dict[str, Decoded] = {}
+    while engine.has_work():
+        for request_id, event in engine.step():
+            if isinstance(event, Audio):
+                assert event.first_sample == sum(a.size for a in audio[request_id])
+                audio[request_id].append(event.samples)
+            else:
+                decoded[request_id] = event
+    assert engine.running == 0 and set(decoded) == set(lengths)
+    for request_id, codes in frames.items():
+        wav = np.concatenate(audio[request_id])
+        assert decoded[request_id] == Decoded(wav.size, codes.shape[0])
+        # The window decoder rotates by window-relative positions: 2 dB of margin (test_window.py).
+        check_streamed_audio(loaded.model, codes, wav, margin_db=2.0 if decoder is Decoder.WINDOW else 1.0)
