@@ -183,10 +183,7 @@ def _server_spans():
         """Per call, not per message: the caller's context is read from the invocation metadata
         once, the server span opened and made current in the call's task, and the handler (an
         async generator) driven by `context.write`, which is what grpc.aio itself does with one
-        (an extra generator around it would be one more hop per message). The handler is closed
-        before the span ends, also when the call is cancelled while it waits at a `yield` (else
-        its own `finally`, RequestTrace.finish: outcome and counts, would run later, when it is
-        collected, on an ended span)."""
+        (an extra generator around it would be one more hop per message)."""
 
         async def intercept_service(self, continuation, handler_call_details):
             handler = await continuation(handler_call_details)
@@ -198,51 +195,64 @@ def _server_spans():
             inner = getattr(handler, kind)
             if not inspect.isasyncgenfunction(inner):
                 return handler
-            metadata = handler_call_details.invocation_metadata
-
-            async def traced(request, context) -> None:
-                from opentelemetry import context as otel_context
-                from opentelemetry import propagate
-
-                parent = propagate.extract({key: value for key, value in metadata or () if isinstance(value, str)})
-                span = _TRACER.start_span(method, context=parent, kind=trace.SpanKind.SERVER,
-                                          attributes={**_rpc_attributes(method), **_peer(context.peer())})
-                token = otel_context.attach(trace.set_span_in_context(span, parent))
-                responses = inner(request, context)
-                code = None
-                try:
-                    async for response in responses:
-                        try:
-                            await context.write(response)
-                        except Exception:  # (ExecuteBatchError) the call ended under the write: the caller left
-                            code = grpc.StatusCode.CANCELLED
-                            raise
-                except asyncio.CancelledError:
-                    code = grpc.StatusCode.CANCELLED
-                    raise
-                except grpc.aio.AbortError:  # context.abort: its code is the context's
-                    raise
-                except Exception as error:
-                    if code is grpc.StatusCode.CANCELLED:
-                        raise
-                    code = grpc.StatusCode.UNKNOWN  # (what grpc makes of a handler's exception)
-                    span.record_exception(error)
-                    raise
-                finally:
-                    try:
-                        await responses.aclose()
-                    finally:
-                        code = (context.code() or (grpc.StatusCode.CANCELLED if context.cancelled() else code)
-                                or grpc.StatusCode.OK)
-                        span.set_attribute("rpc.grpc.status_code", code.value[0])
-                        if code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
-                            span.set_status(trace.Status(trace.StatusCode.ERROR, f"{code.name}: {context.details() or ''}"))
-                        span.end()
-                        otel_context.detach(token)
-
-            return handler._replace(**{kind: traced})
+            return handler._replace(**{kind: _traced(inner, method, handler_call_details.invocation_metadata)})
 
     return ServerSpans()
+
+
+def _traced(inner, method: str, metadata):
+    """The streaming handler `inner` run inside a server span, child of the caller's context in
+    `metadata`. The handler is closed before the span ends, also when the call is cancelled while
+    it waits at a `yield` (else its own `finally`, RequestTrace.finish: outcome and counts, would
+    run later, when it is collected, on an ended span)."""
+    import grpc
+    from opentelemetry import context as otel_context
+    from opentelemetry import propagate
+
+    async def traced(request, context) -> None:
+        parent = propagate.extract({key: value for key, value in metadata or () if isinstance(value, str)})
+        span = _TRACER.start_span(method, context=parent, kind=trace.SpanKind.SERVER,
+                                  attributes={**_rpc_attributes(method), **_peer(context.peer())})
+        token = otel_context.attach(trace.set_span_in_context(span, parent))
+        responses = inner(request, context)
+        code = None
+        try:
+            async for response in responses:
+                try:
+                    await context.write(response)
+                except Exception:  # (ExecuteBatchError) the call ended under the write: the caller left
+                    code = grpc.StatusCode.CANCELLED
+                    raise
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except grpc.aio.AbortError:  # context.abort: its code is the context's
+            raise
+        except Exception as error:
+            if code is grpc.StatusCode.CANCELLED:
+                raise
+            code = grpc.StatusCode.UNKNOWN  # (what grpc makes of a handler's exception)
+            span.record_exception(error)
+            raise
+        finally:
+            try:
+                await responses.aclose()
+            finally:
+                _end_server_span(span, context, code)
+                otel_context.detach(token)
+
+    return traced
+
+
+def _end_server_span(span, context, code) -> None:
+    """The call's status on its span (the context's own code first: abort and set_code), then end it."""
+    import grpc
+
+    code = context.code() or (grpc.StatusCode.CANCELLED if context.cancelled() else code) or grpc.StatusCode.OK
+    span.set_attribute("rpc.grpc.status_code", code.value[0])
+    if code not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
+        span.set_status(trace.Status(trace.StatusCode.ERROR, f"{code.name}: {context.details() or ''}"))
+    span.end()
 
 
 def _peer(peer: str) -> dict:
