@@ -80,6 +80,42 @@ def run_block(system: PipelineSystem, stack: Stack, prompts, concurrency: int) -
 HOP_MODES = ("off", "client", "server", "both")
 
 
+async def _echo_stage() -> tuple:
+    """A stage's gRPC server (`build_server`: its own interceptors, health, reflection) whose
+    Talker.Speak echoes every message; (handle, channel, the stream method)."""
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+    from services.serving.grpc_server import build_server
+
+    message = trace_service_pb2.ExportTraceServiceRequest  # any small message
+
+    async def echo(requests, context):
+        async for m in requests:
+            yield m
+
+    handle = build_server("127.0.0.1", 0, ("omni.v1.Talker",))
+    handle.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("omni.v1.Talker", {
+        "Speak": grpc.stream_stream_rpc_method_handler(echo, message.FromString, message.SerializeToString)}),))
+    await handle.server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}")
+    return handle, channel, channel.stream_stream("/omni.v1.Talker/Speak", message.SerializeToString, message.FromString)
+
+
+async def _round_trips(speak, client_traced: bool, messages: int) -> None:
+    """One stream of `messages` round trips, opened through `tracing.call` when `client_traced`."""
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+    from services.serving import tracing
+
+    call = tracing.call("/omni.v1.Talker/Speak", speak) if client_traced else speak()
+    for _ in range(messages):
+        await call.write(trace_service_pb2.ExportTraceServiceRequest())
+        await call.read()
+    await call.done_writing()
+    await call.read()
+
+
 async def _hop_costs(endpoint: str, rounds: int, streams: int = 40, messages: int = 60) -> dict[str, list[float]]:
     """CPU microseconds per message round trip on one loopback bidi stream hop (the shape of
     thinker -> talker -> code2wav), with tracing on neither end, the client's (`tracing.call`), the
@@ -90,47 +126,21 @@ async def _hop_costs(endpoint: str, rounds: int, streams: int = 40, messages: in
     exporter flushed, so a round pays for its own spans (the collector is in this process too)."""
     import asyncio
 
-    import grpc
     from opentelemetry import trace
-    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
     from services.serving import tracing
-    from services.serving.grpc_server import build_server
 
-    message = trace_service_pb2.ExportTraceServiceRequest  # any small message
-
-    async def echo(requests, context):
-        async for m in requests:
-            yield m
-
-    async def server():
-        handle = build_server("127.0.0.1", 0, ("omni.v1.Talker",))
-        handle.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("omni.v1.Talker", {
-            "Speak": grpc.stream_stream_rpc_method_handler(echo, message.FromString, message.SerializeToString)}),))
-        await handle.server.start()
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}")
-        return handle, channel, channel.stream_stream("/omni.v1.Talker/Speak", message.SerializeToString,
-                                                      message.FromString)
-
-    untraced = await server()  # (its interceptors are chosen when it is built: tracing is off yet)
+    untraced = await _echo_stage()  # (its interceptors are chosen when it is built: tracing is off yet)
     tracing.setup("bench", tracing.TracingConfig(otlp_endpoint=endpoint), 1)
-    traced = await server()
+    traced = await _echo_stage()
     provider = trace.get_tracer_provider()
     # mode -> (the server's stream method, whether the client opens its calls through tracing.call)
     modes = {"off": (untraced[2], False), "client": (untraced[2], True), "server": (traced[2], False),
              "both": (traced[2], True)}
 
-    async def one(speak, client_traced: bool) -> None:
-        call = tracing.call("/omni.v1.Talker/Speak", speak) if client_traced else speak()
-        for _ in range(messages):
-            await call.write(message())
-            await call.read()
-        await call.done_writing()
-        await call.read()
-
     async def block(mode: str) -> float:
         cpu = time.process_time()
-        await asyncio.gather(*(one(*modes[mode]) for _ in range(streams)))
+        await asyncio.gather(*(_round_trips(*modes[mode], messages) for _ in range(streams)))
         await asyncio.sleep(0.01)  # the calls' done callbacks (client spans end there)
         provider.force_flush()
         return (time.process_time() - cpu) * 1e6 / (streams * messages)
@@ -166,7 +176,7 @@ def grpc_hop_costs(rounds: int) -> dict:
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.tracing_cost", description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", help="checkpoint folder (default: the tiny one, generated if missing)")
     p.add_argument("--concurrency", default="1,16")
@@ -180,62 +190,78 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grpc-only", action="store_true",
                    help="only the per-message cost on one loopback gRPC stream (no model, no stack)")
     p.add_argument("--hop-rounds", type=int, default=10, help="--grpc-only: rounds of each mode, interleaved")
-    args = p.parse_args(argv)
+    return p
+
+
+def start_stacks(cleanup: contextlib.ExitStack, args, checkpoint: str, sink: OtlpSink) -> dict:
+    """Two stacks of the same checkpoint, one exporting spans to `sink`: name -> (system, stack)."""
+    stage = ("--device", args.device)
+    out = {}
+    for name, extra in (("untraced", ()), ("traced", ("--otlp-endpoint", sink.endpoint))):
+        stack = cleanup.enter_context(Stack(StackOptions(
+            checkpoint=checkpoint, port=0, threads=args.threads, thinker_args=stage, talker_args=stage,
+            code2wav_args=stage, extra_args=extra, log_prefix=False, device=args.device)))
+        system = PipelineSystem(stack.target, None, args.max_new_tokens, args.talker_max_new_tokens, 600)
+        cleanup.callback(system.close)
+        out[name] = (system, stack)
+    return out
+
+
+def measure_level(stacks: dict, block: list, concurrency: int, rounds: int) -> Level:
+    """Rounds of the block on each stack, alternating which goes first."""
+    rates, cpu = {"untraced": [], "traced": []}, {"untraced": [], "traced": []}
+    errors = 0
+    for r in range(rounds):
+        for name in (("untraced", "traced") if r % 2 == 0 else ("traced", "untraced")):
+            rate, cpu_s, failed = run_block(*stacks[name], block, concurrency)
+            rates[name].append(rate)
+            cpu[name].append(cpu_s)
+            errors += failed
+    return Level(concurrency, len(block), rates["untraced"], rates["traced"], cpu["untraced"], cpu["traced"], errors)
+
+
+def print_level(level: Level) -> None:
+    per_round = " ".join(f"{t / u:.3f}" for u, t in zip(level.untraced_req_per_s, level.traced_req_per_s))
+    print(f"c={level.concurrency:<3} req/s untraced {statistics.median(level.untraced_req_per_s):.3f} traced "
+          f"{statistics.median(level.traced_req_per_s):.3f} ratio {level.ratio:.3f} (rounds {per_round});  "
+          f"CPU s/request untraced {statistics.median(level.untraced_cpu_s_per_request):.3f} traced "
+          f"{statistics.median(level.traced_cpu_s_per_request):.3f} ratio {level.cpu_ratio:.3f};  "
+          f"errors {level.errors}", flush=True)
+
+
+def measure(args) -> None:
+    checkpoint = args.checkpoint or str(ensure_checkpoint(PRESETS["tiny"]))
+    prompts = built_in_prompts()
+    os.environ.setdefault("OTEL_BSP_SCHEDULE_DELAY", "1000")
+    with contextlib.ExitStack() as cleanup:
+        sink = cleanup.enter_context(OtlpSink())
+        stacks = start_stacks(cleanup, args, checkpoint, sink)
+        for system, stack in stacks.values():  # first-call costs, not counted
+            run_block(system, stack, prompts[:2], 2)
+        load_before = os.getloadavg()
+        results = []
+        for concurrency in (int(c) for c in args.concurrency.split(",")):
+            n = max(args.requests, concurrency)
+            results.append(measure_level(stacks, [prompts[i % len(prompts)] for i in range(n)], concurrency, args.rounds))
+            print_level(results[-1])
+        time.sleep(1.5)  # the last batch of spans
+        spans = len(sink.spans())
+    print(f"{spans} spans received; load average {load_before[0]:.1f} at the start, {os.getloadavg()[0]:.1f} "
+          f"at the end ({os.cpu_count()} CPUs)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = {"checkpoint": checkpoint, "device": args.device, "rounds": args.rounds, "spans": spans,
+              "load_average": [load_before[0], os.getloadavg()[0]], "cpus": os.cpu_count(),
+              "levels": [{**asdict(level), "ratio": level.ratio, "cpu_ratio": level.cpu_ratio} for level in results]}
+    (args.out / "tracing_cost.json").write_text(json.dumps(report, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.grpc_only:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "tracing_hop_cost.json").write_text(json.dumps(grpc_hop_costs(args.hop_rounds), indent=1) + "\n")
         return 0
-
-    def run() -> None:
-        checkpoint = args.checkpoint or str(ensure_checkpoint(PRESETS["tiny"]))
-        levels = [int(c) for c in args.concurrency.split(",")]
-        prompts = built_in_prompts()
-        stage = ("--device", args.device)
-        os.environ.setdefault("OTEL_BSP_SCHEDULE_DELAY", "1000")
-        with contextlib.ExitStack() as cleanup:
-            sink = cleanup.enter_context(OtlpSink())
-            systems, stacks = {}, {}
-            for name, extra in (("untraced", ()), ("traced", ("--otlp-endpoint", sink.endpoint))):
-                stack = cleanup.enter_context(Stack(StackOptions(
-                    checkpoint=checkpoint, port=0, threads=args.threads, thinker_args=stage, talker_args=stage,
-                    code2wav_args=stage, extra_args=extra, log_prefix=False, device=args.device)))
-                stacks[name] = stack
-                systems[name] = PipelineSystem(stack.target, None, args.max_new_tokens, args.talker_max_new_tokens, 600)
-                cleanup.callback(systems[name].close)
-            for name, system in systems.items():  # first-call costs, not counted
-                run_block(system, stacks[name], prompts[:2], 2)
-            load_before = os.getloadavg()
-            results = []
-            for concurrency in levels:
-                n = max(args.requests, concurrency)
-                block = [prompts[i % len(prompts)] for i in range(n)]
-                rates, cpu = {"untraced": [], "traced": []}, {"untraced": [], "traced": []}
-                errors = 0
-                for r in range(args.rounds):
-                    for name in (("untraced", "traced") if r % 2 == 0 else ("traced", "untraced")):
-                        rate, cpu_s, failed = run_block(systems[name], stacks[name], block, concurrency)
-                        rates[name].append(rate)
-                        cpu[name].append(cpu_s)
-                        errors += failed
-                level = Level(concurrency, n, rates["untraced"], rates["traced"], cpu["untraced"], cpu["traced"], errors)
-                results.append(level)
-                per_round = " ".join(f"{t / u:.3f}" for u, t in zip(level.untraced_req_per_s, level.traced_req_per_s))
-                print(f"c={concurrency:<3} req/s untraced {statistics.median(level.untraced_req_per_s):.3f} traced "
-                      f"{statistics.median(level.traced_req_per_s):.3f} ratio {level.ratio:.3f} (rounds {per_round});  "
-                      f"CPU s/request untraced {statistics.median(level.untraced_cpu_s_per_request):.3f} traced "
-                      f"{statistics.median(level.traced_cpu_s_per_request):.3f} ratio {level.cpu_ratio:.3f};  "
-                      f"errors {errors}", flush=True)
-            time.sleep(1.5)  # the last batch of spans
-            spans = len(sink.spans())
-        print(f"{spans} spans received; load average {load_before[0]:.1f} at the start, {os.getloadavg()[0]:.1f} "
-              f"at the end ({os.cpu_count()} CPUs)")
-        args.out.mkdir(parents=True, exist_ok=True)
-        report = {"checkpoint": checkpoint, "device": args.device, "rounds": args.rounds, "spans": spans,
-                  "load_average": [load_before[0], os.getloadavg()[0]], "cpus": os.cpu_count(),
-                  "levels": [{**asdict(level), "ratio": level.ratio, "cpu_ratio": level.cpu_ratio} for level in results]}
-        (args.out / "tracing_cost.json").write_text(json.dumps(report, indent=1) + "\n")
-
-    return run_cli(run)
+    return run_cli(lambda: measure(args))
 
 
 if __name__ == "__main__":
