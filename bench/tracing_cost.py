@@ -33,6 +33,7 @@ from services.runtime.errors import run_cli
 from services.tools.launcher import Stack, StackOptions
 from services.tools.otlp_sink import OtlpSink
 
+TINY_CHECKPOINT = Path("models/tiny-qwen3-omni")  # what make setup writes
 
 @dataclass(frozen=True)
 class Level:
@@ -178,7 +179,7 @@ def grpc_hop_costs(rounds: int) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.tracing_cost", description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", help="checkpoint folder (default: the tiny one, generated if missing)")
+    p.add_argument("--checkpoint", help=f"checkpoint folder (default: {TINY_CHECKPOINT}, generated if missing)")
     p.add_argument("--concurrency", default="1,16")
     p.add_argument("--requests", type=int, default=8, help="per stack, level and round; raised to the concurrency")
     p.add_argument("--rounds", type=int, default=3)
@@ -230,7 +231,7 @@ def print_level(level: Level) -> None:
 
 
 def measure(args) -> None:
-    checkpoint = args.checkpoint or str(ensure_checkpoint(PRESETS["tiny"]))
+    checkpoint = args.checkpoint or str(ensure_checkpoint(PRESETS["tiny"], TINY_CHECKPOINT))
     prompts = built_in_prompts()
     os.environ.setdefault("OTEL_BSP_SCHEDULE_DELAY", "1000")
     with contextlib.ExitStack() as cleanup:

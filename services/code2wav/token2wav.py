@@ -126,13 +126,6 @@ def voices_of(checkpoint_voices: dict, mel_dim: int) -> dict[str, Voice]:
             for name, v in checkpoint_voices.items()}
 
 
-def voices_from_speakers(speakers: dict, mel_dim: int = 80) -> dict[str, Voice]:
-    """The checkpoint's speaker dictionary (spk_dict.pt: name -> {"cond", "ref_mel", "bos_token"})
-    -> name -> Voice, shaped as Qwen2_5OmniForConditionalGeneration.generate passes them on."""
-    return {name: Voice(p["cond"].float().reshape(-1), p["ref_mel"].float().reshape(-1, mel_dim))
-            for name, p in speakers.items()}
-
-
 class NoiseStream:
     """One request's ODE start, drawn token by token: equal to the whole forward's draw
     `torch.randn([1, N*r, mel_dim])` after `torch.manual_seed(seed)`, for any N (CPU generator)."""

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 import transformers
-from safetensors import safe_open
 from transformers import Qwen2_5OmniConfig, Qwen3OmniMoeConfig
 from transformers.conversion_mapping import (
     get_checkpoint_conversion_mapping,
@@ -62,15 +61,6 @@ def load_config(folder: str | Path, need_weights: bool = True):
     """The full config of the folder's family (Qwen3OmniMoeConfig or Qwen2_5OmniConfig)."""
     path = check_folder(folder, need_weights)
     return CONFIG_CLASSES[family_of(path)].from_pretrained(path)
-
-
-def checkpoint_keys(folder: str | Path) -> list[str]:
-    """Every tensor name in the checkpoint, read from the safetensors headers only."""
-    keys: list[str] = []
-    for file in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            keys.extend(f.keys())
-    return keys
 
 
 def _stage_classes(family: Family = Family.QWEN3_OMNI):

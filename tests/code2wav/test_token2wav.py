@@ -30,8 +30,8 @@ from services.code2wav.token2wav import (
     Token2WavDecoder,
     Token2WavRunner,
     Token2WavStream,
+    Voice,
     decode_full,
-    voices_from_speakers,
 )
 from services.code2wav.token2wav_engine import Token2WavEngine, Token2WavStart
 
@@ -99,6 +99,13 @@ def plan(geometry, sizes, n=N, context=StreamContext()):
         if s.ended:
             assert s.done and s.samples_emitted == n * geometry.samples_per_frame
             return dit, voc
+
+
+def voices_from_speakers(speakers: dict, mel_dim: int = 80) -> dict[str, Voice]:
+    """The checkpoint's speaker dictionary (spk_dict.pt: name -> {"cond", "ref_mel", "bos_token"})
+    -> name -> Voice, shaped as Qwen2_5OmniForConditionalGeneration.generate passes them on."""
+    return {name: Voice(p["cond"].float().reshape(-1), p["ref_mel"].float().reshape(-1, mel_dim))
+            for name, p in speakers.items()}
 
 
 def test_noise_drawn_token_by_token_equals_the_whole_forward_draw(runner):
