@@ -122,7 +122,7 @@ def load_stage(folder: str | Path, stage: Stage, device: str = "cpu", dtype: str
         sub_config.audio_config = config.thinker_config.audio_config
     if random_weights:
         init = full_size_qwen2_5.init_random_ if family is Family.QWEN2_5_OMNI else None
-        model = build_random_stage(cls, sub_config, stage.value, device, getattr(torch, dtype), seed, init=init)
+        model = build_random_stage(cls, sub_config, stage, device, getattr(torch, dtype), seed, init=init)
         return LoadedStage(stage=stage, model=model, config=config, family=family)
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # the load report lists every other stage's key

@@ -22,6 +22,8 @@ from __future__ import annotations
 import copy
 import math
 
+from services.runtime.stages import Stage
+
 # The real checkpoint's config in every field that shapes the state dict or changes compute (the
 # sizes tests/common/test_checkpoint_loading.py checks the state dict against; routing
 # normalisation, rotary bases, positions per second of audio/video, position limits). Merged over
@@ -131,16 +133,16 @@ def fill_random_(model, gen) -> None:
                 p.zero_()
 
 
-def init_random_(model, seed: int, stage: str, device) -> None:
+def init_random_(model, seed: int, stage: Stage, device) -> None:
     """Seeded in-place init on the model's device (see the module docstring)."""
     import torch
 
     gen = torch.Generator(device=device).manual_seed(seed)
     fill_random_(model, gen)
     with torch.no_grad():
-        if stage == "talker":
+        if stage == Stage.TALKER:
             model.codec_head.weight[model.config.codec_eos_token_id].zero_()
-        if stage == "code2wav":
+        if stage == Stage.CODE2WAV:
             _scale_vocoder_output(model, gen)
 
 
@@ -158,7 +160,7 @@ def _scale_vocoder_output(model, gen, rms_target: float = 0.2) -> None:
     model.decoder[-1].conv.weight.mul_(rms_target / max(rms, 1e-6))
 
 
-def build_random_stage(cls, sub_config, stage: str, device: str, dtype, seed: int = 0, init=None):
+def build_random_stage(cls, sub_config, stage: Stage, device: str, dtype, seed: int = 0, init=None):
     """The stage module built on `device` in `dtype` with seeded random weights, in eval mode.
     `init`: the family's init_random_ (default: this module's, Qwen3-Omni's).
 

@@ -16,6 +16,7 @@ out here, defaults or not; docs/qwen2_5-omni.md, "Full size", lists the fields a
 from __future__ import annotations
 
 from services.runtime.full_size import fill_random_
+from services.runtime.stages import Stage
 
 REAL_MROPE = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}
 REAL_LAYOUT = dict(
@@ -74,8 +75,8 @@ def check_layout(config) -> None:
         if value != hidden:
             problems.append(f"{name} {value} != thinker hidden {hidden}")
     text_head_dim = hidden // th.text_config.num_attention_heads
-    for name, rope, head_dim in (("thinker", th.text_config.rope_parameters, text_head_dim),
-                                 ("talker", tk.rope_parameters, tk.head_dim)):
+    for name, rope, head_dim in ((Stage.THINKER, th.text_config.rope_parameters, text_head_dim),
+                                 (Stage.TALKER, tk.rope_parameters, tk.head_dim)):
         section = (rope or {}).get("mrope_section")
         if section and 2 * sum(section) != head_dim:
             problems.append(f"{name} mrope_section {section} does not fill head_dim {head_dim}")
@@ -95,7 +96,7 @@ def check_layout(config) -> None:
         raise ValueError("inconsistent layout: " + "; ".join(problems))
 
 
-def init_random_(model, seed: int, stage: str, device) -> None:
+def init_random_(model, seed: int, stage: Stage | None, device) -> None:
     """Seeded in-place init on the model's device: Qwen3-Omni's `fill_random_` (matrices normal(0,
     1/sqrt(fan_in)), norms 1, biases and SnakeBeta log-scales 0), then the talker's non-code rows zeroed
     (greedy runs to its max tokens, no id past Token2Wav's code embedding) and Token2Wav's output scaled
@@ -105,9 +106,9 @@ def init_random_(model, seed: int, stage: str, device) -> None:
     gen = torch.Generator(device=device).manual_seed(seed)
     fill_random_(model, gen)
     with torch.no_grad():
-        if stage == "talker":
+        if stage == Stage.TALKER:
             model.codec_head.weight[CODEBOOK_SIZE:].zero_()
-        if stage == "code2wav":
+        if stage == Stage.CODE2WAV:
             _scale_token2wav_output(model, gen)
 
 

@@ -30,6 +30,7 @@ from services.code2wav.vocoder import measure_geometry
 from services.code2wav.window import WindowDecoder
 from services.runtime.chunking import FrameChunker
 from services.runtime.full_size import REAL_LAYOUT, build_random_stage
+from services.runtime.stages import Stage
 from services.talker.server import TalkerConfig
 from tests.audio_checks import check_streamed_audio, decode_float64, snr_db
 
@@ -46,7 +47,7 @@ def real_vocoder(num_hidden_layers: int):
     config = Qwen3OmniMoeCode2WavConfig(**{**REAL_LAYOUT["code2wav_config"], "num_hidden_layers": num_hidden_layers})
     assert list(config.upsample_rates) == [8, 5, 4, 3] and list(config.upsampling_ratios) == [2, 2]
     assert config.num_quantizers == 16
-    return build_random_stage(Qwen3OmniMoeCode2Wav, config, "code2wav", "cpu", torch.float32, seed=0)
+    return build_random_stage(Qwen3OmniMoeCode2Wav, config, Stage.CODE2WAV, "cpu", torch.float32, seed=0)
 
 
 def talker_chunk_sizes(n: int) -> list[int]:
