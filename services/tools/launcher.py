@@ -32,6 +32,7 @@ from services.runtime.checkpoint import check_folder, load_voices
 from services.runtime.errors import UserError, run_cli
 from services.runtime.families import Family, family_of
 from services.runtime.settings import on_unless_cuda
+from services.runtime.stages import Stage
 from services.serving.open_streams import LIGHT_LOAD_STREAMS
 from services.serving.placement import cpu_list
 from services.serving.security import TLSConfig, secure_or_insecure_channel, tls_from_args
@@ -39,9 +40,9 @@ from services.tools.client import build_request, collect, connect
 from services.tools.reference import write_wav
 
 STAGE_MODULES = {
-    "code2wav": "services.code2wav.server",
-    "talker": "services.talker.server",
-    "thinker": "services.thinker.server",
+    Stage.CODE2WAV: "services.code2wav.server",
+    Stage.TALKER: "services.talker.server",
+    Stage.THINKER: "services.thinker.server",
     "router": "router.server",
     "gateway": "gateway.server",
 }
@@ -159,7 +160,7 @@ class Stack:
         cpus = None
         if self.layout is not None and stage != "gateway":  # the gateway takes no serving flags
             talkers, rest = self.layout
-            cpus = talkers[int(name.rsplit("-", 1)[1])] if stage == "talker" else rest
+            cpus = talkers[int(name.rsplit("-", 1)[1])] if stage == Stage.TALKER else rest
             args = args + ["--light-load-cpus", cpu_list(cpus)]
         process = Process(name, stage, args, port or free_port(self.options.host), cpus=cpus)
         self.processes[name] = process
@@ -173,15 +174,15 @@ class Stack:
         if on_unless_cuda(o.cpu_layout, o.device):
             self.layout = cpu_layout(sorted(os.sched_getaffinity(0)), threads, o.talker_replicas)
         try:
-            for stage, count, extra in (("code2wav", o.code2wav_replicas, o.code2wav_args),
-                                        ("talker", o.talker_replicas, o.talker_args),
-                                        ("thinker", o.thinker_replicas, o.thinker_args)):
+            for stage, count, extra in ((Stage.CODE2WAV, o.code2wav_replicas, o.code2wav_args),
+                                        (Stage.TALKER, o.talker_replicas, o.talker_args),
+                                        (Stage.THINKER, o.thinker_replicas, o.thinker_args)):
                 for i in range(count):
                     self._add(f"{stage}-{i}", stage, common + list(extra))
             for name in list(self.processes):
                 self.wait_ready(name)
             router = ["--host", o.host, "--poll-interval-s", "0.5", *o.router_args]
-            for stage in ("thinker", "talker", "code2wav"):
+            for stage in Stage:
                 router += [f"--{stage}", ",".join(self.addresses(stage))]
             self._add("router", "router", router, port=o.port or free_port(o.host))
             self.wait_ready("router")
@@ -329,7 +330,7 @@ def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--thinker-replicas", type=int, default=1)
     parser.add_argument("--talker-replicas", type=int, default=1)
     parser.add_argument("--code2wav-replicas", type=int, default=1)
-    for service in ("router", "thinker", "talker", "code2wav"):
+    for service in ("router", *Stage):
         parser.add_argument(f"--{service}-args", default="", metavar="'FLAGS'",
                             help=f"more flags for every {service} process, as one shell-quoted string "
                                  f"(e.g. --{service}-args '--grace-s 60'); see omni-{service} --help")
@@ -357,7 +358,7 @@ def _options(args) -> StackOptions:
     tls = tls_from_args(argparse.Namespace(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
                                            tls_server_name=None))
     more = {service: tuple(shlex.split(getattr(args, f"{service}_args")))
-            for service in ("router", "thinker", "talker", "code2wav")}
+            for service in ("router", *Stage)}
     return StackOptions(checkpoint=args.checkpoint, port=args.port, host=args.host, threads=args.threads,
                         thinker_replicas=args.thinker_replicas, talker_replicas=args.talker_replicas,
                         code2wav_replicas=args.code2wav_replicas, thinker_args=every + thinker + more["thinker"],
@@ -379,7 +380,7 @@ def up(args) -> None:
           file=sys.stderr)
     stack.start()
     print(f"omni-serve: {stack.describe_layout()}", file=sys.stderr)
-    stages = ", ".join(f"{s} {' '.join(stack.addresses(s))}" for s in ("thinker", "talker", "code2wav"))
+    stages = ", ".join(f"{s} {' '.join(stack.addresses(s))}" for s in Stage)
     print(f"omni-serve: ready on {stack.target} ({stages}). Try:\n  .venv/bin/omni-client --target {stack.target} "
           f"--prompt 'Hello!' --out out/hello.wav\n" + (
               f"OpenAI-compatible HTTP API on {stack.http_url}/v1 (docs/gateway.md)\n" if stack.http_url else "")

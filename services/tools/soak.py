@@ -33,12 +33,13 @@ import grpc
 
 from omni.v1 import common_pb2, omni_pb2, stages_pb2_grpc
 from services.runtime.errors import UserError, run_cli
+from services.runtime.stages import Stage
 from services.serving.grpc_server import channel_options
 from services.tools.client import build_request
 from services.tools.launcher import Stack, StackOptions, free_port
 from services.tools.memory import MemoryWatch
 
-STAGES = ("thinker", "talker", "code2wav")
+STAGES = tuple(Stage)
 GENERATE = "/omni.v1.Omni/Generate"
 _LOAD_STUBS = {
     "thinker": stages_pb2_grpc.ThinkerStub,
