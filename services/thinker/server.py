@@ -4,18 +4,14 @@ hidden states to the talker named in the route, passing the audio that comes bac
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import logging
 import sys
-import time
-from dataclasses import dataclass
 
 import grpc
 
 from omni.v1 import common_pb2, omni_pb2, stages_pb2, stages_pb2_grpc
 from services.runtime.checkpoint import Stage, load_for_serving
-from services.runtime.detokenizer import IncrementalDetokenizer
 from services.runtime.errors import InvalidArgument, run_cli
 from services.runtime.families import Family, family_of
 from services.runtime.prompt import (
@@ -27,7 +23,6 @@ from services.runtime.prompt import (
 )
 from services.runtime.settings import (
     GraphSettings,
-    ModelConfig,
     add_engine_flags,
     add_model_flags,
     env_default,
@@ -37,61 +32,38 @@ from services.runtime.settings import (
     on_unless_cuda,
 )
 from services.runtime.video import VideoLimits
-from services.serving import tracing
 from services.serving.channels import ChannelPool
 from services.serving.config import (
-    ServingConfig,
     add_serving_flags,
     serving_config_from_args,
 )
-from services.serving.convert import finish_reason_to_proto, sampling_from_proto
+from services.serving.convert import sampling_from_proto
 from services.serving.engine_loop import (
     EngineLoop,
-    EventSink,
-    engine_key,
 )
 from services.serving.grpc_server import (
     ServerHandle,
     build_server,
-    time_remaining,
 )
 from services.serving.metrics import StageMetrics
-from services.serving.migration import Downstream, Resume, with_cuts
 from services.serving.open_streams import LIGHT_LOAD_STREAMS
+from services.serving.peer_limits import PeerLimits
 from services.serving.stage_main import serve_stage
-from services.serving.status import ReplayDiverged, StageUnavailable, abort_for
-from services.serving.tracing import RequestTrace, now_ns
 from services.thinker.adapter import ThinkerAdapter
+from services.thinker.config import Backend, ThinkerConfig
 from services.thinker.engine import (
-    Finished,
     HoldText,
-    ReleaseText,
     ThinkerEngine,
     ThinkerEngineConfig,
-    ThinkerJob,
-    Token,
 )
 from services.thinker.qwen2_5_adapter import Qwen2_5ThinkerAdapter
 from services.thinker.qwen3_adapter import Qwen3ThinkerAdapter
+from services.thinker.stream import Prepared, ThinkerStream, wants_audio
 
 log = logging.getLogger("thinker")
 SERVICE = stages_pb2.DESCRIPTOR.services_by_name["Thinker"].full_name
 
 _ROLES = {omni_pb2.ROLE_SYSTEM: Role.SYSTEM, omni_pb2.ROLE_USER: Role.USER, omni_pb2.ROLE_ASSISTANT: Role.ASSISTANT}
-
-
-@dataclass(frozen=True)
-class ThinkerConfig:
-    serving: ServingConfig
-    model: ModelConfig
-    engine: ThinkerEngineConfig = ThinkerEngineConfig()
-    default_max_new_tokens: int = 512
-    max_new_tokens_limit: int = 4096
-    limits: PromptLimits = PromptLimits()
-    backend: str = "transformers"  # or "vllm" (services/thinker/vllm_backend.py; optional install)
-    vllm_kv_cache_bytes: int | None = None  # vLLM's KV cache; None: its own sizing (GPU memory fraction)
-    vllm_gpu_memory_utilization: float = 0.9
-    audio_first: bool = False  # hold a spoken request's text near the talker's need until it answers
 
 
 # Audio first (ThinkerConfig.audio_first): a spoken request's text is held at the talker's first
@@ -123,51 +95,8 @@ def messages_from_proto(request: omni_pb2.GenerateRequest) -> list[ChatMessage]:
     return messages
 
 
-def wants_audio(request: omni_pb2.GenerateRequest) -> bool:
-    modalities = set(request.output_modalities)
-    if not modalities:
-        return True
-    if modalities - {omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO}:
-        raise InvalidArgument("output_modalities", "only MODALITY_TEXT and MODALITY_AUDIO exist")
-    if omni_pb2.MODALITY_TEXT not in modalities:
-        raise InvalidArgument("output_modalities", "text is always produced: use [TEXT] or [TEXT, AUDIO]")
-    return omni_pb2.MODALITY_AUDIO in modalities
-
-
-@dataclass(frozen=True)
-class Prepared:
-    job: ThinkerJob
-    audio: bool
-
-
 # family -> its adapter (adapter.py), picked once at start by the checkpoint's model_type
 ADAPTERS = {Family.QWEN3_OMNI: Qwen3ThinkerAdapter, Family.QWEN2_5_OMNI: Qwen2_5ThinkerAdapter}
-
-
-class PeerLimits:
-    """The limits of each replica of the next stage, learnt from its load report and kept for
-    `ttl_s` (a replica restarted with other flags is seen within that time)."""
-
-    def __init__(self, stage: str, channels: ChannelPool, ttl_s: float = 30.0, timeout_s: float = 2.0):
-        self.stage = stage
-        self.channels = channels
-        self.ttl_s = ttl_s
-        self.timeout_s = timeout_s
-        self._known: dict[str, tuple[float, common_pb2.StageLimits]] = {}  # address -> (fetched at, limits)
-
-    async def get(self, address: str) -> common_pb2.StageLimits:
-        known = self._known.get(address)
-        if known is not None and time.monotonic() - known[0] < self.ttl_s:
-            return known[1]
-        try:
-            report = await stages_pb2_grpc.TalkerStub(self.channels.get(address)).GetLoad(
-                common_pb2.LoadRequest(), timeout=self.timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise StageUnavailable(self.stage, address, f"cannot read its limits: {exc.details() or exc.code().name}") from None
-        if not report.HasField("limits"):
-            raise StageUnavailable(self.stage, address, "its load report carries no limits")
-        self._known[address] = (time.monotonic(), report.limits)
-        return report.limits
 
 
 class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
@@ -219,7 +148,7 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
     def _forced_ids(self, request: omni_pb2.GenerateRequest) -> tuple[int, ...]:
         """The reply's ids for `forced_text`: the text's tokens as the assistant turn holds them
         (the prompt ends with the generation prompt's newline), then the end token."""
-        if self.config.backend != "transformers":
+        if self.config.backend is not Backend.TRANSFORMERS:
             raise InvalidArgument("forced_text", f"not supported by the {self.config.backend} thinker backend")
         if not request.forced_text:
             raise InvalidArgument("forced_text", "must not be empty when set")
@@ -232,119 +161,10 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         return ids
 
     async def Generate(self, request: stages_pb2.ThinkerRequest, context: grpc.aio.ServicerContext):
-        received, received_ns = time.perf_counter(), now_ns()
-        req = request.request
-        spans = RequestTrace("thinker", req.request_id, **{"omni.replay": bool(request.replay_cuts)})
-        try:
-            talker = None
-            if wants_audio(req):
-                if not request.route.talker:
-                    raise InvalidArgument("route.talker", "audio output needs a talker replica in the route")
-                talker = await self.talker_limits.get(request.route.talker)
-            prepared = await asyncio.to_thread(self.prepare, req, talker)
-        except (InvalidArgument, StageUnavailable) as exc:
-            spans.finish("invalid_argument" if isinstance(exc, InvalidArgument) else "unavailable")
-            await abort_for(context, exc)
-        spans.phase("prepare", received_ns, audio=prepared.audio)
-        request_id = req.request_id or "anonymous"
-        key = engine_key(request_id)  # unique per stream, whatever ids callers reuse
-        sink = EventSink(asyncio.get_running_loop())
-        added_ns = now_ns()
-        self.loop.add(key, prepared.job, sink)
-        held = prepared.audio and self._hold_text(key, talker)
-        detok = IncrementalDetokenizer(self.prompts.decode)
-        speak: Downstream | None = None  # the talker stream, opened after prefill; moves if its replica dies
-        talker_start: stages_pb2.TalkerStart | None = None
-        resume = Resume("talker")  # what went up from the talker, across moves
-        text_done: Finished | None = None
-        talker_done: stages_pb2.TalkerFinal | None = None
-        ttft = ttfp = None
-        previous_id: int | None = None  # the last text id (Qwen2.5-Omni's TextToken for it comes one token later)
-        outcome = "cancelled"  # unless the stream ends otherwise (the caller went away)
-        try:
-            while True:
-                try:
-                    item = await sink.get(self.config.serving.stall_timeout_s(stages_below=2), "thinker")
-                except StageUnavailable as exc:
-                    if speak is None or not speak.failed_here(exc):
-                        raise
-                    # The new talker cuts where this stream's audio was cut (and the router's replay before it).
-                    cuts = sorted({*request.replay_cuts, *resume.cuts})
-                    if not await speak.recover(exc, stages_pb2.TalkerInput(start=with_cuts(talker_start, cuts))):
-                        raise
-                    resume.begin_replay()
-                    continue
-                if held and isinstance(item, stages_pb2.TalkerOutput):
-                    self.loop.add_input(key, ReleaseText())  # audio (or the talker's end) is coming
-                    held = False
-                match item:
-                    case self.adapter.prefilled() as prefilled:
-                        self._prefilled(spans, added_ns, sink)
-                        speak = self._open_talker(request.route, sink, context)
-                        talker_start = self.adapter.talker_start(req, request.route, prefilled, prepared.job)
-                        talker_start.replay_cuts.extend(request.replay_cuts)  # a replay of the router's
-                        await speak.write(stages_pb2.TalkerInput(start=talker_start))
-                    case Token() as token:
-                        if ttft is None:
-                            self._prefilled(spans, added_ns, sink)  # (text only: no prefill event came)
-                            spans.event("first_token")
-                        spans.count("text_tokens")
-                        ttft = ttft if ttft is not None else (time.perf_counter() - received) * 1000
-                        # The talker first: its next frame waits on this row (and a client slow to read
-                        # the text then does not hold the row back).
-                        if speak is not None and talker_done is None:
-                            await self._feed_talker(speak, token, previous_id)
-                        previous_id = token.token_id
-                        yield omni_pb2.GenerateResponse(request_id=request_id, text=omni_pb2.TextDelta(
-                            text=detok.add(token.token_id, last=token.last), token_ids=[token.token_id]))
-                    case Finished() as finished:
-                        text_done = finished
-                        spans.close("decode", tokens=finished.generated, finish_reason=finished.reason.name)
-                    case stages_pb2.TalkerOutput() as out if out.HasField("audio"):
-                        chunk = resume.audio_chunk(out.audio)
-                        if chunk is not None:
-                            speak.output()
-                            if ttfp is None:
-                                spans.event("first_audio")
-                            spans.count("audio_chunks")
-                            ttfp = ttfp if ttfp is not None else (time.perf_counter() - received) * 1000
-                            yield omni_pb2.GenerateResponse(request_id=request_id, audio=chunk)
-                    case stages_pb2.TalkerOutput() as out if out.HasField("codec_frames"):
-                        frames = resume.codec_frames(out.codec_frames)
-                        if frames is not None:
-                            yield omni_pb2.GenerateResponse(request_id=request_id, codec_frames=frames)
-                    case stages_pb2.TalkerOutput() as out:
-                        resume.finish()
-                        talker_done = out.final  # the talker may finish before the text does
-                if text_done is not None and (talker_done is not None or not prepared.audio):
-                    migrations = (speak.moves if speak is not None else 0) + (talker_done.migrations if talker_done else 0)
-                    outcome = "ok"
-                    spans.count("migrations", migrations)
-                    yield self._final(request_id, text_done, talker_done, received, ttft, ttfp, migrations)
-                    return
-        except grpc.aio.AbortError:
-            outcome = "error"
-            raise
-        except Exception as exc:  # a failed engine, talker or stream: one status for the caller
-            outcome = "diverged" if isinstance(exc, ReplayDiverged) else type(exc).__name__
-            if isinstance(exc, ReplayDiverged) and speak is not None:
-                speak.diverged()
-            await abort_for(context, exc)
-        finally:
-            spans.finish(outcome)
-            if speak is not None:
-                speak.cancel()
-            self.loop.abort(key)
+        async for response in ThinkerStream(self, request, context).run():
+            yield response
 
-    @staticmethod
-    def _prefilled(spans: RequestTrace, added_ns: int, sink: EventSink) -> None:
-        """The request's `queue` and `prefill` spans, once; its `decode` opens."""
-        if spans.first("decode"):
-            spans.phase("queue", added_ns, sink.first_step_ns)
-            spans.phase("prefill", sink.first_step_ns or added_ns)
-            spans.open("decode")
-
-    def _hold_text(self, key: str, talker: common_pb2.StageLimits) -> bool:
+    def hold_text(self, key: str, talker: common_pb2.StageLimits) -> bool:
         """Audio first: hold the request's text at what the talker's first chunk needs plus a
         margin, until the talker answers (services/thinker/engine.py), when the stage is lightly
         loaded; True when held."""
@@ -355,41 +175,6 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         self.loop.add_input(key, HoldText(rows + AUDIO_FIRST_MARGIN, AUDIO_FIRST_HOLD_S))
         return True
 
-    def _open_talker(self, route: stages_pb2.Route, sink: EventSink, context) -> Downstream:
-        speak = Downstream(
-            "thinker", "talker", [route.talker, *route.talker_fallbacks],
-            lambda address: tracing.call("/omni.v1.Talker/Speak",
-                                         stages_pb2_grpc.TalkerStub(self.channels.get(address)).Speak,
-                                         timeout=time_remaining(context)),
-            sink, lambda out: out.HasField("final"), route.max_migrations, self.metrics,
-            stall_timeout_s=self.config.serving.stall_timeout_s(stages_below=1))
-        speak.open()
-        return speak
-
-    async def _feed_talker(self, speak: Downstream, event: Token, previous_id: int | None) -> None:
-        """One text row per generated token except the last; then the text-finished mark. The
-        talker may have ended already (its own max tokens or EOS): the relay says how."""
-        written = True
-        for message in self.adapter.talker_inputs(event, previous_id):
-            written = await speak.write(message)
-        if event.last and written:
-            await speak.close()
-
-    @staticmethod
-    def _final(request_id, text: Finished, talker: stages_pb2.TalkerFinal | None, received, ttft, ttfp,
-               migrations: int):
-        final = omni_pb2.Final(text_finish_reason=finish_reason_to_proto(text.reason), migrations=migrations)
-        final.usage.prompt_tokens = text.prompt_tokens
-        final.usage.text_tokens = text.generated
-        if talker is not None:
-            final.audio_finish_reason = talker.finish_reason
-            final.usage.codec_frames = talker.codec_frames
-            final.usage.audio_seconds = talker.audio_samples / 24000.0
-        final.timings.ttft_ms = ttft or 0.0
-        final.timings.ttfp_ms = ttfp or 0.0
-        final.timings.total_ms = (time.perf_counter() - received) * 1000
-        return omni_pb2.GenerateResponse(request_id=request_id, final=final)
-
     async def GetLoad(self, request, context):
         return self.loop.load_report("thinker", self.config.engine.num_slots, self.handle.draining,
                                      reset_peak=request.reset_peak)
@@ -397,7 +182,7 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
 
 async def create_server(config: ThinkerConfig) -> tuple[ServerHandle, EngineLoop]:
     build_prompt = PromptBuilder.build
-    if config.backend == "vllm":
+    if config.backend is Backend.VLLM:
         from services.thinker import vllm_backend
 
         engine = vllm_backend.VllmThinkerEngine(vllm_backend.VllmThinkerConfig(
@@ -430,14 +215,15 @@ async def create_server(config: ThinkerConfig) -> tuple[ServerHandle, EngineLoop
     return handle, loop
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni-thinker", description=__doc__)
     add_model_flags(parser)
     add_serving_flags(parser, default_port=50061)
     add_engine_flags(parser)
     parser.add_argument("--default-max-new-tokens", type=int, default=env_default("thinker_default_max_new_tokens", 512))
     parser.add_argument("--max-new-tokens-limit", type=int, default=env_default("thinker_max_new_tokens_limit", 4096))
-    parser.add_argument("--backend", choices=["transformers", "vllm"], default=env_default("thinker_backend", "transformers"),
+    parser.add_argument("--backend", choices=list(Backend), type=Backend,
+                        default=env_default("thinker_backend", Backend.TRANSFORMERS),
                         help="thinker engine: transformers (default) or vllm (make setup-vllm)")
     parser.add_argument("--vllm-kv-cache-mb", type=int, default=env_default("vllm_kv_cache_mb", 0),
                         help="vLLM backend: KV cache size (default: 512 on cpu, where vLLM would otherwise "
@@ -449,6 +235,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="hold a spoken request's text at the talker's first chunk + 4 tokens until the talker "
                              "answers, so text nobody hears yet does not slow the first audio where the stages "
                              "share cores (auto: on for cpu)")
+    add_input_limit_flags(parser)
+    return parser
+
+
+def add_input_limit_flags(parser: argparse.ArgumentParser) -> None:
+    """The per-request input limits (docs/security.md), checked before anything is decoded."""
     parser.add_argument("--max-prompt-tokens", type=int, default=env_default("max_prompt_tokens", 0),
                         help="longest prompt in tokens (default: the model's maximum)")
     parser.add_argument("--max-audio-seconds", type=float, default=env_default("max_audio_seconds", 300.0),
@@ -464,30 +256,28 @@ def main(argv: list[str] | None = None) -> int:
                         help="largest video frame in pixels, as declared (default 3840x2160)")
     parser.add_argument("--video-fps", type=float, default=env_default("video_fps", 2.0),
                         help="frames sampled per second of video (default 2, Qwen's)")
-    args = parser.parse_args(argv)
 
-    def run() -> None:
-        model = model_config_from_args(args)
-        engine = ThinkerEngineConfig(max_batch_size=args.max_batch_size, num_slots=args.num_slots,
-                                     max_prefills_per_step=args.max_prefills_per_step,
-                                     max_model_len=args.max_model_len, exact_batching=exact_batching(args),
-                                     exact_gemm=exact_gemm(args),
-                                     graphs=model.graphs)
-        config = ThinkerConfig(serving=serving_config_from_args(args), model=model, engine=engine,
-                               default_max_new_tokens=args.default_max_new_tokens,
-                               max_new_tokens_limit=args.max_new_tokens_limit,
-                               limits=PromptLimits(args.max_prompt_tokens or None, args.max_audio_seconds,
-                                                   args.max_image_pixels,
-                                                   VideoLimits(args.max_video_seconds, args.max_video_frames,
-                                                               args.max_video_pixels), args.video_fps),
-                               backend=args.backend,
-                               vllm_kv_cache_bytes=(args.vllm_kv_cache_mb or (512 if args.device == "cpu" else 0)) << 20
-                               or None,
-                               vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                               audio_first=on_unless_cuda(args.audio_first, args.device))
-        serve_stage("thinker", create_server, config, args.port_file)
 
-    return run_cli(run)
+def config_from_args(args: argparse.Namespace) -> ThinkerConfig:
+    model = model_config_from_args(args)
+    engine = ThinkerEngineConfig(max_batch_size=args.max_batch_size, num_slots=args.num_slots,
+                                 max_prefills_per_step=args.max_prefills_per_step, max_model_len=args.max_model_len,
+                                 exact_batching=exact_batching(args), exact_gemm=exact_gemm(args), graphs=model.graphs)
+    limits = PromptLimits(args.max_prompt_tokens or None, args.max_audio_seconds, args.max_image_pixels,
+                          VideoLimits(args.max_video_seconds, args.max_video_frames, args.max_video_pixels),
+                          args.video_fps)
+    return ThinkerConfig(
+        serving=serving_config_from_args(args), model=model, engine=engine,
+        default_max_new_tokens=args.default_max_new_tokens, max_new_tokens_limit=args.max_new_tokens_limit,
+        limits=limits, backend=Backend(args.backend),
+        vllm_kv_cache_bytes=(args.vllm_kv_cache_mb or (512 if args.device == "cpu" else 0)) << 20 or None,
+        vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        audio_first=on_unless_cuda(args.audio_first, args.device))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_cli(lambda: serve_stage(Stage.THINKER, create_server, config_from_args(args), args.port_file))
 
 
 if __name__ == "__main__":

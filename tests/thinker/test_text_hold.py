@@ -113,7 +113,7 @@ def test_inputs_for_gone_requests_are_ignored_and_others_refused(stage):
 
 
 def test_the_server_holds_only_at_light_load_with_a_talker_that_knows_its_first_chunk(stage):
-    # ThinkerServicer._hold_text, the server's half: which spoken requests get a HoldText.
+    # ThinkerServicer.hold_text, the server's half: which spoken requests get a HoldText.
     from types import SimpleNamespace
 
     from omni.v1 import common_pb2
@@ -127,14 +127,14 @@ def test_the_server_holds_only_at_light_load_with_a_talker_that_knows_its_first_
     servicer.config = SimpleNamespace(audio_first=True)
     servicer.loop = SimpleNamespace(in_flight=1, add_input=lambda key, payload: sent.append(payload))
     talker = common_pb2.StageLimits(text_rows_to_first_chunk=4)
-    assert servicer._hold_text("k", talker)
+    assert servicer.hold_text("k", talker)
     assert sent == [HoldText(4 + AUDIO_FIRST_MARGIN, AUDIO_FIRST_HOLD_S)]
     servicer.loop.in_flight = LIGHT_LOAD_STREAMS + 1  # busy: no hold
-    assert not servicer._hold_text("k", talker)
+    assert not servicer.hold_text("k", talker)
     servicer.loop.in_flight = 1
-    assert not servicer._hold_text("k", common_pb2.StageLimits())  # the talker does not say (Qwen2.5-Omni)
+    assert not servicer.hold_text("k", common_pb2.StageLimits())  # the talker does not say (Qwen2.5-Omni)
     servicer.config.audio_first = False
-    assert not servicer._hold_text("k", talker)
+    assert not servicer.hold_text("k", talker)
     servicer.config.audio_first, servicer.engine = True, object()  # another backend (vLLM) takes no holds
-    assert not servicer._hold_text("k", talker)
+    assert not servicer.hold_text("k", talker)
     assert len(sent) == 1

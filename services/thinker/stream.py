@@ -1,0 +1,264 @@
+"""One Thinker.Generate call, step by step: admit the request (validate, build the prompt, learn
+the talker's limits), start it on the engine, open the talker stream at prefill, relay the text
+down and the audio up, move the talker stream to a fallback replica if its replica dies, finish.
+
+`ThinkerStream.run` is the request's whole path; each event the stream's sink hands out goes to
+one `on_*` method, which returns the responses it makes for the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+
+from omni.v1 import common_pb2, omni_pb2, stages_pb2, stages_pb2_grpc
+from services.runtime.detokenizer import IncrementalDetokenizer
+from services.runtime.errors import InvalidArgument
+from services.runtime.prompt import PromptBuilder
+from services.runtime.stages import Stage
+from services.serving import tracing
+from services.serving.channels import ChannelPool
+from services.serving.convert import finish_reason_to_proto
+from services.serving.engine_loop import EngineLoop, EventSink, engine_key
+from services.serving.grpc_server import time_remaining
+from services.serving.metrics import StageMetrics
+from services.serving.migration import Downstream, Resume, with_cuts
+from services.serving.peer_limits import PeerLimits
+from services.serving.status import ReplayDiverged, StageUnavailable, abort_for
+from services.serving.tracing import RequestTrace, now_ns
+from services.thinker.adapter import ThinkerAdapter
+from services.thinker.config import ThinkerConfig
+from services.thinker.engine import Finished, ReleaseText, ThinkerJob, Token
+
+Responses = list[omni_pb2.GenerateResponse]
+
+
+def wants_audio(request: omni_pb2.GenerateRequest) -> bool:
+    modalities = set(request.output_modalities)
+    if not modalities:
+        return True
+    if modalities - {omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO}:
+        raise InvalidArgument("output_modalities", "only MODALITY_TEXT and MODALITY_AUDIO exist")
+    if omni_pb2.MODALITY_TEXT not in modalities:
+        raise InvalidArgument("output_modalities", "text is always produced: use [TEXT] or [TEXT, AUDIO]")
+    return omni_pb2.MODALITY_AUDIO in modalities
+
+
+@dataclass(frozen=True)
+class Prepared:
+    job: ThinkerJob
+    audio: bool
+
+
+class ThinkerStage(Protocol):
+    """What a stream uses of its servicer (services/thinker/server.py's ThinkerServicer)."""
+
+    loop: EngineLoop
+    adapter: ThinkerAdapter
+    prompts: PromptBuilder
+    config: ThinkerConfig
+    channels: ChannelPool
+    metrics: StageMetrics
+    talker_limits: PeerLimits
+
+    def prepare(self, request: omni_pb2.GenerateRequest, talker: common_pb2.StageLimits | None) -> Prepared: ...
+    def hold_text(self, key: str, talker: common_pb2.StageLimits) -> bool: ...
+
+
+class ThinkerStream:
+    def __init__(self, servicer: ThinkerStage, request: stages_pb2.ThinkerRequest,
+                 context: grpc.aio.ServicerContext):
+        self.servicer = servicer
+        self.request = request
+        self.req = request.request
+        self.route = request.route
+        self.context = context
+        self.received, self.received_ns = time.perf_counter(), now_ns()
+        self.request_id = self.req.request_id or "anonymous"
+        self.key = engine_key(self.request_id)  # unique per stream, whatever ids callers reuse
+        self.spans = RequestTrace(Stage.THINKER, self.req.request_id, **{"omni.replay": bool(request.replay_cuts)})
+        self.sink = EventSink(asyncio.get_running_loop())
+        self.prepared: Prepared | None = None
+        self.talker_limits: common_pb2.StageLimits | None = None
+        self.held = False  # the engine holds the text until the talker answers (audio first)
+        self.added_ns = 0
+        self.detok = IncrementalDetokenizer(servicer.prompts.decode)
+        self.speak: Downstream | None = None  # the talker stream, opened at prefill; moves if its replica dies
+        self.talker_start: stages_pb2.TalkerStart | None = None
+        self.resume = Resume(Stage.TALKER)  # what went up from the talker, across moves
+        self.text_done: Finished | None = None
+        self.talker_done: stages_pb2.TalkerFinal | None = None
+        self.ttft = self.ttfp = None  # ms from receipt
+        self.previous_id: int | None = None  # the last text id (Qwen2.5-Omni's TextToken for it comes one token later)
+
+    async def run(self):
+        await self.admit()
+        self.start()
+        outcome = "cancelled"  # unless the stream ends otherwise (the caller went away)
+        try:
+            while not self.done:
+                for response in await self.on(await self.next_item()):
+                    yield response
+            outcome = "ok"
+            yield self.final()
+        except grpc.aio.AbortError:
+            outcome = "error"
+            raise
+        except Exception as exc:  # a failed engine, talker or stream: one status for the caller
+            outcome = "diverged" if isinstance(exc, ReplayDiverged) else type(exc).__name__
+            if isinstance(exc, ReplayDiverged) and self.speak is not None:
+                self.speak.diverged()
+            await abort_for(self.context, exc)
+        finally:
+            self.close(outcome)
+
+    async def admit(self) -> None:
+        """Validate and convert the request (in a worker thread: it decodes audio, images and
+        video), against the limits of the talker in the route when audio is wanted."""
+        try:
+            if wants_audio(self.req):
+                if not self.route.talker:
+                    raise InvalidArgument("route.talker", "audio output needs a talker replica in the route")
+                self.talker_limits = await self.servicer.talker_limits.get(self.route.talker)
+            self.prepared = await asyncio.to_thread(self.servicer.prepare, self.req, self.talker_limits)
+        except (InvalidArgument, StageUnavailable) as exc:
+            self.spans.finish("invalid_argument" if isinstance(exc, InvalidArgument) else "unavailable")
+            await abort_for(self.context, exc)
+        self.spans.phase("prepare", self.received_ns, audio=self.prepared.audio)
+
+    def start(self) -> None:
+        self.added_ns = now_ns()
+        self.servicer.loop.add(self.key, self.prepared.job, self.sink)
+        self.held = self.prepared.audio and self.servicer.hold_text(self.key, self.talker_limits)
+
+    @property
+    def done(self) -> bool:
+        return self.text_done is not None and (self.talker_done is not None or not self.prepared.audio)
+
+    async def next_item(self):
+        """The next engine event or talker output; a talker replica that died is replaced here."""
+        while True:
+            try:
+                item = await self.sink.get(self.servicer.config.serving.stall_timeout_s(stages_below=2), Stage.THINKER)
+            except StageUnavailable as exc:
+                if self.speak is None or not self.speak.failed_here(exc):
+                    raise
+                await self.migrate(exc)
+                continue
+            if self.held and isinstance(item, stages_pb2.TalkerOutput):
+                self.servicer.loop.add_input(self.key, ReleaseText())  # audio (or the talker's end) is coming
+                self.held = False
+            return item
+
+    async def migrate(self, exc: StageUnavailable) -> None:
+        """Replay the talker stream on the next fallback replica; the new talker cuts where this
+        stream's audio was cut (and the router's replay before it)."""
+        cuts = sorted({*self.request.replay_cuts, *self.resume.cuts})
+        if not await self.speak.recover(exc, stages_pb2.TalkerInput(start=with_cuts(self.talker_start, cuts))):
+            raise exc
+        self.resume.begin_replay()
+
+    async def on(self, item) -> Responses:
+        match item:
+            case self.servicer.adapter.prefilled() as prefilled:
+                await self.open_talker(prefilled)
+            case Token() as token:
+                return await self.on_token(token)
+            case Finished() as finished:
+                self.text_done = finished
+                self.spans.close("decode", tokens=finished.generated, finish_reason=finished.reason.name)
+            case stages_pb2.TalkerOutput() as out if out.HasField("audio"):
+                return self.on_audio(out.audio)
+            case stages_pb2.TalkerOutput() as out if out.HasField("codec_frames"):
+                frames = self.resume.codec_frames(out.codec_frames)
+                if frames is not None:
+                    return [omni_pb2.GenerateResponse(request_id=self.request_id, codec_frames=frames)]
+            case stages_pb2.TalkerOutput() as out:
+                self.resume.finish()
+                self.talker_done = out.final  # the talker may finish before the text does
+        return []
+
+    def mark_prefilled(self) -> None:
+        """The request's `queue` and `prefill` spans, once; its `decode` opens."""
+        if self.spans.first("decode"):
+            self.spans.phase("queue", self.added_ns, self.sink.first_step_ns)
+            self.spans.phase("prefill", self.sink.first_step_ns or self.added_ns)
+            self.spans.open("decode")
+
+    async def open_talker(self, prefilled) -> None:
+        """At prefill: open the talker stream and send it the request's start (what the talker
+        needs of the prompt: docs/qwen3-omni.md)."""
+        self.mark_prefilled()
+        s = self.servicer
+        self.speak = Downstream(
+            Stage.THINKER, Stage.TALKER, [self.route.talker, *self.route.talker_fallbacks],
+            lambda address: tracing.call("/omni.v1.Talker/Speak",
+                                         stages_pb2_grpc.TalkerStub(s.channels.get(address)).Speak,
+                                         timeout=time_remaining(self.context)),
+            self.sink, lambda out: out.HasField("final"), self.route.max_migrations, s.metrics,
+            stall_timeout_s=s.config.serving.stall_timeout_s(stages_below=1))
+        self.speak.open()
+        self.talker_start = s.adapter.talker_start(self.req, self.route, prefilled, self.prepared.job)
+        self.talker_start.replay_cuts.extend(self.request.replay_cuts)  # a replay of the router's
+        await self.speak.write(stages_pb2.TalkerInput(start=self.talker_start))
+
+    async def on_token(self, token: Token) -> Responses:
+        if self.ttft is None:
+            self.mark_prefilled()  # (text only: no prefill event came)
+            self.spans.event("first_token")
+            self.ttft = (time.perf_counter() - self.received) * 1000
+        self.spans.count("text_tokens")
+        # The talker first: its next frame waits on this row (and a client slow to read the text
+        # then does not hold the row back).
+        if self.speak is not None and self.talker_done is None:
+            await self.feed_talker(token)
+        self.previous_id = token.token_id
+        return [omni_pb2.GenerateResponse(request_id=self.request_id, text=omni_pb2.TextDelta(
+            text=self.detok.add(token.token_id, last=token.last), token_ids=[token.token_id]))]
+
+    async def feed_talker(self, token: Token) -> None:
+        """One text row per generated token except the last; then the text-finished mark. The
+        talker may have ended already (its own max tokens or EOS): the relay says how."""
+        written = True
+        for message in self.servicer.adapter.talker_inputs(token, self.previous_id):
+            written = await self.speak.write(message)
+        if token.last and written:
+            await self.speak.close()
+
+    def on_audio(self, audio: common_pb2.AudioChunk) -> Responses:
+        chunk = self.resume.audio_chunk(audio)  # None: a replay repeating audio already passed up
+        if chunk is None:
+            return []
+        self.speak.output()
+        if self.ttfp is None:
+            self.spans.event("first_audio")
+            self.ttfp = (time.perf_counter() - self.received) * 1000
+        self.spans.count("audio_chunks")
+        return [omni_pb2.GenerateResponse(request_id=self.request_id, audio=chunk)]
+
+    def final(self) -> omni_pb2.GenerateResponse:
+        talker = self.talker_done
+        migrations = (self.speak.moves if self.speak is not None else 0) + (talker.migrations if talker else 0)
+        self.spans.count("migrations", migrations)
+        final = omni_pb2.Final(text_finish_reason=finish_reason_to_proto(self.text_done.reason), migrations=migrations)
+        final.usage.prompt_tokens = self.text_done.prompt_tokens
+        final.usage.text_tokens = self.text_done.generated
+        if talker is not None:
+            final.audio_finish_reason = talker.finish_reason
+            final.usage.codec_frames = talker.codec_frames
+            final.usage.audio_seconds = talker.audio_samples / 24000.0
+        final.timings.ttft_ms = self.ttft or 0.0
+        final.timings.ttfp_ms = self.ttfp or 0.0
+        final.timings.total_ms = (time.perf_counter() - self.received) * 1000
+        return omni_pb2.GenerateResponse(request_id=self.request_id, final=final)
+
+    def close(self, outcome: str) -> None:
+        """However the stream ended: its trace, the talker stream and the engine request go."""
+        self.spans.finish(outcome)
+        if self.speak is not None:
+            self.speak.cancel()
+        self.servicer.loop.abort(self.key)
