@@ -139,6 +139,11 @@ class EngineLoop:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"{name}-engine", daemon=True)
         self.streams = None  # the server's OpenStreams: its open streams count as in flight too
+        if metrics is not None:
+            # Read at each scrape, as the load report reads it: its streams open and close on the
+            # event loop, between the loop thread's gauge updates, which an idle stage makes only
+            # every 0.5 s.
+            metrics.in_flight.set_function(lambda: self.in_flight)
         if metrics is not None and engine.exact_report is not None:  # LM engines in exact mode: the probed paths
             metrics.exact_kernels(engine.exact_report.kernels)
 
@@ -195,7 +200,6 @@ class EngineLoop:
         m.queue_depth.set(self.engine.queue_depth)
         m.running.set(self.engine.running)
         m.cache_used.set(self.engine.running)
-        m.in_flight.set(self.in_flight)
 
     # The loop thread.
     def _apply(self, command: Command) -> None:
