@@ -12,21 +12,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import secrets
 import sys
-import time
-import uuid
+from contextlib import aclosing
 from dataclasses import dataclass
 
 import grpc
 
-from omni.v1 import omni_pb2, omni_pb2_grpc, stages_pb2, stages_pb2_grpc
-from router.admission import Admission, AdmissionConfig, Rejected
+from omni.v1 import omni_pb2, omni_pb2_grpc, stages_pb2
+from router.admission import Admission, AdmissionConfig
 from router.metrics import RouterMetrics
+from router.relay import Relay
 from router.replicas import Replica, ReplicaSet, ReplicaSource, publish_state
 from services.runtime.errors import run_cli
 from services.runtime.settings import env_default
-from services.serving import tracing
+from services.runtime.stages import Stage
 from services.serving.config import ServingConfig, add_serving_flags, serving_config_from_args
 from services.serving.grpc_server import (
     ServerHandle,
@@ -34,31 +33,22 @@ from services.serving.grpc_server import (
     channel_options,
     serve_until_signal,
     setup_logging,
-    time_remaining,
     write_port_file,
 )
-from services.serving.migration import Passed, Resume, with_cuts
 from services.serving.security import (
     BearerTokenInterceptor,
     load_tokens,
 )
 from services.serving.status import (
     STAGE_UNAVAILABLE,
-    Overloaded,
-    ReplayDiverged,
     StageUnavailable,
-    StreamIdle,
-    abort_for,
     error_info,
-    failure_of_call,
 )
-from services.serving.streams import read
-from services.serving.tracing import RequestTrace, now_ns
 from services.serving.tracing import setup as setup_tracing
 
 log = logging.getLogger("router")
 SERVICE = omni_pb2.DESCRIPTOR.services_by_name["Omni"].full_name
-STAGES = ("thinker", "talker", "code2wav")
+STAGES = tuple(Stage)
 
 
 @dataclass(frozen=True)
@@ -83,31 +73,17 @@ class RouterConfig:
         return self.serving.stall_timeout_s(stages_below=3)
 
 
-def fix_seeds(request: omni_pb2.GenerateRequest) -> None:
-    """A sampled request without a seed gets one now, so a replay after a replica failure draws
-    the same tokens (greedy requests need none)."""
-    for sampling in (request.thinker_sampling, request.talker_sampling):
-        if sampling.temperature > 0 and not sampling.HasField("seed"):
-            sampling.seed = secrets.randbits(63)
-
-
-def _outcome(code: grpc.StatusCode) -> str:
-    return {
-        grpc.StatusCode.OK: "ok", grpc.StatusCode.INVALID_ARGUMENT: "invalid_argument",
-        grpc.StatusCode.RESOURCE_EXHAUSTED: "rejected", grpc.StatusCode.UNAVAILABLE: "unavailable",
-        grpc.StatusCode.CANCELLED: "cancelled", grpc.StatusCode.DEADLINE_EXCEEDED: "deadline_exceeded",
-        grpc.StatusCode.ABORTED: "diverged",
-    }.get(code, "error")
-
-
 class OmniServicer(omni_pb2_grpc.OmniServicer):
     def __init__(self, config: RouterConfig, stages: dict[str, ReplicaSet], metrics: RouterMetrics):
         self.config = config
         self.stages = stages  # stage name -> its replicas
         self.admission = Admission(config.admission)
         self.metrics = metrics
+        self.max_migrations = config.max_migrations
+        self.thinker_stall_s = config.thinker_stall_s
+        self.retry_after_s = config.admission.retry_after_s
 
-    def _route(self) -> tuple[dict[str, Replica], stages_pb2.Route]:
+    def route(self) -> tuple[dict[str, Replica], stages_pb2.Route]:
         """The least-loaded healthy replica of each stage, and the route the thinker gets: those
         for the talker and code2wav plus every other healthy one of theirs as fallbacks, least
         loaded first."""
@@ -118,163 +94,22 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
                 raise StageUnavailable(stage, "no replica", "no healthy replica")
             route[stage] = ranked[stage][0]
         return route, stages_pb2.Route(
-            talker=route["talker"].address, code2wav=route["code2wav"].address,
-            talker_fallbacks=[r.address for r in ranked["talker"][1:]],
-            code2wav_fallbacks=[r.address for r in ranked["code2wav"][1:]],
+            talker=route[Stage.TALKER].address, code2wav=route[Stage.CODE2WAV].address,
+            talker_fallbacks=[r.address for r in ranked[Stage.TALKER][1:]],
+            code2wav_fallbacks=[r.address for r in ranked[Stage.CODE2WAV][1:]],
             max_migrations=self.config.max_migrations)
 
-    def _track(self, route: dict[str, Replica], delta: int) -> None:
+    def track(self, route: dict[str, Replica], delta: int) -> None:
         for stage, replica in route.items():
             replica.in_flight += delta
             self.metrics.replica_in_flight.labels(stage, replica.address).set(replica.in_flight)
 
     async def Generate(self, request: omni_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        received, received_ns = time.perf_counter(), now_ns()
-        self.metrics.queue_depth.set(self.admission.queued + 1)
-        try:
-            await self.admission.acquire()
-        except Rejected as exc:
-            self.metrics.requests.labels("rejected").inc()
-            await abort_for(context, Overloaded(str(exc), self.config.admission.retry_after_s))
-        finally:
-            self.metrics.queue_depth.set(self.admission.queued)
-        self.metrics.in_flight.set(self.admission.in_flight)
-        self.metrics.in_flight_peak.set(self.admission.peak)
-        route: dict[str, Replica] = {}
-        outcome = grpc.StatusCode.UNKNOWN
-        spans: RequestTrace | None = None
-        try:
-            if not request.request_id:
-                request.request_id = uuid.uuid4().hex
-            spans = RequestTrace("router", request.request_id)
-            spans.phase("admission", received_ns, in_flight=self.admission.in_flight)
-            fix_seeds(request)
-            route, stage_route = self._route()
-            spans.set(**{f"omni.route.{stage}": replica.address for stage, replica in route.items()})
-            self._track(route, +1)
-            async for response in self._stream(request, route, stage_route, context, received, spans):
+        async with aclosing(Relay(self, request, context).run()) as responses:
+            async for response in responses:
                 yield response
-            outcome = grpc.StatusCode.OK
-        except ReplayDiverged as exc:
-            outcome = grpc.StatusCode.ABORTED
-            self.metrics.migrations.labels("thinker", "diverged").inc()
-            await abort_for(context, exc)
-        except (StageUnavailable, StreamIdle) as exc:
-            outcome = grpc.StatusCode.UNAVAILABLE
-            await abort_for(context, exc)
-        except grpc.aio.AioRpcError as exc:
-            outcome = exc.code()
-            self._note_failure(exc, route)
-            await abort_for(context, failure_of_call("thinker", route["thinker"].address, exc))
-        except (asyncio.CancelledError, GeneratorExit):  # the client went away (grpc closes the generator)
-            outcome = grpc.StatusCode.CANCELLED
-            raise
-        finally:
-            if spans is not None:
-                spans.finish(_outcome(outcome))
-            self.metrics.requests.labels(_outcome(outcome)).inc()
-            self._track(route, -1)
-            self.admission.release()
-            self.metrics.in_flight.set(self.admission.in_flight)
 
-    async def _stream(self, request, route: dict[str, Replica], stage_route: stages_pb2.Route, context,
-                      received: float, spans: RequestTrace):
-        """Relay the thinker's stream. When the thinker replica dies mid-stream, re-send the request
-        to the next healthy one (at most --max-migrations times) and pass up only what the client
-        does not have yet: text tokens, audio samples and codec frames past those delivered."""
-        thinker_request = stages_pb2.ThinkerRequest(request=request, route=stage_route)
-        text, resume = Passed("thinker", "text"), Resume("thinker")
-        tried, moves, moved_at = {route["thinker"].address}, 0, None
-        first_text = first_audio = last_audio = None
-        audio_samples, sample_rate = 0, 24000
-        played_until = None  # perf_counter when the audio passed up so far has played (a listener from the first chunk)
-        while True:
-            thinker = route["thinker"]
-            with spans.within("migrate"):  # a replay's call under the `migrate` span of its move
-                call = tracing.call(
-                    "/omni.v1.Thinker/Generate",
-                    stages_pb2_grpc.ThinkerStub(self.stages["thinker"].channel(thinker.address)).Generate,
-                    thinker_request, timeout=time_remaining(context))
-            try:
-                async for response in _watched(call, "thinker", thinker.address, self.config.thinker_stall_s):
-                    kind = response.WhichOneof("event")
-                    if kind == "text":
-                        ids = response.text.token_ids
-                        if text.admit(b"".join(i.to_bytes(4, "little", signed=True) for i in ids), len(ids)):
-                            continue  # a replay's repetition of text the client has
-                    elif kind == "audio":
-                        chunk = resume.audio_chunk(response.audio)
-                        if chunk is None:
-                            continue
-                        response = omni_pb2.GenerateResponse(request_id=response.request_id, audio=chunk)
-                    elif kind == "codec_frames":
-                        frames = resume.codec_frames(response.codec_frames)
-                        if frames is None:
-                            continue
-                        response = omni_pb2.GenerateResponse(request_id=response.request_id, codec_frames=frames)
-                    elif kind == "final":
-                        text.check_complete()
-                        resume.finish()
-                        response.final.migrations += moves
-                    now = time.perf_counter()
-                    if moved_at is not None:
-                        self.metrics.migration_pause.labels("thinker").observe(now - moved_at)
-                        moved_at = None
-                        spans.close("migrate", **{"omni.outcome": "moved"})
-                    if kind == "text" and first_text is None:
-                        first_text = now
-                        self.metrics.ttft.observe(now - received)
-                        spans.event("first_text")
-                    elif kind == "audio":
-                        spans.count("audio_chunks")
-                        if first_audio is None:
-                            first_audio = now
-                            self.metrics.ttfp.observe(now - received)
-                            spans.event("first_audio")
-                        last_audio = now
-                        audio_samples += response.audio.num_samples
-                        sample_rate = response.audio.sample_rate or sample_rate
-                        if played_until is not None and now > played_until:
-                            self.metrics.underruns.inc()
-                            self.metrics.underrun_seconds.inc(now - played_until)
-                        played_until = max(played_until or now, now) + response.audio.num_samples / sample_rate
-                    yield response
-                break
-            except (grpc.aio.AioRpcError, StreamIdle) as exc:
-                # A dead replica and a hung one (sockets open, nothing sent) move the request alike.
-                failure = exc if isinstance(exc, StreamIdle) else failure_of_call("thinker", thinker.address, exc)
-                if not (isinstance(failure, StageUnavailable | StreamIdle) and failure.stage == "thinker"):
-                    raise
-                self.stages["thinker"].mark_failed(thinker.address)
-                fallback = self.stages["thinker"].pick(exclude=tried)
-                if fallback is None or moves >= self.config.max_migrations:
-                    self.metrics.migrations.labels("thinker", "failed").inc()
-                    spans.event("migration_failed", replica=thinker.address, reason=str(failure))
-                    raise
-                log.warning("thinker replica %s failed mid-stream (%s); moved request %s to %s (move %d of at most %d)",
-                            thinker.address, failure, request.request_id, fallback.address, moves + 1,
-                            self.config.max_migrations)
-                self.metrics.migrations.labels("thinker", "moved").inc()
-                self._track({"thinker": thinker}, -1)
-                self._track({"thinker": fallback}, +1)
-                route["thinker"] = fallback
-                tried.add(fallback.address)
-                moves += 1
-                moved_at = time.perf_counter()
-                spans.close("migrate", **{"omni.outcome": "ended"})  # moved again before the last move's first output
-                spans.open("migrate", **{"omni.peer": "thinker", "omni.from_replica": thinker.address,
-                                         "omni.to_replica": fallback.address, "omni.move": moves,
-                                         "omni.reason": str(failure)})
-                text.begin_replay()
-                resume.begin_replay()
-                thinker_request = with_cuts(thinker_request, resume.cuts)  # the audio repeats bit for bit
-            finally:
-                call.cancel()  # no-op when finished; frees every stage when the client went away
-        spans.count("migrations", moves)
-        if audio_samples:
-            self.metrics.rtf.observe((last_audio - received) / (audio_samples / sample_rate))
-
-    def _note_failure(self, exc: grpc.aio.AioRpcError, route: dict[str, Replica]) -> None:
+    def note_failure(self, exc: grpc.aio.AioRpcError, route: dict[str, Replica]) -> None:
         """Mark the replica an UNAVAILABLE's ErrorInfo names (or the thinker, if it died itself) as failed."""
         if exc.code() is not grpc.StatusCode.UNAVAILABLE:
             return
@@ -282,7 +117,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         if info is not None and info.reason == STAGE_UNAVAILABLE and info.metadata.get("stage") in self.stages:
             self.stages[info.metadata["stage"]].mark_failed(info.metadata["replica"])
         elif info is None and route:
-            self.stages["thinker"].mark_failed(route["thinker"].address)
+            self.stages[Stage.THINKER].mark_failed(route[Stage.THINKER].address)
 
 
 class Router:
@@ -325,18 +160,6 @@ class Router:
             await asyncio.sleep(self.config.poll_interval_s / 2)
 
 
-async def _watched(call, stage: str, replica: str, stall_s: float):
-    """The responses of `call`; StreamIdle naming `stage` at `replica` when none comes for `stall_s`
-    (the call is cancelled). Reads are never cancelled mid-flight (services/serving/streams.py): in
-    the router, over 3,000 cancelled and 3,000 deadline-expired requests (one run each), malloc
-    in-use memory grew +1.1 MB with `asyncio.wait_for(anext(...))`, +0.1 MB this way."""
-    while True:
-        response = await read(call, stall_s, lambda: StreamIdle(stage, stall_s, replica))
-        if response is grpc.aio.EOF:
-            return
-        yield response
-
-
 async def create_server(config: RouterConfig) -> tuple[ServerHandle, Router]:
     router = Router(config)
     await router.start()
@@ -356,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     # Clients' messages are smaller than what stages pass each other (a whole prompt's hidden states).
     add_serving_flags(parser, default_port=50051, max_message_mb=64, idle_timeout_help=(
         "the stages' idle timeout: a thinker replica silent for 2.5x this is taken as hung (default 120)"))
-    for stage, port in (("thinker", 50061), ("talker", 50062), ("code2wav", 50063)):
+    for stage, port in ((Stage.THINKER, 50061), (Stage.TALKER, 50062), (Stage.CODE2WAV, 50063)):
         parser.add_argument(f"--{stage}", default=env_default(stage, f"localhost:{port}"),
                             help=f"{stage} replicas: host:port[,host:port] or dns:///name:port")
     parser.add_argument("--max-in-flight", type=int, default=env_default("max_in_flight", 64),

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import logging
 import sys
+from contextlib import aclosing
 
 import grpc
 
@@ -56,8 +57,9 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
         self.metrics: StageMetrics = loop.metrics
 
     async def Speak(self, request_iterator, context: grpc.aio.ServicerContext):
-        async for response in SpeakStream(self, request_iterator, context).run():
-            yield response
+        async with aclosing(SpeakStream(self, request_iterator, context).run()) as responses:
+            async for response in responses:
+                yield response
 
     async def GetLoad(self, request, context):
         return self.loop.load_report(Stage.TALKER, self.config.engine.num_slots, self.handle.draining, self.limits,

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import logging
 import sys
+from contextlib import aclosing
 
 import grpc
 
@@ -161,8 +162,9 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         return ids
 
     async def Generate(self, request: stages_pb2.ThinkerRequest, context: grpc.aio.ServicerContext):
-        async for response in ThinkerStream(self, request, context).run():
-            yield response
+        async with aclosing(ThinkerStream(self, request, context).run()) as responses:
+            async for response in responses:
+                yield response
 
     def hold_text(self, key: str, talker: common_pb2.StageLimits) -> bool:
         """Audio first: hold the request's text at what the talker's first chunk needs plus a
