@@ -228,6 +228,15 @@ class PromptLimits:
     video_fps: float = 2.0  # frames sampled per second of video (Qwen's own default)
 
 
+@dataclass
+class _Media:
+    """A prompt's decoded media, in prompt order (a video's audio track among the audio parts)."""
+
+    audios: list = field(default_factory=list)
+    images: list = field(default_factory=list)
+    videos: list = field(default_factory=list)
+
+
 class PromptBuilder:
     """Loads the checkpoint's tokenizer and processors once; builds inputs per request."""
 
@@ -368,8 +377,36 @@ class PromptBuilder:
         return header
 
     def build(self, messages: list[ChatMessage], field_prefix: str = "messages") -> PromptInputs:
+        """The thinker's inputs for a chat: every declared size checked before anything is
+        decoded, then the media decoded, the chat template applied, the media placeholders
+        expanded and the text tokenized."""
         import torch
 
+        use_audio_in_video = self._check_messages(messages, field_prefix)
+        headers = self._check_declared(messages, field_prefix)
+        media = _Media()
+        chat = [{"role": message.role.value,
+                 "content": [self._decode_part(part, f"{field_prefix}[{i}].content[{j}]", headers.get((i, j)), media,
+                                               use_audio_in_video)
+                             for j, part in enumerate(message.parts)]}
+                for i, message in enumerate(messages)]
+        with self._encode_lock:
+            text = self.tokenizer.apply_chat_template(chat, chat_template=self.chat_template,
+                                                      add_generation_prompt=True, tokenize=False)
+        inputs, audio_counts, image_counts = self._media_inputs(media, use_audio_in_video)
+        text = self._expand_media(text, audio_counts, image_counts, [v.grid for v in media.videos], use_audio_in_video)
+        with self._encode_lock:
+            ids = self.tokenizer(text, return_tensors="pt")["input_ids"].to(torch.long)
+        if ids.shape[1] > self.max_prompt_tokens:
+            raise InvalidArgument(
+                field_prefix, f"prompt is {ids.shape[1]} tokens, longer than the limit of {self.max_prompt_tokens}"
+            )
+        return PromptInputs(input_ids=ids, attention_mask=torch.ones_like(ids), **inputs)
+
+    @staticmethod
+    def _check_messages(messages: list[ChatMessage], field_prefix: str) -> bool:
+        """The chat's shape (a user message, no empty message, one `use_audio_in_video` for
+        every video); returns that setting."""
         if not messages:
             raise InvalidArgument(field_prefix, "at least one message is required")
         for i, message in enumerate(messages):
@@ -381,65 +418,58 @@ class PromptBuilder:
                       if p.video is not None or p.video_frames is not None}
         if len(with_audio) > 1:
             raise InvalidArgument("use_audio_in_video", "applies to every video of a prompt or to none")
-        use_audio_in_video = with_audio == {True}
-        headers = self._check_declared(messages, field_prefix)
-        chat, audios, images, videos = [], [], [], []
-        for i, message in enumerate(messages):
-            content = []
-            for j, part in enumerate(message.parts):
-                where = f"{field_prefix}[{i}].content[{j}]"
-                if part.text is not None:
-                    for token in self.placeholders:  # they would be expanded (or left) as media positions
-                        if token in part.text:
-                            raise InvalidArgument(f"{where}.text", f"contains the reserved token {token}")
-                    content.append({"type": "text", "text": part.text})
-                elif part.audio is not None:
-                    audios.append(decode_audio(part.audio, f"{where}.audio", self.limits.max_audio_seconds,
-                                               headers[(i, j)]))
-                    content.append({"type": "audio"})
-                elif part.image is not None:
-                    images.append(decode_image(part.image, f"{where}.image", self.limits.max_image_pixels))
-                    content.append({"type": "image"})
-                elif part.video is not None:
-                    video = decode_video(part.video, f"{where}.video", headers[(i, j)], self.video_rules,
-                                         with_audio=use_audio_in_video)
-                    videos.append(video)
-                    if video.audio is not None:  # in prompt order among the audio parts, as the processor takes them
-                        audios.append(resample(video.audio, video.audio_rate, AUDIO_SAMPLE_RATE))
-                    content.append({"type": "video"})
-                elif part.video_frames is not None:
-                    field_name = f"{where}.video_frames"
-                    frames = [np.asarray(decode_image(part.video_frames[k], f"{field_name}[{k}]",
-                                                      self.limits.video.max_pixels))
-                              for k in sample_indices(self.video_rules, headers[(i, j)], field_name)]
-                    videos.append(video_from_frames(frames, self.video_rules))
-                    content.append({"type": "video"})
-                else:
-                    raise InvalidArgument(where, "empty content part")
-            chat.append({"role": message.role.value, "content": content})
-        if not any(m.role is Role.USER for m in messages):
-            raise InvalidArgument(field_prefix, "at least one user message is required")
-        with self._encode_lock:
-            text = self.tokenizer.apply_chat_template(chat, chat_template=self.chat_template,
-                                                      add_generation_prompt=True, tokenize=False)
+        return with_audio == {True}
+
+    def _decode_part(self, part: Part, where: str, header, media: _Media, use_audio_in_video: bool) -> dict:
+        """One content part decoded into `media` (header: its declared size, checked already);
+        returns its entry in the chat template's content."""
+        if part.text is not None:
+            for token in self.placeholders:  # they would be expanded (or left) as media positions
+                if token in part.text:
+                    raise InvalidArgument(f"{where}.text", f"contains the reserved token {token}")
+            return {"type": "text", "text": part.text}
+        if part.audio is not None:
+            media.audios.append(decode_audio(part.audio, f"{where}.audio", self.limits.max_audio_seconds, header))
+            return {"type": "audio"}
+        if part.image is not None:
+            media.images.append(decode_image(part.image, f"{where}.image", self.limits.max_image_pixels))
+            return {"type": "image"}
+        if part.video is not None:
+            video = decode_video(part.video, f"{where}.video", header, self.video_rules, with_audio=use_audio_in_video)
+            media.videos.append(video)
+            if video.audio is not None:  # in prompt order among the audio parts, as the processor takes them
+                media.audios.append(resample(video.audio, video.audio_rate, AUDIO_SAMPLE_RATE))
+            return {"type": "video"}
+        if part.video_frames is not None:
+            field_name = f"{where}.video_frames"
+            frames = [np.asarray(decode_image(part.video_frames[k], f"{field_name}[{k}]", self.limits.video.max_pixels))
+                      for k in sample_indices(self.video_rules, header, field_name)]
+            media.videos.append(video_from_frames(frames, self.video_rules))
+            return {"type": "video"}
+        raise InvalidArgument(where, "empty content part")
+
+    def _media_inputs(self, media: _Media, use_audio_in_video: bool) -> tuple[dict, list[int], list[int]]:
+        """The processors' tensors for the decoded media, and the placeholder count of each audio
+        and image."""
+        import torch
 
         inputs = {}
         audio_counts, image_counts = [], []
-        if audios:
+        if media.audios:
             feats = self.feature_extractor(
-                audios, sampling_rate=AUDIO_SAMPLE_RATE, return_attention_mask=True, return_tensors="pt",
+                media.audios, sampling_rate=AUDIO_SAMPLE_RATE, return_attention_mask=True, return_tensors="pt",
                 **self.audio_rules.feature_kwargs,
             )
             inputs["input_features"] = feats["input_features"]
             inputs["feature_attention_mask"] = feats["attention_mask"]
             audio_counts = [int(n) for n in self.audio_rules.tokens(feats["attention_mask"].sum(-1).numpy())]
-        if images:
-            pix = self.image_processor(images=images, return_tensors="pt")
+        if media.images:
+            pix = self.image_processor(images=media.images, return_tensors="pt")
             inputs["pixel_values"] = pix["pixel_values"]
             inputs["image_grid_thw"] = pix["image_grid_thw"]
             merge = self.image_processor.merge_size ** 2
             image_counts = [int(g.prod()) // merge for g in pix["image_grid_thw"]]
-        if videos:
+        if videos := media.videos:
             # One video: its patches as they are (a cat would hold a second copy at the peak).
             inputs["pixel_values_videos"] = (videos[0].pixel_values if len(videos) == 1
                                              else torch.cat([v.pixel_values for v in videos]))
@@ -448,14 +478,7 @@ class PromptBuilder:
             inputs["video_grid_thw"] = torch.tensor([v.grid for v in videos])
             inputs["video_second_per_grid"] = torch.tensor([self.video_rules.second_per_grid] * len(videos))
             inputs["use_audio_in_video"] = use_audio_in_video
-        text = self._expand_media(text, audio_counts, image_counts, [v.grid for v in videos], use_audio_in_video)
-        with self._encode_lock:
-            ids = self.tokenizer(text, return_tensors="pt")["input_ids"].to(torch.long)
-        if ids.shape[1] > self.max_prompt_tokens:
-            raise InvalidArgument(
-                field_prefix, f"prompt is {ids.shape[1]} tokens, longer than the limit of {self.max_prompt_tokens}"
-            )
-        return PromptInputs(input_ids=ids, attention_mask=torch.ones_like(ids), **inputs)
+        return inputs, audio_counts, image_counts
 
     def _expand_media(self, text: str, audio_counts: list[int], image_counts: list[int],
                       video_grids: list[tuple[int, int, int]], use_audio_in_video: bool) -> str:
