@@ -2,7 +2,7 @@
 
 What must be computed before a client can hear anything, one step after the other with no
 service, queue or network between them, driven through the services' own engines of the
-checkpoint's family (services/tools/inprocess.py, `handoff_for`):
+checkpoint's family (services/tools/inprocess.py, `Handoff`: the servers' own adapters):
 
 1. thinker: prefill + the first token (the engine's prefill step);
 2. thinker: the further tokens the first chunk needs. Qwen3-Omni: frame f > 0 consumes text row
@@ -50,7 +50,7 @@ from services.runtime.stages import Stage
 from services.serving.config import ServingConfig
 from services.talker.engine import Frame, TalkerDone
 from services.thinker.engine import Token
-from services.tools.inprocess import handoff_for
+from services.tools.inprocess import Handoff
 from services.tools.reference import ReferenceRunner
 
 TALKER_REPETITION_PENALTY = 1.05  # the talker service's default, as in generate
@@ -141,7 +141,8 @@ class LMFloor:
         model, config = runner.model, runner.config
         self.prompts = PromptBuilder(runner.folder, config)
         self.device = device
-        self.handoff = handoff_for(runner.family, runner.folder, config, voice)
+        self.handoff = Handoff(self.prompts, config)
+        self.voice = voice
         self.thinker = self.handoff.thinker_engine(model.thinker, config, device=device)
         self.talker = self.handoff.talker_engine(model.talker, config, device=device)
         self.max_new_tokens = max_new_tokens
@@ -149,12 +150,12 @@ class LMFloor:
         self.first_chunk_frames = first_chunk_frames
 
     def thinker_job(self, inputs):
-        return self.handoff.thinker_job(inputs, SamplingConfig(max_new_tokens=self.max_new_tokens))
+        return self.handoff.thinker_job(inputs, SamplingConfig(max_new_tokens=self.max_new_tokens), self.voice)
 
-    def talker_job(self, prefilled, inputs):
+    def talker_job(self, prefilled, job):
         """The talker's job as the thinker service starts it (the talker service's sampling defaults)."""
-        return self.handoff.talker_job(prefilled, inputs, SamplingConfig(
-            max_new_tokens=self.talker_max_new_tokens, repetition_penalty=TALKER_REPETITION_PENALTY))
+        return self.handoff.talker_job(prefilled, job, SamplingConfig(
+            max_new_tokens=self.talker_max_new_tokens, repetition_penalty=TALKER_REPETITION_PENALTY), self.voice)
 
     def clock(self) -> float:
         if self.device.startswith("cuda"):
@@ -182,8 +183,9 @@ class LMFloor:
             # As the thinker service does: what each token brings the talker (the family's handoff).
             for _, event in events:
                 if isinstance(event, Token):
+                    previous = tokens[-1].token_id if tokens else None
                     tokens.append(event)
-                    for payload in self.handoff.talker_inputs(event):
+                    for payload in self.handoff.talker_inputs(event, previous):
                         timed(talker_bucket, self.talker.add_input, rid, payload)
 
         def take(events) -> None:
@@ -195,10 +197,11 @@ class LMFloor:
                     talker_done = True
 
         try:
-            self.thinker.add(rid, self.thinker_job(inputs))
+            job = self.thinker_job(inputs)
+            self.thinker.add(rid, job)
             events = timed("thinker_prefill", self.thinker.step)
             prefilled = next(e for _, e in events if isinstance(e, self.handoff.prefilled))
-            self.talker.add(rid, self.talker_job(prefilled, inputs))
+            self.talker.add(rid, self.talker_job(prefilled, job))
             feed(events, "talker_prefill")
             while len(frames) < self.first_chunk_frames and not talker_done:
                 if self.talker.has_work():
@@ -257,20 +260,23 @@ class FloorMeter:
         frames: dict[str, list[torch.Tensor]] = {rid: [] for rid in inputs}
         first_audio: dict[str, float] = {}
         ended: set[str] = set()  # no audio to make (the talker ended before a frame)
+        jobs, previous = {}, {}  # request_id -> its thinker job, its last text id
         start = lms.clock()
         try:
             for rid, prompt in inputs.items():
-                thinker.add(rid, lms.thinker_job(prompt))
+                jobs[rid] = lms.thinker_job(prompt)
+                thinker.add(rid, jobs[rid])
             while len(first_audio) + len(ended) < len(inputs) and (thinker.has_work() or talker.has_work()):
                 if thinker.has_work():
                     events = thinker.step()
                     for rid, event in events:  # every prefilled request joins the talker before its first row
                         if isinstance(event, handoff.prefilled):
-                            talker.add(rid, lms.talker_job(event, inputs[rid]))
+                            talker.add(rid, lms.talker_job(event, jobs[rid]))
                     for rid, event in events:
                         if isinstance(event, Token):
-                            for payload in handoff.talker_inputs(event):
+                            for payload in handoff.talker_inputs(event, previous.get(rid)):
                                 talker.add_input(rid, payload)
+                            previous[rid] = event.token_id
                 if talker.has_work():
                     for rid, event in talker.step():
                         if rid in first_audio or rid in ended:

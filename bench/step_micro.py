@@ -32,6 +32,7 @@ def build_engine(checkpoint: str, batch: int, exact: bool = True):
 
 def fill(engine, batch: int, rows: int, seed: int = 0):
     from services.runtime.prompt import PromptBuilder  # noqa: F401  (import cost outside the timing)
+    from services.runtime.qwen3_omni import talker_prompt_len
     from services.runtime.sampling import SamplingConfig
     from services.talker.engine import TalkerJob, TextRow
 
@@ -44,7 +45,8 @@ def fill(engine, batch: int, rows: int, seed: int = 0):
         job = TalkerJob(prompt_token_ids=ids, prompt_embeds=torch.randn(len(ids), hidden, generator=gen),
                         multimodal_positions=[], multimodal_hidden=torch.zeros(0, hidden),
                         tts_embeds=torch.randn(3, hidden, generator=gen), speaker_id=int(speaker),
-                        sampling=SamplingConfig(max_new_tokens=rows + 8, repetition_penalty=1.05))
+                        sampling=SamplingConfig(max_new_tokens=rows + 8, repetition_penalty=1.05),
+                        prompt_len=talker_prompt_len(ids, cfg))
         engine.add(f"r{i}", job)
         for _ in range(rows):
             engine.add_input(f"r{i}", TextRow(torch.randn(hidden, generator=gen)))

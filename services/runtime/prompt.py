@@ -249,6 +249,7 @@ class PromptBuilder:
             Qwen3OmniMoeProcessor,
         )
 
+        self.folder = str(folder)
         self.family = Family(config.model_type)
         processor_cls = Qwen2_5OmniProcessor if self.family is Family.QWEN2_5_OMNI else Qwen3OmniMoeProcessor
 

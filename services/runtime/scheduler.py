@@ -91,6 +91,13 @@ class LMScheduler:
         if seq is not None:
             seq.ready = ready
 
+    def reaches_length(self, request_id: str) -> bool:
+        """Whether the token this step makes for `request_id` is its last by max_new_tokens. The
+        one place the length stop is decided: the engines ask here, and `update` ends the request
+        after the step by the same count."""
+        seq = self.seqs.get(request_id)
+        return seq is None or seq.generated + 1 >= seq.max_new_tokens
+
     # The step.
     def schedule(self) -> StepPlan:
         decode = [s.request_id for s in self.seqs.values() if s.phase is Phase.RUNNING and s.ready]

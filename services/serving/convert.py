@@ -18,6 +18,17 @@ def finish_reason_to_proto(reason: FinishReason) -> int:
     return _FINISH_REASONS[reason]
 
 
+def sampling_to_proto(sampling: SamplingConfig) -> common_pb2.SamplingParams:
+    """SamplingConfig -> omni.v1.SamplingParams with every field set (what a stage reads back is
+    the same config, its floats rounded to float32 as on the wire)."""
+    p = common_pb2.SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                                  repetition_penalty=sampling.repetition_penalty,
+                                  max_new_tokens=sampling.max_new_tokens)
+    if sampling.seed is not None:
+        p.seed = sampling.seed
+    return p
+
+
 def sampling_from_proto(p: common_pb2.SamplingParams, field: str, default_max_new_tokens: int, max_new_tokens_limit: int,
                         default_repetition_penalty: float = 1.0) -> SamplingConfig:
     """omni.v1.SamplingParams -> SamplingConfig, validating every set field."""

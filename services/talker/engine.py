@@ -35,7 +35,6 @@ from services.runtime.events import EngineEvent
 from services.runtime.finish import FinishReason
 from services.runtime.invariance import choose_exact_kernels, experts_modules, linear_weights
 from services.runtime.lm_engine import SlotScheduledEngine
-from services.runtime.qwen3_omni import talker_prompt_len
 from services.runtime.sampling import SamplingConfig, select_token
 from services.runtime.scheduler import LMScheduler
 from services.runtime.settings import GraphSettings
@@ -54,6 +53,7 @@ class TalkerJob:
     tts_embeds: torch.Tensor  # [3, H_thinker] tts_bos, tts_eos, tts_pad (thinker embeddings)
     speaker_id: int
     sampling: SamplingConfig
+    prompt_len: int  # cache positions of the prefill (qwen3_omni.talker_prompt_len), computed once at admission
     image_grid_thw: torch.Tensor | None = None  # [images, 3]
     audio_feature_lengths: torch.Tensor | None = None  # [audios]
     video_grid_thw: torch.Tensor | None = None  # [videos, 3]
@@ -187,8 +187,7 @@ class TalkerEngine(SlotScheduledEngine):
 
     # The loop's interface.
     def add(self, request_id: str, job: TalkerJob) -> None:
-        prompt_len = talker_prompt_len(job.prompt_token_ids, self.config)
-        self.scheduler.add(request_id, prompt_len, job.sampling.max_new_tokens, ready=False)
+        self.scheduler.add(request_id, job.prompt_len, job.sampling.max_new_tokens, ready=False)
         self._requests[request_id] = _State(job=job, generator=job.sampling.generator())
 
     def add_input(self, request_id: str, payload) -> None:
@@ -328,7 +327,7 @@ class TalkerEngine(SlotScheduledEngine):
             state.seen[code] = True
             if code == self.eos:
                 events.append((request_id, TalkerDone(FinishReason.STOP, state.frames)))
-            elif len(state.codes) >= state.job.sampling.max_new_tokens:
+            elif self.scheduler.reaches_length(request_id):
                 events.append((request_id, TalkerDone(FinishReason.LENGTH, state.frames)))
             else:
                 keep.append(row)

@@ -45,6 +45,11 @@ class Qwen2_5TalkerJob:
     sampling: SamplingConfig
     eos_ids: tuple[int, ...] = TALKER_EOS_IDS  # generate's talker_eos_token_id
 
+    @property
+    def prompt_len(self) -> int:
+        """Cache positions of the prefill: the admission check's and the scheduler's count."""
+        return talker_prompt_len(self.prompt_hidden.shape[0])
+
 
 @dataclass(frozen=True)
 class ReplyPart:
@@ -101,8 +106,7 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
 
     # The loop's interface.
     def add(self, request_id: str, job: Qwen2_5TalkerJob) -> None:
-        prompt_len = talker_prompt_len(job.prompt_hidden.shape[0])
-        self.scheduler.add(request_id, prompt_len, job.sampling.max_new_tokens, ready=False)
+        self.scheduler.add(request_id, job.prompt_len, job.sampling.max_new_tokens, ready=False)
         seen = torch.zeros(self.vocab, dtype=torch.bool)
         # generate's talker input ids: [codec_mask] * P + [codec_pad, codec_bos], the penalty's history.
         seen[[self.codec_pad, self.codec_bos] + ([self.codec_mask] if job.prompt_hidden.shape[0] else [])] = True
@@ -178,7 +182,7 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
                 continue
             events.append((request_id, Frame(index=state.frames, codes=torch.tensor([code]))))
             state.frames += 1
-            if len(state.codes) >= state.job.sampling.max_new_tokens:
+            if self.scheduler.reaches_length(request_id):
                 events.append((request_id, TalkerDone(FinishReason.LENGTH, state.frames)))
         return events
 

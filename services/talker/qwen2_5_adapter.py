@@ -6,7 +6,6 @@ the voice already chose the thinker's bos row), and each later token brings its 
 from __future__ import annotations
 
 from omni.v1 import stages_pb2
-from services.runtime import qwen2_5_omni
 from services.runtime.chunking import ChunkPolicy
 from services.runtime.errors import InvalidArgument
 from services.serving.convert import sampling_from_proto
@@ -31,12 +30,13 @@ def qwen2_5_job_from_proto(start: stages_pb2.TalkerStart, model_config, config: 
         raise InvalidArgument("start.text_embeds", f"must be [3, {hidden}] floats, got {list(text_embeds.shape)}")
     sampling = sampling_from_proto(start.sampling, "talker_sampling", config.default_max_new_tokens,
                                    config.max_new_tokens_limit, default_repetition_penalty=1.05)
-    needed = qwen2_5_omni.talker_prompt_len(prompt_len) + sampling.max_new_tokens
+    job = Qwen2_5TalkerJob(prompt_hidden=prompt_hidden, text_embeds=text_embeds, sampling=sampling)
+    needed = job.prompt_len + sampling.max_new_tokens
     if needed > config.engine.max_model_len:
         raise InvalidArgument("talker_sampling.max_new_tokens",
                               f"talker prompt + max_new_tokens ({needed}) exceeds the talker's per-request cache "
                               f"({config.engine.max_model_len})")
-    return Qwen2_5TalkerJob(prompt_hidden=prompt_hidden, text_embeds=text_embeds, sampling=sampling)
+    return job
 
 
 def qwen2_5_input_from_proto(message: stages_pb2.TalkerInput, hidden: int) -> ReplyPart | TextEnd:

@@ -44,15 +44,15 @@ def talker_job_from_proto(start: stages_pb2.TalkerStart, model_config, config: T
         raise InvalidArgument("start.tts_embeds", f"must be [3, {hidden}] floats, got {list(tts.shape)} {tts.dtype}")
     sampling = sampling_from_proto(start.sampling, "talker_sampling", config.default_max_new_tokens,
                                    config.max_new_tokens_limit, default_repetition_penalty=1.05)
-    needed = talker_prompt_len(list(start.prompt_token_ids), model_config) + sampling.max_new_tokens
+    prompt_len = talker_prompt_len(ids, model_config)
+    needed = prompt_len + sampling.max_new_tokens
     if needed > config.engine.max_model_len:
         raise InvalidArgument("talker_sampling.max_new_tokens",
                               f"talker prompt + max_new_tokens ({needed}) exceeds the talker's per-request cache "
                               f"({config.engine.max_model_len})")
     return TalkerJob(
-        prompt_token_ids=list(start.prompt_token_ids), prompt_embeds=embeds, multimodal_positions=positions,
-        multimodal_hidden=mm_hidden, tts_embeds=tts, speaker_id=speaker_id,
-        sampling=sampling,
+        prompt_token_ids=ids, prompt_embeds=embeds, multimodal_positions=positions,
+        multimodal_hidden=mm_hidden, tts_embeds=tts, speaker_id=speaker_id, sampling=sampling, prompt_len=prompt_len,
         image_grid_thw=tensor_from_proto(start.image_grid_thw) if start.HasField("image_grid_thw") else None,
         audio_feature_lengths=(tensor_from_proto(start.audio_feature_lengths)
                                if start.HasField("audio_feature_lengths") else None),

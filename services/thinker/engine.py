@@ -317,7 +317,7 @@ class ThinkerEngine(SlotScheduledEngine):
             token = select_token(logits, cfg, history, request.generator)
         request.generated.append(token)
         index = len(request.generated) - 1
-        last = token in self.eos_ids or len(request.generated) >= cfg.max_new_tokens
+        last = token in self.eos_ids or self.scheduler.reaches_length(request_id)
         if embedding is None and request.job.want_talker_inputs and self.feeds_token_embeddings:
             embedding = self.embed(torch.tensor([token], device=self.device))[0].cpu()
         events: StepResult = [(request_id, Token(token, index, embedding, last, reply))]

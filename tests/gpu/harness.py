@@ -8,7 +8,6 @@ from collections import defaultdict
 import torch
 
 from services.runtime.batching import SlotKVCache
-from services.runtime.prompt import resolve_voice
 from services.runtime.sampling import SamplingConfig
 from services.runtime.settings import GraphSettings
 from services.runtime.static_decode import SlotDecodeGraphs
@@ -17,8 +16,6 @@ from services.talker.engine import (
     TalkerDone,
     TalkerEngine,
     TalkerEngineConfig,
-    TextEnd,
-    TextRow,
 )
 from services.talker.graphs import PredictorGraphs, talker_step
 from services.thinker.engine import (
@@ -30,7 +27,7 @@ from services.thinker.engine import (
     Token,
 )
 from services.thinker.graphs import thinker_step
-from services.tools.inprocess import talker_job
+from services.tools.inprocess import Handoff
 
 BUCKETS = (1, 2, 4, 8)  # 3 requests run padded to 4
 SLOTS = 4
@@ -43,22 +40,24 @@ def run_pipeline(thinker, talker, builder, config, requests: dict, voice: str = 
     tokens: dict[str, list[int]] = defaultdict(list)  # request_id -> text ids
     frames: dict[str, list[torch.Tensor]] = defaultdict(list)  # request_id -> [num_code_groups] codes
     done: dict[str, TalkerDone] = {}  # request_id -> the talker's end
-    prompts = {}
+    handoff = Handoff(builder, config)  # the servers' adapters, in-process
+    jobs = {}
     for rid, (messages, max_new, _talker_max) in requests.items():
-        prompts[rid] = prompt = builder.build(messages)
-        thinker.add(rid, ThinkerJob(prompt, SamplingConfig(max_new_tokens=max_new), True))
+        jobs[rid] = ThinkerJob(builder.build(messages), SamplingConfig(max_new_tokens=max_new), True)
+        thinker.add(rid, jobs[rid])
     for _ in range(max_steps):
         if not (thinker.has_work() or talker.has_work()):
             break
         if thinker.has_work():
             for rid, event in thinker.step():
                 if isinstance(event, Prefilled):
-                    prompt = prompts[rid]
-                    talker.add(rid, talker_job(event, prompt, resolve_voice(config, voice)[1],
-                                               SamplingConfig(max_new_tokens=requests[rid][2], repetition_penalty=1.05)))
+                    talker.add(rid, handoff.talker_job(
+                        event, jobs[rid], SamplingConfig(max_new_tokens=requests[rid][2], repetition_penalty=1.05),
+                        voice))
                 elif isinstance(event, Token):
                     tokens[rid].append(event.token_id)
-                    talker.add_input(rid, TextEnd() if event.last else TextRow(event.embedding))
+                    for payload in handoff.talker_inputs(event):
+                        talker.add_input(rid, payload)
                 else:
                     assert isinstance(event, Finished)
         if talker.has_work():

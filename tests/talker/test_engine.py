@@ -2,7 +2,8 @@
 
 The harness does what the two servers and the router do, without gRPC: step the thinker; a
 `Prefilled` event starts the talker request; every `Token` becomes a `TextRow` for the talker
-(the last one becomes `TextEnd`, as services/thinker/server.py sends it); step the talker.
+(the last one becomes `TextEnd`); step the talker. The handoff is the servers' own adapters
+(services/tools/inprocess.py), so the stage messages are made and read as over the wire.
 Requests of different lengths, voices and modalities join at different steps, and every one's
 text ids and codec frames must equal `ReferenceRunner` (transformers' own generate, greedy).
 """
@@ -18,7 +19,8 @@ import torch
 from services.runtime.batching import KernelPath
 from services.runtime.checkpoint import Stage, load_stage
 from services.runtime.finish import FinishReason
-from services.runtime.prompt import PromptBuilder, resolve_voice
+from services.runtime.prompt import PromptBuilder
+from services.runtime.qwen3_omni import talker_prompt_len
 from services.runtime.sampling import SamplingConfig
 from services.talker.engine import (
     Frame,
@@ -37,7 +39,7 @@ from services.thinker.engine import (
     ThinkerJob,
     Token,
 )
-from services.tools.inprocess import talker_job
+from services.tools.inprocess import Handoff
 from services.tools.reference import ReferenceRunner, messages_from_args
 from tests.talker.pipeline import TwoStagePipeline, assert_clean
 
@@ -136,7 +138,7 @@ def expected(tiny_checkpoint, messages) -> dict:
 
 class Pipeline(TwoStagePipeline):
     """Thinker and talker engines stepped in turn (tests/talker/pipeline.py), text handed over
-    in-process: a TextRow per token, TextEnd for the last."""
+    in-process through the servers' adapters: a TextRow per token, TextEnd for the last."""
 
     def __init__(self, stages, builder, exact: bool = True, slots: int = SLOTS, text_every: dict | None = None,
                  gemm: bool = False):
@@ -149,16 +151,18 @@ class Pipeline(TwoStagePipeline):
             text_every)
         self.config = thinker.config
         self.builder = builder
+        self.handoff = Handoff(builder, thinker.config)  # the servers' adapters, in-process
         self.cases: dict[str, Case] = {}
-        self.prompts: dict = {}  # request_id -> PromptInputs
+        self.jobs: dict = {}  # request_id -> ThinkerJob
         self.tokens: dict[str, list[int]] = defaultdict(list)  # request_id -> text ids
         self.frames: dict[str, list[list[int]]] = defaultdict(list)  # request_id -> codec frames
         self.finished: dict[str, Finished] = {}  # request_id -> the thinker's end
 
     def add(self, case: Case, messages) -> None:
         self.cases[case.request_id] = case
-        self.prompts[case.request_id] = prompt = self.builder.build(messages)
-        self.thinker.add(case.request_id, ThinkerJob(prompt, SamplingConfig(max_new_tokens=case.max_new_tokens), True))
+        prompt = self.builder.build(messages)
+        self.jobs[case.request_id] = job = ThinkerJob(prompt, SamplingConfig(max_new_tokens=case.max_new_tokens), True)
+        self.thinker.add(case.request_id, job)
 
     def on_frame(self, rid: str, event: Frame) -> None:
         assert event.index == len(self.frames[rid])
@@ -167,13 +171,12 @@ class Pipeline(TwoStagePipeline):
     def on_thinker_event(self, rid: str, event) -> None:
         case = self.cases[rid]
         if isinstance(event, Prefilled):
-            prompt = self.prompts[rid]
-            self.talker.add(rid, talker_job(event, prompt, resolve_voice(self.config, case.voice)[1],
-                                            SamplingConfig(max_new_tokens=case.talker_max_new_tokens,
-                                                           repetition_penalty=TALKER_REPETITION_PENALTY)))
+            self.talker.add(rid, self.handoff.talker_job(
+                event, self.jobs[rid], SamplingConfig(max_new_tokens=case.talker_max_new_tokens,
+                                                      repetition_penalty=TALKER_REPETITION_PENALTY), case.voice))
         elif isinstance(event, Token):
             self.tokens[rid].append(event.token_id)
-            self.inbox[rid].append(TextEnd() if event.last else TextRow(event.embedding))
+            self.inbox[rid] += self.handoff.talker_inputs(event)
         elif isinstance(event, Finished):
             self.finished[rid] = event
 
@@ -340,7 +343,7 @@ def test_an_aborted_request_leaves_no_row_for_the_steps_code_predictor(stages):
                                   multimodal_positions=[], multimodal_hidden=torch.zeros(0, hidden),
                                   tts_embeds=torch.randn(3, hidden, generator=gen),
                                   speaker_id=int(next(iter(cfg.talker_config.speaker_id.values()))),
-                                  sampling=SamplingConfig(max_new_tokens=8)))
+                                  sampling=SamplingConfig(max_new_tokens=8), prompt_len=talker_prompt_len(ids, cfg)))
         for _ in range(4):
             engine.add_input(rid, TextRow(torch.randn(hidden, generator=gen)))
     plan = engine.scheduler.schedule()
