@@ -220,15 +220,33 @@ class TalkerEngine(SlotScheduledEngine):
         state = self._requests[request_id]
         if not state.rows:  # the text ended before any token: nothing to say
             return [(request_id, TalkerDone(FinishReason.STOP, 0))]
-        job, cfg, talker = state.job, self.config, self.model
+        job, talker = state.job, self.model
         ids = torch.tensor([job.prompt_token_ids], device=self.device)  # [1, P]
         # The thinker's tensors arrive in its dtype: cast to the talker's own.
         embeds = job.prompt_embeds.to(self.device, self.dtype).unsqueeze(0)  # [1, P, Ht]
         tts = talker.text_projection(job.tts_embeds.to(self.device, self.dtype).unsqueeze(0))  # [1, 3, H]
         state.tts = tuple(t.view(1, 1, -1) for t in tts[0])  # bos, eos, pad as [1, 1, H]
+        user_embeds, user_ids = self._user_part(job, ids, embeds)
+        inputs_embeds = torch.cat((user_embeds, self._assistant_part(state, ids, embeds)), dim=1)
+        talker_ids = torch.cat((user_ids, torch.full((1, 9), self.config.tts_pad_token_id, device=self.device)), dim=1)
+        attention_mask = torch.ones_like(talker_ids)
+        position_ids = talker._prepare_position_ids_for_generation(
+            inputs_embeds, self._position_kwargs(job, attention_mask, talker_ids))
+        cache = DynamicCache(config=self.tc.text_config)
+        with self.timer:
+            out = talker(
+                inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
+                past_key_values=cache, use_cache=True, output_hidden_states=True,
+            )
+        self.cache.load(slot, cache)
+        state.last_position = position_ids[..., -1:].clone()
+        state.started = True
+        return self._after_forward([request_id], [state], out.logits[:, -1], out.hidden_states[0][-1][:, -1:])
 
-        # User part: every position of every user turn; projected as generate does (all text
-        # positions in one batch, all multimodal positions in another), then gathered.
+    def _user_part(self, job: TalkerJob, ids: torch.Tensor, embeds: torch.Tensor):
+        """Every position of every user turn (embeds [1, U, H], ids [1, U]), projected as generate
+        does: all text positions in one batch, all multimodal positions in another, then gathered."""
+        cfg, talker = self.config, self.model
         length = ids.shape[1]
         mm_mask = torch.zeros_like(ids, dtype=torch.bool)
         mm_mask[0, job.multimodal_positions] = True
@@ -241,45 +259,37 @@ class TalkerEngine(SlotScheduledEngine):
         previous = torch.cummax(im_start, dim=-1).values.clamp_min(0)
         roles = ids.gather(1, (previous + 1).clamp_max(length - 1))
         user = (roles == cfg.user_token_id)[0]
-        user_embeds = full[:, user]  # [1, U, H]
-        user_ids = ids[:, user]
+        return full[:, user], ids[:, user]
 
-        # Assistant part: <|im_start|> assistant \n, 4 x tts_pad, tts_bos, first text token, plus
-        # the codec stream [0, 0, 0, nothink, think_bos, think_eos, speaker, codec_pad, codec_bos].
+    def _assistant_part(self, state: _State, ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """The 9 assistant positions [1, 9, H]: <|im_start|> assistant \n, 4 x tts_pad, tts_bos,
+        text row 0, plus the codec stream [0, 0, 0, nothink, think_bos, think_eos, speaker,
+        codec_pad, codec_bos]."""
+        cfg, talker = self.config, self.model
         starts = torch.nonzero((ids[0, :-1] == cfg.im_start_token_id) & (ids[0, 1:] == cfg.assistant_token_id))
         start = int(starts.flatten()[-1])
         head = talker.text_projection(embeds[:, start:start + 3])  # [1, 3, H]
         bos, _, pad = state.tts
         text_part = torch.cat((head, pad.expand(1, 4, -1), bos, state.rows[0]), dim=1)
         codec_ids = torch.tensor([[self.tc.codec_nothink_id, self.tc.codec_think_bos_id, self.tc.codec_think_eos_id,
-                                   job.speaker_id, self.tc.codec_pad_id, self.tc.codec_bos_id]], device=self.device)
+                                   state.job.speaker_id, self.tc.codec_pad_id, self.tc.codec_bos_id]], device=self.device)
         codec_part = torch.cat(
             (torch.zeros((1, 3, head.shape[-1]), device=self.device, dtype=head.dtype),
              talker.get_input_embeddings()(codec_ids)), dim=1,
         )
-        inputs_embeds = torch.cat((user_embeds, text_part + codec_part), dim=1)
-        talker_ids = torch.cat((user_ids, torch.full((1, 9), cfg.tts_pad_token_id, device=self.device)), dim=1)
-        attention_mask = torch.ones_like(talker_ids)
+        return text_part + codec_part
 
-        model_kwargs = {"attention_mask": attention_mask, "talker_input_ids": talker_ids}
+    def _position_kwargs(self, job: TalkerJob, attention_mask: torch.Tensor, talker_ids: torch.Tensor) -> dict:
+        """What the talker's rope positions are computed from (its prompt's media grids)."""
+        kwargs = {"attention_mask": attention_mask, "talker_input_ids": talker_ids}
         if job.image_grid_thw is not None:
-            model_kwargs["image_grid_thw"] = job.image_grid_thw.to(self.device)
+            kwargs["image_grid_thw"] = job.image_grid_thw.to(self.device)
         if job.audio_feature_lengths is not None:
-            model_kwargs["audio_feature_lengths"] = job.audio_feature_lengths.to(self.device)
+            kwargs["audio_feature_lengths"] = job.audio_feature_lengths.to(self.device)
         if job.video_grid_thw is not None:  # NOTE: generate gives the talker no use_audio_in_video
-            model_kwargs["video_grid_thw"] = job.video_grid_thw.to(self.device)
-            model_kwargs["video_second_per_grid"] = job.video_second_per_grid.to(self.device)
-        position_ids = talker._prepare_position_ids_for_generation(inputs_embeds, dict(model_kwargs))
-        cache = DynamicCache(config=self.tc.text_config)
-        with self.timer:
-            out = talker(
-                inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
-                past_key_values=cache, use_cache=True, output_hidden_states=True,
-            )
-        self.cache.load(slot, cache)
-        state.last_position = position_ids[..., -1:].clone()
-        state.started = True
-        return self._after_forward([request_id], [state], out.logits[:, -1], out.hidden_states[0][-1][:, -1:])
+            kwargs["video_grid_thw"] = job.video_grid_thw.to(self.device)
+            kwargs["video_second_per_grid"] = job.video_second_per_grid.to(self.device)
+        return kwargs
 
     @torch.inference_mode()
     def decode(self, request_ids: list[str], slots: list[int]) -> StepResult:

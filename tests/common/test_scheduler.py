@@ -291,43 +291,54 @@ def test_has_work_semantics():
 
 # Property-style: a small engine loop over many random steps.
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_engine_loop_keeps_slot_invariants_and_every_request_ends(seed):
-    rng = random.Random(seed)
-    num_slots, max_batch, slot_len = 4, 3, 40
-    s = LMScheduler(max_batch, num_slots, slot_len, max_prefills_per_step=2)
-    admitted: list[str] = []  # admission order
-    tokens: dict[str, int] = {}  # request_id -> tokens produced, counted here
-    limits: dict[str, int] = {}  # request_id -> max_new_tokens
-    ended: dict[str, str] = {}  # request_id -> how it ended
-    n_requests = 60
-    for _t in range(2000):
-        adding = len(admitted) < n_requests
+class RandomLoop:
+    """A small engine loop over a scheduler: requests join, wait for input, finish, hit their
+    length or are cancelled at random, and every step's plan is checked against the rules."""
+
+    num_slots, max_batch, slot_len, n_requests = 4, 3, 40, 60
+
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+        self.s = LMScheduler(self.max_batch, self.num_slots, self.slot_len, max_prefills_per_step=2)
+        self.admitted: list[str] = []  # admission order
+        self.tokens: dict[str, int] = {}  # request_id -> tokens produced, counted here
+        self.limits: dict[str, int] = {}  # request_id -> max_new_tokens
+        self.ended: dict[str, str] = {}  # request_id -> how it ended
+
+    @property
+    def adding(self) -> bool:
+        return len(self.admitted) < self.n_requests
+
+    def arrive(self) -> None:
+        """Maybe a new request; inputs arrive (or run dry) at random; now and then a cancel.
+        Everyone is ready once adding stops."""
+        rng, s, adding = self.rng, self.s, self.adding
         if adding and rng.random() < 0.4:
-            rid = f"r{len(admitted)}"
+            rid = f"r{len(self.admitted)}"
             prompt, new = rng.randint(1, 30), rng.randint(1, 15)
-            if prompt + new > slot_len:
+            if prompt + new > self.slot_len:
                 with pytest.raises(CacheFull):
                     s.add(rid, prompt, new)
-                ended[rid] = "cache_full"
+                self.ended[rid] = "cache_full"
             else:
                 s.add(rid, prompt, new, ready=rng.random() < 0.7)
-                tokens[rid], limits[rid] = 0, new
-            admitted.append(rid)
+                self.tokens[rid], self.limits[rid] = 0, new
+            self.admitted.append(rid)
         live = list(s.seqs)
-        for rid in live:  # inputs arrive (or run dry) at random; everyone is ready once adding stops
+        for rid in live:
             if not adding or rng.random() < 0.3:
                 s.set_ready(rid, not adding or rng.random() < 0.8)
         if live and rng.random() < 0.03:
             rid = rng.choice(live)
             s.abort(rid)
-            ended[rid] = "aborted"
+            self.ended[rid] = "aborted"
 
-        has_work = s.has_work
-        waiting_before = list(s.waiting)
+    def plan(self):
+        s = self.s
+        has_work, waiting_before = s.has_work, list(s.waiting)
         plan = s.schedule()
         assert has_work == (not plan.empty), "has_work must say whether a step would do anything"
-        assert len(plan.decode) + len(plan.prefill) <= max_batch
+        assert len(plan.decode) + len(plan.prefill) <= self.max_batch
         assert len(plan.prefill) <= s.max_prefills_per_step
         assert not set(plan.decode) & set(plan.prefill)
         assert len(set(plan.slots.values())) == len(plan.slots) == len(plan.decode) + len(plan.prefill)
@@ -340,33 +351,48 @@ def test_random_engine_loop_keeps_slot_invariants_and_every_request_ends(seed):
                 prefilled.discard(rid)
             elif s.seqs[rid].ready and rid in s.waiting:
                 assert not prefilled, f"{rid} was skipped for a later request"
-        assert_slots_consistent(s, num_slots)
+        assert_slots_consistent(s, self.num_slots)
+        return plan
 
-        if plan.decode and rng.random() < 0.1:  # cancelled while the model runs the step
+    def run(self, plan) -> None:
+        """The model's step: a cancel may land while it runs; each row makes a token, some an end
+        token; the scheduler's length stop must agree with the count kept here."""
+        rng, s = self.rng, self.s
+        if plan.decode and rng.random() < 0.1:
             rid = rng.choice(plan.decode)
             s.abort(rid)
-            ended[rid] = "aborted"
+            self.ended[rid] = "aborted"
         finished = set()
         for rid in plan.prefill + plan.decode:
-            if rid in tokens and rid not in ended:
-                tokens[rid] += 1
+            if rid in self.tokens and rid not in self.ended:
+                self.tokens[rid] += 1
+                assert s.reaches_length(rid) == (self.tokens[rid] == self.limits[rid]), rid
                 if rng.random() < 0.05:
                     finished.add(rid)  # end token
         s.update(plan, finished)
         for rid in plan.prefill + plan.decode:
-            if rid not in s.seqs and rid not in ended:
-                ended[rid] = "finished" if rid in finished else "length"
-        for rid, n in tokens.items():
-            assert n <= limits[rid]
-            if ended.get(rid) == "length":
-                assert n == limits[rid]
-        assert_slots_consistent(s, num_slots)
-        if not adding and not s.seqs:
+            if rid not in s.seqs and rid not in self.ended:
+                self.ended[rid] = "finished" if rid in finished else "length"
+        for rid, n in self.tokens.items():
+            assert n <= self.limits[rid]
+            if self.ended.get(rid) == "length":
+                assert n == self.limits[rid]
+        assert_slots_consistent(s, self.num_slots)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_engine_loop_keeps_slot_invariants_and_every_request_ends(seed):
+    loop = RandomLoop(seed)
+    for _ in range(2000):
+        loop.arrive()
+        loop.run(loop.plan())
+        if not loop.adding and not loop.s.seqs:
             break
-    assert len(admitted) == n_requests and not s.seqs, "every request ends"
-    assert set(ended) == set(admitted)
-    assert sorted(s.free_slots) == list(range(num_slots)) and s.queue_depth == 0 and not s.has_work
-    assert {"finished", "length", "aborted"} <= set(ended.values())  # the run exercised every exit
+    s = loop.s
+    assert len(loop.admitted) == loop.n_requests and not s.seqs, "every request ends"
+    assert set(loop.ended) == set(loop.admitted)
+    assert sorted(s.free_slots) == list(range(loop.num_slots)) and s.queue_depth == 0 and not s.has_work
+    assert {"finished", "length", "aborted"} <= set(loop.ended.values())  # the run exercised every exit
 
 
 def test_decode_stays_capped_when_waiting_requests_let_running_exceed_max_batch_size():
