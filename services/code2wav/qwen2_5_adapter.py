@@ -42,11 +42,12 @@ class Qwen2_5Code2WavAdapter:
                                context=self.config.token2wav_context, exact=self.config.exact)
 
     def job_from_proto(self, start: stages_pb2.Code2WavStart) -> Token2WavStart:
-        return Token2WavStart(voice=self.engine_voice(start.voice))
+        return Token2WavStart(voice=self.engine_voice(start.voice if start.HasField("voice") else None))
 
-    def engine_voice(self, voice: str) -> str | None:
-        """The engine's spelling of `voice` (matched case-insensitively, as the thinker does)."""
-        if not voice:
+    def engine_voice(self, voice: str | None) -> str | None:
+        """The engine's spelling of `voice` (matched case-insensitively, as the thinker does);
+        None: the default."""
+        if voice is None:
             return None
         names = {name.lower(): name for name in self.voices}
         return names.get(voice.lower(), voice)  # an unknown one fails in the engine, naming it

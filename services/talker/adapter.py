@@ -29,5 +29,5 @@ class TalkerAdapter(Protocol):
     def input_from_proto(self, message: stages_pb2.TalkerInput) -> object | TextEnd:
         """A text input after start: the family's per-token payload, or the text's end (TextEnd)."""
 
-    def text_rows_to_first_chunk(self, chunks: ChunkPolicy) -> int:
-        """Text inputs the first chunk of `chunks` needs, or 0 when that is not known here."""
+    def text_rows_to_first_chunk(self, chunks: ChunkPolicy) -> int | None:
+        """Text inputs the first chunk of `chunks` needs, or None when that is not known here."""

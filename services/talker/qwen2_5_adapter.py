@@ -67,5 +67,5 @@ class Qwen2_5TalkerAdapter:
     def input_from_proto(self, message: stages_pb2.TalkerInput) -> ReplyPart | TextEnd:
         return qwen2_5_input_from_proto(message, self.hidden)
 
-    def text_rows_to_first_chunk(self, chunks: ChunkPolicy) -> int:
-        return 0  # Token2Wav's first audio needs its look-ahead too, which code2wav's flags set
+    def text_rows_to_first_chunk(self, chunks: ChunkPolicy) -> None:
+        return None  # Token2Wav's first audio needs its look-ahead too, which code2wav's flags set

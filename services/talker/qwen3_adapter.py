@@ -21,7 +21,7 @@ from services.talker.engine import TalkerEngine, TalkerJob, TextEnd, TextRow
 def talker_job_from_proto(start: stages_pb2.TalkerStart, model_config, config: TalkerConfig) -> TalkerJob:
     """Validate and convert the start message (fields named as in the proto)."""
     hidden = model_config.thinker_config.text_config.hidden_size
-    _, speaker_id = resolve_voice(model_config, start.voice or None)
+    _, speaker_id = resolve_voice(model_config, start.voice if start.HasField("voice") else None)
     ids = list(start.prompt_token_ids)
     # The talker's prefill starts at the last "<|im_start|>assistant\n" (3 positions): a prompt
     # without one is refused here, rather than failing the engine step of every running request.

@@ -140,7 +140,7 @@ class SpeakStream:
             stall_timeout_s=s.config.serving.stall_timeout_s(stages_below=0))
         self.decode.open()
         await self.decode.write(stages_pb2.Code2WavInput(start=stages_pb2.Code2WavStart(
-            request_id=self.request_id, voice=self.start.voice)))
+            request_id=self.request_id, voice=self.start.voice if self.start.HasField("voice") else None)))
 
     async def next_item(self):
         """The next engine event or code2wav output; a code2wav replica that died is replaced here

@@ -22,7 +22,7 @@ def qwen2_5_talker_start(req: omni_pb2.GenerateRequest, route: stages_pb2.Route,
                          event: Qwen2_5Prefilled) -> stages_pb2.TalkerStart:
     """Qwen2.5-Omni's start message: the shared fields and its prefill payload (fields 13, 14)."""
     return stages_pb2.TalkerStart(
-        request_id=req.request_id, route=route, voice=req.voice if req.HasField("voice") else "",
+        request_id=req.request_id, route=route, voice=req.voice if req.HasField("voice") else None,
         sampling=req.talker_sampling, return_codec_frames=req.return_codec_frames,
         prompt_token_ids=event.prompt_token_ids, prompt_hidden=tensor_to_proto(event.prompt_hidden),
         text_embeds=tensor_to_proto(event.text_embeds),

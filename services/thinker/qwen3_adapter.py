@@ -38,7 +38,7 @@ class Qwen3ThinkerAdapter:
                      job: ThinkerJob) -> stages_pb2.TalkerStart:
         prompt = job.prompt
         start = stages_pb2.TalkerStart(
-            request_id=req.request_id, route=route, voice=req.voice if req.HasField("voice") else "",
+            request_id=req.request_id, route=route, voice=req.voice if req.HasField("voice") else None,
             sampling=req.talker_sampling, return_codec_frames=req.return_codec_frames,
             prompt_token_ids=event.prompt_token_ids, prompt_embeds=tensor_to_proto(event.prompt_embeds),
             multimodal_positions=event.multimodal_positions, tts_embeds=tensor_to_proto(event.tts_embeds),

@@ -170,7 +170,7 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         """Audio first: hold the request's text at what the talker's first chunk needs plus a
         margin, until the talker answers (services/thinker/engine.py), when the stage is lightly
         loaded; True when held."""
-        rows = talker.text_rows_to_first_chunk
+        rows = talker.text_rows_to_first_chunk if talker.HasField("text_rows_to_first_chunk") else None
         if (not self.config.audio_first or not rows or not isinstance(self.engine, ThinkerEngine)
                 or self.loop.in_flight > LIGHT_LOAD_STREAMS):
             return False

@@ -9,7 +9,7 @@ import torch
 from omni.v1 import common_pb2, omni_pb2, stages_pb2
 from services.runtime.errors import InvalidArgument
 from services.runtime.sampling import SamplingConfig
-from services.serving.convert import sampling_from_proto
+from services.serving.convert import sampling_from_proto, sampling_to_proto
 from services.serving.wire import (
     WireError,
     audio_from_proto,
@@ -67,9 +67,23 @@ def test_generate_request_roundtrip_keeps_messages_media_and_presence(wav_bytes,
 def test_generate_request_without_optional_fields_has_none():
     got = roundtrip(omni_pb2.GenerateRequest(messages=[omni_pb2.Message(role=omni_pb2.ROLE_USER)]))
     assert not got.HasField("voice") and got.voice == ""
+    assert not got.HasField("request_id") and got.request_id == ""
     assert not got.HasField("thinker_sampling")
     assert list(got.output_modalities) == []
     assert got.messages[0].content == []
+
+
+@pytest.mark.parametrize("message, field", [
+    (stages_pb2.TalkerStart(request_id="r"), "voice"),
+    (stages_pb2.Code2WavStart(request_id="r"), "voice"),
+    (common_pb2.StageLimits(max_model_len=8), "text_rows_to_first_chunk"),
+])
+def test_fields_whose_absence_means_the_default_have_presence(message, field):
+    # An explicit empty value is set, and the wire keeps the difference (the stages read absence
+    # as "the default voice" and "not known", never the empty value).
+    assert not roundtrip(message).HasField(field)
+    setattr(message, field, type(getattr(message, field))())
+    assert roundtrip(message).HasField(field)
 
 
 def test_content_part_is_a_oneof():
@@ -316,3 +330,11 @@ def test_invalid_sampling_names_the_field(fields, bad, where):
         parse(where, **fields)
     assert err.value.field == f"{where}.{bad}"
     assert str(err.value).startswith(f"{where}.{bad}: must be")
+
+
+def test_sampling_config_survives_the_proto_both_ways():
+    # What the in-process handoff (services/tools/inprocess.py) sends through the talker adapter.
+    for cfg in (SamplingConfig(), SamplingConfig(temperature=0.5, top_k=7, top_p=0.75, repetition_penalty=1.25,
+                                                 max_new_tokens=9, seed=3)):
+        p = roundtrip(sampling_to_proto(cfg))
+        assert sampling_from_proto(p, "s", default_max_new_tokens=1, max_new_tokens_limit=100) == cfg
