@@ -51,7 +51,7 @@ from services.serving.streams import let_end
 from services.serving.tracing import RequestTrace, now_ns
 from services.serving.wire import audio_to_proto
 
-log = logging.getLogger("code2wav")
+log = logging.getLogger(Stage.CODE2WAV)
 SERVICE = stages_pb2.DESCRIPTOR.services_by_name["Code2Wav"].full_name
 
 # family -> its adapter (adapter.py), picked once at start by the checkpoint's model_type

@@ -38,6 +38,7 @@ from services.runtime.lm_engine import SlotScheduledEngine
 from services.runtime.sampling import SamplingConfig, select_token
 from services.runtime.scheduler import LMScheduler
 from services.runtime.settings import GraphSettings
+from services.runtime.stages import Stage
 from services.runtime.static_decode import SlotDecodeGraphs
 from services.runtime.timing import ForwardTimer
 from services.talker.code_predictor import CodePredictor
@@ -166,7 +167,7 @@ class TalkerEngine(SlotScheduledEngine):
         self.exact_report = None  # which kernels exact mode runs here (services/runtime/invariance.py)
         if engine_config.exact_batching:
             self.exact_report = choose_exact_kernels(
-                "talker", gemm=engine_config.exact_gemm, capacity=engine_config.max_batch_size,
+                Stage.TALKER, gemm=engine_config.exact_gemm, capacity=engine_config.max_batch_size,
                 linear_weights=linear_weights(model.model, model.codec_head, predictor), linear_tokens=(1, 2),
                 experts=experts_modules(model.model), attention=self.predictor_cache.attention_shapes(),
                 dtype=dtype, device=device)

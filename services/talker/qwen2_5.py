@@ -34,6 +34,7 @@ from services.runtime.lm_engine import SlotScheduledEngine
 from services.runtime.qwen2_5_omni import TALKER_EOS_IDS, talker_prompt_len
 from services.runtime.sampling import SamplingConfig, select_token
 from services.runtime.scheduler import LMScheduler
+from services.runtime.stages import Stage
 from services.runtime.timing import ForwardTimer
 from services.talker.engine import Frame, TalkerDone, TalkerEngineConfig, end_text, refresh_ready
 
@@ -96,7 +97,7 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
         self.exact_report = None  # which kernels exact mode runs here (services/runtime/invariance.py)
         if engine_config.exact_batching:
             self.exact_report = choose_exact_kernels(
-                "talker", gemm=engine_config.exact_gemm, capacity=engine_config.max_batch_size,
+                Stage.TALKER, gemm=engine_config.exact_gemm, capacity=engine_config.max_batch_size,
                 linear_weights=linear_weights(model), dtype=self.dtype, device=device)
         self.embed = model.get_input_embeddings()  # codec id -> [H_thinker]
         self.cache = SlotKVCache.for_config(model.config, engine_config.num_slots, engine_config.max_model_len,

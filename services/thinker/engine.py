@@ -41,6 +41,7 @@ from services.runtime.prompt import PromptInputs
 from services.runtime.sampling import SamplingConfig, select_token
 from services.runtime.scheduler import LMScheduler
 from services.runtime.settings import GraphSettings
+from services.runtime.stages import Stage
 from services.runtime.static_decode import SlotDecodeGraphs
 from services.runtime.timing import ForwardTimer
 from services.thinker.graphs import thinker_step
@@ -146,7 +147,7 @@ class ThinkerEngine(SlotScheduledEngine):
         if engine_config.exact_batching:
             decoder = [model.model, model.lm_head]
             self.exact_report = choose_exact_kernels(
-                "thinker", gemm=engine_config.exact_gemm, capacity=engine_config.max_batch_size,
+                Stage.THINKER, gemm=engine_config.exact_gemm, capacity=engine_config.max_batch_size,
                 linear_weights=linear_weights(*decoder), experts=experts_modules(*decoder),
                 dtype=next(model.parameters()).dtype, device=device)
         self.dtype = dtype = next(model.parameters()).dtype

@@ -61,7 +61,7 @@ from services.thinker.qwen2_5_adapter import Qwen2_5ThinkerAdapter
 from services.thinker.qwen3_adapter import Qwen3ThinkerAdapter
 from services.thinker.stream import Prepared, ThinkerStream, wants_audio
 
-log = logging.getLogger("thinker")
+log = logging.getLogger(Stage.THINKER)
 SERVICE = stages_pb2.DESCRIPTOR.services_by_name["Thinker"].full_name
 
 _ROLES = {omni_pb2.ROLE_SYSTEM: Role.SYSTEM, omni_pb2.ROLE_USER: Role.USER, omni_pb2.ROLE_ASSISTANT: Role.ASSISTANT}
@@ -111,7 +111,7 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         self.prompts = prompts
         self.config = config
         self.channels = ChannelPool(config.serving.max_message_bytes, config.serving.tls)
-        self.talker_limits = PeerLimits("talker", self.channels)
+        self.talker_limits = PeerLimits(Stage.TALKER, self.channels)
         self.metrics: StageMetrics = loop.metrics
 
     def prepare(self, request: omni_pb2.GenerateRequest, talker: common_pb2.StageLimits | None) -> Prepared:
@@ -178,7 +178,7 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         return True
 
     async def GetLoad(self, request, context):
-        return self.loop.load_report("thinker", self.config.engine.num_slots, self.handle.draining,
+        return self.loop.load_report(Stage.THINKER, self.config.engine.num_slots, self.handle.draining,
                                      reset_peak=request.reset_peak)
 
 
@@ -204,10 +204,10 @@ async def create_server(config: ThinkerConfig) -> tuple[ServerHandle, EngineLoop
         model_config = loaded.config
     prompts = PromptBuilder(config.model.checkpoint, model_config, config.limits)
     adapter = ADAPTERS[Family(model_config.model_type)](config.model.checkpoint, model_config, prompts)
-    metrics = StageMetrics("thinker")
+    metrics = StageMetrics(Stage.THINKER)
     metrics.cache_capacity.set(config.engine.num_slots)
     metrics.serve(config.serving.metrics_port)
-    loop = EngineLoop(engine, "thinker", metrics)
+    loop = EngineLoop(engine, Stage.THINKER, metrics)
     loop.start()
     handle = build_server(config.serving.host, config.serving.port, (SERVICE,), config.serving.max_message_bytes,
                           tls=config.serving.tls, health_port=config.serving.health_port)
