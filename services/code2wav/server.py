@@ -43,9 +43,8 @@ from services.serving.engine_loop import (
     EventSink,
     engine_key,
 )
-from services.serving.grpc_server import ServerHandle, build_server
-from services.serving.metrics import StageMetrics
-from services.serving.stage_main import serve_stage
+from services.serving.grpc_server import ServerHandle
+from services.serving.stage_main import serve_stage, start_stage
 from services.serving.status import WireError, abort_for
 from services.serving.streams import let_end
 from services.serving.tracing import RequestTrace, now_ns
@@ -175,13 +174,7 @@ async def create_server(config: Code2WavConfig) -> tuple[ServerHandle, EngineLoo
     loaded = load_for_serving(config.model, Stage.CODE2WAV)
     adapter = adapter_for(loaded, config)
     engine = adapter.build_engine()
-    metrics = StageMetrics(Stage.CODE2WAV)
-    metrics.serve(config.serving.metrics_port)
-    loop = EngineLoop(engine, Stage.CODE2WAV, metrics)
-    loop.start()
-    handle = build_server(config.serving.host, config.serving.port, (SERVICE,), config.serving.max_message_bytes,
-                          tls=config.serving.tls, health_port=config.serving.health_port)
-    loop.streams = handle.streams  # LoadReport.in_flight counts open streams
+    handle, loop = start_stage(Stage.CODE2WAV, engine, config.serving, SERVICE)
     servicer = Code2WavServicer(loop, adapter, engine.geometry, handle, config.serving.stream_idle_timeout_s)
     stages_pb2_grpc.add_Code2WavServicer_to_server(servicer, handle.server)
     return handle, loop

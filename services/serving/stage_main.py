@@ -4,12 +4,35 @@ from __future__ import annotations
 
 import asyncio
 
+from services.runtime.engine import Engine
+from services.serving.config import ServingConfig
+from services.serving.engine_loop import EngineLoop
 from services.serving.grpc_server import (
+    ServerHandle,
+    build_server,
     serve_until_signal,
     setup_logging,
     write_port_file,
 )
+from services.serving.metrics import StageMetrics
 from services.serving.tracing import setup as setup_tracing
+
+
+def start_stage(stage: str, engine: Engine, serving: ServingConfig, service: str,
+                cache_slots: int | None = None) -> tuple[ServerHandle, EngineLoop]:
+    """What every stage server is around its servicer: the stage's metrics (served on their own
+    port), the engine loop started on its thread, the gRPC server (health included) whose open
+    streams the loop's LoadReport counts. The caller adds its servicer to `handle.server`."""
+    metrics = StageMetrics(stage)
+    if cache_slots is not None:
+        metrics.cache_capacity.set(cache_slots)
+    metrics.serve(serving.metrics_port)
+    loop = EngineLoop(engine, stage, metrics)
+    loop.start()
+    handle = build_server(serving.host, serving.port, (service,), serving.max_message_bytes,
+                          tls=serving.tls, health_port=serving.health_port)
+    loop.streams = handle.streams  # LoadReport.in_flight counts open streams
+    return handle, loop
 
 
 def serve_stage(name: str, create_server, config, port_file: str | None) -> None:

@@ -28,9 +28,9 @@ from services.runtime.settings import (
 from services.serving.channels import ChannelPool
 from services.serving.config import add_serving_flags, serving_config_from_args
 from services.serving.engine_loop import EngineLoop
-from services.serving.grpc_server import ServerHandle, build_server
+from services.serving.grpc_server import ServerHandle
 from services.serving.metrics import StageMetrics
-from services.serving.stage_main import serve_stage
+from services.serving.stage_main import serve_stage, start_stage
 from services.talker.adapter import TalkerAdapter
 from services.talker.config import TalkerConfig
 from services.talker.engine import TalkerEngineConfig
@@ -82,14 +82,7 @@ async def create_server(config: TalkerConfig) -> tuple[ServerHandle, EngineLoop]
         engine_config = dataclasses.replace(engine_config, graphs=GraphSettings())
     loaded = load_for_serving(config.model, Stage.TALKER)
     engine = adapter_cls.engine(loaded.model, loaded.config, device=config.model.device, engine_config=engine_config)
-    metrics = StageMetrics(Stage.TALKER)
-    metrics.cache_capacity.set(config.engine.num_slots)
-    metrics.serve(config.serving.metrics_port)
-    loop = EngineLoop(engine, Stage.TALKER, metrics)
-    loop.start()
-    handle = build_server(config.serving.host, config.serving.port, (SERVICE,), config.serving.max_message_bytes,
-                          tls=config.serving.tls, health_port=config.serving.health_port)
-    loop.streams = handle.streams  # LoadReport.in_flight counts open streams
+    handle, loop = start_stage(Stage.TALKER, engine, config.serving, SERVICE, cache_slots=config.engine.num_slots)
     servicer = TalkerServicer(loop, engine, config, adapter_cls(loaded.config, config), handle)
     stages_pb2_grpc.add_TalkerServicer_to_server(servicer, handle.server)
     return handle, loop

@@ -44,12 +44,11 @@ from services.serving.engine_loop import (
 )
 from services.serving.grpc_server import (
     ServerHandle,
-    build_server,
 )
 from services.serving.metrics import StageMetrics
 from services.serving.open_streams import LIGHT_LOAD_STREAMS
 from services.serving.peer_limits import PeerLimits
-from services.serving.stage_main import serve_stage
+from services.serving.stage_main import serve_stage, start_stage
 from services.thinker.adapter import ThinkerAdapter
 from services.thinker.config import Backend, ThinkerConfig
 from services.thinker.engine import (
@@ -204,14 +203,7 @@ async def create_server(config: ThinkerConfig) -> tuple[ServerHandle, EngineLoop
         model_config = loaded.config
     prompts = PromptBuilder(config.model.checkpoint, model_config, config.limits)
     adapter = ADAPTERS[Family(model_config.model_type)](config.model.checkpoint, model_config, prompts)
-    metrics = StageMetrics(Stage.THINKER)
-    metrics.cache_capacity.set(config.engine.num_slots)
-    metrics.serve(config.serving.metrics_port)
-    loop = EngineLoop(engine, Stage.THINKER, metrics)
-    loop.start()
-    handle = build_server(config.serving.host, config.serving.port, (SERVICE,), config.serving.max_message_bytes,
-                          tls=config.serving.tls, health_port=config.serving.health_port)
-    loop.streams = handle.streams  # LoadReport.in_flight counts open streams
+    handle, loop = start_stage(Stage.THINKER, engine, config.serving, SERVICE, cache_slots=config.engine.num_slots)
     servicer = ThinkerServicer(loop, engine, prompts, config, handle, adapter, build_prompt)
     stages_pb2_grpc.add_ThinkerServicer_to_server(servicer, handle.server)
     return handle, loop
