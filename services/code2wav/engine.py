@@ -92,7 +92,36 @@ class _State:
         return self.first_audio_at + self.decoder.samples_emitted / sample_rate - delivery_s
 
 
-class Code2WavEngine(EngineDefaults, abc.ABC):
+def check_frames(frames: torch.Tensor, groups: int, vocab: int) -> None:
+    """A chunk's codes must be [n, groups] ids in [0, vocab) (the adapters check the wire's first)."""
+    if frames.ndim != 2 or frames.shape[1] != groups:
+        raise ValueError(f"codec frames must be [n, {groups}], got {list(frames.shape)}")
+    if frames.numel() and (frames.min() < 0 or frames.max() >= vocab):
+        raise ValueError(f"codec ids must be in [0, {vocab})")
+
+
+class PendingRequests(EngineDefaults):
+    """What every code2wav engine keeps: each request (`_requests`: request_id -> its state) holds
+    the inputs not decoded yet in `pending`, and the load the loop reports is those queues."""
+
+    _requests: dict
+
+    def abort(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def has_work(self) -> bool:
+        return any(r.pending for r in self._requests.values())
+
+    @property
+    def queue_depth(self) -> int:
+        return sum(len(r.pending) for r in self._requests.values())
+
+    @property
+    def running(self) -> int:
+        return len(self._requests)
+
+
+class Code2WavEngine(PendingRequests, abc.ABC):
     """What both Qwen3-Omni engines share: per-request bookkeeping and a request's end. A subclass
     says which decoder a request gets (`new_decoder`) and what a step decodes (`step`)."""
 
@@ -103,7 +132,7 @@ class Code2WavEngine(EngineDefaults, abc.ABC):
         self.geometry: VocoderGeometry = measure_geometry(model)
         self.codebook_size = int(config.code2wav_config.codebook_size)
         self.num_quantizers = int(config.code2wav_config.num_quantizers)
-        self._states: dict[str, _State] = {}  # request_id -> decoder state
+        self._requests: dict[str, _State] = {}  # request_id -> decoder state
 
     @abc.abstractmethod
     def new_decoder(self) -> WindowDecoder | IncrementalDecoder:
@@ -114,33 +143,15 @@ class Code2WavEngine(EngineDefaults, abc.ABC):
         """Decode what is ready (the engine contract, services/runtime/engine.py)."""
 
     def add(self, request_id: str, _payload=None) -> None:
-        self._states[request_id] = _State(self.new_decoder())
+        self._requests[request_id] = _State(self.new_decoder())
 
     def add_input(self, request_id: str, payload: CodecChunk | CodecEnd) -> None:
-        state = self._states.get(request_id)
+        state = self._requests.get(request_id)
         if state is None:
             return
         if isinstance(payload, CodecChunk):
-            frames = payload.frames
-            if frames.ndim != 2 or frames.shape[1] != self.num_quantizers:
-                raise ValueError(f"codec frames must be [n, {self.num_quantizers}], got {list(frames.shape)}")
-            if frames.numel() and (frames.min() < 0 or frames.max() >= self.codebook_size):
-                raise ValueError(f"codec ids must be in [0, {self.codebook_size})")
+            check_frames(payload.frames, self.num_quantizers, self.codebook_size)
         state.pending.append(payload)
-
-    def abort(self, request_id: str) -> None:
-        self._states.pop(request_id, None)
-
-    def has_work(self) -> bool:
-        return any(s.pending for s in self._states.values())
-
-    @property
-    def queue_depth(self) -> int:
-        return sum(len(s.pending) for s in self._states.values())
-
-    @property
-    def running(self) -> int:
-        return len(self._states)
 
     def _finish(self, request_id: str, state: _State) -> StepResult:
         """The request's end: the decoder's held-back tail, then Decoded; its state goes."""
@@ -151,7 +162,7 @@ class Code2WavEngine(EngineDefaults, abc.ABC):
         if tail.size:
             events.append((request_id, Audio(tail, first, state.decoder.frames_seen)))
         events.append((request_id, Decoded(state.decoder.samples_emitted, state.decoder.frames_seen)))
-        del self._states[request_id]
+        del self._requests[request_id]
         return events
 
 
@@ -186,7 +197,7 @@ class IncrementalCode2WavEngine(Code2WavEngine):
     def _most_due(self) -> tuple[str, _State]:
         """The request with input waiting whose listener runs dry first."""
         rate = self.geometry.sample_rate
-        return min(((r, s) for r, s in self._states.items() if s.pending),
+        return min(((r, s) for r, s in self._requests.items() if s.pending),
                    key=lambda item: item[1].deadline(rate, self.delivery_s))
 
 
@@ -223,7 +234,7 @@ class WindowCode2WavEngine(Code2WavEngine):
         length (window length -> [(request_id, window [n, Q])])."""
         events: StepResult = []
         groups: dict[int, list[tuple[str, torch.Tensor]]] = {}
-        for request_id, state in list(self._states.items()):
+        for request_id, state in list(self._requests.items()):
             if not state.pending:
                 continue
             item = state.pending.popleft()
@@ -241,7 +252,7 @@ class WindowCode2WavEngine(Code2WavEngine):
             wavs = self.forward_windows(stacked)  # [G, n*U - L]
         events: StepResult = []
         for (request_id, window), wav in zip(group, wavs):
-            decoder = self._states[request_id].decoder
+            decoder = self._requests[request_id].decoder
             first = decoder.samples_emitted
             samples = decoder.accept(window, wav)
             if samples.size:
