@@ -150,9 +150,10 @@ class DeviceBench:
                   "--graph-buckets", a.buckets)
         lm = ("--max-batch-size", str(a.max_batch), "--num-slots", str(a.max_batch),
               "--max-model-len", str(a.max_model_len))
-        windows = ",".join(map(str, DEFAULT_CHUNKS.windows(25, frames=a.talker_tokens - 1)))
-        return (common + lm, common + lm + ("--first-chunk-frames", "4"),
-                common + ("--graph-windows", windows))
+        code2wav = common + ("--decoder", a.code2wav_decoder)
+        if a.code2wav_decoder == "window":  # only the window decoder replays captured windows
+            code2wav += ("--graph-windows", ",".join(map(str, DEFAULT_CHUNKS.windows(25, frames=a.talker_tokens - 1))))
+        return common + lm, common + lm + ("--first-chunk-frames", "4"), code2wav
 
     def requests(self, n: int) -> list:
         return [build_request(PROMPTS[i % len(PROMPTS)], max_new_tokens=self.args.thinker_tokens,
@@ -313,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch", type=int, default=64, help="thinker/talker --max-batch-size and --num-slots")
     p.add_argument("--max-model-len", type=int, default=256)
     p.add_argument("--buckets", default="1,2,4,8,16,32,64")
+    p.add_argument("--code2wav-decoder", choices=("incremental", "window"), default="incremental",
+                   help="code2wav's --decoder (default: the service's, incremental, which captures no graphs; "
+                        "window: its chunk windows are captured and replayed in the graphs-on mode)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per stage (0: cores / 3)")
     p.add_argument("--startup-timeout-s", type=float, default=180.0)
     p.add_argument("--deadline-s", type=float, default=420.0, help="everything, both modes, ends by then")
