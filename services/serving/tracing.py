@@ -299,6 +299,14 @@ class RequestTrace:
         if self.on:
             self.span.set_attributes(attributes)
 
+    def prefilled(self, added_ns: int, first_step_ns: int | None) -> None:
+        """An LM stage's first output for the request: its `queue` (added to the engine's first
+        step for it) and `prefill` (that step to now) phases, once; its `decode` span opens."""
+        if self.first("decode"):
+            self.phase("queue", added_ns, first_step_ns)
+            self.phase("prefill", first_step_ns or added_ns)
+            self.open("decode")
+
     def phase(self, name: str, start_ns: int | None, end_ns: int | None = None, **attributes) -> None:
         """A finished child span `name` from `start_ns` to `end_ns` (default now); skipped when
         `start_ns` is unknown."""

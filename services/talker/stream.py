@@ -166,10 +166,7 @@ class SpeakStream:
         return []
 
     async def on_frame(self, codes: torch.Tensor) -> Responses:
-        if self.spans.first("frame"):
-            self.spans.phase("queue", self.added_ns, self.sink.first_step_ns)
-            self.spans.phase("prefill", self.sink.first_step_ns or self.added_ns)
-            self.spans.open("decode")
+        self.spans.prefilled(self.added_ns, self.sink.first_step_ns)
         self.spans.count("frames")
         chunk = self.chunker.add(codes, time.monotonic())
         if chunk is None:

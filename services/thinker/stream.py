@@ -182,17 +182,10 @@ class ThinkerStream:
                 self.talker_done = out.final  # the talker may finish before the text does
         return []
 
-    def mark_prefilled(self) -> None:
-        """The request's `queue` and `prefill` spans, once; its `decode` opens."""
-        if self.spans.first("decode"):
-            self.spans.phase("queue", self.added_ns, self.sink.first_step_ns)
-            self.spans.phase("prefill", self.sink.first_step_ns or self.added_ns)
-            self.spans.open("decode")
-
     async def open_talker(self, prefilled) -> None:
         """At prefill: open the talker stream and send it the request's start (what the talker
         needs of the prompt: docs/qwen3-omni.md)."""
-        self.mark_prefilled()
+        self.spans.prefilled(self.added_ns, self.sink.first_step_ns)
         s = self.servicer
         self.speak = Downstream(
             Stage.THINKER, Stage.TALKER, [self.route.talker, *self.route.talker_fallbacks],
@@ -208,7 +201,7 @@ class ThinkerStream:
 
     async def on_token(self, token: Token) -> Responses:
         if self.ttft is None:
-            self.mark_prefilled()  # (text only: no prefill event came)
+            self.spans.prefilled(self.added_ns, self.sink.first_step_ns)  # (text only: no prefill event came)
             self.spans.event("first_token")
             self.ttft = (time.perf_counter() - self.received) * 1000
         self.spans.count("text_tokens")
