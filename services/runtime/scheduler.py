@@ -125,8 +125,9 @@ class LMScheduler:
             seq = self.seqs.get(rid)
             if seq is None:
                 continue  # aborted while the step ran
+            last = rid in finished or self.reaches_length(rid)
             seq.generated += 1
-            if rid in finished or seq.generated >= seq.max_new_tokens:
+            if last:
                 self.abort(rid)
         return [rid for rid in plan.prefill + plan.decode if rid in finished]
 
