@@ -20,6 +20,7 @@ import grpc
 
 from omni.v1 import omni_pb2, stages_pb2, stages_pb2_grpc
 from router.admission import Admission, Rejected
+from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.replicas import Replica, ReplicaSet
 from services.runtime.stages import Stage
@@ -74,12 +75,10 @@ async def watched(call, stage: str, replica: str, stall_s: float):
 class RouterStage(Protocol):
     """What a relay uses of its servicer (router/server.py's OmniServicer)."""
 
+    config: RouterConfig
     admission: Admission
     metrics: RouterMetrics
     stages: dict[str, ReplicaSet]
-    max_migrations: int
-    thinker_stall_s: float
-    retry_after_s: float
 
     def route(self) -> tuple[dict[str, Replica], stages_pb2.Route]: ...
     def track(self, route: dict[str, Replica], delta: int) -> None: ...
@@ -140,7 +139,7 @@ class Relay:
             await admission.acquire()
         except Rejected as exc:
             self.metrics.requests.labels("rejected").inc()
-            await abort_for(self.context, Overloaded(str(exc), self.servicer.retry_after_s))
+            await abort_for(self.context, Overloaded(str(exc), self.servicer.config.admission.retry_after_s))
         finally:
             self.metrics.queue_depth.set(admission.queued)
         self.metrics.in_flight.set(admission.in_flight)
@@ -171,7 +170,7 @@ class Relay:
                     stages_pb2_grpc.ThinkerStub(self.servicer.stages[Stage.THINKER].channel(thinker.address)).Generate,
                     self.thinker_request, timeout=time_remaining(self.context))
             try:
-                async for response in watched(call, Stage.THINKER, thinker.address, self.servicer.thinker_stall_s):
+                async for response in watched(call, Stage.THINKER, thinker.address, self.servicer.config.thinker_stall_s):
                     response = self.pass_up(response)
                     if response is not None:
                         self.observe(response)
@@ -247,13 +246,13 @@ class Relay:
         thinkers = self.servicer.stages[Stage.THINKER]
         thinkers.mark_failed(thinker.address)
         fallback = thinkers.pick(exclude=self.tried)
-        if fallback is None or self.moves >= self.servicer.max_migrations:
+        if fallback is None or self.moves >= self.servicer.config.max_migrations:
             self.metrics.migrations.labels(Stage.THINKER, "failed").inc()
             self.spans.event("migration_failed", replica=thinker.address, reason=str(failure))
             raise exc
         log.warning("thinker replica %s failed mid-stream (%s); moved request %s to %s (move %d of at most %d)",
                     thinker.address, failure, self.request.request_id, fallback.address, self.moves + 1,
-                    self.servicer.max_migrations)
+                    self.servicer.config.max_migrations)
         self.metrics.migrations.labels(Stage.THINKER, "moved").inc()
         self.servicer.track({Stage.THINKER: thinker}, -1)
         self.servicer.track({Stage.THINKER: fallback}, +1)

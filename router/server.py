@@ -14,19 +14,19 @@ import asyncio
 import logging
 import sys
 from contextlib import aclosing
-from dataclasses import dataclass
 
 import grpc
 
 from omni.v1 import omni_pb2, omni_pb2_grpc, stages_pb2
 from router.admission import Admission, AdmissionConfig
+from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.relay import Relay
 from router.replicas import Replica, ReplicaSet, ReplicaSource, publish_state
 from services.runtime.errors import run_cli
 from services.runtime.settings import env_default
 from services.runtime.stages import Stage
-from services.serving.config import ServingConfig, add_serving_flags, serving_config_from_args
+from services.serving.config import add_serving_flags, serving_config_from_args
 from services.serving.grpc_server import (
     ServerHandle,
     build_server,
@@ -51,37 +51,12 @@ SERVICE = omni_pb2.DESCRIPTOR.services_by_name["Omni"].full_name
 STAGES = tuple(Stage)
 
 
-@dataclass(frozen=True)
-class RouterConfig:
-    thinker: ReplicaSource
-    talker: ReplicaSource
-    code2wav: ReplicaSource
-    # Where it listens, message limit, grace, metrics, TLS (client -> router and router -> thinker,
-    # and the stages' health/load), health port, the stages' idle timeout: what every server has.
-    serving: ServingConfig = ServingConfig(port=50051)
-    admission: AdmissionConfig = AdmissionConfig()
-    poll_interval_s: float = 1.0
-    dns_refresh_s: float = 5.0
-    auth_tokens: tuple[bytes, ...] = ()  # bearer tokens callers must present; empty = no authentication
-    max_migrations: int = 2  # moves to another replica per request and hop when one dies mid-stream
-
-    @property
-    def thinker_stall_s(self) -> float:
-        """A thinker replica that sends nothing this long is taken as hung: one step above the
-        thinker's own wait on the two stages below it (ServingConfig.stall_timeout_s), 2.5x the
-        idle timeout."""
-        return self.serving.stall_timeout_s(stages_below=3)
-
-
 class OmniServicer(omni_pb2_grpc.OmniServicer):
     def __init__(self, config: RouterConfig, stages: dict[str, ReplicaSet], metrics: RouterMetrics):
         self.config = config
         self.stages = stages  # stage name -> its replicas
         self.admission = Admission(config.admission)
         self.metrics = metrics
-        self.max_migrations = config.max_migrations
-        self.thinker_stall_s = config.thinker_stall_s
-        self.retry_after_s = config.admission.retry_after_s
 
     def route(self) -> tuple[dict[str, Replica], stages_pb2.Route]:
         """The least-loaded healthy replica of each stage, and the route the thinker gets: those
