@@ -27,6 +27,7 @@ from pathlib import Path
 from bench.loop import closed_loop
 from bench.machine import describe_machine
 from bench.metrics import percentile
+from services.code2wav.config import Decoder
 from services.runtime.chunking import DEFAULT_CHUNKS
 from services.tools.client import build_request, collect, connect
 from services.tools.launcher import Stack, StackOptions
@@ -151,7 +152,7 @@ class DeviceBench:
         lm = ("--max-batch-size", str(a.max_batch), "--num-slots", str(a.max_batch),
               "--max-model-len", str(a.max_model_len))
         code2wav = common + ("--decoder", a.code2wav_decoder)
-        if a.code2wav_decoder == "window":  # only the window decoder replays captured windows
+        if a.code2wav_decoder == Decoder.WINDOW:  # only the window decoder replays captured windows
             code2wav += ("--graph-windows", ",".join(map(str, DEFAULT_CHUNKS.windows(25, frames=a.talker_tokens - 1))))
         return common + lm, common + lm + ("--first-chunk-frames", "4"), code2wav
 
@@ -314,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch", type=int, default=64, help="thinker/talker --max-batch-size and --num-slots")
     p.add_argument("--max-model-len", type=int, default=256)
     p.add_argument("--buckets", default="1,2,4,8,16,32,64")
-    p.add_argument("--code2wav-decoder", choices=("incremental", "window"), default="incremental",
+    p.add_argument("--code2wav-decoder", choices=list(Decoder), default=Decoder.INCREMENTAL.value,
                    help="code2wav's --decoder (default: the service's, incremental, which captures no graphs; "
                         "window: its chunk windows are captured and replayed in the graphs-on mode)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per stage (0: cores / 3)")

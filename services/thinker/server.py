@@ -42,9 +42,7 @@ from services.serving.convert import sampling_from_proto
 from services.serving.engine_loop import (
     EngineLoop,
 )
-from services.serving.grpc_server import (
-    ServerHandle,
-)
+from services.serving.grpc_server import ServerHandle
 from services.serving.metrics import StageMetrics
 from services.serving.open_streams import LIGHT_LOAD_STREAMS
 from services.serving.peer_limits import PeerLimits
