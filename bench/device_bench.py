@@ -28,7 +28,6 @@ from bench.loop import closed_loop
 from bench.machine import describe_machine
 from bench.metrics import percentile
 from services.code2wav.config import Decoder
-from services.runtime.chunking import DEFAULT_CHUNKS
 from services.tools.client import build_request, collect, connect
 from services.tools.launcher import Stack, StackOptions
 
@@ -151,9 +150,7 @@ class DeviceBench:
                   "--graph-buckets", a.buckets)
         lm = ("--max-batch-size", str(a.max_batch), "--num-slots", str(a.max_batch),
               "--max-model-len", str(a.max_model_len))
-        code2wav = common + ("--decoder", a.code2wav_decoder)
-        if a.code2wav_decoder == Decoder.WINDOW:  # only the window decoder replays captured windows
-            code2wav += ("--graph-windows", ",".join(map(str, DEFAULT_CHUNKS.windows(25, frames=a.talker_tokens - 1))))
+        code2wav = common + ("--decoder", a.code2wav_decoder)  # the window decoder captures the grid's windows
         return common + lm, common + lm + ("--first-chunk-frames", "4"), code2wav
 
     def requests(self, n: int) -> list:

@@ -26,7 +26,7 @@ from router.replicas import Replica, ReplicaSet
 from services.runtime.stages import Stage
 from services.serving import tracing
 from services.serving.grpc_server import time_remaining
-from services.serving.migration import Passed, Resume, with_cuts
+from services.serving.migration import Passed, Resume, as_replay
 from services.serving.status import (
     Overloaded,
     ReplayDiverged,
@@ -266,7 +266,7 @@ class Relay:
                                       "omni.reason": str(failure)})
         self.text.begin_replay()
         self.resume.begin_replay()
-        self.thinker_request = with_cuts(self.thinker_request, self.resume.cuts)
+        self.thinker_request = as_replay(self.thinker_request)
 
     def close(self, outcome: grpc.StatusCode) -> None:
         """However the call ended: its trace and count, and its places on the replicas and in flight."""

@@ -7,7 +7,6 @@ import enum
 from dataclasses import dataclass
 
 from services.code2wav.token2wav import StreamContext
-from services.runtime.chunking import DEFAULT_CHUNKS
 from services.runtime.settings import ModelConfig
 from services.serving.config import ServingConfig
 
@@ -16,21 +15,23 @@ class Decoder(enum.StrEnum):
     """Qwen3-Omni's decoder (`--decoder`), one engine each (engine.py)."""
 
     INCREMENTAL = "incremental"  # every frame decoded once, exact for any vocoder (incremental.py)
-    WINDOW = "window"  # left context re-decoded per chunk, batched (window.py); exact for short reach only
+    WINDOW = "window"  # left context re-decoded per block (window.py); exact for short reach only
 
 
 @dataclass(frozen=True)
 class Code2WavConfig:
     serving: ServingConfig
     model: ModelConfig
-    left_context: int = 25  # Decoder.WINDOW: frames of context decoded before each chunk
+    left_context: int = 25  # Decoder.WINDOW: frames of context decoded before each block
     decoder: Decoder = Decoder.INCREMENTAL
-    delivery_ms: float = 100.0  # Decoder.INCREMENTAL: a running request's chunk is due this long before its listener runs dry
-    # Decoder.WINDOW: window lengths captured as CUDA graphs at start-up (others on first use): those of
-    # the talker's default chunks (services/runtime/chunking.py) with `left_context` frames of context.
-    graph_windows: tuple[int, ...] = DEFAULT_CHUNKS.windows(25)
+    block_frames: int = 4  # frames a block: every vocoder call decodes whole blocks (blocks.py)
+    max_batch: int = 16  # requests' blocks decoded in one call at most (where the probe allows, probe.py)
+    delivery_ms: float = 100.0  # a running request's block is due this long before its listener runs dry
+    # Decoder.WINDOW: window lengths captured as CUDA graphs at start-up (others on first use); empty:
+    # the block grid's (window.window_lengths).
+    graph_windows: tuple[int, ...] = ()
     # Qwen2.5-Omni's streaming Token2Wav: tokens of context around each chunk (services/code2wav/token2wav.py).
     token2wav_context: StreamContext = StreamContext()
-    # Qwen2.5-Omni's Token2Wav: each window decoded alone, bit-identical whatever else decodes
-    # (services/code2wav/token2wav_engine.py); Qwen3-Omni's incremental decoder is per request already.
+    # Exact mode: Qwen3-Omni's block size and batches probed at start-up (probe.py); Qwen2.5-Omni's
+    # Token2Wav decodes each window alone (token2wav_engine.py): bit-identical whatever else decodes.
     exact: bool = True

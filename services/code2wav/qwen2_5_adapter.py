@@ -39,7 +39,8 @@ class Qwen2_5Code2WavAdapter:
         if self.config.model.graphs.enabled:
             log.warning("CUDA graphs are not implemented for Token2Wav: decoding eagerly")
         return Token2WavEngine(self.loaded.model, self.voices, default_voice=self.default_voice,
-                               context=self.config.token2wav_context, exact=self.config.exact)
+                               context=self.config.token2wav_context, max_batch=self.config.max_batch,
+                               exact=self.config.exact)
 
     def job_from_proto(self, start: stages_pb2.Code2WavStart) -> Token2WavStart:
         return Token2WavStart(voice=self.engine_voice(start.voice if start.HasField("voice") else None))

@@ -1,7 +1,7 @@
 """Qwen3-Omni's code2wav as the server drives it (adapter.py): the vocoder (`Qwen3OmniMoeCode2Wav`)
-in the engine of the configured decoder, `IncrementalCode2WavEngine` or `WindowCode2WavEngine`
-(engine.py), chosen here once; frames of `num_quantizers` codes; the start message's voice is
-not used (the voice is in the codes already)."""
+as the configured decoder's block vocoder, `IncrementalVocoder` or `WindowVocoder`, chosen here
+once, its block size and batches probed (probe.py), in `Code2WavEngine` (engine.py); frames of
+`num_quantizers` codes; the start message's voice is not used (the voice is in the codes already)."""
 
 from __future__ import annotations
 
@@ -10,30 +10,37 @@ import logging
 from omni.v1 import stages_pb2
 from services.code2wav.adapter import codec_input_from_proto
 from services.code2wav.config import Code2WavConfig, Decoder
-from services.code2wav.engine import (
-    Code2WavEngine,
-    CodecChunk,
-    CodecEnd,
-    IncrementalCode2WavEngine,
-    WindowCode2WavEngine,
-)
+from services.code2wav.engine import Code2WavEngine, CodecChunk, CodecEnd
+from services.code2wav.graphs import Code2WavGraphs
+from services.code2wav.incremental import IncrementalVocoder
+from services.code2wav.probe import plan_blocks
+from services.code2wav.vocoder import VocoderGeometry, measure_geometry
+from services.code2wav.window import WindowVocoder, window_lengths
 from services.runtime.checkpoint import LoadedStage
 
 log = logging.getLogger(__name__)
 
 
-def incremental_engine(loaded: LoadedStage, config: Code2WavConfig) -> IncrementalCode2WavEngine:
+def incremental_vocoder(model, geometry: VocoderGeometry, config: Code2WavConfig):
+    """size -> the incremental decoder's vocoder for blocks of that size."""
     if config.model.graphs.enabled:
         log.info("the incremental decoder decodes eagerly: CUDA graphs are captured for --decoder window only")
-    return IncrementalCode2WavEngine(loaded.model, loaded.config, delivery_ms=config.delivery_ms)
+    return lambda size: IncrementalVocoder(model, geometry, size)
 
 
-def window_engine(loaded: LoadedStage, config: Code2WavConfig) -> WindowCode2WavEngine:
-    return WindowCode2WavEngine(loaded.model, loaded.config, left_context=config.left_context,
-                                graphs=config.model.graphs, graph_windows=config.graph_windows)
+def window_vocoder(model, geometry: VocoderGeometry, config: Code2WavConfig):
+    """size -> the window decoder's vocoder for blocks of that size, its windows from CUDA graphs
+    where enabled (the grid's window lengths captured at start-up, others on first use)."""
+    graphs = Code2WavGraphs(model, config.model.graphs) if config.model.graphs.enabled else None
+
+    def make(size: int) -> WindowVocoder:
+        if graphs is not None:
+            graphs.capture(config.graph_windows or window_lengths(size, config.left_context), int(model.config.num_quantizers))
+        return WindowVocoder(model, geometry, size, config.left_context, graphs.decode if graphs else None)
+    return make
 
 
-ENGINES = {Decoder.INCREMENTAL: incremental_engine, Decoder.WINDOW: window_engine}  # decoder -> its engine's builder
+VOCODERS = {Decoder.INCREMENTAL: incremental_vocoder, Decoder.WINDOW: window_vocoder}  # decoder -> its vocoder's builder
 
 
 class Qwen3Code2WavAdapter:
@@ -49,7 +56,11 @@ class Qwen3Code2WavAdapter:
         return whole_model.code2wav  # Qwen3OmniMoeForConditionalGeneration's vocoder
 
     def build_engine(self) -> Code2WavEngine:
-        return ENGINES[self.config.decoder](self.loaded, self.config)
+        model, config = self.loaded.model, self.config
+        geometry = measure_geometry(model)
+        make = VOCODERS[config.decoder](model, geometry, config)
+        vocoder, plan = plan_blocks(make, config.block_frames, config.max_batch, config.exact)
+        return Code2WavEngine(vocoder, plan, self.loaded.config, delivery_ms=config.delivery_ms)
 
     def job_from_proto(self, start: stages_pb2.Code2WavStart) -> None:
         return None  # the vocoder takes nothing but frames
@@ -58,4 +69,4 @@ class Qwen3Code2WavAdapter:
         return codec_input_from_proto(message, self.num_quantizers, self.codebook_size)
 
     def frames_to_first_audio(self, first_chunk_frames: int) -> int:
-        return first_chunk_frames  # both decoders emit a chunk's audio once it is decoded
+        return first_chunk_frames  # both decoders emit a frame's audio once its (open) block is decoded

@@ -22,7 +22,6 @@ from services.code2wav.qwen3_adapter import Qwen3Code2WavAdapter
 from services.code2wav.token2wav import StreamContext, Token2WavGeometry
 from services.code2wav.vocoder import VocoderGeometry
 from services.runtime.checkpoint import LoadedStage, load_for_serving
-from services.runtime.chunking import DEFAULT_CHUNKS
 from services.runtime.errors import InvalidArgument, UserError, run_cli
 from services.runtime.families import Family
 from services.runtime.settings import (
@@ -185,29 +184,34 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(parser)
     add_serving_flags(parser, default_port=50063)
     parser.add_argument("--decoder", choices=list(Decoder), default=env_default("decoder", Decoder.INCREMENTAL.value),
-                        help="incremental (default): the vocoder's transformer keeps a KV cache per request, exact "
-                             "for any checkpoint; window: re-decode --left-context frames before each chunk, batched "
-                             "across requests (exact only for short-reach vocoders such as the tiny checkpoint's)")
+                        help="incremental (default): the vocoder's transformer and convolutions keep their state "
+                             "per request, exact for any checkpoint; window: re-decode --left-context frames before "
+                             "each block (exact only for short-reach vocoders such as the tiny checkpoint's)")
+    parser.add_argument("--block-frames", type=int, default=env_default("block_frames", 4),
+                        help="frames a block: every vocoder call decodes whole blocks at fixed places in the "
+                             "stream, so the audio does not depend on how the talker cut it (default 4; exact mode "
+                             "falls back to 1 where the start-up probe finds an open block changes bits)")
+    parser.add_argument("--max-batch", type=int, default=env_default("max_batch", 16),
+                        help="most requests' blocks decoded in one call (exact mode: the batch sizes the start-up "
+                             "probe finds bit-identical to each request alone; default 16, 1 = never batch)")
     parser.add_argument("--left-context", type=int, default=env_default("left_context", 25),
-                        help="frames of left context decoded before each chunk (default 25)")
+                        help="window decoder: frames of left context decoded before each block (default 25)")
     parser.add_argument("--delivery-ms", type=float, default=env_default("delivery_ms", 100.0),
-                        help="incremental decoder: how long audio takes from here to the listener; a running "
-                             "request's next chunk is decoded first once its listener's audio runs out within "
-                             "this (default 100)")
+                        help="how long audio takes from here to the listener; a running request's next block is "
+                             "decoded first once its listener's audio runs out within this (default 100)")
     parser.add_argument("--graph-windows", default=env_default("graph_windows", ""),
-                        help="chunk window lengths (context + chunk frames) captured as CUDA graphs at start-up; "
-                             "others are captured on first use (default: those of the talker's default chunks, "
-                             "4, 8, 16, 25, ..., with --left-context frames of context)")
+                        help="window decoder: window lengths (context + block frames) captured as CUDA graphs at "
+                             "start-up; others are captured on first use (default: every length of the block grid)")
     parser.add_argument("--token2wav-context", default=env_default("token2wav_context", ""),
                         help="Qwen2.5-Omni only: LEFT:AHEAD[:CHUNK[:VOCODER]] codec tokens of context around each "
                              "streamed chunk (default 96:48:24:32: 109 dB against one whole Token2Wav call on the tiny "
                              "checkpoint, where 48:24 gives 69 dB; "
                              "docs/qwen2_5-omni-token2wav.md has the trade-off table)")
     parser.add_argument("--exact-batching", choices=EXACT_CHOICES, default=env_default("exact_batching", "auto"),
-                        help="Qwen2.5-Omni's Token2Wav: on decodes every window alone, bit-identical whatever else "
-                             "is decoding (a migrated request's replay needs it); off batches equal-length windows "
-                             "across requests (auto: on for cpu, off for cuda; gemm: on). Qwen3-Omni's incremental "
-                             "decoder decodes one request at a time either way")
+                        help="on: every request's audio is bit-identical whatever else decodes (a migrated "
+                             "request's replay needs it): Qwen3-Omni's block size and batch sizes are probed at "
+                             "start-up, Qwen2.5-Omni's Token2Wav decodes every window alone; off batches without a "
+                             "probe (auto: on for cpu, off for cuda; gemm: on)")
     return parser
 
 
@@ -218,11 +222,14 @@ def config_from_args(args: argparse.Namespace) -> Code2WavConfig:
         raise UserError(f"--token2wav-context: {exc}") from None
     if args.delivery_ms < 0:
         raise UserError(f"--delivery-ms must be >= 0, got {args.delivery_ms}")
-    windows = (parse_buckets(args.graph_windows, "--graph-windows")  # the same syntax: positive integers
-               if args.graph_windows else DEFAULT_CHUNKS.windows(args.left_context))
+    for flag, value in (("--block-frames", args.block_frames), ("--max-batch", args.max_batch)):
+        if value < 1:
+            raise UserError(f"{flag} must be at least 1, got {value}")
+    windows = parse_buckets(args.graph_windows, "--graph-windows") if args.graph_windows else ()
     return Code2WavConfig(serving=serving_config_from_args(args), model=model_config_from_args(args),
-                          left_context=args.left_context, decoder=Decoder(args.decoder), graph_windows=windows,
-                          delivery_ms=args.delivery_ms, token2wav_context=context, exact=exact_batching(args))
+                          left_context=args.left_context, decoder=Decoder(args.decoder), block_frames=args.block_frames,
+                          max_batch=args.max_batch, graph_windows=windows, delivery_ms=args.delivery_ms,
+                          token2wav_context=context, exact=exact_batching(args))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.code2wav.engine import Audio, CodecChunk, CodecEnd, Decoded, PendingRequests, check_frames
+from services.code2wav.engine import Audio, CodecChunk, CodecEnd, Decoded, check_frames
 from services.code2wav.token2wav import (
     DitWindow,
     Sampling,
@@ -37,7 +37,7 @@ from services.code2wav.token2wav import (
     VocoderWindow,
     Voice,
 )
-from services.runtime.engine import StepResult
+from services.runtime.engine import EngineDefaults, StepResult
 from services.runtime.timing import ForwardTimer
 
 
@@ -58,7 +58,7 @@ class _Request:
     queued_tokens: int = 0  # tokens received by add_input, pending or pushed
 
 
-class Token2WavEngine(PendingRequests):
+class Token2WavEngine(EngineDefaults):
     def __init__(self, model, voices: dict[str, Voice], default_voice: str | None = None,
                  context: StreamContext = StreamContext(), sampling: Sampling = Sampling(), seed: int = 0,
                  max_batch: int = 16, exact: bool = False):
@@ -96,6 +96,20 @@ class Token2WavEngine(PendingRequests):
             if request.queued_tokens * self.geometry.repeats > self.geometry.max_mel_frames:
                 raise ValueError(f"more than {self.geometry.max_mel_frames // self.geometry.repeats} codec tokens")
         request.pending.append(payload)
+
+    def abort(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def has_work(self) -> bool:
+        return any(r.pending for r in self._requests.values())
+
+    @property
+    def queue_depth(self) -> int:
+        return sum(len(r.pending) for r in self._requests.values())
+
+    @property
+    def running(self) -> int:
+        return len(self._requests)
 
     def step(self) -> StepResult:
         for request in self._requests.values():

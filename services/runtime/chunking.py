@@ -1,5 +1,6 @@
-"""How codec frames are cut into chunks on their way from the talker to code2wav: one policy that
-the talker's chunker and code2wav's CUDA-graph windows both derive from.
+"""How codec frames are cut into chunks on their way from the talker to code2wav. The cuts decide
+when audio can be made, never its bits: code2wav decodes on a fixed grid of blocks whatever the
+cuts (services/code2wav/blocks.py).
 
 NOTE: growth. With 4 then 25 frames, the 25-frame chunk takes longer to make than the 0.32 s the
 first one plays, so playback runs dry once per request (omni-bench's underrun figure). Doubling
@@ -18,13 +19,6 @@ came back from code2wav on its way up (`playing`: the listener starts a few ms l
 earlier), at the family's seconds per frame. The listener gets the frames that exist instead of
 silence, at the price of a smaller code2wav call; a talker that keeps ahead never cuts early, and
 the schedule's cuts stay where they were, so one that catches up is back on 4, 8, 16, 25.
-
-NOTE: replays. Cuts that depend on the clock change the audio's bits: the vocoder's convolutions
-round differently for other chunk lengths (a 12-frame stream decoded as 4 + 8 and as 4 + 3 + 5
-differs by up to 6e-7). A replay after a replica dies must repeat the audio already passed up
-bit for bit (services/serving/migration.py), so the stage that replays tells the new talker the
-cuts of that audio (`TalkerStart.replay_cuts`, from each chunk's `AudioChunk.end_frame`), and the
-chunker cuts exactly there before anything else.
 """
 
 from __future__ import annotations
@@ -59,24 +53,6 @@ class ChunkPolicy:
             size = self.next_size(size)
         return sizes
 
-    def windows(self, left_context: int, frames: int | None = None) -> tuple[int, ...]:
-        """Window lengths (left context + chunk) a re-decoding vocoder sees: for a stream of
-        exactly `frames` frames (its tail included), or, with None, for every full chunk until the
-        steady size: the shapes worth capturing as CUDA graphs at start-up."""
-        if frames is None:
-            sizes, size = [], self.first
-            while size not in sizes:
-                sizes.append(size)
-                size = self.next_size(size)
-            sizes.append(size)  # the steady size, now with a full left context
-        else:
-            sizes = self.sizes(frames)
-        windows, seen = set(), 0
-        for size in sizes:
-            windows.add(min(left_context, seen) + size)
-            seen += size
-        return tuple(sorted(windows))
-
 
 DEFAULT_CHUNKS = ChunkPolicy()
 
@@ -86,12 +62,8 @@ class FrameChunker:
     decodes to and a clock (`add`'s `now`), it also cuts a chunk early when the audio already sent
     is about to run out (the module note)."""
 
-    def __init__(self, policy: ChunkPolicy = DEFAULT_CHUNKS, seconds_per_frame: float | None = None,
-                 replay_cuts: tuple[int, ...] = ()):
+    def __init__(self, policy: ChunkPolicy = DEFAULT_CHUNKS, seconds_per_frame: float | None = None):
         self.policy = policy
-        # A replay after a replica died: cut exactly here first (the cuts of the audio already
-        # passed up, increasing), so that audio repeats bit for bit (the module note).
-        self.replay_cuts = list(replay_cuts)
         self.seconds_per_frame = seconds_per_frame  # None: cut by the schedule alone
         self.size = policy.first  # size of the schedule's chunk being filled
         self.cut_at = policy.first  # frames sent once that chunk is out
@@ -104,8 +76,6 @@ class FrameChunker:
         self.frames.append(codes)
         gap = now - self.last_frame_at if now is not None and self.last_frame_at is not None else 0.0
         self.last_frame_at = now
-        if self.replay_cuts:
-            return self.flush() if self.sent + len(self.frames) >= self.replay_cuts[0] else None
         if self.sent + len(self.frames) >= self.cut_at or self.running_dry(now, gap):
             return self.flush()
         return None
@@ -129,8 +99,6 @@ class FrameChunker:
         chunk = torch.stack(self.frames)  # [n, num_code_groups]
         self.sent += len(self.frames)
         self.frames = []
-        while self.replay_cuts and self.replay_cuts[0] <= self.sent:
-            self.replay_cuts.pop(0)
         while self.cut_at <= self.sent:  # the schedule's next cut (an early chunk leaves it in place)
             self.size = self.policy.next_size(self.size)
             self.cut_at += self.size

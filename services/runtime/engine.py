@@ -14,7 +14,6 @@ text holds), `exact_report` (exact mode's probed kernel paths, exported once) an
 
 from __future__ import annotations
 
-import enum
 from typing import Any, Protocol
 
 from services.runtime.events import EngineEvent
@@ -23,19 +22,14 @@ from services.runtime.timing import ForwardTimer
 StepResult = list[tuple[str, EngineEvent]]  # (request_id, event) pairs of one step, in order
 
 
-class KernelPaths(Protocol):
-    """Exact mode's path per batched op (services.runtime.batching.ExactKernels, a KernelPath each)."""
-
-    linear: enum.Enum
-    experts: enum.Enum
-    attention: enum.Enum
-
-
 class KernelReport(Protocol):
-    """What the loop exports of exact mode's start-up probe (services.runtime.invariance.ProbeReport).
-    Declared here, not imported: the serving plumbing that reads it holds no torch code."""
+    """What the loop exports of exact mode's start-up probe (services.runtime.invariance.ProbeReport,
+    services.code2wav.probe.BlockPlan). Declared here, not imported: the serving plumbing that
+    reads it holds no torch code."""
 
-    kernels: KernelPaths
+    def paths(self) -> dict[str, str]: ...  # op -> the path the probe chose for it
+
+    def settings(self) -> dict[str, float]: ...  # name -> a number the probe chose (code2wav's block size)
 
 
 class Engine(Protocol):

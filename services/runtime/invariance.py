@@ -74,10 +74,15 @@ class ProbeReport:
     reasons: dict[str, str] = field(default_factory=dict)  # op -> why it took its path
     seconds: float = 0.0
 
+    def paths(self) -> dict[str, str]:
+        """op -> the path it takes (omni_exact_kernel_info)."""
+        return {op: getattr(self.kernels, op).value for op in ("linear", "experts", "attention")}
+
+    def settings(self) -> dict[str, float]:
+        return {}
+
     def line(self) -> str:
-        parts = [f"{op} {getattr(self.kernels, op).value} ({self.reasons.get(op, '')})"
-                 for op in ("linear", "experts", "attention")]
-        return "; ".join(parts)
+        return "; ".join(f"{op} {path} ({self.reasons.get(op, '')})" for op, path in self.paths().items())
 
 
 def _generator(seed: int) -> torch.Generator:

@@ -144,8 +144,8 @@ class EngineLoop:
             # event loop, between the loop thread's gauge updates, which an idle stage makes only
             # every 0.5 s.
             metrics.in_flight.set_function(lambda: self.in_flight)
-        if metrics is not None and engine.exact_report is not None:  # LM engines in exact mode: the probed paths
-            metrics.exact_kernels(engine.exact_report.kernels)
+        if metrics is not None and engine.exact_report is not None:  # exact mode: what the probe chose
+            metrics.exact_kernels(engine.exact_report)
 
     def start(self) -> None:
         self._thread.start()

@@ -112,14 +112,20 @@ class StageMetrics:
                                          "From a replica's failure to the first new output after the move",
                                          ["stage", "peer"], registry=r, buckets=PAUSE_BUCKETS)
 
-    def exact_kernels(self, kernels) -> None:
-        """The paths exact mode runs here (services/runtime/invariance.py's probe): one series per op
-        with value 1, e.g. omni_exact_kernel_info{op="attention", path="rows"}."""
+    def exact_kernels(self, report) -> None:
+        """What exact mode runs here, as the start-up probe chose it (services/runtime/invariance.py,
+        services/code2wav/probe.py): one series per op with value 1, e.g.
+        omni_exact_kernel_info{op="attention", path="rows"}, and a gauge per chosen number, e.g.
+        omni_exact_setting{name="block_frames"}."""
         info = Gauge("omni_exact_kernel_info", "Exact batching's kernel path per op, as the start-up probe chose it "
-                     "(rows: one call per request; batched: probed invariant here; gemm: omni's invariant GEMM)",
-                     ["stage", "op", "path"], registry=self.registry)
-        for op in ("linear", "experts", "attention"):
-            info.labels(stage=self.stage, op=op, path=getattr(kernels, op).value).set(1)
+                     "(rows: one call per request; batched: probed invariant here; gemm: omni's invariant GEMM; "
+                     "alone: no batching)", ["stage", "op", "path"], registry=self.registry)
+        for op, path in report.paths().items():
+            info.labels(stage=self.stage, op=op, path=path).set(1)
+        setting = Gauge("omni_exact_setting", "A number exact mode's start-up probe chose (code2wav: block_frames, "
+                        "max_batch)", ["stage", "name"], registry=self.registry)
+        for name, number in report.settings().items():
+            setting.labels(stage=self.stage, name=name).set(number)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int | None:
         if not port:

@@ -80,9 +80,6 @@ class Resume:
         self.audio = Passed(stage, "audio")
         self.frames = Passed(stage, "codec frames")
         self.chunks = 0  # audio chunks passed up
-        # The talker's cuts (AudioChunk.end_frame) of the audio passed up, increasing: a replay
-        # cuts there again (TalkerStart.replay_cuts), so that its audio repeats bit for bit.
-        self.cuts: list[int] = []
 
     def begin_replay(self) -> None:
         self.audio.begin_replay()
@@ -93,8 +90,6 @@ class Resume:
         skip = self.audio.admit(chunk.pcm, chunk.num_samples)
         if skip == chunk.num_samples:
             return None
-        if chunk.end_frame > (self.cuts[-1] if self.cuts else 0):
-            self.cuts.append(chunk.end_frame)
         out = common_pb2.AudioChunk(pcm=chunk.pcm[skip * 4:], sample_rate=chunk.sample_rate, index=self.chunks,
                                     num_samples=chunk.num_samples - skip, first_frame=chunk.first_frame,
                                     end_frame=chunk.end_frame)
@@ -115,13 +110,13 @@ class Resume:
         self.frames.check_complete()
 
 
-def with_cuts(start, cuts: list[int]):
-    """A copy of `start` (a TalkerStart or ThinkerRequest: its `replay_cuts`) told to cut where
-    the audio already passed up was cut (`Resume.cuts`)."""
+def as_replay(start):
+    """A copy of `start` (a TalkerStart or ThinkerRequest) marked a replay (for the trace). Nothing
+    else changes: the replayed audio has the bits of the first whatever the new replica's chunk
+    cuts (services/code2wav/blocks.py)."""
     replay = type(start)()
     replay.CopyFrom(start)
-    del replay.replay_cuts[:]
-    replay.replay_cuts.extend(cuts)
+    replay.replay = True
     return replay
 
 
@@ -203,7 +198,7 @@ class Downstream:
         """False when `exc` is not this stream's replica dying; else move to the next fallback
         replica and replay everything written (True), or re-raise `exc` when no fallback is left
         or the moves are spent. `first`: the message to replay in place of the first one written
-        (the start, told where to cut: `Resume.cuts`)."""
+        (the start, marked a replay: `as_replay`)."""
         if not self.failed_here(exc):
             return False
         if not self._replicas or self.moves >= self.max_moves:

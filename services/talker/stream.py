@@ -38,14 +38,6 @@ from services.talker.engine import Frame, TalkerDone, TalkerJob, TextEnd
 Responses = list[stages_pb2.TalkerOutput]
 
 
-def replay_cuts_from_proto(start: stages_pb2.TalkerStart) -> tuple[int, ...]:
-    """A replay's cuts (services/runtime/chunking.py, "replays"): increasing frame counts."""
-    cuts = tuple(start.replay_cuts)
-    if any(b <= a for a, b in zip((0, *cuts), cuts)):
-        raise InvalidArgument("start.replay_cuts", f"must be increasing frame counts above 0, got {list(cuts)}")
-    return cuts
-
-
 class TalkerStage(Protocol):
     """What a stream uses of its servicer (services/talker/server.py's TalkerServicer)."""
 
@@ -101,15 +93,14 @@ class SpeakStream:
         self.start = start = first.start
         try:
             self.job = self.servicer.adapter.job_from_proto(start)
-            cuts = replay_cuts_from_proto(start)
         except (InvalidArgument, WireError) as exc:
             await abort_for(self.context, exc)
         if not start.route.code2wav:
             await abort_for(self.context, InvalidArgument("route.code2wav", "no code2wav replica given"))
         self.request_id = start.request_id or "anonymous"
         self.key = engine_key(self.request_id)  # unique per stream, whatever ids callers reuse
-        self.spans = RequestTrace(Stage.TALKER, self.request_id, **{"omni.replay": bool(cuts)})
-        self.chunker = FrameChunker(self.servicer.config.chunks, self.servicer.adapter.seconds_per_frame, cuts)
+        self.spans = RequestTrace(Stage.TALKER, self.request_id, **{"omni.replay": start.replay})
+        self.chunker = FrameChunker(self.servicer.config.chunks, self.servicer.adapter.seconds_per_frame)
         self.added_ns = now_ns()
         self.servicer.loop.add(self.key, self.job, self.sink)
         self.reader = asyncio.create_task(self.read_text())

@@ -26,7 +26,7 @@ from services.serving.convert import finish_reason_to_proto
 from services.serving.engine_loop import EngineLoop, EventSink, engine_key
 from services.serving.grpc_server import time_remaining
 from services.serving.metrics import StageMetrics
-from services.serving.migration import Downstream, Resume, with_cuts
+from services.serving.migration import Downstream, Resume, as_replay
 from services.serving.peer_limits import PeerLimits
 from services.serving.status import ReplayDiverged, StageUnavailable, abort_for
 from services.serving.tracing import RequestTrace, now_ns
@@ -80,7 +80,7 @@ class ThinkerStream:
         self.received, self.received_ns = time.perf_counter(), now_ns()
         self.request_id = self.req.request_id or "anonymous"
         self.key = engine_key(self.request_id)  # unique per stream, whatever ids callers reuse
-        self.spans = RequestTrace(Stage.THINKER, self.req.request_id, **{"omni.replay": bool(request.replay_cuts)})
+        self.spans = RequestTrace(Stage.THINKER, self.req.request_id, **{"omni.replay": request.replay})
         self.sink = EventSink(asyncio.get_running_loop())
         self.prepared: Prepared | None = None
         self.talker_limits: common_pb2.StageLimits | None = None
@@ -155,10 +155,8 @@ class ThinkerStream:
             return item
 
     async def migrate(self, exc: StageUnavailable) -> None:
-        """Replay the talker stream on the next fallback replica; the new talker cuts where this
-        stream's audio was cut (and the router's replay before it)."""
-        cuts = sorted({*self.request.replay_cuts, *self.resume.cuts})
-        if not await self.speak.recover(exc, stages_pb2.TalkerInput(start=with_cuts(self.talker_start, cuts))):
+        """Replay the talker stream on the next fallback replica."""
+        if not await self.speak.recover(exc, stages_pb2.TalkerInput(start=as_replay(self.talker_start))):
             raise exc
         self.resume.begin_replay()
 
@@ -196,7 +194,7 @@ class ThinkerStream:
             stall_timeout_s=s.config.serving.stall_timeout_s(stages_below=1))
         self.speak.open()
         self.talker_start = s.adapter.talker_start(self.req, self.route, prefilled, self.prepared.job)
-        self.talker_start.replay_cuts.extend(self.request.replay_cuts)  # a replay of the router's
+        self.talker_start.replay = self.request.replay  # a replay of the router's
         await self.speak.write(stages_pb2.TalkerInput(start=self.talker_start))
 
     async def on_token(self, token: Token) -> Responses:

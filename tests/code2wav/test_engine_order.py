@@ -1,6 +1,6 @@
-"""The incremental code2wav engine decodes one chunk per step, earliest playback deadline first
-(services/code2wav/engine.py, `IncrementalCode2WavEngine` and the module note): a request not yet
-heard is due from when it arrived, a running one `delivery_ms` before its listener's audio runs out."""
+"""The code2wav engine decodes the most due requests' blocks first (services/code2wav/engine.py,
+the module note): a request not yet heard is due from when it arrived, a running one `delivery_ms`
+before its listener's audio runs out. One request a step here (`--max-batch 1`), so the order shows."""
 
 from __future__ import annotations
 
@@ -9,8 +9,12 @@ import time
 import pytest
 import torch
 
-from services.code2wav.engine import Audio, CodecChunk, IncrementalCode2WavEngine
+from services.code2wav.config import Code2WavConfig
+from services.code2wav.engine import Audio, CodecChunk
+from services.code2wav.qwen3_adapter import Qwen3Code2WavAdapter
 from services.runtime.checkpoint import Stage, load_stage
+from services.runtime.settings import ModelConfig
+from services.serving.config import ServingConfig
 
 SAMPLES_PER_FRAME, LOOKAHEAD, RATE = 1920, 555, 24000  # the tiny vocoder's geometry (the real one's)
 
@@ -26,11 +30,16 @@ def frames(n: int) -> CodecChunk:
 
 def decoded_first(loaded, first_frames: int, wait_s: float, delivery_ms: float = 100.0) -> str:
     """"a" is heard (its first chunk of `first_frames` frames decoded); `wait_s` later "b" arrives;
-    both have a chunk waiting. Which does the next step decode?"""
-    engine = IncrementalCode2WavEngine(loaded.model, loaded.config, delivery_ms=delivery_ms)
+    both have a block waiting. Which does the next step decode?"""
+    config = Code2WavConfig(serving=ServingConfig(), model=ModelConfig(checkpoint="unused"), max_batch=1,
+                            delivery_ms=delivery_ms)
+    engine = Qwen3Code2WavAdapter(loaded, config).build_engine()
     engine.add("a")
     engine.add_input("a", frames(first_frames))
-    assert [request for request, event in engine.step() if isinstance(event, Audio)] == ["a"]
+    heard = []
+    while engine.has_work():
+        heard += [request for request, event in engine.step() if isinstance(event, Audio)]
+    assert set(heard) == {"a"}
     time.sleep(wait_s)
     engine.add("b")
     engine.add_input("a", frames(8))

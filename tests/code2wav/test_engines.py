@@ -1,6 +1,6 @@
-"""Qwen3-Omni's two code2wav engines, as the family adapter builds them (services/code2wav/
-qwen3_adapter.py): `--decoder` picks the engine once, only the window engine has CUDA graphs, and
-both give each of several interleaved streams one vocoder forward of its own frames."""
+"""Qwen3-Omni's code2wav engine with its two decoders, as the family adapter builds it (services/
+code2wav/qwen3_adapter.py): `--decoder` picks the vocoder once, and both give each of several
+interleaved streams one vocoder forward of its own frames."""
 
 from __future__ import annotations
 
@@ -9,21 +9,16 @@ import pytest
 import torch
 
 from services.code2wav.config import Code2WavConfig, Decoder
-from services.code2wav.engine import (
-    Audio,
-    CodecChunk,
-    CodecEnd,
-    Decoded,
-    IncrementalCode2WavEngine,
-    WindowCode2WavEngine,
-)
+from services.code2wav.engine import Audio, CodecChunk, CodecEnd, Decoded
+from services.code2wav.incremental import IncrementalVocoder
 from services.code2wav.server import adapter_for, build_parser, config_from_args
+from services.code2wav.window import WindowVocoder
 from services.runtime.checkpoint import Stage, load_stage
 from services.runtime.settings import ModelConfig
 from services.serving.config import ServingConfig
 from tests.audio_checks import check_streamed_audio
 
-ENGINES = {Decoder.INCREMENTAL: IncrementalCode2WavEngine, Decoder.WINDOW: WindowCode2WavEngine}
+VOCODERS = {Decoder.INCREMENTAL: IncrementalVocoder, Decoder.WINDOW: WindowVocoder}
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +36,15 @@ def test_the_decoder_flag_picks_its_engine(loaded, tiny_checkpoint, decoder):
     config = config_from_args(build_parser().parse_args(["--checkpoint", str(tiny_checkpoint), "--decoder", decoder]))
     assert config.decoder is decoder
     engine = engine_for(loaded, tiny_checkpoint, config.decoder)
-    assert type(engine) is ENGINES[decoder]
-    assert getattr(engine, "graphs", None) is None  # CPU: no graphs; the incremental engine has none at all
+    assert type(engine.vocoder) is VOCODERS[decoder]
+    # CPU: eager forwards (the window vocoder's CUDA graphs would be Code2WavGraphs.decode).
+    assert getattr(getattr(engine.vocoder, "forward_windows", None), "__self__", None) is None
 
 
 @pytest.mark.parametrize("decoder", list(Decoder))
 def test_interleaved_streams_each_equal_one_vocoder_forward(loaded, tiny_checkpoint, decoder):
     engine = engine_for(loaded, tiny_checkpoint, decoder)
-    lengths = {"a": 33, "b": 29, "c": 4}  # b's chunks meet a's in equal windows (the window engine batches them)
+    lengths = {"a": 33, "b": 29, "c": 4}  # their blocks meet in equal shapes (the engine batches them)
     frames = {r: torch.randint(0, engine.codebook_size, (n, engine.num_quantizers),
                                generator=torch.Generator().manual_seed(i)) for i, (r, n) in enumerate(lengths.items())}
     for request_id in lengths:

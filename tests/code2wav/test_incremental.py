@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from services.code2wav.incremental import IncrementalDecoder
+from services.code2wav.blocks import StreamDecoder
+from services.code2wav.incremental import IncrementalVocoder
 from services.code2wav.vocoder import decode_full, measure_geometry
-from services.code2wav.window import WindowDecoder
+from services.code2wav.window import WindowVocoder
 from services.runtime.checkpoint import Stage, load_stage
 from tests.audio_checks import check_streamed_audio, snr_db
 
@@ -36,6 +37,10 @@ def vocoders(tiny_checkpoint, tmp_path_factory):
             for name, path in (("tiny", tiny_checkpoint), ("real-reach", real_reach))}
 
 
+def incremental(model, size: int = 4) -> StreamDecoder:
+    return StreamDecoder(IncrementalVocoder(model, measure_geometry(model), size))
+
+
 def stream(decoder, frames: torch.Tensor, chunk: int) -> np.ndarray:
     out = [decoder.push(frames[s:s + chunk]) for s in range(0, frames.shape[0], chunk)]
     return np.concatenate(out + [decoder.finish()])
@@ -46,7 +51,7 @@ def stream(decoder, frames: torch.Tensor, chunk: int) -> np.ndarray:
 def test_incremental_decoding_equals_one_forward(vocoders, layout, chunk):
     model = vocoders[layout]
     frames = torch.randint(0, 64, (FRAMES, 16), generator=torch.Generator().manual_seed(1))
-    streamed = stream(IncrementalDecoder(model, measure_geometry(model)), frames, chunk)
+    streamed = stream(incremental(model), frames, chunk)
     check_streamed_audio(model, frames, streamed)
 
 
@@ -54,7 +59,7 @@ def test_left_context_re_decoding_cannot_cover_the_real_reach(vocoders):
     model = vocoders["real-reach"]
     frames = torch.randint(0, 64, (FRAMES, 16), generator=torch.Generator().manual_seed(1))
     reference = decode_full(model, frames)
-    windowed = stream(WindowDecoder(model, measure_geometry(model), left_context=25), frames, 25)
+    windowed = stream(StreamDecoder(WindowVocoder(model, measure_geometry(model), 4, 25)), frames, 25)
     assert snr_db(reference, windowed) < 30  # why incremental is the default decoder
 
 
@@ -62,7 +67,7 @@ def test_each_frame_is_convolved_once(vocoders):
     # Every convolution keeps its own history, so the stack sees each frame once, not a left
     # context again before every chunk (what the decoder did before: 1.6x the work for 64 frames).
     model = vocoders["tiny"]
-    decoder = IncrementalDecoder(model, measure_geometry(model))
+    decoder = incremental(model)
     first = model.upsample[0][0].conv  # the first layer after the transformer
     seen = []
     handle = first.register_forward_hook(lambda module, args, out: seen.append(args[0].shape[-1]))
@@ -75,28 +80,14 @@ def test_each_frame_is_convolved_once(vocoders):
     check_streamed_audio(model, frames, streamed)
 
 
-def test_the_state_kept_between_chunks_is_the_histories_alone(vocoders):
-    # Each history must own its few samples, not view the chunk it was cut from: at the real
+def test_the_state_kept_between_blocks_is_the_histories_alone(vocoders):
+    # Each history must own its few samples, not view the block it was cut from: at the real
     # widths a view kept 152 MiB of activations alive per request between chunks.
-    from services.code2wav import incremental
-
-    def histories(layer):
-        if isinstance(layer, incremental._Sequence):
-            for each in layer.layers:
-                yield from histories(each)
-        elif isinstance(layer, incremental._ConvNeXt):
-            yield from histories(layer.dwconv)
-        elif isinstance(layer, incremental._Residual):
-            yield from (*histories(layer.conv1), *histories(layer.conv2))
-        elif isinstance(layer, incremental._CausalConv | incremental._TransConv):
-            yield layer.history
-
     model = vocoders["tiny"]
-    decoder = IncrementalDecoder(model, measure_geometry(model))
+    decoder = incremental(model)
     frames = torch.randint(0, 64, (29, 16), generator=torch.Generator().manual_seed(3))
     decoder.push(frames[:4])
     decoder.push(frames[4:])
-    kept = list(histories(decoder._stack))
-    assert len(kept) > 20  # every convolution of the stack
-    for history in kept:
+    assert len(decoder.state) > 20  # the transformer's key buffers and every convolution's history
+    for history in decoder.state:
         assert history.untyped_storage().nbytes() == history.numel() * history.element_size()

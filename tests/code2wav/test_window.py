@@ -1,4 +1,4 @@
-"""WindowDecoder (--decoder window): chunked push()+finish() equals one vocoder forward over all frames.
+"""The window decoder (--decoder window): chunked push()+finish() equals one vocoder forward over all frames.
 
 The criterion (tests/audio_checks.py): exact length, and SNR against the float64 forward close
 to the float32 forward's. Measured on the tiny checkpoint (seed 0), 60 random frames (generator
@@ -17,13 +17,18 @@ import numpy as np
 import pytest
 import torch
 
+from services.code2wav.blocks import StreamDecoder
 from services.code2wav.vocoder import VocoderGeometry, decode_full, measure_geometry
-from services.code2wav.window import WindowDecoder
+from services.code2wav.window import WindowVocoder
 from services.runtime.checkpoint import Stage, load_stage
 from services.tools.tiny_checkpoint import build
 from tests.audio_checks import check_streamed_audio, snr_db
 
 N_FRAMES = 60
+
+
+def window_decoder(model, geometry, left_context: int = 25, size: int = 4) -> StreamDecoder:
+    return StreamDecoder(WindowVocoder(model, geometry, size, left_context))
 # See the module docstring: window-relative rotary positions round differently.
 WINDOW_MARGIN_DB = 2.0
 
@@ -54,7 +59,7 @@ def reference(model, frames) -> np.ndarray:
 
 def stream(model, geometry, frames, schedule: list[int], left_context: int = 25) -> np.ndarray:
     assert sum(schedule) == frames.shape[0]
-    decoder = WindowDecoder(model, geometry, left_context=left_context)
+    decoder = window_decoder(model, geometry, left_context=left_context)
     pieces, start = [], 0
     for size in schedule:
         pieces.append(decoder.push(frames[start : start + size]))
@@ -95,7 +100,7 @@ def test_mixed_chunk_schedule_equals_one_full_forward(model, geometry, frames, r
 
 def test_first_push_of_four_frames_already_returns_audio(model, geometry, frames):
     U, L = geometry.samples_per_frame, geometry.lookahead_samples
-    decoder = WindowDecoder(model, geometry)
+    decoder = window_decoder(model, geometry)
     first = decoder.push(frames[:4])
     assert len(first) == 4 * U - L
     # The vocoder is causal: the first 4*U - L samples of the whole answer are those of frames[:4].
@@ -107,10 +112,10 @@ def test_first_push_of_four_frames_already_returns_audio(model, geometry, frames
 
 
 def test_context_window_stays_bounded(model, geometry, frames):
-    decoder = WindowDecoder(model, geometry, left_context=25)
+    decoder = window_decoder(model, geometry, left_context=25)
     for size in even_schedule(10):
         decoder.push(frames[decoder.frames_seen : decoder.frames_seen + size])
-        assert decoder._context.shape[0] <= 25
+        assert decoder.stream._frames.shape[0] <= 25 + 4  # the context and the open block
 
 
 def test_too_little_left_context_is_measurably_worse(model, geometry, frames, reference):
@@ -125,6 +130,6 @@ def test_too_little_left_context_is_measurably_worse(model, geometry, frames, re
 
 
 def test_left_context_below_one_frame_is_rejected(model, geometry):
-    # 0 frames of context cannot regenerate the L samples held back at each chunk boundary.
+    # 0 frames of context cannot regenerate the L samples held back at each block boundary.
     with pytest.raises(ValueError):
-        WindowDecoder(model, geometry, left_context=0)
+        WindowVocoder(model, geometry, 4, left_context=0)

@@ -12,16 +12,19 @@ import numpy as np
 import pytest
 import torch
 
+from services.code2wav.config import Code2WavConfig
 from services.code2wav.engine import (
     Audio,
     CodecChunk,
     CodecEnd,
     Decoded,
-    IncrementalCode2WavEngine,
 )
+from services.code2wav.qwen3_adapter import Qwen3Code2WavAdapter
 from services.runtime.checkpoint import Stage, load_stage
 from services.runtime.finish import FinishReason
 from services.runtime.prompt import PromptBuilder
+from services.runtime.settings import ModelConfig
+from services.serving.config import ServingConfig
 from services.talker.engine import TalkerEngine, TalkerEngineConfig
 from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig
 from services.tools.reference import messages_from_args
@@ -84,8 +87,9 @@ def test_bf16_talker_takes_float32_thinker_tensors(bf16, tiny_checkpoint, reques
 
 
 def test_bf16_code2wav_streams_finite_audible_audio(bf16):
-    model, config = bf16[Stage.CODE2WAV].model, bf16[Stage.CODE2WAV].config
-    engine = IncrementalCode2WavEngine(model, config)
+    config = bf16[Stage.CODE2WAV].config
+    engine = Qwen3Code2WavAdapter(bf16[Stage.CODE2WAV], Code2WavConfig(serving=ServingConfig(),
+                                                                       model=ModelConfig(checkpoint="unused"))).build_engine()
     codebook, groups = config.code2wav_config.codebook_size, config.code2wav_config.num_quantizers
     frames = torch.randint(0, codebook, (33, groups), generator=torch.Generator().manual_seed(0))
     engine.add("r")

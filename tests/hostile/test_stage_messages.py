@@ -263,7 +263,7 @@ def talker_streams(draw, stages: Stages) -> tuple[list[stages_pb2.TalkerInput], 
     finished = stages_pb2.TalkerInput(finished=stages_pb2.TextFinished())
     mutation = draw(st.sampled_from(["none"] * 6 + [
         "no assistant turn", "no start", "embeds rows", "embeds width", "embeds dtype", "tts shape", "multimodal", "token width",
-        "no finished", "voice", "max_new_tokens", "replay_cuts", "raw tensor bytes"]))
+        "no finished", "voice", "max_new_tokens", "raw tensor bytes"]))
     if mutation == "no assistant turn":  # random ids (no "<|im_start|>assistant" pair), embeddings to match
         del start.prompt_token_ids[:]
         start.prompt_token_ids.extend(draw(st.lists(st.integers(0, 200).filter(lambda t: t != stages.assistant),
@@ -284,8 +284,6 @@ def talker_streams(draw, stages: Stages) -> tuple[list[stages_pb2.TalkerInput], 
                                                                                                 "aiden")))
     elif mutation == "max_new_tokens":
         start.sampling.max_new_tokens = draw(st.sampled_from([10**6, 2**31 - 1]))
-    elif mutation == "replay_cuts":
-        start.replay_cuts.extend(draw(st.sampled_from([[0], [3, 2], [2, 2]])))
     elif mutation == "raw tensor bytes":
         start.prompt_embeds.data = start.prompt_embeds.data[:-draw(st.integers(1, 8))]
     messages = [] if mutation == "no start" else [stages_pb2.TalkerInput(start=start)]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from omni.v1 import common_pb2, stages_pb2
-from services.serving.migration import Passed, Resume, with_cuts
+from services.serving.migration import Passed, Resume, as_replay
 from services.serving.status import ReplayDiverged
 
 
@@ -91,26 +91,9 @@ def test_codec_frames_and_text_tokens_resume_by_count():
     assert text.count == 3
 
 
-def test_the_cuts_of_the_audio_passed_up_are_kept_for_a_replay_to_repeat():
-    resume = Resume("talker")
-    ends = [4, 6, 14, 30]  # the talker's cuts (AudioChunk.end_frame) of the four chunks
-    chunks = [common_pb2.AudioChunk(pcm=c.pcm, num_samples=c.num_samples, end_frame=end)
-              for c, end in zip(stream(), ends)]
-    passed = [resume.audio_chunk(c) for c in chunks[:2]]
-    assert resume.cuts == [4, 6] and [c.end_frame for c in passed] == [4, 6]
-    resume.begin_replay()
-    for c in chunks:  # the replay, cut where told: its repetition adds no cut, the rest does
-        resume.audio_chunk(c)
-    assert resume.cuts == ends
-    unknown = Resume("talker")  # Qwen2.5-Omni's code2wav reports no cuts (end_frame 0)
-    unknown.audio_chunk(stream()[0])
-    assert unknown.cuts == []
-
-
-def test_a_start_is_copied_with_the_cuts_and_the_original_is_left_alone():
-    start = stages_pb2.TalkerStart(request_id="r", replay_cuts=[4])
-    replay = with_cuts(start, [4, 6, 9])
-    assert list(replay.replay_cuts) == [4, 6, 9] and replay.request_id == "r"
-    assert list(start.replay_cuts) == [4]
-    request = with_cuts(stages_pb2.ThinkerRequest(), [5])
-    assert list(request.replay_cuts) == [5]
+def test_a_start_is_copied_marked_a_replay_and_the_original_is_left_alone():
+    start = stages_pb2.TalkerStart(request_id="r")
+    replay = as_replay(start)
+    assert replay.replay and replay.request_id == "r"
+    assert not start.replay
+    assert as_replay(stages_pb2.ThinkerRequest()).replay

@@ -268,8 +268,8 @@ def test_a_task_left_to_end_is_kept_until_it_does_and_its_failure_is_not_logged(
 
 
 def test_a_moved_downstream_replays_what_it_wrote_with_the_start_the_owner_amended():
-    """The talker's new replica gets the thinker's start told where to cut (TalkerStart.replay_cuts),
-    then every row written before the move."""
+    """The talker's new replica gets the thinker's start marked a replay (TalkerStart.replay), then
+    every row written before the move."""
     received: list[list[bytes]] = []  # per call: the messages the peer read
 
     async def recorder(requests, context):
@@ -285,7 +285,7 @@ def test_a_moved_downstream_replays_what_it_wrote_with_the_start_the_owner_amend
         downstream.open()
         await downstream.write(b"start")
         await downstream.write(b"row 0")
-        moved = await downstream.recover(StageUnavailable("talker", address, "killed"), first=b"start, cut at 4 6")
+        moved = await downstream.recover(StageUnavailable("talker", address, "killed"), first=b"start, a replay")
         await downstream.write(b"row 1")
         await downstream.close()
         while await sink.get(5.0) != b"final":
@@ -293,4 +293,4 @@ def test_a_moved_downstream_replays_what_it_wrote_with_the_start_the_owner_amend
         return moved
 
     assert asyncio.run(with_peer(recorder, body)) is True
-    assert received[-1] == [b"start, cut at 4 6", b"row 0", b"row 1"]
+    assert received[-1] == [b"start, a replay", b"row 0", b"row 1"]

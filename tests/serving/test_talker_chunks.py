@@ -8,7 +8,6 @@ to the schedule, 4 then 8 frames."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 
 import grpc
 import pytest
@@ -22,7 +21,6 @@ from services.runtime.prompt import ChatMessage, Part, PromptBuilder, Role
 from services.runtime.sampling import SamplingConfig
 from services.runtime.settings import ModelConfig
 from services.serving.config import ServingConfig
-from services.serving.status import field_violations
 from services.serving.wire import audio_from_proto, frames_from_proto
 from services.talker.server import TalkerConfig
 from services.talker.server import create_server as create_talker
@@ -60,9 +58,10 @@ def talker_stream(tiny_checkpoint):
     return start, rows
 
 
-def chunks_sent(tiny_checkpoint, talker_stream, delivery_ms: float, replay_cuts=()) -> tuple[list[int], int, int]:
+def chunks_sent(tiny_checkpoint, talker_stream, delivery_ms: float) -> tuple[list[int], int, int]:
     """(frames in each chunk the talker sent code2wav, audio samples the caller got, frames made).
-    Every audio chunk names the cut it ends at (AudioChunk.end_frame)."""
+    Every audio chunk names the frames decoded when it was made (AudioChunk.end_frame), more each
+    time, all of them at the last."""
     start, rows = talker_stream
     model = ModelConfig(checkpoint=str(tiny_checkpoint))
 
@@ -74,7 +73,6 @@ def chunks_sent(tiny_checkpoint, talker_stream, delivery_ms: float, replay_cuts=
             first = stages_pb2.TalkerStart()
             first.CopyFrom(start)
             first.route.code2wav = code2wav
-            first.replay_cuts.extend(replay_cuts)
 
             async def inputs():
                 yield stages_pb2.TalkerInput(start=first)
@@ -88,7 +86,8 @@ def chunks_sent(tiny_checkpoint, talker_stream, delivery_ms: float, replay_cuts=
     outputs = asyncio.run(scenario())
     sizes = [frames_from_proto(o.codec_frames).shape[0] for o in outputs if o.HasField("codec_frames")]
     audio = [o.audio for o in outputs if o.HasField("audio")]
-    assert [a.end_frame for a in audio] == list(itertools.accumulate(sizes))
+    ends = [a.end_frame for a in audio]
+    assert ends == sorted(set(ends)) and ends[-1] == sum(sizes), ends
     return sizes, sum(audio_from_proto(a).size for a in audio), outputs[-1].final.codec_frames
 
 
@@ -101,17 +100,3 @@ def test_a_talker_slower_than_real_time_sends_the_frames_it_has(tiny_checkpoint,
 def test_with_delivery_ms_zero_the_talker_keeps_to_the_schedule(tiny_checkpoint, talker_stream):
     sizes, samples, frames = chunks_sent(tiny_checkpoint, talker_stream, delivery_ms=0)
     assert sizes == [4, 8] and frames == FRAMES and samples == FRAMES * 1920 - 555
-
-
-def test_a_replay_cuts_where_it_is_told_before_anything_else(tiny_checkpoint, talker_stream):
-    # What a stage that lost its talker sends the next one (services/serving/migration.py): the
-    # cuts of the audio already passed up, 4, 6, 9; then the schedule's next cut, at 12.
-    sizes, samples, frames = chunks_sent(tiny_checkpoint, talker_stream, delivery_ms=0, replay_cuts=(4, 6, 9))
-    assert sizes == [4, 2, 3, 3] and frames == FRAMES and samples == FRAMES * 1920 - 555
-
-
-def test_replay_cuts_that_do_not_increase_are_refused_naming_the_field(tiny_checkpoint, talker_stream):
-    with pytest.raises(grpc.aio.AioRpcError) as raised:
-        chunks_sent(tiny_checkpoint, talker_stream, delivery_ms=0, replay_cuts=(4, 4))
-    assert raised.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-    assert field_violations(raised.value)[0][0] == "start.replay_cuts"

@@ -41,12 +41,6 @@ def test_policy_sizes_are_what_the_chunker_cuts():
         assert policy.sizes(frames) == chunk_sizes(FrameChunker(policy), frames)
 
 
-def test_graph_windows_follow_the_chunks_with_their_left_context():
-    # 4 | 4 + 8 | 12 + 16 | min(25, 28) + 25 | 25 + 25 ...
-    assert DEFAULT_CHUNKS.windows(25) == (4, 12, 28, 50)
-    assert ChunkPolicy(4, 25, growth=1).windows(25) == (4, 29, 50)
-
-
 FRAME_S = 0.08  # Qwen3-Omni: 1920 samples at 24 kHz
 
 
@@ -101,13 +95,3 @@ def test_no_early_chunks_before_the_first_audio_without_a_frame_length_or_with_d
     no_delivery.playing(0.0)
     for chunker in (not_playing, no_length, no_delivery):
         assert cut(chunker, late) == [4, 8, 16]
-
-
-def test_a_replay_cuts_where_it_is_told_then_follows_the_policy():
-    # The original was cut early at 6 and 9: the replay cuts there too, however fast it runs,
-    # then goes on with the schedule (its next cut after 9 is at 12).
-    chunker = FrameChunker(DEFAULT_CHUNKS, FRAME_S, replay_cuts=(4, 6, 9))
-    chunker.playing(0.0)
-    assert cut(chunker, [0.0] * 9) == [4, 2, 3]
-    assert cut(chunker, [0.01 * i for i in range(19)]) == [3, 16]
-    assert chunker.sent == 28
