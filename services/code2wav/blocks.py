@@ -4,15 +4,21 @@ how the talker cut the stream into chunks.
 NOTE: why a grid. A CPU kernel's rounding depends on the shapes it is called with (a convolution
 over 25 frames and the same frames as 4 + 21 differ in the last bits on AMD EPYC hosts), and on
 where an element sits in the call (vectorised body or scalar tail). So the decoders never call the
-vocoder on a chunk as it came: a request's frames are cut into blocks of `size` frames at fixed
-places, block b holding frames [b*size, (b+1)*size), and every call decodes one whole block, its
-frames not received yet replaced by zero frames. The vocoder is causal, so samples before
-(b*size + real)*U - L never depend on those zero frames (vocoder.py: U, L); they are emitted, the
-rest waits. When more frames of the block arrive, the block is decoded again from the same state
-(the request's state is only ever the one after whole blocks): the same call on the same inputs,
-so the samples already emitted come out with the same bits, and only the new ones are emitted.
-Every call a frame ever takes part in is thus a function of the block index and the frames alone,
-never of the cuts. (A chunk that ends mid-block costs one decode of that block again.)
+vocoder on a chunk as it came: a request's frames are cut into blocks at fixed places (`BlockGrid`:
+the talker's chunk schedule by default, 4, 8, 16, then 25 frames a block), and every call decodes
+one whole block, its frames not received yet replaced by zero frames. The vocoder is causal, so
+samples before (first + real)*U - L never depend on those zero frames (vocoder.py: U, L); they are
+emitted, the rest waits. When more frames of the block arrive, the block is decoded again from the
+same state (the request's state is only ever the one after whole blocks): the same call on the
+same inputs, so the samples already emitted come out with the same bits, and only the new ones are
+emitted. Every call a frame ever takes part in is thus a function of the grid and the frames alone,
+never of the cuts.
+
+NOTE: why the talker's schedule. A talker that keeps to its schedule sends whole blocks: one call
+a chunk, as many as decoding the chunks as they came. A chunk cut early (the talker running dry,
+services/runtime/chunking.py) leaves an open block, decoded again when its next frames come: the
+engine decodes an open block only when its listener needs the audio (engine.py), so a block is
+decoded a second time only where the listener would otherwise have waited.
 """
 
 from __future__ import annotations
@@ -26,10 +32,35 @@ from services.code2wav.vocoder import EMPTY, VocoderGeometry
 
 
 @dataclass(frozen=True)
+class BlockGrid:
+    """Where blocks start: `sizes` frames each, in order, the last size repeating."""
+
+    sizes: tuple[int, ...]
+
+    def __post_init__(self):
+        if not self.sizes or min(self.sizes) < 1:
+            raise ValueError(f"block sizes must be at least 1 frame, got {list(self.sizes)}")
+
+    def first_frame(self, index: int) -> int:
+        head = self.sizes[:index]
+        return sum(head) + max(0, index - len(self.sizes)) * self.sizes[-1]
+
+    def size(self, index: int) -> int:
+        return self.sizes[min(index, len(self.sizes) - 1)]
+
+    def __str__(self) -> str:
+        return ",".join(map(str, self.sizes))
+
+
+ONE_FRAME = BlockGrid((1,))
+
+
+@dataclass(frozen=True)
 class Block:
-    """One decode of block `index`: frames [index*size, index*size + real) received, then zeros."""
+    """One decode of block `index`: frames [first_frame, first_frame + real) received, then zeros."""
 
     index: int
+    first_frame: int
     frames: torch.Tensor  # [size, Q] int64: `real` frames, then zero frames
     real: int  # frames of the block received so far (1..size)
     context: torch.Tensor  # [c, Q] int64: the c frames just before the block (the window decoder's)
@@ -38,20 +69,14 @@ class Block:
     def full(self) -> bool:
         return self.real == self.frames.shape[0]
 
-    @property
-    def first_frame(self) -> int:
-        return self.index * self.frames.shape[0]
-
 
 class BlockStream:
     """One request's frames on the grid: what arrived, which block decodes next, which samples are
     final. No model calls: the engine decodes the blocks (a batch of requests' at once) and hands
     each output back to `accept`."""
 
-    def __init__(self, size: int, geometry: VocoderGeometry, context: int = 0):
-        if size < 1:
-            raise ValueError(f"block size must be at least 1 frame, got {size}")
-        self.size = size
+    def __init__(self, grid: BlockGrid, geometry: VocoderGeometry, context: int = 0):
+        self.grid = grid
         self.geometry = geometry
         self.context = context  # frames before a block that its decode reads (the window decoder's)
         self._frames: torch.Tensor | None = None  # [k, Q] int64: received frames from _base on
@@ -79,19 +104,24 @@ class BlockStream:
         return self.received > self.covered
 
     @property
+    def whole(self) -> bool:
+        """The next block has all its frames (or the stream ended): deciding it cannot wait."""
+        return self.ready and (self.ended or self.received >= self.grid.first_frame(self.blocks + 1))
+
+    @property
     def done(self) -> bool:
         return self.ended and not self.ready
 
     def next_block(self) -> Block:
         """The open block as far as it arrived (call when `ready`)."""
-        start = self.blocks * self.size
-        real = min(self.received - start, self.size)
+        start, size = self.grid.first_frame(self.blocks), self.grid.size(self.blocks)
+        real = min(self.received - start, size)
         i = start - self._base
         frames = self._frames[i:i + real]
-        if real < self.size:
-            frames = torch.cat([frames, frames.new_zeros((self.size - real, frames.shape[1]))])
+        if real < size:
+            frames = torch.cat([frames, frames.new_zeros((size - real, frames.shape[1]))])
         context = self._frames[max(0, i - self.context):i]
-        return Block(self.blocks, frames, real, context)
+        return Block(self.blocks, start, frames, real, context)
 
     def accept(self, block: Block, wav: torch.Tensor, first_sample: int) -> np.ndarray:
         """`wav`: the decode of `block`, global samples [first_sample, first_sample + len). Returns
@@ -110,7 +140,7 @@ class BlockStream:
 
     def _trim(self) -> None:
         # Keep what the next block's decode reads: its own frames and the `context` before them.
-        keep_from = max(self._base, self.blocks * self.size - self.context)
+        keep_from = max(self._base, self.grid.first_frame(self.blocks) - self.context)
         if keep_from > self._base:
             self._frames = self._frames[keep_from - self._base:].clone()
             self._base = keep_from
@@ -123,7 +153,7 @@ class StreamDecoder:
 
     def __init__(self, vocoder):
         self.vocoder = vocoder
-        self.stream = BlockStream(vocoder.size, vocoder.geometry, vocoder.context)
+        self.stream = BlockStream(vocoder.grid, vocoder.geometry, vocoder.context)
         self.state = vocoder.start()
 
     @property

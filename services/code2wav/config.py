@@ -6,7 +6,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from services.code2wav.blocks import BlockGrid
 from services.code2wav.token2wav import StreamContext
+from services.runtime.chunking import DEFAULT_CHUNKS
 from services.runtime.settings import ModelConfig
 from services.serving.config import ServingConfig
 
@@ -24,7 +26,9 @@ class Code2WavConfig:
     model: ModelConfig
     left_context: int = 25  # Decoder.WINDOW: frames of context decoded before each block
     decoder: Decoder = Decoder.INCREMENTAL
-    block_frames: int = 4  # frames a block: every vocoder call decodes whole blocks (blocks.py)
+    # Where blocks start: every vocoder call decodes a whole block (blocks.py); the talker's chunk
+    # schedule (4, 8, 16, 25, 25, ...), so a talker that keeps to it sends whole blocks.
+    blocks: BlockGrid = BlockGrid(DEFAULT_CHUNKS.schedule())
     max_batch: int = 16  # requests' blocks decoded in one call at most (where the probe allows, probe.py)
     delivery_ms: float = 100.0  # a running request's block is due this long before its listener runs dry
     # Decoder.WINDOW: window lengths captured as CUDA graphs at start-up (others on first use); empty:

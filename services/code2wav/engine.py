@@ -10,7 +10,7 @@ adapter, qwen3_adapter.py):
 - `WindowVocoder` (window.py: each block re-decoded with a left context, exact only while the
   context covers the vocoder's reach, the tiny checkpoint's, not the real 8-layer, window-72 one;
   with CUDA graphs, graphs.py, its windows replay from a graph per (length, batch bucket)).
-Which block size and batch sizes keep every request's bits is the start-up probe's (probe.py,
+Which grid and batch sizes keep every request's bits is the start-up probe's (probe.py,
 `BlockPlan`). Qwen2.5-Omni's engine is token2wav_engine.py, with the same inputs and events (below).
 
 NOTE: which blocks a step takes, by deadline. A step's events reach the handlers only when the
@@ -20,12 +20,13 @@ plus the seconds of audio it has had, less the time audio takes from here to the
 (`delivery_ms`: three hops through the talker, thinker and router, tens of ms on a loaded CPU). The
 most due request picks the step's shape (blocks of one shape decode together, `shape_key`), the
 most due others of that shape join it up to the largest allowed batch. A step is one block per
-request, so a new request's first block never waits behind whole 25-frame chunks of others (what
-made the previous engine decode one chunk per step), and a request about to underrun, or not yet
-heard, goes first. Without the margin a running request counted as due only once its listener had
-already run dry, so during a burst it waited behind every new request's first chunk (up to 180 ms
-in a probe at concurrency 16), the talker's early chunks too (chunking.py, "running dry"): the two
-together cut underruns at 16; either alone did not (README, "Playback underruns").
+request, so a request about to underrun, or not yet heard, goes first. A whole block is
+decodable at once; an open one (the talker cut its chunk early) only once it is due, so it is
+decoded again only where its listener would otherwise have waited (`wake_in` says when).
+Without the margin a running request counted as due only once its listener had already run dry,
+so during a burst it waited behind every new request's first chunk (up to 180 ms in a probe at
+concurrency 16), the talker's early chunks too (chunking.py, "running dry"): the two together cut
+underruns at 16; either alone did not (README, "Playback underruns").
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class Code2WavEngine(EngineDefaults):
     """Blocks of the most due requests a step, batched as the plan allows (the module note)."""
 
     def __init__(self, vocoder, plan: BlockPlan, config, delivery_ms: float = 100.0):
-        self.vocoder = vocoder  # IncrementalVocoder | WindowVocoder, built for plan.size
+        self.vocoder = vocoder  # IncrementalVocoder | WindowVocoder, built for plan.grid
         self.plan = plan
         self.exact_report = plan
         self.geometry: VocoderGeometry = vocoder.geometry
@@ -107,7 +108,7 @@ class Code2WavEngine(EngineDefaults):
         self._requests: dict[str, _Request] = {}  # request_id -> its frames and state
 
     def add(self, request_id: str, _payload=None) -> None:
-        stream = BlockStream(self.plan.size, self.geometry, self.vocoder.context)
+        stream = BlockStream(self.plan.grid, self.geometry, self.vocoder.context)
         self._requests[request_id] = _Request(stream, self.vocoder.start())
 
     def add_input(self, request_id: str, payload: CodecChunk | CodecEnd) -> None:
@@ -124,7 +125,19 @@ class Code2WavEngine(EngineDefaults):
         self._requests.pop(request_id, None)
 
     def has_work(self) -> bool:
-        return any(r.stream.ready or r.stream.done for r in self._requests.values())
+        now = time.monotonic()
+        return any(r.stream.done or self._decodable(r, now) for r in self._requests.values())
+
+    def wake_in(self) -> float | None:
+        """Seconds until the first open block falls due (None: none waits)."""
+        rate, now = self.geometry.sample_rate, time.monotonic()
+        due = [r.deadline(rate, self.delivery_s) for r in self._requests.values() if r.stream.ready and not r.stream.whole]
+        return max(0.0, min(due) - now) if due else None
+
+    def _decodable(self, request: _Request, now: float) -> bool:
+        """A whole block now; an open one once its listener needs it (the module note)."""
+        stream = request.stream
+        return stream.whole or (stream.ready and request.deadline(self.geometry.sample_rate, self.delivery_s) <= now)
 
     @property
     def queue_depth(self) -> int:
@@ -153,9 +166,9 @@ class Code2WavEngine(EngineDefaults):
         return events
 
     def _next_batch(self) -> list[tuple[str, _Request]]:
-        """The most due ready request and the most due others whose next block has its shape."""
-        rate = self.geometry.sample_rate
-        ready = sorted(((r, q) for r, q in self._requests.items() if q.stream.ready),
+        """The most due decodable request and the most due others whose next block has its shape."""
+        rate, now = self.geometry.sample_rate, time.monotonic()
+        ready = sorted(((r, q) for r, q in self._requests.items() if self._decodable(q, now)),
                        key=lambda item: item[1].deadline(rate, self.delivery_s))
         if not ready:
             return []

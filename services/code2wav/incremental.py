@@ -15,13 +15,13 @@ vocoder"). Here nothing is re-decoded:
   transposed convolution its last ceil(k / stride) - 1 inputs (`_TransConv`); the other layers of
   the stack (SnakeBeta, LayerNorm, linears, GELU, residual adds) act on each time step alone.
 A transposed convolution with kernel 2 x stride needs the next input for its last output block;
-one forward trims that block, and so does each block here, and the next block makes it: a block's
-decode gives global samples [b*size*U - L, (b + 1)*size*U - L), the first block [0, size*U - L).
+one forward trims that block, and so does each block here, and the next block makes it: the decode
+of a block of frames [f, f + n) gives global samples [f*U - L, (f + n)*U - L), the first [0, n*U - L).
 
 NOTE: why the bits do not depend on the cuts (docs/architecture.md, "Why each path is
-invariant"). Every call decodes whole blocks of `size` frames, so every op sees one shape for all
-blocks after the first (and another for the first, whose transposed convolutions have no history
-yet): the embedding lookup and its mean over the codebooks, the transformer's linears, RMSNorms and
+invariant"). Every call decodes a whole block of the grid, so every op sees one shape for each
+block size (and another for the first block, whose transposed convolutions have no history yet):
+the embedding lookup and its mean over the codebooks, the transformer's linears, RMSNorms and
 SDPA over the fixed key buffer, each convolution over its history plus the block, each transposed
 convolution, the pointwise layers. The rotary cos/sin of a frame come from a table computed in
 fixed spans of positions (`_RotaryTable`), so they depend on the position alone. A frame also sits
@@ -42,7 +42,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from services.code2wav.blocks import Block
+from services.code2wav.blocks import Block, BlockGrid
 from services.code2wav.vocoder import VocoderGeometry
 
 State = list[torch.Tensor]  # one request's state after its whole blocks, each tensor [1, ...]
@@ -240,10 +240,10 @@ class _RotaryTable:
 
 
 class IncrementalVocoder:
-    """Qwen3OmniMoeCode2Wav over blocks of `size` frames of several requests at once, each from its
-    own state (`start` makes a new request's). No request bookkeeping: that is BlockStream's."""
+    """Qwen3OmniMoeCode2Wav over blocks of the grid of several requests at once, each from its own
+    state (`start` makes a new request's). No request bookkeeping: that is BlockStream's."""
 
-    def __init__(self, model, geometry: VocoderGeometry, size: int):
+    def __init__(self, model, geometry: VocoderGeometry, grid: BlockGrid):
         pre = model.pre_transformer
         config = pre.config
         self.layers = int(config.num_hidden_layers)
@@ -251,7 +251,7 @@ class IncrementalVocoder:
             raise NotImplementedError("streaming a vocoder transformer with full-attention layers")
         self.model = model
         self.geometry = geometry
-        self.size = size
+        self.grid = grid
         self.context = 0  # frames before a block that its decode reads: none, the state holds them
         self.num_quantizers = int(model.config.num_quantizers)
         self.window = int(config.sliding_window)
@@ -269,10 +269,10 @@ class IncrementalVocoder:
     def start(self) -> State:
         return list(self._initial)
 
-    @staticmethod
-    def shape_key(index: int) -> bool:
-        """Blocks of equal key decode with equal shapes (the first block has no transposed-conv history)."""
-        return index == 0
+    def shape_key(self, index: int) -> tuple[bool, int]:
+        """Blocks of equal key decode with equal shapes: the block's size, and whether it is the
+        first (whose transposed convolutions have no history)."""
+        return index == 0, self.grid.size(index)
 
     def first_sample(self, block: Block) -> int:
         """The global sample where `block`'s decode output starts."""
@@ -286,11 +286,11 @@ class IncrementalVocoder:
         float32, the state after each block: None for an open block, whose state is never kept).
         `rows`: the dense convolutions one row at a time."""
         model = self.model
-        codes = torch.stack([b.frames for b in blocks]).to(self._device).transpose(1, 2)  # [G, Q, size]
-        embedded = model.code_embedding(codes + model.code_offset).mean(1)  # [G, size, H]
+        codes = torch.stack([b.frames for b in blocks]).to(self._device).transpose(1, 2)  # [G, Q, n]
+        embedded = model.code_embedding(codes + model.code_offset).mean(1)  # [G, n, H]
         stacked = [torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*states)]
         kv = 2 * self.layers
-        hidden, past = self._transformer(embedded, blocks, stacked[:kv])  # [G, size, H]
+        hidden, past = self._transformer(embedded, blocks, stacked[:kv])  # [G, n, H]
         carry = _Carry(stacked[kv:], rows)
         wav = self._stack(hidden.permute(0, 2, 1), carry).clamp(min=-1, max=1)[:, 0]  # [G, T]
         after = past + carry.new
@@ -298,17 +298,17 @@ class IncrementalVocoder:
 
     def _transformer(self, embedded: torch.Tensor, blocks: list[Block], past: list[torch.Tensor]
                      ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The pre-transformer's layers over the blocks against the key buffers -> (hidden [G, size, H],
-        each layer's keys and values of the last window - 1 frames)."""
+        """The pre-transformer's layers over the blocks (n frames each) against the key buffers ->
+        (hidden [G, n, H], each layer's keys and values of the last window - 1 frames)."""
         pre = self.model.pre_transformer
-        size, window = self.size, self.window
+        size, window = embedded.shape[1], self.window
         starts = torch.tensor([b.first_frame for b in blocks]).unsqueeze(1)  # [G, 1]
-        positions = starts + torch.arange(size)  # [G, size]: each query's frame
+        positions = starts + torch.arange(size)  # [G, n]: each query's frame
         keys_at = (starts - (window - 1) + torch.arange(window - 1 + size)).unsqueeze(1)  # [G, 1, S]: each slot's frame
-        query = positions.unsqueeze(2)  # [G, size, 1]
+        query = positions.unsqueeze(2)  # [G, n, 1]
         # Sliding-window causal attention (a query sees the `window` frames up to itself); slots
         # before the first frame are masked out.
-        mask = ((keys_at >= 0) & (keys_at <= query) & (keys_at > query - window)).unsqueeze(1)  # [G, 1, size, S]
+        mask = ((keys_at >= 0) & (keys_at <= query) & (keys_at > query - window)).unsqueeze(1)  # [G, 1, n, S]
         positions = positions.to(self._device)
         cache = _KeyBuffer(past)
         rotary = self._rotary(positions)

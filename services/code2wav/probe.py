@@ -1,4 +1,4 @@
-"""The start-up probe of Qwen3-Omni's code2wav: which block size and which batches keep every
+"""The start-up probe of Qwen3-Omni's code2wav: which block grid and which batches keep every
 request's audio the bits it gets alone and uncut, on this machine.
 
 A decode's bits depend on the shapes its kernels run (blocks.py, the NOTE); by construction the
@@ -8,8 +8,9 @@ matched (a failed probe costs speed, never a request; anything that raises count
 
 - an open block: decoding a block with its missing frames as zero frames must not change the
   samples of the frames it has (the kernels compute each output from its own inputs). Frames fed
-  one at a time must give the bits of frames fed a block at a time. Where they do not, blocks are
-  one frame: no open block ever exists, every call has one shape.
+  one at a time must give the bits of frames fed a block at a time, through every size of the
+  grid. Where they do not, blocks are one frame: no open block ever exists, every call has one
+  shape.
 - a batch: several requests' blocks decoded in one call must each give the bits of that block
   decoded alone, for every shape the vocoder decodes (`shape_classes`) at the batch sizes where
   kernel heuristics switch (services/runtime/invariance.py's `probe_batches`). First all ops
@@ -19,7 +20,7 @@ matched (a failed probe costs speed, never a request; anything that raises count
 
 The choice is logged once and exported (`omni_exact_kernel_info{stage="code2wav"}` and
 `omni_exact_setting`, services/serving/metrics.py). Without exact mode (`--exact-batching off`,
-the default off the CPU) nothing is probed: the block size as configured, every batch size.
+the default off the CPU) nothing is probed: the grid as configured, every batch size.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from services.code2wav.blocks import Block, BlockStream, StreamDecoder
+from services.code2wav.blocks import ONE_FRAME, Block, BlockGrid, BlockStream, StreamDecoder
 from services.runtime.invariance import probe_batches
 
 log = logging.getLogger(__name__)
@@ -40,10 +41,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class BlockPlan:
-    """What the engine runs: `size` frames a block, batches of the sizes in `batches`, the dense
+    """What the engine runs: blocks on `grid`, batches of the sizes in `batches`, the dense
     convolutions per row where `rows`."""
 
-    size: int
+    grid: BlockGrid
     batches: tuple[int, ...] = (1,)  # increasing, 1 first
     rows: bool = False
     reasons: dict[str, str] = field(default_factory=dict)  # "block" / "batch" -> why
@@ -59,7 +60,8 @@ class BlockPlan:
                 "vocoder": "batched" if len(self.batches) > 1 else "alone"}
 
     def settings(self) -> dict[str, float]:
-        return {"block_frames": self.size, "max_batch": self.batches[-1]}
+        return {"first_block_frames": self.grid.sizes[0], "block_frames": self.grid.sizes[-1],
+                "max_batch": self.batches[-1]}
 
     def line(self) -> str:
         return "; ".join(f"{name}: {why}" for name, why in self.reasons.items())
@@ -82,13 +84,14 @@ def _frames(vocoder, n: int, seed: int) -> torch.Tensor:
 
 def open_blocks_keep_their_bits(vocoder, seed: int = 0) -> str | None:
     """None if frames fed one at a time decode to the bits of frames fed a block at a time."""
-    frames = _frames(vocoder, 3 * vocoder.size + 1, seed)
+    grid = vocoder.grid
+    frames = _frames(vocoder, grid.first_frame(len(grid.sizes)) + 1, seed)  # every size, then an open block
     whole = StreamDecoder(vocoder).push(frames)
     one_by_one = StreamDecoder(vocoder)
     parts = [one_by_one.push(frames[i:i + 1]) for i in range(frames.shape[0])]
     if np.array_equal(whole, np.concatenate(parts)):
         return None
-    return f"an open block of {vocoder.size} frames changed the bits of the frames it had"
+    return f"an open block of the grid {grid} changed the bits of the frames it had"
 
 
 @dataclass
@@ -114,8 +117,8 @@ class _Cases:
 
     def _decode_one(self, seed: int) -> None:
         vocoder = self.vocoder
-        stream = BlockStream(vocoder.size, vocoder.geometry, vocoder.context)
-        stream.push(_frames(vocoder, (self.indices[-1] + 1) * vocoder.size, seed))
+        stream = BlockStream(vocoder.grid, vocoder.geometry, vocoder.context)
+        stream.push(_frames(vocoder, vocoder.grid.first_frame(self.indices[-1] + 1), seed))
         state = vocoder.start()
         for index in range(self.indices[-1] + 1):
             block = stream.next_block()
@@ -166,26 +169,27 @@ def _guarded(check: Callable[..., bool], *args) -> bool:
         return False
 
 
-def plan_blocks(make_vocoder: Callable[[int], object], size: int, capacity: int, exact: bool) -> tuple[object, BlockPlan]:
-    """The vocoder to serve with (`make_vocoder(size)`) and its plan; logged once."""
+def plan_blocks(make_vocoder: Callable[[BlockGrid], object], grid: BlockGrid, capacity: int,
+                exact: bool) -> tuple[object, BlockPlan]:
+    """The vocoder to serve with (`make_vocoder(grid)`) and its plan; logged once."""
     started = time.perf_counter()
-    vocoder = make_vocoder(size)
+    vocoder = make_vocoder(grid)
     if not exact:
-        plan = BlockPlan(size, tuple(range(1, capacity + 1)), False,
-                         {"block": f"{size} frames, not probed", "batch": f"any up to {capacity}, not probed"})
+        plan = BlockPlan(grid, tuple(range(1, capacity + 1)), False,
+                         {"block": f"blocks of {grid} frames, not probed", "batch": f"any up to {capacity}, not probed"})
         return vocoder, plan
-    reasons = {"block": f"{size} frames: an open block keeps the bits of its frames"}
+    reasons = {"block": f"blocks of {grid} frames: an open block keeps the bits of its frames"}
     why = None
-    if size > 1:
+    if grid != ONE_FRAME:
         try:
             why = open_blocks_keep_their_bits(vocoder)
         except Exception as e:  # noqa: BLE001 - see _guarded
             why = f"probe failed: {type(e).__name__}: {e}"
     if why is not None:
-        vocoder, size = make_vocoder(1), 1
-        reasons["block"] = f"1 frame ({why})"
+        vocoder, grid = make_vocoder(ONE_FRAME), ONE_FRAME
+        reasons["block"] = f"blocks of 1 frame ({why})"
     batches, rows, reasons["batch"] = batches_keep_their_bits(vocoder, capacity)
-    plan = BlockPlan(size, batches, rows, reasons, time.perf_counter() - started)
+    plan = BlockPlan(grid, batches, rows, reasons, time.perf_counter() - started)
     log.info("code2wav blocks on this CPU (%s, %d thread(s)), probed in %.2f s: %s",
              torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(), plan.seconds, plan.line())
     return vocoder, plan

@@ -9,6 +9,7 @@ import logging
 
 from omni.v1 import stages_pb2
 from services.code2wav.adapter import codec_input_from_proto
+from services.code2wav.blocks import BlockGrid
 from services.code2wav.config import Code2WavConfig, Decoder
 from services.code2wav.engine import Code2WavEngine, CodecChunk, CodecEnd
 from services.code2wav.graphs import Code2WavGraphs
@@ -22,21 +23,21 @@ log = logging.getLogger(__name__)
 
 
 def incremental_vocoder(model, geometry: VocoderGeometry, config: Code2WavConfig):
-    """size -> the incremental decoder's vocoder for blocks of that size."""
+    """grid -> the incremental decoder's vocoder for blocks on that grid."""
     if config.model.graphs.enabled:
         log.info("the incremental decoder decodes eagerly: CUDA graphs are captured for --decoder window only")
-    return lambda size: IncrementalVocoder(model, geometry, size)
+    return lambda grid: IncrementalVocoder(model, geometry, grid)
 
 
 def window_vocoder(model, geometry: VocoderGeometry, config: Code2WavConfig):
-    """size -> the window decoder's vocoder for blocks of that size, its windows from CUDA graphs
+    """grid -> the window decoder's vocoder for blocks on that grid, its windows from CUDA graphs
     where enabled (the grid's window lengths captured at start-up, others on first use)."""
     graphs = Code2WavGraphs(model, config.model.graphs) if config.model.graphs.enabled else None
 
-    def make(size: int) -> WindowVocoder:
+    def make(grid: BlockGrid) -> WindowVocoder:
         if graphs is not None:
-            graphs.capture(config.graph_windows or window_lengths(size, config.left_context), int(model.config.num_quantizers))
-        return WindowVocoder(model, geometry, size, config.left_context, graphs.decode if graphs else None)
+            graphs.capture(config.graph_windows or window_lengths(grid, config.left_context), int(model.config.num_quantizers))
+        return WindowVocoder(model, geometry, grid, config.left_context, graphs.decode if graphs else None)
     return make
 
 
@@ -59,7 +60,7 @@ class Qwen3Code2WavAdapter:
         model, config = self.loaded.model, self.config
         geometry = measure_geometry(model)
         make = VOCODERS[config.decoder](model, geometry, config)
-        vocoder, plan = plan_blocks(make, config.block_frames, config.max_batch, config.exact)
+        vocoder, plan = plan_blocks(make, config.blocks, config.max_batch, config.exact)
         return Code2WavEngine(vocoder, plan, self.loaded.config, delivery_ms=config.delivery_ms)
 
     def job_from_proto(self, start: stages_pb2.Code2WavStart) -> None:

@@ -15,6 +15,7 @@ import grpc
 
 from omni.v1 import stages_pb2, stages_pb2_grpc
 from services.code2wav.adapter import Code2WavAdapter
+from services.code2wav.blocks import BlockGrid
 from services.code2wav.config import Code2WavConfig, Decoder
 from services.code2wav.engine import Audio, CodecEnd, Decoded
 from services.code2wav.qwen2_5_adapter import Qwen2_5Code2WavAdapter
@@ -22,6 +23,7 @@ from services.code2wav.qwen3_adapter import Qwen3Code2WavAdapter
 from services.code2wav.token2wav import StreamContext, Token2WavGeometry
 from services.code2wav.vocoder import VocoderGeometry
 from services.runtime.checkpoint import LoadedStage, load_for_serving
+from services.runtime.chunking import DEFAULT_CHUNKS
 from services.runtime.errors import InvalidArgument, UserError, run_cli
 from services.runtime.families import Family
 from services.runtime.settings import (
@@ -187,10 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="incremental (default): the vocoder's transformer and convolutions keep their state "
                              "per request, exact for any checkpoint; window: re-decode --left-context frames before "
                              "each block (exact only for short-reach vocoders such as the tiny checkpoint's)")
-    parser.add_argument("--block-frames", type=int, default=env_default("block_frames", 4),
-                        help="frames a block: every vocoder call decodes whole blocks at fixed places in the "
-                             "stream, so the audio does not depend on how the talker cut it (default 4; exact mode "
-                             "falls back to 1 where the start-up probe finds an open block changes bits)")
+    parser.add_argument("--block-frames", default=env_default("block_frames", ""),
+                        help="the block grid, sizes in frames, the last repeating: every vocoder call decodes a "
+                             "whole block at a fixed place in the stream, so the audio does not depend on how the "
+                             "talker cut it (default: the talker's default chunk schedule, 4,8,16,25; set it to the "
+                             "talker's schedule when its chunk flags differ; exact mode falls back to 1 where the "
+                             "start-up probe finds an open block changes bits)")
     parser.add_argument("--max-batch", type=int, default=env_default("max_batch", 16),
                         help="most requests' blocks decoded in one call (exact mode: the batch sizes the start-up "
                              "probe finds bit-identical to each request alone; default 16, 1 = never batch)")
@@ -222,12 +226,17 @@ def config_from_args(args: argparse.Namespace) -> Code2WavConfig:
         raise UserError(f"--token2wav-context: {exc}") from None
     if args.delivery_ms < 0:
         raise UserError(f"--delivery-ms must be >= 0, got {args.delivery_ms}")
-    for flag, value in (("--block-frames", args.block_frames), ("--max-batch", args.max_batch)):
-        if value < 1:
-            raise UserError(f"{flag} must be at least 1, got {value}")
+    if args.max_batch < 1:
+        raise UserError(f"--max-batch must be at least 1, got {args.max_batch}")
+    try:
+        blocks = BlockGrid(tuple(int(x) for x in args.block_frames.split(","))) if args.block_frames else BlockGrid(
+            DEFAULT_CHUNKS.schedule())
+    except ValueError as exc:
+        raise UserError(f"--block-frames {args.block_frames!r}: comma-separated frame counts >= 1, e.g. 4,8,16,25 "
+                        f"({exc})") from None
     windows = parse_buckets(args.graph_windows, "--graph-windows") if args.graph_windows else ()
     return Code2WavConfig(serving=serving_config_from_args(args), model=model_config_from_args(args),
-                          left_context=args.left_context, decoder=Decoder(args.decoder), block_frames=args.block_frames,
+                          left_context=args.left_context, decoder=Decoder(args.decoder), blocks=blocks,
                           max_batch=args.max_batch, graph_windows=windows, delivery_ms=args.delivery_ms,
                           token2wav_context=context, exact=exact_batching(args))
 

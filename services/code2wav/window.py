@@ -3,7 +3,8 @@ forward over the block and the `left_context` frames before it.
 
 NOTE: algorithm. The vocoder is causal (vocoder.py, U and L), so a forward over frames [a, e)
 returns the samples of the true answer at global positions [a*U, e*U - L), exactly, provided
-frame a has enough frames before it. Block b's window is [max(0, b*size - c), b*size + size): the
+frame a has enough frames before it. The window of the block of frames [f, f + n) is
+[max(0, f - c), f + n): the
 c = `left_context` frames before the block, then the block (its frames not received yet are zero
 frames, blocks.py). It gives the L samples held back at the previous block's end (they depend on
 frame b*size, so only this window can make them), then the block's own samples less its last L;
@@ -17,8 +18,8 @@ real vocoder (sliding window 72 over 8 layers) reaches ~580 frames back: 25 fram
 incremental.py's (docs/qwen3-omni.md, sections "The vocoder" and "Float32 and float64").
 
 Windows sit on the block grid, so a window is a function of the block index and the frames, never
-of the talker's cuts: its length is min(b*size, c) + size, one length for every block from
-ceil(c/size) on, and the windows of many requests batch (`forward_windows`: one eager forward, or
+of the talker's cuts: its length is min(f, c) + n, one length for every block of the repeating
+size once f >= c, and the windows of many requests batch (`forward_windows`: one eager forward, or
 CUDA graphs per (length, batch bucket), graphs.py).
 """
 
@@ -29,25 +30,26 @@ from functools import partial
 
 import torch
 
-from services.code2wav.blocks import Block
+from services.code2wav.blocks import Block, BlockGrid
 from services.code2wav.vocoder import VocoderGeometry, forward_batch, model_device
 
 
-def window_lengths(size: int, left_context: int) -> tuple[int, ...]:
-    """Every window length the grid makes: min(b*size, c) + size for b = 0, 1, ..."""
-    lengths, b = set(), 0
+def window_lengths(grid: BlockGrid, left_context: int) -> tuple[int, ...]:
+    """Every window length the grid makes: min(f, c) + n for its blocks of frames [f, f + n)."""
+    lengths, index = set(), 0
     while True:
-        lengths.add(min(b * size, left_context) + size)
-        if b * size >= left_context:
+        first = grid.first_frame(index)
+        lengths.add(min(first, left_context) + grid.size(index))
+        if first >= left_context and index >= len(grid.sizes) - 1:
             return tuple(sorted(lengths))
-        b += 1
+        index += 1
 
 
 class WindowVocoder:
     """Blocks of several requests -> their windows' audio; no request state but the frames, which
     each block carries (`Block.context`)."""
 
-    def __init__(self, model, geometry: VocoderGeometry, size: int, left_context: int = 25,
+    def __init__(self, model, geometry: VocoderGeometry, grid: BlockGrid, left_context: int = 25,
                  forward_windows: Callable[[torch.Tensor], torch.Tensor] | None = None):
         if left_context < geometry.min_left_context:
             raise ValueError(
@@ -56,7 +58,7 @@ class WindowVocoder:
             )
         self.model = model
         self.geometry = geometry
-        self.size = size
+        self.grid = grid
         self.context = left_context  # frames a block's stream keeps before it
         self.num_quantizers = int(model.config.num_quantizers)
         # windows [G, n, Q] -> wav [G, n*U - L]: one eager forward, or replayed CUDA graphs.
@@ -70,7 +72,7 @@ class WindowVocoder:
 
     def shape_key(self, index: int) -> int:
         """Blocks of equal key decode windows of equal length."""
-        return min(index * self.size, self.context) + self.size
+        return min(self.grid.first_frame(index), self.context) + self.grid.size(index)
 
     def first_sample(self, block: Block) -> int:
         return (block.first_frame - block.context.shape[0]) * self.geometry.samples_per_frame

@@ -44,6 +44,16 @@ class ChunkPolicy:
     def next_size(self, size: int) -> int:
         return self.rest if self.growth <= 1 else min(size * self.growth, self.rest)
 
+    def schedule(self) -> tuple[int, ...]:
+        """The chunk sizes until the steady one, which repeats: (4, 8, 16, 25) by default. Code2wav
+        decodes on a grid of blocks of these sizes (services/code2wav/blocks.py), so a talker that
+        keeps to the schedule sends it whole blocks."""
+        sizes, size = [self.first], self.next_size(self.first)
+        while size != sizes[-1]:
+            sizes.append(size)
+            size = self.next_size(size)
+        return tuple(sizes)
+
     def sizes(self, frames: int) -> list[int]:
         """Chunk sizes for a stream of `frames` frames (the last one is whatever is left)."""
         sizes, size = [], self.first

@@ -145,6 +145,11 @@ class AudioRules:
     feature_kwargs: dict  # the feature extractor call's keywords beside rate, mask and tensor type
     tokens: Callable[[np.ndarray], np.ndarray]  # mel frames per audio -> prompt tokens per audio
     at_least: Callable[[int], int]  # mel frames an audio declares -> prompt tokens it yields, at least
+    # The fewest 16 kHz samples the longest audio of a prompt may hold: the extractor pads every
+    # audio to the longest one (or to its window), then its STFT reflect-pads n_fft / 2 samples on
+    # each side, which needs more samples than that (fewer: torch's RuntimeError, in transformers'
+    # own processor too, so no oracle has an answer to match).
+    min_samples: int = 1
 
 
 def audio_rules(family: Family, config, feature_extractor) -> AudioRules:
@@ -157,7 +162,8 @@ def audio_rules(family: Family, config, feature_extractor) -> AudioRules:
     n_window = config.thinker_config.audio_config.n_window
     return AudioRules({"padding": True, "truncation": False},
                       lambda mel_lengths: audio_output_lengths(mel_lengths, n_window),
-                      lambda frames: int(frames // (n_window * 2)) * 13)  # whole encoder chunks
+                      lambda frames: int(frames // (n_window * 2)) * 13,  # whole encoder chunks
+                      min_samples=int(feature_extractor.n_fft) // 2 + 1)  # padded to the longest audio only
 
 
 
@@ -233,6 +239,7 @@ class _Media:
     """A prompt's decoded media, in prompt order (a video's audio track among the audio parts)."""
 
     audios: list = field(default_factory=list)
+    audio_fields: list = field(default_factory=list)  # the request field each audio came from
     images: list = field(default_factory=list)
     videos: list = field(default_factory=list)
 
@@ -431,6 +438,7 @@ class PromptBuilder:
             return {"type": "text", "text": part.text}
         if part.audio is not None:
             media.audios.append(decode_audio(part.audio, f"{where}.audio", self.limits.max_audio_seconds, header))
+            media.audio_fields.append(f"{where}.audio")
             return {"type": "audio"}
         if part.image is not None:
             media.images.append(decode_image(part.image, f"{where}.image", self.limits.max_image_pixels))
@@ -440,6 +448,7 @@ class PromptBuilder:
             media.videos.append(video)
             if video.audio is not None:  # in prompt order among the audio parts, as the processor takes them
                 media.audios.append(resample(video.audio, video.audio_rate, AUDIO_SAMPLE_RATE))
+                media.audio_fields.append(f"{where}.video")
             return {"type": "video"}
         if part.video_frames is not None:
             field_name = f"{where}.video_frames"
@@ -457,6 +466,12 @@ class PromptBuilder:
         inputs = {}
         audio_counts, image_counts = [], []
         if media.audios:
+            longest = max(len(samples) for samples in media.audios)
+            if longest < self.audio_rules.min_samples:
+                least = self.audio_rules.min_samples
+                raise InvalidArgument(media.audio_fields[0], f"audio is {len(media.audios[0])} samples at "
+                                      f"{AUDIO_SAMPLE_RATE} Hz; the longest audio of a prompt needs at least {least} "
+                                      f"({1000 * least / AUDIO_SAMPLE_RATE:.1f} ms)")
             feats = self.feature_extractor(
                 media.audios, sampling_rate=AUDIO_SAMPLE_RATE, return_attention_mask=True, return_tensors="pt",
                 **self.audio_rules.feature_kwargs,

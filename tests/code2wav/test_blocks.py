@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.code2wav.blocks import BlockStream, StreamDecoder
+from services.code2wav.blocks import BlockGrid, BlockStream, StreamDecoder
 from services.code2wav.config import Code2WavConfig, Decoder
 from services.code2wav.engine import Audio, Code2WavEngine, CodecChunk, CodecEnd
 from services.code2wav.incremental import IncrementalVocoder
@@ -38,11 +38,14 @@ def frames() -> torch.Tensor:
     return torch.randint(0, 64, (FRAMES, 16), generator=torch.Generator().manual_seed(5))
 
 
-def vocoder_for(loaded, decoder: Decoder, size: int = 4):
+GRID = BlockGrid(DEFAULT_CHUNKS.schedule())  # 4, 8, 16, 25, 25, ...
+
+
+def vocoder_for(loaded, decoder: Decoder, grid: BlockGrid = GRID):
     geometry = measure_geometry(loaded.model)
     if decoder is Decoder.WINDOW:
-        return WindowVocoder(loaded.model, geometry, size, left_context=25)
-    return IncrementalVocoder(loaded.model, geometry, size)
+        return WindowVocoder(loaded.model, geometry, grid, left_context=25)
+    return IncrementalVocoder(loaded.model, geometry, grid)
 
 
 def cut_plans() -> dict[str, list[int]]:
@@ -144,11 +147,11 @@ def test_where_an_open_block_changes_bits_blocks_are_one_frame_and_the_audio_is_
         loaded, frames, caplog):
     geometry = measure_geometry(loaded.model)
     with caplog.at_level(logging.INFO, logger="services.code2wav.probe"):
-        vocoder, plan = plan_blocks(lambda size: LeakyOpenBlocks(loaded.model, geometry, size), 4, 16, exact=True)
-    assert plan.size == vocoder.size == 1
-    assert "1 frame (an open block of 4 frames changed the bits" in plan.reasons["block"]
+        vocoder, plan = plan_blocks(lambda grid: LeakyOpenBlocks(loaded.model, geometry, grid), GRID, 16, exact=True)
+    assert plan.grid == vocoder.grid == BlockGrid((1,))
+    assert "blocks of 1 frame (an open block of the grid 4,8,16,25 changed the bits" in plan.reasons["block"]
     assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1  # logged once
-    cold = streamed(IncrementalVocoder(loaded.model, geometry, 1), frames, [FRAMES])
+    cold = streamed(IncrementalVocoder(loaded.model, geometry, BlockGrid((1,))), frames, [FRAMES])
     for name, cuts in cut_plans().items():
         assert np.array_equal(streamed(vocoder, frames, cuts), cold), name
 
@@ -158,7 +161,7 @@ def test_where_an_open_block_changes_bits_blocks_are_one_frame_and_the_audio_is_
 def test_batches_that_change_a_row_s_bits_are_never_used(loaded, always):
     geometry = measure_geometry(loaded.model)
     leaky = type("Leaky", (RowsDependOnTheBatch,), {"always": always})
-    _, plan = plan_blocks(lambda size: leaky(loaded.model, geometry, size), 4, 16, exact=True)
+    _, plan = plan_blocks(lambda grid: leaky(loaded.model, geometry, grid), GRID, 16, exact=True)
     if always:
         assert plan.batches == (1,) and plan.paths() == {"conv": "batched", "vocoder": "alone"}
     else:
@@ -167,19 +170,19 @@ def test_batches_that_change_a_row_s_bits_are_never_used(loaded, always):
 
 def test_without_exact_mode_nothing_is_probed(loaded):
     geometry = measure_geometry(loaded.model)
-    _, plan = plan_blocks(lambda size: LeakyOpenBlocks(loaded.model, geometry, size), 4, 8, exact=False)
-    assert (plan.size, plan.batches, plan.rows) == (4, tuple(range(1, 9)), False)
+    _, plan = plan_blocks(lambda grid: LeakyOpenBlocks(loaded.model, geometry, grid), GRID, 8, exact=False)
+    assert (plan.grid, plan.batches, plan.rows) == (GRID, tuple(range(1, 9)), False)
 
 
 def test_a_block_stream_pads_the_open_block_and_emits_only_final_samples():
     U, L = GEOMETRY.samples_per_frame, GEOMETRY.lookahead_samples
-    stream = BlockStream(4, GEOMETRY)
+    stream = BlockStream(BlockGrid((4,)), GEOMETRY)
     stream.push(torch.arange(3 * 2).view(3, 2) + 1)
     block = stream.next_block()
     assert (block.index, block.real, block.full) == (0, 3, False)
     assert block.frames[3].tolist() == [0, 0]  # a zero frame where frame 3 has not come
     out = stream.accept(block, torch.arange(4 * U - L, dtype=torch.float32), 0)
-    assert out.size == 3 * U - L and not stream.ready  # the rest waits for frame 3
+    assert out.size == 3 * U - L and not stream.ready and not stream.whole  # the rest waits for frame 3
     stream.push(torch.ones(2, 2, dtype=torch.long))
     block = stream.next_block()
     assert (block.index, block.real) == (0, 4)  # the same block again, now whole
@@ -187,6 +190,14 @@ def test_a_block_stream_pads_the_open_block_and_emits_only_final_samples():
     assert out[0] == 3 * U - L and out.size == U  # only what was not emitted
     block = stream.next_block()
     assert (block.index, block.real, stream.blocks) == (1, 1, 1)
+    assert stream.ready and not stream.whole
     stream.end()
+    assert stream.whole  # an ended stream's open block is as whole as it gets
     out = stream.accept(block, torch.zeros(4 * U), 4 * U - L)
     assert out.size == U and stream.samples_emitted == 5 * U - L and stream.done
+
+
+def test_the_grid_follows_the_talker_s_schedule_then_repeats_its_last_size():
+    assert [(GRID.first_frame(i), GRID.size(i)) for i in range(6)] == [(0, 4), (4, 8), (12, 16), (28, 25), (53, 25), (78, 25)]
+    with pytest.raises(ValueError):
+        BlockGrid((4, 0))

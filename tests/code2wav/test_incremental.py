@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.code2wav.blocks import StreamDecoder
+from services.code2wav.blocks import BlockGrid, StreamDecoder
 from services.code2wav.incremental import IncrementalVocoder
 from services.code2wav.vocoder import decode_full, measure_geometry
 from services.code2wav.window import WindowVocoder
@@ -37,8 +37,8 @@ def vocoders(tiny_checkpoint, tmp_path_factory):
             for name, path in (("tiny", tiny_checkpoint), ("real-reach", real_reach))}
 
 
-def incremental(model, size: int = 4) -> StreamDecoder:
-    return StreamDecoder(IncrementalVocoder(model, measure_geometry(model), size))
+def incremental(model, sizes: tuple[int, ...] = (4,)) -> StreamDecoder:
+    return StreamDecoder(IncrementalVocoder(model, measure_geometry(model), BlockGrid(sizes)))
 
 
 def stream(decoder, frames: torch.Tensor, chunk: int) -> np.ndarray:
@@ -59,7 +59,7 @@ def test_left_context_re_decoding_cannot_cover_the_real_reach(vocoders):
     model = vocoders["real-reach"]
     frames = torch.randint(0, 64, (FRAMES, 16), generator=torch.Generator().manual_seed(1))
     reference = decode_full(model, frames)
-    windowed = stream(StreamDecoder(WindowVocoder(model, measure_geometry(model), 4, 25)), frames, 25)
+    windowed = stream(StreamDecoder(WindowVocoder(model, measure_geometry(model), BlockGrid((25,)), 25)), frames, 25)
     assert snr_db(reference, windowed) < 30  # why incremental is the default decoder
 
 

@@ -25,15 +25,17 @@ import numpy as np
 import pytest
 import torch
 
-from services.code2wav.blocks import StreamDecoder
+from services.code2wav.blocks import BlockGrid, StreamDecoder
 from services.code2wav.incremental import IncrementalVocoder
 from services.code2wav.vocoder import measure_geometry
 from services.code2wav.window import WindowVocoder
-from services.runtime.chunking import FrameChunker
+from services.runtime.chunking import DEFAULT_CHUNKS, FrameChunker
 from services.runtime.full_size import REAL_LAYOUT, build_random_stage
 from services.runtime.stages import Stage
 from services.talker.server import TalkerConfig
 from tests.audio_checks import check_streamed_audio, decode_float64, snr_db
+
+GRID = BlockGrid(DEFAULT_CHUNKS.schedule())
 
 
 def real_vocoder(num_hidden_layers: int):
@@ -82,7 +84,7 @@ def test_real_widths_with_two_layers_stream_within_float32_rounding():
     frames = random_frames(30)
     sizes = talker_chunk_sizes(30)
     assert sizes == [4, 8, 16, 2]
-    check = check_streamed_audio(model, frames, stream(StreamDecoder(IncrementalVocoder(model, geometry, 4)), frames, sizes))
+    check = check_streamed_audio(model, frames, stream(StreamDecoder(IncrementalVocoder(model, geometry, GRID)), frames, sizes))
     # Float32 rounding at this width is far above the tiny model's ~103 dB: why the bound is relative.
     assert check.float32_snr_db < 95
 
@@ -94,11 +96,11 @@ def test_real_vocoder_config_streams_within_float32_rounding():
     frames = random_frames(80)
     sizes = talker_chunk_sizes(80)
     assert sizes == [4, 8, 16, 25, 25, 2]
-    check = check_streamed_audio(model, frames, stream(StreamDecoder(IncrementalVocoder(model, geometry, 4)), frames, sizes))
+    check = check_streamed_audio(model, frames, stream(StreamDecoder(IncrementalVocoder(model, geometry, GRID)), frames, sizes))
     assert check.float32_snr_db < 95
     # Re-decoding 25 frames of left context cannot cover the ~580 frames the real vocoder reaches
     # back: right length, wrong audio (measured 3.3 dB).
-    windowed = stream(StreamDecoder(WindowVocoder(model, geometry, 4, 25)), frames, sizes)
+    windowed = stream(StreamDecoder(WindowVocoder(model, geometry, GRID, 25)), frames, sizes)
     truth = decode_float64(model, frames)
     assert windowed.shape == truth.shape
     assert snr_db(truth, windowed) < 30

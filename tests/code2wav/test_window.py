@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.code2wav.blocks import StreamDecoder
+from services.code2wav.blocks import BlockGrid, StreamDecoder
 from services.code2wav.vocoder import VocoderGeometry, decode_full, measure_geometry
 from services.code2wav.window import WindowVocoder
 from services.runtime.checkpoint import Stage, load_stage
@@ -28,7 +28,7 @@ N_FRAMES = 60
 
 
 def window_decoder(model, geometry, left_context: int = 25, size: int = 4) -> StreamDecoder:
-    return StreamDecoder(WindowVocoder(model, geometry, size, left_context))
+    return StreamDecoder(WindowVocoder(model, geometry, BlockGrid((size,)), left_context))
 # See the module docstring: window-relative rotary positions round differently.
 WINDOW_MARGIN_DB = 2.0
 
@@ -132,4 +132,4 @@ def test_too_little_left_context_is_measurably_worse(model, geometry, frames, re
 def test_left_context_below_one_frame_is_rejected(model, geometry):
     # 0 frames of context cannot regenerate the L samples held back at each block boundary.
     with pytest.raises(ValueError):
-        WindowVocoder(model, geometry, 4, left_context=0)
+        WindowVocoder(model, geometry, BlockGrid((4,)), left_context=0)

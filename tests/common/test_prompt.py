@@ -95,6 +95,27 @@ def test_too_long_audio_names_the_field():
     assert err.value.field == "a.audio"
 
 
+def test_audio_too_short_for_the_feature_extractor_is_refused_naming_the_field(builder):
+    # The extractor pads each audio to the longest one, then its STFT reflect-pads n_fft / 2 = 200
+    # samples a side: a longest audio of 200 samples or fewer was torch's RuntimeError (UNKNOWN at
+    # the router; tests/hostile/test_fuzz.py drew truncated wavs that hit it), in transformers'
+    # processor too. 201 samples is one mel frame and builds; a short audio beside a longer one is
+    # padded to it first and builds, as the processor builds it.
+    def prompt(*lengths: int) -> list[ChatMessage]:
+        audio = tuple(Part(audio=wav(np.full(n, 0.1, np.float32), 16000)) for n in lengths)
+        return [ChatMessage(Role.USER, (Part(text="hi"), *audio))]
+
+    for n in (1, 84, 200):
+        with pytest.raises(InvalidArgument, match="at least 201") as err:
+            builder.build(prompt(n))
+        assert err.value.field == "messages[0].content[1].audio", n
+    with pytest.raises(InvalidArgument) as err:
+        builder.build(prompt(100, 150))
+    assert err.value.field == "messages[0].content[1].audio"
+    assert int(builder.build(prompt(201)).feature_attention_mask.sum()) == 1
+    assert builder.build(prompt(100, 1000)).feature_attention_mask.sum(-1).tolist() == [1, 6]
+
+
 def test_bad_images_name_the_field(png_bytes):
     from PIL import Image
 

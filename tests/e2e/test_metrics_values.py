@@ -3,8 +3,8 @@
 A stack of its own (fresh counters), every process serving /metrics. The workload runs one request
 at a time, so every engine step has a batch of one and the step counts follow from the lengths:
 the thinker makes one token per step (prefill included), the talker one code per step (its last
-code gets no frame), code2wav one step per block of 4 frames (9 frames = 4 + 4 + 1, the talker's
-chunks 4 and 5 whatever) and one for the end of the stream.
+code gets no frame), code2wav one step per block of its grid (4, then 8: 9 frames = 4 + 5, the
+second block open, decoded once the end came) and one for the end of the stream.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def test_stage_batch_slot_and_queue_figures_follow_from_the_lengths(measured):
     thinker, talker, code2wav = after_ok["thinker"], after_ok["talker"], after_ok["code2wav"]
     thinker_steps = AUDIO_REQUESTS * TEXT_TOKENS + TEXT_REQUESTS * TEXT_ONLY_TOKENS
     talker_steps = AUDIO_REQUESTS * TALKER_TOKENS
-    code2wav_steps = AUDIO_REQUESTS * 4  # blocks of 4, 4 and 1 frames, then the end
+    code2wav_steps = AUDIO_REQUESTS * 3  # blocks of 4 and 8 (5 frames of it), then the end
     for samples, stage, steps in ((thinker, "thinker", thinker_steps), (talker, "talker", talker_steps),
                                   (code2wav, "code2wav", code2wav_steps)):
         count = value(samples, "omni_stage_batch_size_count", stage=stage)
