@@ -197,8 +197,10 @@ def main(argv: list[str] | None = None) -> int:
                 write_port_file(args.port_file, handle.port)
                 health = asyncio.get_running_loop().create_task(router.keep_health(handle))
 
+            # NOTE: readiness (omni.v1.Omni) is keep_health's alone: marked SERVING with the rest at the
+            # start, it read SERVING until keep_health's first round, with no stage replica maybe up.
             await serve_until_signal(handle, config.serving.grace_s, drain_delay_s=config.serving.drain_delay_s,
-                                     on_started=started,
+                                     on_started=started, started_services=("",),
                                      light_load_cpus=config.serving.light_load_cpus)
 
             if health is not None:

@@ -108,7 +108,12 @@ def build_server(host: str, port: int, service_names: tuple[str, ...],
 
 async def serve_until_signal(handle: ServerHandle, grace_s: float, on_started=None, on_stop=None,
                              initially_serving: bool = True, drain_delay_s: float = DEFAULT_DRAIN_DELAY_S,
-                             light_load_cpus: frozenset[int] | None = None) -> None:
+                             light_load_cpus: frozenset[int] | None = None,
+                             started_services: tuple[str, ...] | None = None) -> None:
+    """Start the server, set `started_services` (default: the overall status and every service)
+    to `initially_serving`, serve until SIGTERM / SIGINT, then drain and stop. A service whose
+    readiness its caller keeps (the router's omni.v1.Omni) is left out of `started_services`, so
+    it never reads SERVING before its caller says so."""
     if light_load_cpus is not None and handle.streams is not None:
         placement = Placement(light_load_cpus)
         placement.update(handle.streams.open)
@@ -117,7 +122,7 @@ async def serve_until_signal(handle: ServerHandle, grace_s: float, on_started=No
     await handle.server.start()
     if handle.health_server is not None:
         await handle.health_server.start()
-    await handle.set_serving(initially_serving)
+    await handle.set_serving(initially_serving, started_services)
     if on_started is not None:
         on_started()
     stop = asyncio.Event()

@@ -180,17 +180,17 @@ class Stack:
                 for i in range(count):
                     self._add(f"{stage}-{i}", stage, common + list(extra))
             for name in list(self.processes):
-                self.wait_ready(name)
+                self.wait_ready(name, peers=True)
             router = ["--host", o.host, "--poll-interval-s", "0.5", *o.router_args]
             for stage in Stage:
                 router += [f"--{stage}", ",".join(self.addresses(stage))]
             self._add("router", "router", router, port=o.port or free_port(o.host))
-            self.wait_ready("router")
+            self.wait_ready("router", peers=True)
             if o.http_port is not None:
                 self._add("gateway", "gateway", ["--router", self.target, "--host", o.host, "--checkpoint",
                                                  o.checkpoint, *gateway_voices(o.checkpoint), *o.gateway_args],
                           port=o.http_port or free_port(o.host))
-                self.wait_ready("gateway")
+                self.wait_ready("gateway", peers=True)
         except BaseException:
             self.stop()
             raise
@@ -206,20 +206,33 @@ class Stack:
         return (f"CPU layout at light load (at most {LIGHT_LOAD_STREAMS} streams open on a process): {own}; the other stage "
                 f"processes and the router on CPU {cpu_list(rest)}; anywhere above that load")
 
-    def wait_ready(self, name: str, timeout_s: float | None = None) -> int:
+    def wait_ready(self, name: str, timeout_s: float | None = None, peers: bool = False) -> int:
         """Wait until the process reports SERVING on grpc.health.v1 (the router: for omni.v1.Omni,
-        which means every stage has a healthy replica)."""
+        which means every stage has a healthy replica). `peers` (start-up): every other process of
+        the stack must stay up meanwhile; one that exits is the error, at once, rather than a
+        router that waits for it until the deadline. Errors carry the process's last log lines."""
         process = self.processes[name]
         service = "omni.v1.Omni" if process.stage == "router" else ""
-        deadline = time.monotonic() + (timeout_s or self.options.startup_timeout_s)
+        timeout_s = timeout_s or self.options.startup_timeout_s
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if process.popen.poll() is not None:
-                raise UserError(f"{name} exited with code {process.popen.returncode} during start-up (see its log)")
+            for other in ([p for p in self.processes.values() if p.popen is not None] if peers else [process]):
+                if other.popen.poll() is not None:
+                    waiting = "" if other is process else f" while {name} was starting"
+                    raise UserError(f"{other.name} exited with code {other.popen.returncode} during start-up{waiting}"
+                                    f"{self._log_tail(other)}")
             if (http_ready(f"http://{self.options.host}:{process.port}/health") if process.stage == "gateway"
                     else health_status(f"{self.options.host}:{process.port}", service, tls=self.options.tls) == "SERVING"):
                 return process.port
             time.sleep(0.1)
-        raise UserError(f"{name} did not become healthy within {self.options.startup_timeout_s:.0f} s")
+        raise UserError(f"{name} did not become healthy within {timeout_s:.0f} s{self._log_tail(process)}")
+
+    def _log_tail(self, process: Process, lines: int = 30) -> str:
+        """The end of a process's log for an error message (with log_prefix its log is on stderr already)."""
+        if self.options.log_prefix:
+            return " (see its log)"
+        tail = list(process.output)[-lines:]
+        return f"; the last {len(tail)} lines of its log:\n" + "".join(tail) if tail else "; it logged nothing"
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Send a signal to one process (tests: kill -9 a replica, or SIGTERM to drain it)."""

@@ -1,0 +1,98 @@
+"""How a stack comes up (services/tools/launcher.py `Stack.start` / `wait_ready`) and what readiness
+says meanwhile, with processes that hold no model (seconds, not a stack's start)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from services.runtime.errors import UserError
+from services.tools.launcher import Process, Stack, StackOptions, free_port, health_status
+
+REPO = Path(__file__).resolve().parents[2]
+
+SERVER = """
+import asyncio
+from services.serving.grpc_server import build_server, serve_until_signal
+
+async def main():
+    handle = build_server("127.0.0.1", 0, ("test.Kept",))
+    await handle.set_serving(False, services=("test.Kept",))
+    print(handle.port, flush=True)
+    await serve_until_signal(handle, grace_s=1, started_services=("",))
+
+asyncio.run(main())
+"""
+
+
+def test_a_service_left_out_of_started_services_stays_not_serving():
+    # The router's omni.v1.Omni: keep_health alone marks it SERVING, once every stage has a replica;
+    # serve_until_signal used to mark it SERVING with everything else first.
+    server = subprocess.Popen([sys.executable, "-c", SERVER], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        address = f"127.0.0.1:{int(server.stdout.readline())}"
+        deadline = time.monotonic() + 30
+        while health_status(address) != "SERVING":
+            assert time.monotonic() < deadline, "the server never served"
+            time.sleep(0.05)
+        assert health_status(address, "test.Kept") == "NOT_SERVING"
+    finally:
+        server.kill()
+        server.wait(timeout=10)
+
+
+def test_a_router_without_a_stage_replica_is_live_but_never_ready():
+    dead = [f"127.0.0.1:{free_port()}" for _ in range(3)]  # nothing listens there
+    port = free_port()
+    router = subprocess.Popen([sys.executable, "-m", "router.server", "--host", "127.0.0.1", "--port", str(port),
+                               "--poll-interval-s", "0.1", "--thinker", dead[0], "--talker", dead[1], "--code2wav", dead[2]],
+                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    address, seen = f"127.0.0.1:{port}", []
+    try:
+        deadline = time.monotonic() + 30
+        while health_status(address, timeout=0.5) != "SERVING":  # liveness
+            assert time.monotonic() < deadline and router.poll() is None, "the router never served"
+        for _ in range(20):  # readiness, from the first moment it answers and for a while after
+            seen.append(health_status(address, "omni.v1.Omni", timeout=0.5))
+            time.sleep(0.05)
+    finally:
+        router.kill()
+        router.wait(timeout=10)
+    assert set(seen) == {"NOT_SERVING"}, seen
+
+
+def fake_stack(tmp_path, **commands: list[str]) -> Stack:
+    """A Stack of plain processes (name -> command), none of which answers health checks."""
+    stack = Stack(StackOptions(checkpoint=str(tmp_path), port=0, log_prefix=False, startup_timeout_s=60))
+    for name, command in commands.items():
+        process = Process(name, name.split("-")[0], [], free_port())
+        process.popen = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stack.processes[name] = process
+        process.output.extend(process.popen.stdout)  # the launcher's pump, done here: these end or never print
+    return stack
+
+
+def test_start_up_fails_at_once_naming_a_peer_that_exited_with_its_log(tmp_path):
+    # A stage that dies after it served used to leave the router waiting for it until the deadline
+    # ("router did not become healthy within 180 s"), its log nowhere.
+    stack = fake_stack(tmp_path, **{"thinker-0": [sys.executable, "-c", "print('thinker: out of memory'); exit(3)"]})
+    stack.processes["thinker-0"].popen.wait()
+    router = Process("router", "router", [], free_port())
+    router.popen = subprocess.Popen(["sleep", "60"])
+    stack.processes["router"] = router
+    started = time.monotonic()
+    try:
+        with pytest.raises(UserError, match="thinker-0 exited with code 3 during start-up while router was starting"
+                                            "(?s:.*)thinker: out of memory"):
+            stack.wait_ready("router", peers=True)
+        assert time.monotonic() - started < 10
+        # Without `peers` (a restart, where the test itself may have stopped others) only its own exit counts.
+        with pytest.raises(UserError, match="router did not become healthy within 1 s"):
+            stack.wait_ready("router", timeout_s=1)
+    finally:
+        router.popen.kill()
+        router.popen.wait()
