@@ -171,6 +171,7 @@ def test_without_guidance_one_window_is_still_the_forward(model, voice, codes):
     assert np.array_equal(audio, decode_full(model, codes[:12], voice, SEED, sampling))
 
 
+@pytest.mark.exactness
 def test_streamed_audio_equals_one_forward_for_any_chunking(model, runner, voice, codes, full, streamed):
     pieces, one_token = stream(runner, codes, voice, [1])
     assert one_token.dtype == np.float32 and one_token.shape == full.shape == (N * runner.geometry.samples_per_frame,)
