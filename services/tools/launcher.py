@@ -225,7 +225,10 @@ class Stack:
                     else health_status(f"{self.options.host}:{process.port}", service, tls=self.options.tls) == "SERVING"):
                 return process.port
             time.sleep(0.1)
-        raise UserError(f"{name} did not become healthy within {timeout_s:.0f} s{self._log_tail(process)}")
+        seen = "" if process.stage != "router" else "; what the router polls, asked now: " + ", ".join(
+            f"{p.name} {poll_as_the_router(p.stage, f'{self.options.host}:{p.port}', self.options.tls)}"
+            for p in self.processes.values() if p.stage in tuple(Stage))
+        raise UserError(f"{name} did not become healthy within {timeout_s:.0f} s{seen}{self._log_tail(process)}")
 
     def _log_tail(self, process: Process, lines: int = 30) -> str:
         """The end of a process's log for an error message (with log_prefix its log is on stderr already)."""
@@ -314,6 +317,26 @@ def health_status(target: str, service: str = "", timeout: float = 1.0, tls: TLS
         except grpc.RpcError:
             return "UNREACHABLE"
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+
+def poll_as_the_router(stage: str, target: str, tls: TLSConfig = TLSConfig(), timeout: float = 5.0) -> str:
+    """What the router's poll of a stage replica gets (router/replicas.py: health, then GetLoad),
+    for an error message: 'health SERVING, GetLoad OK', or the status of the call that failed."""
+    from omni.v1 import common_pb2, stages_pb2_grpc
+
+    stub = {Stage.THINKER: stages_pb2_grpc.ThinkerStub, Stage.TALKER: stages_pb2_grpc.TalkerStub,
+            Stage.CODE2WAV: stages_pb2_grpc.Code2WavStub}[Stage(stage)]
+    with secure_or_insecure_channel(target, tls, [], aio=False) as channel:
+        try:
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            return f"health {exc.code().name}"
+        status = health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)
+        try:
+            stub(channel).GetLoad(common_pb2.LoadRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            return f"health {status}, GetLoad {exc.code().name}: {exc.details()}"
+    return f"health {status}, GetLoad OK"
 
 
 def http_ready(url: str, timeout: float = 1.0) -> bool:

@@ -90,8 +90,10 @@ def test_start_up_fails_at_once_naming_a_peer_that_exited_with_its_log(tmp_path)
                                             "(?s:.*)thinker: out of memory"):
             stack.wait_ready("router", peers=True)
         assert time.monotonic() - started < 10
-        # Without `peers` (a restart, where the test itself may have stopped others) only its own exit counts.
-        with pytest.raises(UserError, match="router did not become healthy within 1 s"):
+        # Without `peers` (a restart, where the test itself may have stopped others) only its own exit
+        # counts; the router's timeout says what its polls of the stages get.
+        with pytest.raises(UserError, match="router did not become healthy within 1 s; what the router polls, "
+                                            "asked now: thinker-0 health UNAVAILABLE"):
             stack.wait_ready("router", timeout_s=1)
     finally:
         router.popen.kill()
