@@ -37,9 +37,11 @@ checks both on the machine, and batching across requests only where rows keep th
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from services.code2wav.blocks import Block, BlockGrid
@@ -58,7 +60,7 @@ class _Carry:
         self.new: list[torch.Tensor] = []
         self.rows = rows
 
-    def conv(self, conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def conv(self, conv: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """conv(x [G, C, T]): batched, or per row with the shape the row has alone."""
         if not self.rows or x.shape[0] == 1:
             return conv(x)
@@ -78,11 +80,13 @@ class _CausalConv:
         conv = module.conv
         if conv.stride != (1,) or conv.padding != (0,):
             raise NotImplementedError(f"streaming a causal conv with stride {conv.stride}, padding {conv.padding}")
-        self.conv = conv
+        # nn.Conv1d.forward's own call, without the module's dispatch (a call per layer per block)
+        self.conv = partial(torch.conv1d, weight=conv.weight, bias=conv.bias, dilation=conv.dilation, groups=conv.groups)
+        self.in_channels = conv.in_channels
         self.keep = module.padding  # the samples before the block its kernel reads
 
     def initial(self, like: torch.Tensor) -> State:
-        return [like.new_zeros((1, self.conv.in_channels, self.keep))] if self.keep else []
+        return [like.new_zeros((1, self.in_channels, self.keep))] if self.keep else []
 
     def __call__(self, x: torch.Tensor, carry: _Carry) -> torch.Tensor:
         if not self.keep:
@@ -99,13 +103,14 @@ class _TransConv:
         conv = module.conv
         if conv.padding != (0,) or conv.output_padding != (0,) or conv.dilation != (1,):
             raise NotImplementedError("streaming a transposed conv with padding or dilation")
-        self.conv = conv
+        self.conv = partial(torch.conv_transpose1d, weight=conv.weight, bias=conv.bias, stride=conv.stride)
+        self.in_channels = conv.in_channels
         self.stride = conv.stride[0]
         self.keep = math.ceil(conv.kernel_size[0] / self.stride) - 1  # inputs an output block needs before it
         self.left_pad = module.left_pad  # what one forward trims at the start
 
     def initial(self, like: torch.Tensor) -> State:
-        return [like.new_zeros((1, self.conv.in_channels, 0))] if self.keep else []  # empty before the first block
+        return [like.new_zeros((1, self.in_channels, 0))] if self.keep else []  # empty before the first block
 
     def __call__(self, x: torch.Tensor, carry: _Carry) -> torch.Tensor:
         history = carry.take() if self.keep else x[..., :0]
@@ -131,7 +136,8 @@ class _ConvNeXt:
     def __call__(self, x: torch.Tensor, carry: _Carry) -> torch.Tensor:
         b = self.block
         h = self.dwconv(x, carry).permute(0, 2, 1)
-        h = b.pwconv2(b.act(b.pwconv1(b.norm(h))))
+        h = F.layer_norm(h, b.norm.normalized_shape, b.norm.weight, b.norm.bias, b.norm.eps)
+        h = F.linear(F.gelu(F.linear(h, b.pwconv1.weight, b.pwconv1.bias)), b.pwconv2.weight, b.pwconv2.bias)
         return x + (b.gamma * h).permute(0, 2, 1)
 
 
@@ -139,7 +145,7 @@ class _Residual:
     """Qwen3OmniMoeCode2WavDecoderResidualUnit.forward with both convs streamed."""
 
     def __init__(self, module: nn.Module):
-        self.unit = module
+        self.act1, self.act2 = _Snake(module.act1), _Snake(module.act2)
         self.conv1 = _CausalConv(module.conv1)
         self.conv2 = _CausalConv(module.conv2)
 
@@ -147,21 +153,24 @@ class _Residual:
         return self.conv1.initial(like) + self.conv2.initial(like)
 
     def __call__(self, x: torch.Tensor, carry: _Carry) -> torch.Tensor:
-        u = self.unit
-        return x + self.conv2(u.act2(self.conv1(u.act1(x), carry)), carry)
+        return x + self.conv2(self.act2(self.conv1(self.act1(x), carry)), carry)
 
 
-class _Pointwise:
-    """A layer that acts on each time step alone (SnakeBeta): no state."""
+class _Snake:
+    """Qwen3OmniMoeSnakeBeta.forward, x + 1 / (exp(beta) + eps) * sin(x * exp(alpha))^2, with the
+    parameters' exponentials computed once instead of every call (the same ops on the same values,
+    so the same bits). Acts on each element alone: no state."""
 
     def __init__(self, module: nn.Module):
-        self.module = module
+        with torch.no_grad():
+            self.alpha = torch.exp(module.alpha.unsqueeze(0).unsqueeze(-1))  # [1, C, 1]
+            self.scale = 1.0 / (torch.exp(module.beta.unsqueeze(0).unsqueeze(-1)) + module.no_div_by_zero)
 
     def initial(self, like: torch.Tensor) -> State:
         return []
 
-    def __call__(self, x: torch.Tensor, carry: _Carry) -> torch.Tensor:
-        return self.module(x)
+    def __call__(self, x: torch.Tensor, carry: _Carry | None = None) -> torch.Tensor:
+        return x + self.scale * torch.pow(torch.sin(x * self.alpha), 2)
 
 
 class _Sequence:
@@ -192,7 +201,7 @@ def _streamed(module: nn.Module):
     if isinstance(module, m.Qwen3OmniMoeCode2WavDecoderBlock):
         return _Sequence([_streamed(layer) for layer in module.block])
     if isinstance(module, m.Qwen3OmniMoeSnakeBeta):
-        return _Pointwise(module)
+        return _Snake(module)
     if isinstance(module, nn.ModuleList):
         return _Sequence([_streamed(layer) for layer in module])
     raise NotImplementedError(f"no streaming form of {type(module).__name__}")
