@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.threads import configured_threads, torch_threads
+
 # `make test-vllm` sets this: the vLLM tests are what the run is for, so vLLM failing to import is
 # an error of the run (exit 4), not 11 skips and a green exit.
 REQUIRE_VLLM = "OMNI_REQUIRE_VLLM"
@@ -39,14 +41,21 @@ def pytest_configure(config) -> None:
     from tests.fuzzing import SEED, SEED_ENV
 
     os.environ[SEED_ENV] = str(SEED)  # xdist's workers start later, from this environment: one seed per run
+    try:
+        threads = configured_threads()
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
     workers = getattr(config, "workerinput", {}).get("workercount")
-    if workers:
+    if threads is None and workers:
         # Under xdist, each worker's in-process torch gets its share of the cores (at least one):
         # workers each with torch's default of one thread a core ran the compute tests 2-4x slower.
-        # Tests about thread counts set their own; stage processes get --threads from the stack.
+        threads = max(1, (os.cpu_count() or 1) // int(workers))
+    if threads is not None:
+        # OMNI_TEST_THREADS (tests/threads.py) sets it for every process, xdist or not. Tests about
+        # thread counts set their own; stage processes get --threads from tests/stacks.py.
         import torch
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+        torch.set_num_threads(threads)
     if os.environ.get(REQUIRE_VLLM) == "1":
         from services.thinker.vllm_backend import vllm_available
 
@@ -116,13 +125,14 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def one_torch_thread():
-    """torch on one thread for a module of tiny-model tests, restored after: at these widths thread
-    start-up and synchronisation dominate (tests/tools/test_tiny_qwen2_5_omni.py took 165 s with the
-    default threads on two busy cores, 23 s with one)."""
+    """torch on one thread (OMNI_TEST_THREADS' count when set: tests/threads.py) for a module of
+    tiny-model tests, restored after: at these widths thread start-up and synchronisation dominate
+    (tests/tools/test_tiny_qwen2_5_omni.py took 165 s with the default threads on two busy cores, 23 s
+    with one)."""
     import torch
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(torch_threads(1))
     yield
     torch.set_num_threads(threads)
 

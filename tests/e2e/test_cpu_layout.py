@@ -29,10 +29,11 @@ def wait_for(predicate, what: str, timeout_s: float = 30.0) -> None:
 
 @pytest.fixture(scope="module")
 def layout(stack):
-    expected = cpu_layout(sorted(os.sched_getaffinity(0)), threads=1, talkers=1)
+    threads = stack.options.threads  # 1, or OMNI_TEST_THREADS (tests/stacks.py)
+    expected = cpu_layout(sorted(os.sched_getaffinity(0)), threads=threads, talkers=1)
     if expected is None:
         assert stack.layout is None
-        pytest.skip("one CPU: no layout")
+        pytest.skip(f"{len(os.sched_getaffinity(0))} CPUs for processes of {threads} threads: no layout")
     assert stack.layout == expected
     return expected
 

@@ -14,6 +14,7 @@ from gateway_procs import Gateway
 
 from services.tools.client import connect
 from services.tools.launcher import Stack, StackOptions, free_port
+from tests.threads import torch_threads
 
 THINKER_TOKENS = 12
 TALKER_FRAMES = 24
@@ -23,7 +24,7 @@ TALKER_FRAMES = 24
 def gw_stack(tiny_checkpoint):
     metrics_port = free_port()
     options = StackOptions(
-        checkpoint=str(tiny_checkpoint), port=0, threads=1, log_prefix=False,
+        checkpoint=str(tiny_checkpoint), port=0, threads=torch_threads(1), log_prefix=False,
         thinker_args=("--default-max-new-tokens", str(THINKER_TOKENS)),
         talker_args=("--default-max-new-tokens", str(TALKER_FRAMES)),
         router_args=("--metrics-port", str(metrics_port)),

@@ -20,6 +20,7 @@ import pytest
 
 from services.serving.security import tls_from_args
 from services.tools.launcher import Stack, StackOptions
+from tests.threads import torch_threads
 
 pytestmark = [pytest.mark.slow,  # a stack of its own: about a minute to start on 2 cores
               pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")]
@@ -64,7 +65,7 @@ def test_rotated_certificates_are_used_for_the_reconnect_without_a_restart(tiny_
              "--tls-ca", str(folder / "ca.crt"))
     launcher_tls = tls_from_args(Namespace(tls_cert=flags[1], tls_key=flags[3], tls_ca=flags[5],
                                            tls_server_name=None))  # its health checks rotate too
-    options = StackOptions(checkpoint=str(tiny_checkpoint), port=0, threads=1, log_prefix=False,
+    options = StackOptions(checkpoint=str(tiny_checkpoint), port=0, threads=torch_threads(1), log_prefix=False,
                            thinker_args=("--default-max-new-tokens", "4"),
                            talker_args=("--default-max-new-tokens", "8"),
                            http_port=0, extra_args=flags, tls=launcher_tls)

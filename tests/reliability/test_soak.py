@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from services.tools.soak import main
+from tests.threads import torch_threads
 
 from .support import assert_recovered
 
@@ -37,7 +38,7 @@ def test_a_short_soak_reports_nothing_leaked_or_hung(stack, omni, capsys):
 def test_omni_soak_with_its_own_stack_and_chaos_leaks_nothing(tiny_checkpoint):
     run = subprocess.run(
         [sys.executable, "-m", "services.tools.soak", "--checkpoint", str(tiny_checkpoint), "--duration-s", "30",
-         "--threads", "1", "--chaos", "--json"],
+         "--threads", str(torch_threads(1)), "--chaos", "--json"],
         capture_output=True, text=True, timeout=600,
     )
     summary = json.loads(run.stdout.strip().splitlines()[-1])

@@ -27,6 +27,7 @@ from services.thinker.engine import (
     Token,
 )
 from services.tools.reference import messages_from_args
+from tests.threads import torch_threads
 
 SLOTS = 4
 MAX_MODEL_LEN = 128  # the longest prompt here is ~35 tokens
@@ -60,14 +61,15 @@ class Run:
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """Run this module's models on one torch thread, restored afterwards.
+    """Run this module's models on one torch thread (OMNI_TEST_THREADS' count when set), restored
+    afterwards.
 
     The engine and the reference share the process, so exactness is unaffected; speed is: on the
     shared 2-core box, two OpenMP threads made every tiny op cost milliseconds (a 2-request
     pipeline: 18 s on 2 threads, 0.6 s on 1).
     """
     previous = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(torch_threads(1))
     yield
     torch.set_num_threads(previous)
 

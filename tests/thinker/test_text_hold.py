@@ -22,6 +22,7 @@ from services.thinker.engine import (
     Token,
 )
 from services.tools.reference import messages_from_args
+from tests.threads import torch_threads
 
 TOKENS = 12
 
@@ -29,7 +30,7 @@ TOKENS = 12
 @pytest.fixture(scope="module")
 def stage(tiny_checkpoint):
     previous = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(torch_threads(1))
     yield load_stage(tiny_checkpoint, Stage.THINKER), tiny_checkpoint
     torch.set_num_threads(previous)
 

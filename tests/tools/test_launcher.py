@@ -15,6 +15,7 @@ from pathlib import Path
 
 from services.tools.client import build_request, collect, connect
 from services.tools.launcher import free_port, health_status
+from tests.threads import torch_threads
 
 
 def children(pid: int) -> dict[int, str]:
@@ -43,7 +44,7 @@ def test_omni_serve_up_restarts_a_dead_replica_and_keeps_serving(tiny_checkpoint
     port, metrics = free_port(), free_port()
     launcher = subprocess.Popen(
         [sys.executable, "-m", "services.tools.launcher", "up", "--checkpoint", str(tiny_checkpoint),
-         "--port", str(port), "--threads", "1", "--talker-replicas", "2", "--metrics-base-port", str(metrics),
+         "--port", str(port), "--threads", str(torch_threads(1)), "--talker-replicas", "2", "--metrics-base-port", str(metrics),
          "--router-args", "--max-in-flight 8 --max-migrations 2", "--talker-args", "--grace-s 5"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     log: list[str] = []

@@ -21,6 +21,7 @@ from services.runtime.prompt import ChatMessage, Part, Role
 from services.tools import client, launcher
 from services.tools.reference import ReferenceRunner
 from tests.qwen2_5_oracle import CASES, case_messages, media
+from tests.threads import torch_threads
 
 MAX_TEXT, MAX_TALKER = 8, 60  # 60 codes: more than one streamed Token2Wav chunk (24) plus its look-ahead
 PROMPT = "Hello! How are you today?"
@@ -46,7 +47,7 @@ def post(url: str, body: dict) -> tuple[int, dict]:
 def stack(tiny_qwen2_5_checkpoint):
     parser = argparse.ArgumentParser()
     launcher._add_stack_flags(parser)
-    args = parser.parse_args(["--checkpoint", str(tiny_qwen2_5_checkpoint), "--port", "0", "--threads", "1",
+    args = parser.parse_args(["--checkpoint", str(tiny_qwen2_5_checkpoint), "--port", "0", "--threads", str(torch_threads(1)),
                               "--thinker-max-new-tokens", str(MAX_TEXT), "--talker-max-new-tokens", str(MAX_TALKER)])
     options = dataclasses.replace(launcher._options(args), http_port=0, log_prefix=False)
     with launcher.Stack(options) as running:
