@@ -68,9 +68,10 @@ lint: setup
 # under torch's portable kernels (ATEN_CPU_CAPABILITY=default): a second ISA on the same host, so
 # a kernel invariant on one ISA only fails here, not on a user's machine. make test-portable runs
 # every exactness test under every capability this CPU offers.
+OP_EXACTNESS := tests/common/test_batching.py tests/common/test_invariant_gemm.py tests/talker/test_code_predictor.py
 test: setup lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
-	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q -m exactness tests/common tests/talker/test_code_predictor.py
+	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q -m exactness $(OP_EXACTNESS)
 
 test-portable: setup
 	@best=$$(env -u ATEN_CPU_CAPABILITY $(PY) -c "import torch; print(torch.backends.cpu.get_cpu_capability().lower())"); \

@@ -49,6 +49,7 @@ def test_floor_lms_reach_the_first_chunk_one_token_later_than_qwen3(runner, fram
     assert floor.thinker.running == 0 and floor.talker.running == 0
 
 
+@pytest.mark.exactness
 def test_floor_lms_codes_are_generates(runner):
     floor = LMFloor(runner, "cpu", None, MAX_TEXT, MAX_TALKER, first_chunk_frames=4)
     prompt = BenchPrompt("Hello! How are you today?")

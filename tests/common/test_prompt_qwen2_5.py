@@ -50,6 +50,7 @@ def user(*parts: Part) -> list[ChatMessage]:
     return [ChatMessage(Role.USER, tuple(parts))]
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("content", ["text", "audio", "image", "audio+image", "two audios", "system"])
 def test_inputs_equal_the_processors(builder, processor, wav_bytes, png_bytes, content):
     parts = {"text": [], "audio": [Part(audio=wav_bytes)], "image": [Part(image=png_bytes)],

@@ -87,6 +87,7 @@ def test_audio_length_is_frames_times_1920_minus_555_lookahead(runner, text_resu
     assert text_result.audio_seconds == len(text_result.audio) / 24000
 
 
+@pytest.mark.exactness
 def test_audio_equals_one_code2wav_forward_of_the_frames(runner, text_result):
     codes = torch.tensor(text_result.codec_frames).T.unsqueeze(0)  # [1, Q, frames]
     with torch.inference_mode():
@@ -95,6 +96,7 @@ def test_audio_equals_one_code2wav_forward_of_the_frames(runner, text_result):
     np.testing.assert_array_equal(wav, text_result.audio)
 
 
+@pytest.mark.exactness
 def test_generate_is_deterministic(runner, text_result):
     again = runner.generate(user(Part(text=PROMPT)), None, MAX_NEW_TOKENS, TALKER_MAX_NEW_TOKENS)
     assert again.thinker_token_ids == text_result.thinker_token_ids

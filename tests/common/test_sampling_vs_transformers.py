@@ -73,6 +73,7 @@ def logits_cases(vocab: int, seed: int) -> dict[str, torch.Tensor]:
     return {"normal": normal, "peaked": peaked, "ties": ties, "flat": flat}
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("name", sorted(SETTINGS))
 def test_processed_scores_equal_transformers_logits_processors_bit_for_bit(name):
     vocab, cfg, suppressed = SETTINGS[name]
@@ -109,6 +110,7 @@ def test_the_settings_actually_filter_so_the_comparison_means_something():
     assert torch.isinf(scores[suppressed]).all() and torch.isfinite(scores[TALKER_EOS])
 
 
+@pytest.mark.exactness
 def test_a_seeded_generator_draws_what_generates_global_generator_draws():
     # generate draws with torch.multinomial(softmax(scores) [1, vocab], 1) from the global generator;
     # the engines with a per-request torch.Generator seeded the same: same tokens, in order.

@@ -39,6 +39,7 @@ def tokenizer(tiny_checkpoint):
     return AutoTokenizer.from_pretrained(tiny_checkpoint, local_files_only=True)
 
 
+@pytest.mark.exactness
 def test_same_seed_builds_byte_identical_folder(tiny_checkpoint, tmp_path):
     again = build(tmp_path / "again", seed=0)
     first, second = folder_files(tiny_checkpoint), folder_files(again)

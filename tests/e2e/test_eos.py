@@ -53,6 +53,7 @@ def snr_db(reference: np.ndarray, test: np.ndarray) -> float:
     return float("inf") if error == 0 else 10 * np.log10(np.sum(reference.astype(np.float64) ** 2) / error)
 
 
+@pytest.mark.exactness
 def test_thinker_and_talker_stop_on_their_end_tokens_as_generate(eos_stack, eos_reference):
     _, omni = eos_stack
     requests = [build_request(p, voice="ethan", max_new_tokens=MAX_TEXT, talker_max_new_tokens=MAX_TALKER,
@@ -75,6 +76,7 @@ def test_thinker_and_talker_stop_on_their_end_tokens_as_generate(eos_stack, eos_
         assert snr_db(expected.audio, got.audio) > 90.0, prompt
 
 
+@pytest.mark.exactness
 def test_an_answer_that_is_only_the_end_token_ends_cleanly_with_no_audio(eos_stack, eos_reference):
     # On this prompt the thinker's first token is <|im_end|>. generate cannot make audio of an empty
     # answer (its talker prompt builder fails: transformers 5.19), so there is no oracle for the

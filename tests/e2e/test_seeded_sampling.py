@@ -12,9 +12,13 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from omni.v1 import common_pb2, omni_pb2
 from services.runtime.prompt import ChatMessage, Part, Role
 from services.tools.client import build_request, collect
+
+pytestmark = pytest.mark.exactness
 
 PROMPT = "Once upon a time there was a small model"
 THINKER = dict(temperature=0.8, top_k=40, top_p=0.9, repetition_penalty=1.1)

@@ -23,7 +23,8 @@ from services.tools.synthetic_video import frame_images, video
 from services.tools.video_oracle import video_inputs
 from tests.e2e.test_independent_oracle import ROLES, image, wav
 
-pytestmark = pytest.mark.slow  # the oracle's child process imports transformers again (~20-50 s on 2 cores)
+# slow: the oracle's child process imports transformers again (~20-50 s on 2 cores)
+pytestmark = [pytest.mark.slow, pytest.mark.exactness]
 
 FPS = 2.0  # PromptLimits.video_fps
 

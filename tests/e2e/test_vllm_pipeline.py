@@ -15,7 +15,7 @@ from services.tools.client import build_request, collect, connect
 from tests.stacks import stack_of
 
 VLLM_OK, VLLM_DETAIL = vllm_available()
-pytestmark = [pytest.mark.vllm, pytest.mark.skipif(
+pytestmark = [pytest.mark.vllm, pytest.mark.exactness, pytest.mark.skipif(
     not VLLM_OK, reason=f"vLLM is not importable here ({VLLM_DETAIL}); run `make test-vllm`")]
 
 

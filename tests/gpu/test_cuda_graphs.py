@@ -117,6 +117,7 @@ def test_enabled_runner_without_cuda_is_refused():
         GraphRunner(lambda x: x, enabled=True)
 
 
+@pytest.mark.exactness
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_replayed_graph_equals_the_eager_call_on_cuda():
     weight = torch.randn(64, 32, device="cuda")

@@ -230,6 +230,7 @@ def test_full_size_config_has_the_real_compute_fields(tokenizer_ids):
     assert not wrong, f"full-size fields that differ from the real config: {wrong}"
 
 
+@pytest.mark.exactness
 def test_full_size_routing_and_rotary_behave_as_the_real_model(tokenizer_ids):
     # The fields above as the modules read them: normalised top-k routing in both MoE LMs, and the
     # code predictor's rotary frequencies from base 1e6 (1e4 gives other positions' angles).
@@ -282,6 +283,7 @@ def test_random_weights_build_every_stage_on_the_device_in_its_dtype(small_folde
     assert all(float(p.detach().float().std()) > 0 for p in matrices)  # really drawn, not left empty or zero
 
 
+@pytest.mark.exactness
 def test_random_weights_are_seeded(small_folder):
     a = load_stage(small_folder, Stage.TALKER, random_weights=True, seed=1).model.state_dict()
     b = load_stage(small_folder, Stage.TALKER, random_weights=True, seed=1).model.state_dict()

@@ -30,6 +30,7 @@ def cuda_stages(folder, dtype):
     return {s: load_stage(folder, s, device="cuda", dtype=dtype) for s in Stage}
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engines_with_graphs_equal_the_same_static_steps_run_eagerly(tiny_checkpoint, dtype):
     stages = cuda_stages(tiny_checkpoint, dtype)
@@ -56,6 +57,7 @@ def test_engines_with_graphs_equal_the_same_static_steps_run_eagerly(tiny_checkp
         assert [f.tolist() for f in got[1][rid]] == [f.tolist() for f in want[1][rid]], f"{rid}: frames"
 
 
+@pytest.mark.exactness
 def test_code2wav_replayed_windows_equal_the_eager_forward(tiny_checkpoint):
     model = load_stage(tiny_checkpoint, Stage.CODE2WAV, device="cuda").model
     graphs = Code2WavGraphs(model, GraphSettings(True, BUCKETS))

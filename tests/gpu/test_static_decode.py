@@ -31,6 +31,7 @@ from services.tools.tiny_checkpoint import build_config, build_tokenizer
 from tests.gpu.harness import SLOTS, run_pipeline, static_engines
 
 
+@pytest.mark.exactness
 def test_static_steps_give_the_row_wise_steps_greedy_output(tiny_checkpoint, wav_file):
     stages = load_stage(tiny_checkpoint, Stage.THINKER), load_stage(tiny_checkpoint, Stage.TALKER)
     config = stages[0].config

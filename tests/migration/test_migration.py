@@ -169,6 +169,7 @@ def victim_of(stack, stage: str) -> str:
                 if p.stage == stage and f"{stack.options.host}:{p.port}" == address)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("stage", ["talker", "code2wav", "thinker"])
 def test_a_killed_replica_s_requests_move_and_complete_with_the_same_audio(migrating, expected, stage):
     rng = random.Random(f"{SEED}-{stage}")
@@ -323,6 +324,7 @@ def killed_twice(stack, expected, second_stage: str):
         wait_router_uses_all(stack)
 
 
+@pytest.mark.exactness
 @pytest.mark.slow  # ~12 s each on the shared stack: make test-slow (and CI) run them
 def test_a_replacement_that_dies_mid_replay_moves_the_request_again_with_the_same_audio(migrating, expected):
     """The talker a request moved to dies while it replays the request (before it passed anything
@@ -340,6 +342,7 @@ def test_a_replacement_that_dies_mid_replay_moves_the_request_again_with_the_sam
         pytest.skip(f"the replay outran the second kill (migrations {moved}): no request was killed mid-replay")
 
 
+@pytest.mark.exactness
 @pytest.mark.slow  # ~12 s each on the shared stack: make test-slow (and CI) run them
 def test_a_second_fault_during_a_replay_moves_both_hops_with_the_same_audio(migrating, expected):
     """While the moved requests replay on another talker, the code2wav replica holding the most

@@ -93,6 +93,7 @@ def expected(migrating_qwen2_5):
 # requests the replay's audio parted from what was delivered in the last bits, and the stage's hash
 # check ended the request ABORTED (REPLAY_DIVERGED), on both stages (the talker's replay regenerates
 # its audio through a new code2wav stream too).
+@pytest.mark.exactness
 @pytest.mark.parametrize("stage", ["talker", "code2wav"])
 def test_a_killed_qwen2_5_replica_s_requests_move_and_complete_with_the_same_audio(migrating_qwen2_5, expected,
                                                                                    stage):

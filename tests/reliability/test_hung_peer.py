@@ -117,6 +117,7 @@ def test_a_killed_code2wav_or_thinker_ends_its_requests_unavailable_naming_it(hu
     wait_for(lambda: all(load.idle for load in read_loads(replicas(stack))), "every stage idle")
 
 
+@pytest.mark.exactness
 def test_a_peer_stopped_briefly_resumes_and_the_stream_completes_unchanged(hung):
     # Stopped for a sixth of the idle timeout, then continued: the stream picks up where it was
     # and gives exactly what an undisturbed run gives.

@@ -223,6 +223,7 @@ def test_eight_concurrent_requests_through_the_invariant_gemm_equal_generate_thr
     assert_clean(pipe)
 
 
+@pytest.mark.exactness
 def test_a_step_runs_the_code_predictor_once_for_its_prefilled_and_decoded_rows(stages, builder, messages, expected,
                                                                                monkeypatch):
     # TalkerEngine.end_step: a prefill's first frame joins the decode batch's code predictor
@@ -254,6 +255,7 @@ def test_inexact_batching_still_runs(stages, builder, messages):
     assert_clean(pipe)
 
 
+@pytest.mark.exactness
 def test_slow_text_waits_without_blocking_another_request(stages, builder, messages, expected):
     slow, fast = BY_ID["text-chelsie"], BY_ID["audio-chelsie"]
     cases = [replace(slow, join_step=0), replace(fast, join_step=0)]
@@ -275,6 +277,7 @@ def test_slow_text_waits_without_blocking_another_request(stages, builder, messa
     assert_clean(pipe)
 
 
+@pytest.mark.exactness
 def test_abort_mid_batch_frees_the_talker_slot(stages, builder, messages, expected):
     keep, drop = BY_ID["text-ethan"], BY_ID["image-aiden"]
     pipe = Pipeline(stages, builder)

@@ -169,6 +169,7 @@ def assert_equals_reference(pipe: Pipeline, request_ids, expected: dict | None =
         assert done.reason is (FinishReason.STOP if ended else FinishReason.LENGTH), rid
 
 
+@pytest.mark.exactness
 def test_sixteen_concurrent_requests_equal_generate(setup):
     pipe = Pipeline(setup).run(CASES)
     assert_equals_reference(pipe, [c.request_id for c in CASES])
@@ -188,6 +189,7 @@ def alone(tiny) -> dict:
     return {case.request_id: Pipeline(tiny, slots=1).run([replace(case, join_step=0)]) for case in CASES}
 
 
+@pytest.mark.exactness
 def test_sixteen_concurrent_requests_through_the_wire_messages_equal_generate(tiny):
     # The stage-to-stage contract: TalkerStart fields 13-14 and TextToken.reply, serialized and
     # parsed back, converted by the adapters' functions, give the engines exactly generate's codes.
@@ -196,12 +198,14 @@ def test_sixteen_concurrent_requests_through_the_wire_messages_equal_generate(ti
     assert_clean(pipe)
 
 
+@pytest.mark.exactness
 def test_each_request_alone_equals_generate(alone):
     for case in CASES:
         assert_equals_reference(alone[case.request_id], [case.request_id])
         assert_clean(alone[case.request_id])
 
 
+@pytest.mark.exactness
 def test_batched_talker_logits_are_bit_identical_to_alone(tiny, alone):
     # Batch invariance, beyond the argmax: every talker step's logits in the 16-request batch are
     # the ones the request gets alone (exact batching; with plain batched GEMMs they differ).
@@ -239,6 +243,7 @@ def ending(tmp_path_factory) -> Setup:
     return Setup(build(tmp_path_factory.mktemp("eos25") / "eos", seed=0, eos=True))
 
 
+@pytest.mark.exactness
 def test_requests_end_on_the_real_end_ids_as_generate_ends_them(ending):
     pipe = Pipeline(ending).run(CASES)
     assert_equals_reference(pipe, [c.request_id for c in CASES])
@@ -251,6 +256,7 @@ def test_requests_end_on_the_real_end_ids_as_generate_ends_them(ending):
         assert pipe.tokens[rid][-1] == ending.config.thinker_config.eos_token_id
 
 
+@pytest.mark.exactness
 def test_the_talker_end_id_ends_the_request_as_generate_cuts_it(tiny):
     # The tiny talker never emits its end ids; take a code it does emit as the end id instead, for
     # generate and the engine alike: both must stop at its first occurrence, without that frame.
@@ -264,6 +270,7 @@ def test_the_talker_end_id_ends_the_request_as_generate_cuts_it(tiny):
     assert_clean(pipe)
 
 
+@pytest.mark.exactness
 def test_slow_text_waits_without_blocking_another_request(tiny):
     slow, fast = BY_ID["long-text-chelsie"], BY_ID["audio-chelsie"]
     # The slow one's speech outlasts no text: 16 tokens, 8 codes; give it more codes to wait for.
@@ -312,6 +319,7 @@ def test_one_token_text_ends_the_talker_request_without_frames(tiny):
     assert_clean(pipe)
 
 
+@pytest.mark.exactness
 def test_abort_mid_batch_frees_the_talker_slot(tiny):
     keep, drop = BY_ID["text-ethan"], BY_ID["image-ethan"]
     pipe = Pipeline(tiny)

@@ -147,12 +147,14 @@ def test_requests_joining_at_different_steps_share_decode_steps(batched):
     assert batched.steps < sum(c.max_new_tokens for c in CASES) // 2
 
 
+@pytest.mark.exactness
 def test_batched_tokens_equal_single_request_tokens(alone, batched):
     for case in CASES:
         assert len(batched.tokens[case.request_id]) == case.max_new_tokens  # the tiny model never says <|im_end|>
         assert batched.tokens[case.request_id] == alone[case.request_id].tokens[case.request_id], case.request_id
 
 
+@pytest.mark.exactness
 def test_batched_decode_logits_are_bit_identical_to_single_request(alone, batched):
     for case in CASES:
         rid = case.request_id
@@ -206,6 +208,7 @@ def test_request_that_cannot_fit_the_cache_is_refused(thinker, prompts):
     assert not engine.has_work() and engine.queue_depth == 0 and "big" not in engine._requests
 
 
+@pytest.mark.exactness
 def test_abort_mid_batch_frees_the_slot_and_leaves_the_others_exact(thinker, prompts, alone):
     engine = make_engine(thinker, slots=2)
     tokens: dict[str, list[int]] = {}  # request_id -> generated ids

@@ -104,12 +104,14 @@ def assert_equals_generate(setup: Setup, rid: str, events: list) -> None:
     assert torch.equal(prefilled.text_embeds[1:], stream[T - 2:]), f"{rid}: text eos and pad"
 
 
+@pytest.mark.exactness
 def test_each_request_alone_equals_generate(setup):
     for case in CASES:
         events, _ = run(setup, [case])
         assert_equals_generate(setup, case.request_id, events[case.request_id])
 
 
+@pytest.mark.exactness
 def test_sixteen_concurrent_requests_equal_generate(setup):
     events, steps = run(setup, CASES)
     for case in CASES:
@@ -134,6 +136,7 @@ def test_events_of_one_request(setup):
         FinishReason.LENGTH, prompt.num_tokens, case.max_new_tokens)
 
 
+@pytest.mark.exactness
 def test_text_only_requests_carry_no_talker_inputs(setup):
     engine = setup.engine(2)
     case, other = BY_ID["text-ethan"], BY_ID["audio-chelsie"]

@@ -55,6 +55,7 @@ def drain(engine, tokens: dict) -> int:
     return steps
 
 
+@pytest.mark.exactness
 def test_held_request_stops_at_its_lead_and_resumes_on_release_with_the_same_tokens(stage):
     engine, job = engine_and_job(stage)
     free: dict = {}

@@ -175,6 +175,7 @@ def cases(wav_bytes, png_bytes):
     }
 
 
+@pytest.mark.exactness
 @pytest.mark.vllm
 @needs_vllm
 @pytest.mark.parametrize("case", ["text", "audio", "image", "audio+image", "odd-length audio"])
@@ -188,6 +189,7 @@ def test_greedy_ids_equal_transformers_engine_and_reference(backends, cases, cas
     assert len(got) == MAX_NEW  # random weights: no end token, every request runs to its limit
 
 
+@pytest.mark.exactness
 @pytest.mark.vllm
 @needs_vllm
 def test_concurrent_requests_each_equal_the_transformers_engine(backends, cases):
@@ -202,6 +204,7 @@ def test_concurrent_requests_each_equal_the_transformers_engine(backends, cases)
         assert token_ids(got[request_id]) == token_ids(want[request_id]), request_id
 
 
+@pytest.mark.exactness
 @pytest.mark.vllm
 @needs_vllm
 @pytest.mark.parametrize("case", ["text", "audio+image"])

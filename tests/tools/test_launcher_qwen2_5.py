@@ -67,6 +67,7 @@ def test_the_gateway_lists_the_voices_of_spk_dict_and_the_familys_default(stack)
     assert status == 200 and reply["usage"]["completion_tokens"] == 4
 
 
+@pytest.mark.exactness
 def test_omni_client_gets_the_references_text_and_codes(stack, tiny_qwen2_5_checkpoint, capsys):
     want = ReferenceRunner(tiny_qwen2_5_checkpoint).generate([ChatMessage(Role.USER, (Part(text=PROMPT),))], None,
                                                              MAX_TEXT, MAX_TALKER)
@@ -88,6 +89,7 @@ def test_omni_client_gets_the_references_text_and_codes(stack, tiny_qwen2_5_chec
     assert snr_db(want.audio, streamed.audio) >= 100.0
 
 
+@pytest.mark.exactness
 @pytest.mark.slow  # minutes on 2 cores (16 references with Token2Wav, then 16 streams at once)
 def test_sixteen_concurrent_text_audio_and_image_requests_through_the_stack_equal_generate(
         stack, tiny_qwen2_5_checkpoint):

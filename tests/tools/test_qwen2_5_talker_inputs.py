@@ -19,7 +19,8 @@ THINKER_TOKENS = 6
 TALKER_TOKENS = 16
 REPETITION_PENALTY = 1.05
 
-pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.filterwarnings("ignore::UserWarning")]
+pytestmark = [pytest.mark.exactness, pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.filterwarnings("ignore::UserWarning")]
 
 
 @pytest.fixture(scope="module")

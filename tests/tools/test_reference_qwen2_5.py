@@ -52,6 +52,7 @@ def test_text_prompt_gives_tokens_one_code_frames_and_audio(runner, text_result)
     assert text_result.sample_rate == 24000 and text_result.prompt_tokens > 0
 
 
+@pytest.mark.exactness
 def test_audio_is_token2wav_of_the_frames_from_the_seeded_noise(tiny_qwen2_5_checkpoint, text_result):
     """What a code2wav stage must reproduce: Token2Wav of the codes with the voice's cond and ref_mel,
     its initial noise drawn right after torch.manual_seed(TOKEN2WAV_SEED)."""
@@ -64,6 +65,7 @@ def test_audio_is_token2wav_of_the_frames_from_the_seeded_noise(tiny_qwen2_5_che
     np.testing.assert_array_equal(wav.numpy(), text_result.audio)
 
 
+@pytest.mark.exactness
 def test_generate_is_deterministic_and_the_seed_moves_only_the_audio(runner, text_result):
     again = runner.generate(user(Part(text=PROMPT)), None, MAX_NEW_TOKENS, TALKER_MAX_NEW_TOKENS)
     assert again.thinker_token_ids == text_result.thinker_token_ids
@@ -111,6 +113,7 @@ def test_text_only_and_forced_ids(runner):
     assert forced.thinker_token_ids == [10, 11, 12] and len(forced.codec_frames) == 6
 
 
+@pytest.mark.exactness
 def test_sampling_is_seeded(runner, text_result):
     sampling = {"temperature": 1.0, "top_k": 50}
     first, second = (runner.generate(user(Part(text=PROMPT)), None, MAX_NEW_TOKENS, TALKER_MAX_NEW_TOKENS,

@@ -77,6 +77,7 @@ def greedy(model, inputs: dict, speaker: str = "Ethan", thinker_tokens: int = TH
     return sequences[0, inputs["input_ids"].shape[1]:].tolist(), codes[0][0].tolist(), wav
 
 
+@pytest.mark.exactness
 def test_same_seed_builds_byte_identical_folder(tiny_qwen2_5_checkpoint, tmp_path):
     first, second = folder_files(tiny_qwen2_5_checkpoint), folder_files(build(tmp_path / "again", seed=0))
     assert sorted(first) == sorted(second)
@@ -214,6 +215,7 @@ def test_greedy_generate_runs_to_both_limits_with_audible_audio(model, tokenizer
         assert rms(wav) > 0.01 and wav.abs().max().item() < 1.0  # audible; the output clamps at 1
 
 
+@pytest.mark.exactness
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_audio_follows_the_codes_and_the_voice(model):
     token2wav, voices = model.token2wav, model.speaker_map
