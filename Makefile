@@ -67,7 +67,9 @@ lint: setup
 # deselect slow; the vllm ones skip without vLLM), then its op-level exactness tests once more
 # under torch's portable kernels (ATEN_CPU_CAPABILITY=default): a second ISA on the same host, so
 # a kernel invariant on one ISA only fails here, not on a user's machine. make test-portable runs
-# every exactness test under every capability this CPU offers.
+# every exactness test under every capability this CPU offers, each at 1 and 2 torch threads
+# (OMNI_TEST_THREADS: the tests' own models and every stage process they start; tests/threads.py).
+PORTABLE_THREADS ?= 1 2
 OP_EXACTNESS := tests/common/test_batching.py tests/common/test_invariant_gemm.py tests/talker/test_code_predictor.py
 test: setup lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
@@ -76,11 +78,12 @@ test: setup lint
 test-portable: setup
 	@best=$$(env -u ATEN_CPU_CAPABILITY $(PY) -c "import torch; print(torch.backends.cpu.get_cpu_capability().lower())"); \
 	case $$best in avx512*) caps="default avx2 avx512";; avx2) caps="default avx2";; *) caps="default";; esac; \
-	echo "test-portable: this CPU's best is $$best; running the exactness tests under: $$caps"; \
-	for cap in $$caps; do \
-	  echo "test-portable: ATEN_CPU_CAPABILITY=$$cap"; \
-	  ATEN_CPU_CAPABILITY=$$cap $(PY) -m pytest -q -m exactness -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder || exit 1; \
-	done
+	echo "test-portable: this CPU's best is $$best; running the exactness tests under: $$caps, at $(PORTABLE_THREADS) threads"; \
+	for cap in $$caps; do for threads in $(PORTABLE_THREADS); do \
+	  echo "test-portable: ATEN_CPU_CAPABILITY=$$cap OMNI_TEST_THREADS=$$threads"; \
+	  ATEN_CPU_CAPABILITY=$$cap OMNI_TEST_THREADS=$$threads $(PY) -m pytest -q -m exactness -n $(TEST_WORKERS) \
+	    --dist loadscope --no-loadscope-reorder || exit 1; \
+	done; done
 
 # Every test, the slow ones included (10k fuzz, the chaos soak, real-width runs: tens of minutes).
 test-all: setup lint
