@@ -19,7 +19,9 @@ time the request arrived (a first block is always late), after it the time of it
 plus the seconds of audio it has had, less the time audio takes from here to the listener
 (`delivery_ms`: three hops through the talker, thinker and router, tens of ms on a loaded CPU). The
 most due request picks the step's shape (blocks of one shape decode together, `shape_key`), the
-most due others of that shape join it up to the largest allowed batch. A step is one block per
+most due others of that shape join it up to the largest allowed batch, within `--max-batch-frames`
+(on a CPU a call over more frames than about 64 is slower a frame than smaller ones: its
+activations leave the cache; docs/performance.md). A step is one block per
 request, so a request about to underrun, or not yet heard, goes first. A whole block is
 decodable at once; an open one (the talker cut its chunk early) only once it is due, so it is
 decoded again only where its listener would otherwise have waited (`wake_in` says when).
@@ -174,7 +176,8 @@ class Code2WavEngine(EngineDefaults):
             return []
         key = self.vocoder.shape_key(ready[0][1].stream.blocks)
         same = [item for item in ready if self.vocoder.shape_key(item[1].stream.blocks) == key]
-        return same[:self.plan.batch_for(len(same))]
+        size = self.plan.grid.size(ready[0][1].stream.blocks)
+        return same[:self.plan.batch_for(len(same), size)]
 
     def _decode(self, batch: list[tuple[str, _Request]]) -> StepResult:
         """One call over the batch's blocks; each request takes its row, its audio goes up now."""

@@ -49,10 +49,13 @@ class BlockPlan:
     rows: bool = False
     reasons: dict[str, str] = field(default_factory=dict)  # "block" / "batch" -> why
     seconds: float = 0.0
+    max_frames: int = 0  # frames a call decodes at most, over its whole batch (0: no bound)
 
-    def batch_for(self, ready: int) -> int:
-        """The largest allowed batch of at most `ready` blocks."""
-        return max(b for b in self.batches if b <= max(ready, 1))
+    def batch_for(self, ready: int, block_frames: int) -> int:
+        """The largest allowed batch of at most `ready` blocks of `block_frames` frames each, within
+        `max_frames` (one block at least)."""
+        limit = min(ready, self.max_frames // block_frames) if self.max_frames else ready
+        return max(b for b in self.batches if b <= max(limit, 1))
 
     def paths(self) -> dict[str, str]:
         """op -> path, for omni_exact_kernel_info."""
@@ -170,13 +173,15 @@ def _guarded(check: Callable[..., bool], *args) -> bool:
 
 
 def plan_blocks(make_vocoder: Callable[[BlockGrid], object], grid: BlockGrid, capacity: int,
-                exact: bool) -> tuple[object, BlockPlan]:
-    """The vocoder to serve with (`make_vocoder(grid)`) and its plan; logged once."""
+                exact: bool, max_frames: int = 0) -> tuple[object, BlockPlan]:
+    """The vocoder to serve with (`make_vocoder(grid)`) and its plan; logged once. `max_frames`
+    bounds a call's frames over its whole batch (0: no bound)."""
     started = time.perf_counter()
     vocoder = make_vocoder(grid)
     if not exact:
         plan = BlockPlan(grid, tuple(range(1, capacity + 1)), False,
-                         {"block": f"blocks of {grid} frames, not probed", "batch": f"any up to {capacity}, not probed"})
+                         {"block": f"blocks of {grid} frames, not probed", "batch": f"any up to {capacity}, not probed"},
+                         max_frames=max_frames)
         return vocoder, plan
     reasons = {"block": f"blocks of {grid} frames: an open block keeps the bits of its frames"}
     why = None
@@ -189,7 +194,7 @@ def plan_blocks(make_vocoder: Callable[[BlockGrid], object], grid: BlockGrid, ca
         vocoder, grid = make_vocoder(ONE_FRAME), ONE_FRAME
         reasons["block"] = f"blocks of 1 frame ({why})"
     batches, rows, reasons["batch"] = batches_keep_their_bits(vocoder, capacity)
-    plan = BlockPlan(grid, batches, rows, reasons, time.perf_counter() - started)
+    plan = BlockPlan(grid, batches, rows, reasons, time.perf_counter() - started, max_frames)
     log.info("code2wav blocks on this CPU (%s, %d thread(s)), probed in %.2f s: %s",
              torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(), plan.seconds, plan.line())
     return vocoder, plan

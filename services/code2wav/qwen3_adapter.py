@@ -60,7 +60,7 @@ class Qwen3Code2WavAdapter:
         model, config = self.loaded.model, self.config
         geometry = measure_geometry(model)
         make = VOCODERS[config.decoder](model, geometry, config)
-        vocoder, plan = plan_blocks(make, config.blocks, config.max_batch, config.exact)
+        vocoder, plan = plan_blocks(make, config.blocks, config.max_batch, config.exact, config.max_batch_frames)
         return Code2WavEngine(vocoder, plan, self.loaded.config, delivery_ms=config.delivery_ms)
 
     def job_from_proto(self, start: stages_pb2.Code2WavStart) -> None:

@@ -198,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-batch", type=int, default=env_default("max_batch", 16),
                         help="most requests' blocks decoded in one call (exact mode: the batch sizes the start-up "
                              "probe finds bit-identical to each request alone; default 16, 1 = never batch)")
+    parser.add_argument("--max-batch-frames", type=int, default=env_default("max_batch_frames", -1),
+                        help="most frames one call decodes over its whole batch (default: 64 on cpu, where larger "
+                             "calls are slower a frame; no bound on cuda; 0 = no bound)")
     parser.add_argument("--left-context", type=int, default=env_default("left_context", 25),
                         help="window decoder: frames of left context decoded before each block (default 25)")
     parser.add_argument("--delivery-ms", type=float, default=env_default("delivery_ms", 100.0),
@@ -228,6 +231,8 @@ def config_from_args(args: argparse.Namespace) -> Code2WavConfig:
         raise UserError(f"--delivery-ms must be >= 0, got {args.delivery_ms}")
     if args.max_batch < 1:
         raise UserError(f"--max-batch must be at least 1, got {args.max_batch}")
+    max_batch_frames = args.max_batch_frames if args.max_batch_frames >= 0 else (
+        0 if str(args.device).startswith("cuda") else 64)
     try:
         blocks = BlockGrid(tuple(int(x) for x in args.block_frames.split(","))) if args.block_frames else BlockGrid(
             DEFAULT_CHUNKS.schedule())
@@ -237,8 +242,8 @@ def config_from_args(args: argparse.Namespace) -> Code2WavConfig:
     windows = parse_buckets(args.graph_windows, "--graph-windows") if args.graph_windows else ()
     return Code2WavConfig(serving=serving_config_from_args(args), model=model_config_from_args(args),
                           left_context=args.left_context, decoder=Decoder(args.decoder), blocks=blocks,
-                          max_batch=args.max_batch, graph_windows=windows, delivery_ms=args.delivery_ms,
-                          token2wav_context=context, exact=exact_batching(args))
+                          max_batch=args.max_batch, max_batch_frames=max_batch_frames, graph_windows=windows,
+                          delivery_ms=args.delivery_ms, token2wav_context=context, exact=exact_batching(args))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ from services.code2wav.blocks import BlockGrid, BlockStream, StreamDecoder
 from services.code2wav.config import Code2WavConfig, Decoder
 from services.code2wav.engine import Audio, Code2WavEngine, CodecChunk, CodecEnd
 from services.code2wav.incremental import IncrementalVocoder
-from services.code2wav.probe import plan_blocks
+from services.code2wav.probe import BlockPlan, plan_blocks
 from services.code2wav.qwen3_adapter import Qwen3Code2WavAdapter
 from services.code2wav.vocoder import VocoderGeometry, measure_geometry
 from services.code2wav.window import WindowVocoder
@@ -201,3 +201,10 @@ def test_the_grid_follows_the_talker_s_schedule_then_repeats_its_last_size():
     assert [(GRID.first_frame(i), GRID.size(i)) for i in range(6)] == [(0, 4), (4, 8), (12, 16), (28, 25), (53, 25), (78, 25)]
     with pytest.raises(ValueError):
         BlockGrid((4, 0))
+
+
+def test_a_call_s_batch_stays_within_its_frames():
+    plan = BlockPlan(GRID, (1, 2, 3, 4, 8, 16), max_frames=64)
+    assert [plan.batch_for(16, n) for n in (4, 8, 16, 25)] == [16, 8, 4, 2]
+    assert plan.batch_for(3, 4) == 3 and plan.batch_for(7, 4) == 4 and plan.batch_for(16, 100) == 1
+    assert BlockPlan(GRID, (1, 2, 3, 4, 8, 16)).batch_for(16, 25) == 16  # no bound
