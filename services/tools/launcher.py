@@ -208,19 +208,21 @@ class Stack:
 
     def wait_ready(self, name: str, timeout_s: float | None = None, peers: bool = False) -> int:
         """Wait until the process reports SERVING on grpc.health.v1 (the router: for omni.v1.Omni,
-        which means every stage has a healthy replica). `peers` (start-up): every other process of
-        the stack must stay up meanwhile; one that exits is the error, at once, rather than a
-        router that waits for it until the deadline. Errors carry the process's last log lines."""
+        which means every stage has a healthy replica). `peers` (start-up): the processes it needs
+        must stay up meanwhile (the router: a replica of every stage; the gateway: the router); when
+        they are gone, the exit is the error at once, rather than a router that waits for a stage
+        until the deadline. Errors carry the process's last log lines."""
         process = self.processes[name]
         service = "omni.v1.Omni" if process.stage == "router" else ""
         timeout_s = timeout_s or self.options.startup_timeout_s
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            for other in ([p for p in self.processes.values() if p.popen is not None] if peers else [process]):
-                if other.popen.poll() is not None:
-                    waiting = "" if other is process else f" while {name} was starting"
-                    raise UserError(f"{other.name} exited with code {other.popen.returncode} during start-up{waiting}"
-                                    f"{self._log_tail(other)}")
+            if process.popen.poll() is not None:
+                raise UserError(f"{name} exited with code {process.popen.returncode} during start-up"
+                                f"{self._log_tail(process)}")
+            if peers and (gone := self._gone_need(process)) is not None:
+                raise UserError(f"{gone.name} exited with code {gone.popen.returncode} while {name} was starting, "
+                                f"which cannot be ready without it{self._log_tail(gone)}")
             if (http_ready(f"http://{self.options.host}:{process.port}/health") if process.stage == "gateway"
                     else health_status(f"{self.options.host}:{process.port}", service, tls=self.options.tls) == "SERVING"):
                 return process.port
@@ -229,6 +231,20 @@ class Stack:
             f"{p.name} {poll_as_the_router(p.stage, f'{self.options.host}:{p.port}', self.options.tls)}"
             for p in self.processes.values() if p.stage in tuple(Stage))
         raise UserError(f"{name} did not become healthy within {timeout_s:.0f} s{seen}{self._log_tail(process)}")
+
+    def _gone_need(self, process: Process) -> Process | None:
+        """A process that `process` needs to become ready and that has exited: for the router, the
+        last replica of a stage; for the gateway, the router. None while it can still get ready."""
+        if process.stage == "router":
+            for stage in Stage:
+                replicas = [p for p in self.processes.values() if p.stage == stage and p.popen is not None]
+                if replicas and all(p.popen.poll() is not None for p in replicas):
+                    return replicas[-1]
+        elif process.stage == "gateway":
+            router = self.processes.get("router")
+            if router is not None and router.popen is not None and router.popen.poll() is not None:
+                return router
+        return None
 
     def _log_tail(self, process: Process, lines: int = 30) -> str:
         """The end of a process's log for an error message (with log_prefix its log is on stderr already)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -72,29 +73,36 @@ def fake_stack(tmp_path, **commands: list[str]) -> Stack:
         process = Process(name, name.split("-")[0], [], free_port())
         process.popen = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         stack.processes[name] = process
-        process.output.extend(process.popen.stdout)  # the launcher's pump, done here: these end or never print
+        threading.Thread(target=process.output.extend, args=(process.popen.stdout,), daemon=True).start()  # the pump
     return stack
 
 
-def test_start_up_fails_at_once_naming_a_peer_that_exited_with_its_log(tmp_path):
+def test_start_up_fails_at_once_naming_a_stage_the_router_cannot_do_without(tmp_path):
     # A stage that dies after it served used to leave the router waiting for it until the deadline
     # ("router did not become healthy within 180 s"), its log nowhere.
-    stack = fake_stack(tmp_path, **{"thinker-0": [sys.executable, "-c", "print('thinker: out of memory'); exit(3)"]})
-    stack.processes["thinker-0"].popen.wait()
+    stack = fake_stack(tmp_path, **{"thinker-0": [sys.executable, "-c", "print('thinker: out of memory'); exit(3)"],
+                                    "talker-0": [sys.executable, "-c", "print('talker: gone'); exit(4)"],
+                                    "talker-1": ["sleep", "60"]})
+    for name in ("thinker-0", "talker-0"):
+        stack.processes[name].popen.wait()
+    time.sleep(0.5)  # their last lines pumped
     router = Process("router", "router", [], free_port())
     router.popen = subprocess.Popen(["sleep", "60"])
     stack.processes["router"] = router
     started = time.monotonic()
     try:
-        with pytest.raises(UserError, match="thinker-0 exited with code 3 during start-up while router was starting"
-                                            "(?s:.*)thinker: out of memory"):
+        with pytest.raises(UserError, match="thinker-0 exited with code 3 while router was starting, which cannot be "
+                                            "ready without it(?s:.*)thinker: out of memory"):
             stack.wait_ready("router", peers=True)
         assert time.monotonic() - started < 10
-        # Without `peers` (a restart, where the test itself may have stopped others) only its own exit
-        # counts; the router's timeout says what its polls of the stages get.
+        # A stage with a replica left is no reason: talker-1 still runs (omni-serve up restarts talker-0
+        # once it supervises). Without `peers` (a restart) only its own exit counts; the router's
+        # timeout says what its polls of the stages get.
+        del stack.processes["thinker-0"]
         with pytest.raises(UserError, match="router did not become healthy within 1 s; what the router polls, "
-                                            "asked now: thinker-0 health UNAVAILABLE"):
-            stack.wait_ready("router", timeout_s=1)
+                                            "asked now: talker-0 health UNAVAILABLE, talker-1 health UNAVAILABLE"):
+            stack.wait_ready("router", timeout_s=1, peers=True)
     finally:
-        router.popen.kill()
-        router.popen.wait()
+        for process in (router, stack.processes["talker-1"]):
+            process.popen.kill()
+            process.popen.wait()
