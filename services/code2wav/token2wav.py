@@ -81,7 +81,7 @@ class StreamContext:
     # Measured on the tiny checkpoint (`omni-tiny-checkpoint --family qwen2_5_omni`, whose DiT has
     # the 7B's look-back/look-ahead pattern: layers 0 and 3 look back, layer 2 ahead): 48:24 gives
     # 68.6 dB against one whole forward, 48:48 81.2 dB, 96:24 68.8 dB, 96:48 109.1 dB. The reach
-    # depends on the weights, so measure a real checkpoint (bench/token2wav_reach.py) and set
+    # depends on the weights, so measure a real checkpoint (bench/probes/token2wav_reach.py) and set
     # --token2wav-context; these defaults keep the tiny checkpoint above 100 dB.
     left: int = 96  # tokens of DiT context before each chunk (8 blocks)
     ahead: int = 48  # tokens the DiT waits for after each chunk (4 blocks: the look-ahead latency)

@@ -1,8 +1,8 @@
-"""`python -m bench.speech_ttfb`: its figure is TTFB p50 / TTFP p50 per format (pure functions)."""
+"""`python -m bench.probes.speech_ttfb`: its figure is TTFB p50 / TTFP p50 per format (pure functions)."""
 
 from __future__ import annotations
 
-from bench.speech_ttfb import SpeechTiming, ratios, report
+from bench.probes.speech_ttfb import SpeechTiming, ratios, report
 
 
 def test_ratio_is_each_formats_p50_over_the_grpc_ttfp_p50():

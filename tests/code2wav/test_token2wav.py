@@ -1,6 +1,6 @@
 """Streaming Token2Wav (Qwen2.5-Omni) equals one `Qwen2_5OmniToken2WavModel.forward` with the same seed.
 
-The model: tiny widths, the 7B's structure (bench/token2wav_reach.py: block 24, look-ahead layer
+The model: tiny widths, the 7B's structure (bench/probes/token2wav_reach.py: block 24, look-ahead layer
 10, look-back layers 0 and 20 of 22, repeats 2, mel 80, BigVGAN 5,3,2,2,2,2), random weights.
 The criterion is an SNR against the whole forward measured on this model (docs/qwen2_5-omni-
 token2wav.md, "Tolerance"): TOLERANCE_DB at the default context; a context cut short is far
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.token2wav_reach import (
+from bench.probes.token2wav_reach import (
     build_random_token2wav,
     float64_answer,
     join_figures,

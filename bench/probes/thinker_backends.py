@@ -1,6 +1,7 @@
-"""Thinker backends side by side: tokens per second and TTFT, transformers engine against vLLM.
+"""Figure: docs/performance.md, "Thinker backends (in process)". Rerun (after `make setup-vllm`):
+`.venv-vllm/bin/python -m bench.probes.thinker_backends [--checkpoint DIR] [--concurrency 1,16]`.
 
-    .venv-vllm/bin/python -m bench.thinker_backends [--checkpoint DIR] [--concurrency 1,16]
+Thinker backends side by side: tokens per second and TTFT, transformers engine against vLLM.
 
 Both engines run in this process on the same checkpoint, prompts and greedy settings, in one
 invocation, alternating per concurrency level; each is driven the way its service drives it
@@ -71,7 +72,7 @@ def run_level(engine, jobs: list[ThinkerJob], concurrency: int, tag: str) -> tup
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench.thinker_backends", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="bench.probes.thinker_backends", description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", type=Path)
     parser.add_argument("--concurrency", default="1,16")
     parser.add_argument("--requests", type=int, default=32, help="requests per backend and level")

@@ -1,8 +1,10 @@
-"""In-process microbenchmark of one talker engine step (talker decode + code predictor), of the
+"""Figure: docs/performance.md, "Decisions kept" (the lean code predictor's and column tiles' step
+times). Rerun: `.venv/bin/python -m bench.probes.step_micro --checkpoint models/tiny-qwen3-omni
+--batch 1 4 16` (`models/wide-qwen3-omni` for column tiles).
+
+In-process microbenchmark of one talker engine step (talker decode + code predictor), of the
 code predictor alone and of one thinker decode step, at several batch sizes, on a generated
 checkpoint.
-
-    python -m bench.step_micro --checkpoint models/tiny-qwen3-omni --batch 1 4 16 --steps 30
 
 Requests are synthetic (random thinker embeddings, a text row ready for every step), so every
 step decodes the whole batch; greedy, repetition penalty 1.05 as the service's default. Prints
@@ -100,7 +102,7 @@ def time_predictor(engine, batch: int, steps: int) -> float:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--steps", type=int, default=20)

@@ -1,7 +1,8 @@
-"""What tracing costs: the same stack with tracing off and on (every request traced, spans exported
-over OTLP/gRPC to a collector in this process), side by side, in alternating rounds.
+"""Figure: docs/observability.md, "What tracing costs". Rerun: `.venv/bin/python -m
+bench.probes.tracing_cost --concurrency 1,16 --requests 8 --rounds 8` (`--grpc-only`: the one hop).
 
-    python -m bench.tracing_cost --checkpoint models/tiny-qwen3-omni --concurrency 1,16
+What tracing costs: the same stack with tracing off and on (every request traced, spans exported
+over OTLP/gRPC to a collector in this process), side by side, in alternating rounds.
 
 Two stacks of the same configuration run at once; within each concurrency level the rounds
 alternate which one goes first, so drift hits both. Prints requests per second of each and their
@@ -178,7 +179,7 @@ def grpc_hop_costs(rounds: int) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.tracing_cost", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.probes.tracing_cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", help=f"checkpoint folder (default: {TINY_CHECKPOINT}, generated if missing)")
     p.add_argument("--concurrency", default="1,16")
     p.add_argument("--requests", type=int, default=8, help="per stack, level and round; raised to the concurrency")

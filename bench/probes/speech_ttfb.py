@@ -1,4 +1,7 @@
-"""`python -m bench.speech_ttfb`: time to first byte of `POST /v1/audio/speech` against TTFP.
+"""Figure: docs/gateway.md, "Speech time to first byte" (TTFB / TTFP per format). Rerun:
+`.venv/bin/python -m bench.probes.speech_ttfb --requests 8`.
+
+Time to first byte of `POST /v1/audio/speech` against TTFP.
 
 One stack (the tiny checkpoint unless --target and --gateway-url name a running one), requests one
 at a time: the same text-to-speech request (`forced_text`) over the router's gRPC API, timed to its
@@ -110,7 +113,7 @@ def report(results: list[SpeechTiming]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.speech_ttfb", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.probes.speech_ttfb", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", help="start a stack on this checkpoint (default: build the tiny one)")
     p.add_argument("--target", help="a running router instead (with --gateway-url)")
     p.add_argument("--gateway-url", help="with --target: its gateway, http://host:port")

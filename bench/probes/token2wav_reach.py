@@ -1,10 +1,14 @@
-"""How far Qwen2.5-Omni's Token2Wav reaches along the codec tokens, and what streaming costs.
+"""Figures: docs/qwen2_5-omni-token2wav.md (the reach, the context table, the noise facts). Rerun:
+`python -m bench.probes.token2wav_reach {reach,table,stream,noise}`:
 
-    python -m bench.token2wav_reach reach               # per-evaluation, ODE and BigVGAN reach (tiny)
-    python -m bench.token2wav_reach table --tokens 240  # an interior chunk vs the whole decode, per context
-    python -m bench.token2wav_reach stream --tokens 240 # a whole stream vs the whole decode
-    python -m bench.token2wav_reach noise               # the noise prefix facts
-    python -m bench.token2wav_reach reach --layout real # the real widths (minutes on 2 cores)
+
+    python -m bench.probes.token2wav_reach reach               # per-evaluation, ODE and BigVGAN reach (tiny)
+    python -m bench.probes.token2wav_reach table --tokens 240  # an interior chunk vs the whole decode, per context
+    python -m bench.probes.token2wav_reach stream --tokens 240 # a whole stream vs the whole decode
+    python -m bench.probes.token2wav_reach noise               # the noise prefix facts
+    python -m bench.probes.token2wav_reach reach --layout real # the real widths (minutes on 2 cores)
+
+How far Qwen2.5-Omni's Token2Wav reaches along the codec tokens, and what streaming costs.
 
 Models are random-weight `Qwen2_5OmniToken2WavModel`s from `Qwen2_5OmniToken2WavConfig` with
 the real structure (transformers' defaults are the 7B's: block_size 24, look-ahead layer 10,
@@ -342,7 +346,7 @@ def noise_facts(n_tokens: int = 500) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("what", choices=["reach", "table", "stream", "noise"])
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="tiny")
     p.add_argument("--tokens", type=int, default=240)
