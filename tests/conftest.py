@@ -69,16 +69,28 @@ def pytest_configure(config) -> None:
 # under pytest-xdist (`make test` runs three workers, --dist loadscope) each goes to one worker whole,
 # so its stack starts once; every other test goes with its module (module-scoped stacks start once).
 SHARED_STACK_PACKAGES = ("reliability", "e2e", "gateway", "hostile", "observability", "k8s")
+# Packages that share one stack between them (`shared_stack` below): one scope, so one worker and
+# one start. e2e's tests come first (file order), on a stack no hostile test has touched yet.
+SAME_STACK = {"hostile": "e2e"}
+
+
+# Modules of a minute or more of the two cores each (make test: test_token2wav; make test-slow: the
+# others), handed out right after the packages so that none starts last and runs on alone.
+LONG_MODULES = ("tests/code2wav/test_real_width.py", "tests/migration/test_migration.py", "tests/bench/test_real_run.py",
+                "tests/code2wav/test_token2wav.py", "tests/migration/test_migration_qwen2_5.py")
 
 
 def stack_scope(nodeid: str) -> tuple[int, str]:
     """(order, scope) of a test: shared-stack packages first (the longest units: they start first
-    and the short modules fill in behind them), then modules in file order."""
+    and the short modules fill in behind them), then the long modules, then the rest in file order."""
     path = nodeid.split("::")[0]
     parts = path.split("/")
     if len(parts) > 2 and parts[1] in SHARED_STACK_PACKAGES:
-        return SHARED_STACK_PACKAGES.index(parts[1]), "/".join(parts[:2])
-    return len(SHARED_STACK_PACKAGES), path
+        package = SAME_STACK.get(parts[1], parts[1])
+        return SHARED_STACK_PACKAGES.index(package), f"{parts[0]}/{package}"
+    if path in LONG_MODULES:
+        return len(SHARED_STACK_PACKAGES), path
+    return len(SHARED_STACK_PACKAGES) + 1, path
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -102,6 +114,26 @@ def pytest_collection_modifyitems(config, items) -> None:
     # with --no-loadscope-reorder the scopes are handed out in this order.
     order = {item.nodeid: i for i, item in enumerate(items)}
     items.sort(key=lambda item: (stack_scope(item.nodeid)[0], order[item.nodeid]))
+
+
+@pytest.fixture(scope="session")
+def shared_stack(tiny_checkpoint):
+    """The stack tests/e2e and tests/hostile share (one start for both: `SAME_STACK`): code2wav,
+    talker, thinker and router as processes, with the hostile tests' input limits (the e2e tests'
+    inputs are within them) and the router's metrics, as a `Reliable` (tests/reliability/support.py)."""
+    from services.tools.launcher import free_port
+    from tests.hostile.support import MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS, MAX_IN_FLIGHT
+    from tests.reliability.support import Reliable
+    from tests.stacks import stack_of
+
+    metrics_port = free_port()
+    stack = stack_of(
+        tiny_checkpoint,
+        thinker_args=("--max-audio-seconds", str(MAX_AUDIO_SECONDS), "--max-image-pixels", str(MAX_IMAGE_PIXELS)),
+        router_args=("--max-in-flight", str(MAX_IN_FLIGHT), "--max-queue", "64", "--metrics-port", str(metrics_port)),
+    )
+    with stack:
+        yield Reliable(stack, f"http://127.0.0.1:{metrics_port}/metrics")
 
 
 # 1 s of a 440 Hz sine at 16 kHz, the rate the Whisper feature extractor wants (no resampling).

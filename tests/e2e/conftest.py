@@ -1,18 +1,17 @@
-"""Fixtures that start real processes: the whole stack on the tiny checkpoint, once per session."""
+"""Fixtures that start real processes: the whole stack on the tiny checkpoint, once per session
+(tests/conftest.py's `shared_stack`, which tests/hostile uses too)."""
 
 from __future__ import annotations
 
 import pytest
 
 from services.tools.client import connect
-from tests.stacks import stack_of
 
 
 @pytest.fixture(scope="session")
-def stack(tiny_checkpoint):
+def stack(shared_stack):
     """code2wav, talker, thinker and router as four processes on loopback ports."""
-    with stack_of(tiny_checkpoint) as running:
-        yield running
+    return shared_stack.stack
 
 
 @pytest.fixture(scope="session")

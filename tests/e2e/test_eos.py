@@ -15,6 +15,10 @@ from services.runtime.prompt import ChatMessage, Part, Role
 from services.tools.client import build_request, collect, connect
 from tests.stacks import stack_of
 
+# slow: a checkpoint and a stack of their own, and generate as the oracle: ~25 s of make test's 2
+# cores; make test-slow (CI) runs it.
+pytestmark = pytest.mark.slow
+
 MAX_TEXT = 24
 MAX_TALKER = 40  # at most 39 frames
 STOP, LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH

@@ -20,6 +20,10 @@ from services.tools.launcher import free_port
 from services.tools.soak import read_loads, read_router_gauges
 from tests.stacks import stack_of
 
+# slow: a stack of its own (fresh counters, every process's metrics port): ~20 s of make test's 2 cores;
+# make test-slow (CI) runs it.
+pytestmark = pytest.mark.slow
+
 AUDIO_REQUESTS, TEXT_REQUESTS = 3, 2
 TEXT_TOKENS, TALKER_TOKENS = 4, 10  # 9 frames each: chunks of 4 and 5
 TEXT_ONLY_TOKENS = 5

@@ -243,6 +243,7 @@ def work_port(cluster: LoopbackCluster, component: str) -> str:
     return f"127.0.0.1:{cluster.pods[component].ports['grpc']}"
 
 
+@pytest.mark.slow  # the pod specs' 4 processes on loopback (`running`): ~50 s of make test's 2 cores
 def test_a_request_goes_through_the_pod_specs_with_mutual_tls_on_every_hop(running):
     cluster, _ = running
     channel, stub = connect(work_port(cluster, "router"), client_tls(cluster))
@@ -260,6 +261,7 @@ def test_a_request_goes_through_the_pod_specs_with_mutual_tls_on_every_hop(runni
         assert probe(pod.ports["grpc"]) == "UNAVAILABLE", component
 
 
+@pytest.mark.slow  # the pods, as above
 @pytest.mark.parametrize("client", ["plaintext", "tls-without-certificate", "certificate-of-another-ca"])
 def test_a_client_without_a_pipeline_certificate_is_refused_by_every_component(running, client, tmp_path):
     cluster, pki = running
@@ -300,6 +302,7 @@ def stage_in_flight(cluster: LoopbackCluster) -> dict[str, int]:
     return loads
 
 
+@pytest.mark.slow  # the pods, as above
 def test_rotated_certificates_are_taken_without_a_restart_and_a_stream_in_flight_completes(running):
     """A stream starts, its client stops reading at the first audio chunk, and every Secret rotates
     (files swapped the way the kubelet does) to a new CA in the three steps a CA change takes

@@ -36,6 +36,10 @@ REQUESTS = 8
 TALKER_FRAMES = 100
 GREEDY_TALKER_FRAMES = 250
 SEED = 20261201
+
+# slow: a stack of 8 processes and 4 fault-free + faulted rounds of 8 streams (~2 minutes of make
+# test's 2 cores); make test-slow (CI) runs the whole module on the one stack its double faults need.
+pytestmark = pytest.mark.slow
 BARRIER_TIMEOUT_S = 120.0
 SETTLE_S = 15.0
 
@@ -325,7 +329,6 @@ def killed_twice(stack, expected, second_stage: str):
 
 
 @pytest.mark.exactness
-@pytest.mark.slow  # ~12 s each on the shared stack: make test-slow (and CI) run them
 def test_a_replacement_that_dies_mid_replay_moves_the_request_again_with_the_same_audio(migrating, expected):
     """The talker a request moved to dies while it replays the request (before it passed anything
     new up): the request moves a second time, to the third talker, and completes with exactly the
@@ -343,7 +346,6 @@ def test_a_replacement_that_dies_mid_replay_moves_the_request_again_with_the_sam
 
 
 @pytest.mark.exactness
-@pytest.mark.slow  # ~12 s each on the shared stack: make test-slow (and CI) run them
 def test_a_second_fault_during_a_replay_moves_both_hops_with_the_same_audio(migrating, expected):
     """While the moved requests replay on another talker, the code2wav replica holding the most
     requests dies too: every request completes, each with the fault-free run's audio."""

@@ -22,6 +22,10 @@ from services.tools.launcher import free_port, health_status
 from services.tools.soak import Call, read_loads
 from tests.stacks import stack_of
 
+# slow: a stack of its own (the short idle timeout on every stage) and streams left to time out:
+# ~70 s of make test's 2 cores; make test-slow (CI) runs it.
+pytestmark = pytest.mark.slow
+
 IDLE_TIMEOUT_S = 3.0
 WAIT_S = 60.0  # how long a step may take before the test calls it a hang (generous: a loaded machine)
 

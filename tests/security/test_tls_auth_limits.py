@@ -20,6 +20,10 @@ from services.tools.launcher import free_port, health_status
 from tests.needs import need_command
 from tests.stacks import stack_of
 
+# slow: a stack of its own with TLS on every hop (~20 s of make test's 2 cores to start); make test-slow
+# (CI) runs it.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module", autouse=True)
 def openssl_command() -> str:

@@ -13,6 +13,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from services.tools.client import build_request, collect, connect
 from services.tools.launcher import free_port, health_status
 from tests.threads import torch_threads
@@ -40,6 +42,7 @@ def wait_for(predicate, timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.slow  # omni-serve up's own 6 processes, a kill and a restart: ~40 s of make test's 2 cores
 def test_omni_serve_up_restarts_a_dead_replica_and_keeps_serving(tiny_checkpoint):
     port, metrics = free_port(), free_port()
     launcher = subprocess.Popen(
