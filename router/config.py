@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from router.admission import AdmissionConfig
+from router.prefix import DEFAULT_PREFIX_WEIGHT, Routing
 from router.replicas import ReplicaSource
 from services.serving.config import ServingConfig
 
@@ -22,6 +23,8 @@ class RouterConfig:
     dns_refresh_s: float = 5.0
     auth_tokens: tuple[bytes, ...] = ()  # bearer tokens callers must present; empty = no authentication
     max_migrations: int = 2  # moves to another replica per request and hop when one dies mid-stream
+    routing: Routing = Routing.PREFIX  # how a thinker replica is chosen (router/prefix.py)
+    prefix_weight: float = DEFAULT_PREFIX_WEIGHT
 
     @property
     def thinker_stall_s(self) -> float:

@@ -80,7 +80,7 @@ class RouterStage(Protocol):
     metrics: RouterMetrics
     stages: dict[str, ReplicaSet]
 
-    def route(self) -> tuple[dict[str, Replica], stages_pb2.Route]: ...
+    def route(self, request: omni_pb2.GenerateRequest) -> tuple[dict[str, Replica], stages_pb2.Route]: ...
     def track(self, route: dict[str, Replica], delta: int) -> None: ...
     def note_failure(self, exc: grpc.aio.AioRpcError, route: dict[str, Replica]) -> None: ...
 
@@ -153,7 +153,7 @@ class Relay:
         self.spans = RequestTrace("router", request.request_id)
         self.spans.phase("admission", self.received_ns, in_flight=self.servicer.admission.in_flight)
         fix_seeds(request)
-        self.route, stage_route = self.servicer.route()
+        self.route, stage_route = self.servicer.route(self.request)
         self.spans.set(**{f"omni.route.{stage}": replica.address for stage, replica in self.route.items()})
         self.servicer.track(self.route, +1)
         self.thinker_request = stages_pb2.ThinkerRequest(request=request, route=stage_route)

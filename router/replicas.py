@@ -34,6 +34,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omni.v1 import common_pb2, stages_pb2_grpc
+from router.prefix import DEFAULT_PREFIX_WEIGHT, PrefixView, Routing
 from services.runtime.errors import UserError
 from services.serving.channels import RotatingChannels
 from services.serving.security import TLSConfig
@@ -73,6 +74,7 @@ class Replica:
     misses: int = 0  # polls in a row that ran past their deadline
     missed_polls: int = 0  # polls that ran past their deadline since the start (counted here, never sampled)
     downs: int = 0  # times it was taken out (a poll or a failed call) since the start
+    prefix: PrefixView = field(default_factory=PrefixView)  # a thinker's prefix cache, as it reports it
 
     @property
     def state(self) -> str:
@@ -91,6 +93,11 @@ class Replica:
         # report already holds our requests, and it lags by up to a poll, so a sum counts a burst
         # that just ended twice and sends the next burst all to the other replicas.
         return max(self.in_flight, self.reported)
+
+    @property
+    def saturated(self) -> bool:
+        """Requests wait for a KV slot here: no prefix credit sends it more."""
+        return self.load is not None and self.load.queue_depth > 0
 
 
 @dataclass(frozen=True)
@@ -132,6 +139,8 @@ class ReplicaSet:
     dns_refresh_s: float = 5.0
     tls: TLSConfig = TLSConfig()
     down_after_misses: int = DOWN_AFTER_MISSES
+    routing: Routing = Routing.LEAST_LOADED  # prefix: the thinkers' (router/prefix.py)
+    prefix_weight: float = DEFAULT_PREFIX_WEIGHT
     replicas: dict[str, Replica] = field(default_factory=dict)  # address -> replica
     _channels: RotatingChannels | None = None  # address -> channel, new ones after a TLS rotation
     _task: asyncio.Task | None = None
@@ -148,14 +157,24 @@ class ReplicaSet:
             self._task.cancel()
         await self._channels.close()
 
-    def ranked(self, exclude: set[str] = frozenset()) -> list[Replica]:
-        """Healthy replicas that are not draining, least loaded first (ties in random order)."""
+    def ranked(self, exclude: set[str] = frozenset(), prefix_keys: list[bytes] = ()) -> list[Replica]:
+        """Healthy replicas that are not draining, cheapest first (ties in random order): least
+        loaded, less, with prefix routing, the credit of the request's prefix each holds
+        (router/prefix.py; `prefix_keys`: the request's message keys)."""
         candidates = [r for r in self.replicas.values() if r.healthy and not r.draining and r.address not in exclude]
         random.shuffle(candidates)
-        return sorted(candidates, key=lambda r: r.score)
+        if self.routing is Routing.RANDOM:
+            return candidates
+        return sorted(candidates, key=lambda r: r.score - self.credit(r, prefix_keys))
 
-    def pick(self, exclude: set[str] = frozenset()) -> Replica | None:
-        ranked = self.ranked(exclude)
+    def credit(self, replica: Replica, prefix_keys: list[bytes]) -> float:
+        """Requests of load the prefix `replica` holds of a request is worth (0 when saturated)."""
+        if self.routing is not Routing.PREFIX or not prefix_keys or replica.saturated:
+            return 0.0
+        return self.prefix_weight * replica.prefix.matched(prefix_keys) / 1000
+
+    def pick(self, exclude: set[str] = frozenset(), prefix_keys: list[bytes] = ()) -> Replica | None:
+        ranked = self.ranked(exclude, prefix_keys)
         return ranked[0] if ranked else None
 
     def mark_failed(self, address: str) -> None:
@@ -200,7 +219,7 @@ class ReplicaSet:
         try:
             health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
             serving = health.status == health_pb2.HealthCheckResponse.SERVING
-            load = await _LOAD_STUBS[self.stage](channel).GetLoad(common_pb2.LoadRequest(), timeout=1.0) \
+            load = await _LOAD_STUBS[self.stage](channel).GetLoad(replica.prefix.request(), timeout=1.0) \
                 if serving else None
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
@@ -222,6 +241,8 @@ class ReplicaSet:
             replica.downs += 1
         replica.healthy = verdict == UP
         replica.load = load
+        if load is not None and load.HasField("prefix"):
+            replica.prefix.apply(load.prefix)
         replica.draining = bool(load.draining) if load is not None else not replica.healthy
         if replica.healthy:
             replica.last_ok = time.monotonic()

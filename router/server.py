@@ -21,6 +21,7 @@ from omni.v1 import omni_pb2, omni_pb2_grpc, stages_pb2
 from router.admission import Admission, AdmissionConfig
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
+from router.prefix import DEFAULT_PREFIX_WEIGHT, Routing
 from router.relay import Relay
 from router.replicas import Replica, ReplicaSet, ReplicaSource, publish_state
 from services.runtime.errors import run_cli
@@ -35,6 +36,7 @@ from services.serving.grpc_server import (
     setup_logging,
     write_port_file,
 )
+from services.serving.prefix_keys import message_keys
 from services.serving.security import (
     BearerTokenInterceptor,
     load_tokens,
@@ -58,13 +60,15 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         self.admission = Admission(config.admission)
         self.metrics = metrics
 
-    def route(self) -> tuple[dict[str, Replica], stages_pb2.Route]:
-        """The least-loaded healthy replica of each stage, and the route the thinker gets: those
-        for the talker and code2wav plus every other healthy one of theirs as fallbacks, least
-        loaded first."""
+    def route(self, request: omni_pb2.GenerateRequest) -> tuple[dict[str, Replica], stages_pb2.Route]:
+        """The cheapest healthy replica of each stage (least loaded; for the thinker, less the
+        credit of the request's prefix it holds: router/prefix.py), and the route the thinker
+        gets: those for the talker and code2wav plus every other healthy one of theirs as
+        fallbacks, least loaded first."""
         route, ranked = {}, {}
         for stage in STAGES:
-            ranked[stage] = self.stages[stage].ranked()
+            keys = self.prefix_keys(request) if stage == Stage.THINKER else ()
+            ranked[stage] = self.stages[stage].ranked(prefix_keys=keys)
             if not ranked[stage]:
                 raise StageUnavailable(stage, "no replica", "no healthy replica")
             route[stage] = ranked[stage][0]
@@ -73,6 +77,16 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
             talker_fallbacks=[r.address for r in ranked[Stage.TALKER][1:]],
             code2wav_fallbacks=[r.address for r in ranked[Stage.CODE2WAV][1:]],
             max_migrations=self.config.max_migrations)
+
+    def prefix_keys(self, request: omni_pb2.GenerateRequest) -> list[bytes]:
+        """The request's message keys, when prefix routing has more than one thinker to choose from."""
+        thinkers = self.stages[Stage.THINKER]
+        if thinkers.routing is not Routing.PREFIX or len(thinkers.replicas) < 2:
+            return []
+        keys = message_keys(request)
+        held = max((r.prefix.matched(keys) for r in thinkers.replicas.values()), default=0)
+        self.metrics.prefix_routed.labels("held" if held else "none").inc()
+        return keys
 
     def track(self, route: dict[str, Replica], delta: int) -> None:
         for stage, replica in route.items():
@@ -104,7 +118,8 @@ class Router:
         options = channel_options(config.serving.max_message_bytes)
         self.stages = {
             stage: ReplicaSet(stage, getattr(config, stage), options, config.poll_interval_s, config.dns_refresh_s,
-                              config.serving.tls)
+                              config.serving.tls, routing=config.routing if stage == Stage.THINKER else Routing.LEAST_LOADED,
+                              prefix_weight=config.prefix_weight)
             for stage in STAGES
         }
         self.servicer = OmniServicer(config, self.stages, self.metrics)
@@ -172,6 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-migrations", type=int, default=env_default("max_migrations", 2),
                         help="times a request may move to another replica of a stage whose replica dies "
                              "mid-stream, per hop (default 2; 0 = fail the request instead)")
+    parser.add_argument("--routing", choices=list(Routing), type=Routing, default=env_default("routing", Routing.PREFIX),
+                        help="thinker replica choice: prefix (least loaded, less the credit of the conversation's "
+                             "prefix a replica holds in its prefix cache), least-loaded, or random (default prefix)")
+    parser.add_argument("--prefix-weight", type=float, default=env_default("prefix_weight", DEFAULT_PREFIX_WEIGHT),
+                        help="prefix routing: requests of load that 1,000 prompt tokens a replica holds are worth "
+                             f"(default {DEFAULT_PREFIX_WEIGHT:g})")
     args = parser.parse_args(argv)
 
     def run() -> None:
@@ -183,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             admission=AdmissionConfig(args.max_in_flight, args.max_queue, args.queue_timeout_s),
             poll_interval_s=args.poll_interval_s, dns_refresh_s=args.dns_refresh_s,
             auth_tokens=load_tokens(args.auth_token_file), max_migrations=args.max_migrations,
+            routing=Routing(args.routing), prefix_weight=args.prefix_weight,
         )
         setup_logging("router", config.serving.tracing.log_format)
         setup_tracing("router", config.serving.tracing, config.serving.port)

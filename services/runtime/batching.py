@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from services.runtime import invariant_gemm
 
 ROWWISE_ATTENTION = "omni_rowwise"
+INVARIANT_ATTENTION = "omni_invariant"  # --exact-batching gemm's thinker attention (`invariant_attention`)
 _original_linear = F.linear
 _local = threading.local()
 
@@ -220,6 +221,48 @@ def _rowwise_attention(module, query, key, value, attention_mask, **kwargs):
     return torch.cat(outputs, dim=0), None  # [B, T, heads, head_dim]
 
 
+def invariant_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Causal attention whose every output row has the same bits for any number of query rows: the
+    thinker's attention with --exact-batching gemm, and generate's in that mode's oracle.
+
+    NOTE: why. SDPA's CPU kernel cuts the queries into blocks whose size depends on how many
+    queries there are, so a prompt's last row, computed alone after cached keys (the prefix
+    cache) or with the whole prompt, goes through matrix products of different shapes and can
+    differ in its last bits (measured: a 129-token prompt from 112 cached tokens). Here each head
+    is three steps whose per-row results cannot depend on the query count: scores = q k^T through
+    the invariant GEMM (each score a dot product over head_dim in one order), the causal mask
+    (query i of T sits at key position K - T + i: a prompt's rows after its cached keys, or one
+    decode row) and a row-wise softmax over all K keys, then probs v through the invariant GEMM
+    (each output a sum over all K keys in one order, masked keys adding zeros). The number of
+    keys is the prompt's (or the slot's) length either way. `attention_mask` is None: transformers
+    builds none for an implementation it does not know, and none is needed for one request."""
+    if isinstance(key, RowKV):  # a decode batch: each row over its own slot's keys
+        return torch.cat([invariant_attention(module, query[i:i + 1], key[i], value[i], None, scaling)[0]
+                          for i in range(query.shape[0])]), None
+    if not invariant_gemm.covers(query, key[0, 0], None) or invariant_gemm.load() is None:
+        raise RuntimeError("invariant attention needs float32 CPU tensors and the invariant GEMM library")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    heads, kv_heads, rows, keys = query.shape[1], key.shape[1], query.shape[2], key.shape[2]
+    visible = torch.ones(rows, keys, dtype=torch.bool).tril(keys - rows)
+    out = torch.empty(query.shape[0], rows, heads, query.shape[-1], dtype=query.dtype)
+    for b in range(query.shape[0]):
+        for h in range(heads):
+            kv = h // (heads // kv_heads)
+            scores = invariant_gemm.linear(query[b, h].contiguous(), key[b, kv].contiguous()) * scale
+            probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+            out[b, :, h] = invariant_gemm.linear(probs, value[b, kv].t().contiguous())
+    return out, None
+
+
+def use_invariant_attention(*configs) -> None:
+    """These (text) configs' attention through `invariant_attention`."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(INVARIANT_ATTENTION, invariant_attention)
+    for config in configs:
+        config._attn_implementation = INVARIANT_ATTENTION
+
+
 ROWWISE_EXPERTS = "omni_rowwise_experts"
 
 
@@ -327,6 +370,23 @@ def use_rowwise_attention(*configs) -> None:
     for config in configs:
         config._attn_implementation = ROWWISE_ATTENTION
     use_exact_experts(*configs)
+
+
+@contextlib.contextmanager
+def sdpa_prefill(config):
+    """Inside the block, `config`'s model runs transformers' own SDPA attention, mask included.
+
+    NOTE: the row-wise attention's one-request path is SDPA, but transformers builds attention
+    masks only for implementations it knows, and without one SDPA's is_causal aligns the causal
+    mask to the first key: right when the queries are all the keys (a fresh prefill, where SDPA's
+    mask function builds no mask either: the same call), wrong for a prefill after cached keys
+    (the prefix cache: query i sees keys up to past + i). Such a prefill runs as "sdpa" itself."""
+    previous = config._attn_implementation
+    config._attn_implementation = "sdpa"
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
 
 
 def use_exact_experts(*configs) -> None:

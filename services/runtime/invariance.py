@@ -73,10 +73,11 @@ class ProbeReport:
     kernels: ExactKernels
     reasons: dict[str, str] = field(default_factory=dict)  # op -> why it took its path
     seconds: float = 0.0
+    more: dict[str, str] = field(default_factory=dict)  # other probed choices, e.g. prefix_hit -> used
 
     def paths(self) -> dict[str, str]:
         """op -> the path it takes (omni_exact_kernel_info)."""
-        return {op: getattr(self.kernels, op).value for op in ("linear", "experts", "attention")}
+        return {op: getattr(self.kernels, op).value for op in ("linear", "experts", "attention")} | self.more
 
     def settings(self) -> dict[str, float]:
         return {}

@@ -20,6 +20,8 @@ import glob
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from services.serving.gc_heap import GCCollector
 
@@ -127,8 +129,37 @@ class StageMetrics:
         for name, number in report.settings().items():
             setting.labels(stage=self.stage, name=name).set(number)
 
+    def prefix_cache(self, cache) -> None:
+        """The thinker's prefix cache (services/runtime/prefix_cache.py), read at each scrape."""
+        self.registry.register(_PrefixCacheCollector(self.stage, cache))
+
     def serve(self, port: int, host: str = "0.0.0.0") -> int | None:
         if not port:
             return None
         server, _ = start_http_server(port, addr=host, registry=self.registry)
         return server.server_port
+
+
+class _PrefixCacheCollector(Collector):
+    """omni_prefix_cache_*: what lookups asked for and found, what the pool holds and evicted."""
+
+    def __init__(self, stage: str, cache):
+        self.stage, self.cache = stage, cache
+
+    def collect(self):
+        stats, labels = self.cache.stats, [self.stage]
+        for name, help_text, value in (
+                ("lookup_tokens", "Prompt tokens in whole blocks a lookup asked the cache for", stats.lookup_tokens),
+                ("hit_tokens", "Of those, tokens found and used (not prefilled again)", stats.hit_tokens),
+                ("refused_tokens", "Tokens found but not used: exact mode's start-up probe refused hits",
+                 stats.refused_tokens),
+                ("evictions", "Blocks evicted to make room (least recently used, never a pinned one)",
+                 stats.evictions)):
+            family = CounterMetricFamily(f"omni_prefix_cache_{name}", help_text, labels=["stage"])
+            family.add_metric(labels, value)
+            yield family
+        for name, help_text, value in (("blocks", "Blocks held", self.cache.blocks),
+                                       ("capacity_blocks", "Blocks the pool has room for", self.cache.capacity)):
+            family = GaugeMetricFamily(f"omni_prefix_cache_{name}", help_text, labels=["stage"])
+            family.add_metric(labels, value)
+            yield family

@@ -21,6 +21,7 @@ has nothing else to do. Holding changes when tokens come, never which.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -28,8 +29,11 @@ from typing import ClassVar
 import torch
 
 from services.runtime.batching import (
+    ROWWISE_ATTENTION,
     SlotKVCache,
     batch_invariant,
+    sdpa_prefill,
+    use_invariant_attention,
     use_rowwise_attention,
 )
 from services.runtime.engine import StepResult
@@ -37,6 +41,14 @@ from services.runtime.events import EngineEvent
 from services.runtime.finish import FinishReason
 from services.runtime.invariance import choose_exact_kernels, experts_modules, linear_weights
 from services.runtime.lm_engine import SlotScheduledEngine
+from services.runtime.prefix_cache import (
+    BLOCK_TOKENS,
+    PrefixCache,
+    PrefixHit,
+    PromptPrefix,
+    block_keys,
+    skipping_prefix,
+)
 from services.runtime.prompt import PromptInputs
 from services.runtime.sampling import SamplingConfig, select_token
 from services.runtime.scheduler import LMScheduler
@@ -56,6 +68,8 @@ class ThinkerJob:
     # Each is fed through the model exactly as a sampled one would be (same cache, positions and
     # embeddings), so everything downstream sees what `generate` gives had it produced these ids.
     forced_ids: tuple[int, ...] = ()
+    # Its messages as the prefix cache keys them (services/runtime/prefix_cache.py); None: not cached.
+    prefix: PromptPrefix | None = None
 
 
 @dataclass(frozen=True)
@@ -118,11 +132,14 @@ class ThinkerEngineConfig:
     exact_gemm: bool = False  # exact mode's linear layers through the invariant GEMM (--exact-batching gemm)
     max_prefills_per_step: int = 1  # waiting requests prefilled in one step beside the decode batch
     graphs: GraphSettings = GraphSettings()  # CUDA graphs of the decode step (services/runtime/static_decode.py)
+    prefix_cache_mb: int = 0  # the prefix cache's pool (services/runtime/prefix_cache.py); 0: none
 
 
 class ThinkerEngine(SlotScheduledEngine):
     # Token events of talker-fed requests carry the token's layer-0 embedding (Qwen3-Omni's talker input).
     feeds_token_embeddings: ClassVar[bool] = True
+    # The prompt's forward gets no attention mask (Qwen2.5-Omni's generate drops an all-ones one).
+    prefill_drops_attention_mask: ClassVar[bool] = False
 
     def __init__(self, model, config, device: str = "cpu", engine_config: ThinkerEngineConfig = ThinkerEngineConfig()):
         self.model = model
@@ -143,6 +160,8 @@ class ThinkerEngine(SlotScheduledEngine):
         self.timer = ForwardTimer()  # seconds in model forwards (services/runtime/timing.py)
         text_config = model.config.text_config
         use_rowwise_attention(text_config)
+        if engine_config.exact_gemm:
+            use_invariant_attention(text_config)  # what makes a prefix hit exact (batching.invariant_attention)
         self.exact_report = None  # which kernels exact mode runs here (services/runtime/invariance.py)
         if engine_config.exact_batching:
             decoder = [model.model, model.lm_head]
@@ -163,6 +182,36 @@ class ThinkerEngine(SlotScheduledEngine):
         self.scheduler = LMScheduler(engine_config.max_batch_size, engine_config.num_slots,
                                      engine_config.max_model_len, engine_config.max_prefills_per_step)
         self._requests: dict[str, _Request] = {}  # request_id -> decoding state
+        self._init_prefix_cache()
+
+    @property
+    def prefix_layers(self) -> tuple[int, ...]:
+        """The hidden states (indices into a forward's `hidden_states`) the talker's inputs are read
+        from at prefill: kept per prefix-cache block, so a hit gives the same `Prefilled`."""
+        return 0, self.accept_layer
+
+    def _init_prefix_cache(self) -> None:
+        """The prefix cache, when configured. Exact mode uses hits only with the invariant GEMM
+        (--exact-batching gemm), where they are bit-identical to the cold prefill by construction,
+        checked once at start (services/thinker/prefix_probe.py); with per-row kernels it refuses
+        them (ROWS_REFUSE)."""
+        self.prefix: PrefixCache | None = None
+        self.prefix_hits = True
+        self.prefix_probe: str | None = None  # why hits are refused (None: not refused)
+        if self.engine_config.prefix_cache_mb <= 0:
+            return
+        text = self.model.config.text_config
+        dims = dict(layers=int(text.num_hidden_layers), kv_heads=int(text.num_key_value_heads),
+                    head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads),
+                    hidden=int(text.hidden_size), extra_layers=len(self.prefix_layers), dtype=self.dtype)
+        blocks = self.engine_config.prefix_cache_mb * (1 << 20) // PrefixCache.block_bytes(**dims)
+        self.prefix = PrefixCache(**dims, device=self.device, capacity_blocks=max(1, blocks))
+        if self.engine_config.exact_batching:
+            from services.thinker.prefix_probe import refused_hits
+
+            self.prefix_probe = refused_hits(self)
+            self.prefix_hits = self.prefix_probe is None
+            self.exact_report.more["prefix_hit"] = "used" if self.prefix_hits else "refused"
 
     # The loop's interface.
     def add(self, request_id: str, job: ThinkerJob) -> None:
@@ -222,14 +271,13 @@ class ThinkerEngine(SlotScheduledEngine):
             events.append((request_id, self._prefilled(kwargs["input_ids"][0], out.hidden_states)))
         return events + self._sample(request_id, request, out.logits[0, -1].cpu())
 
-    def _prefill_forward(self, request: _Request, slot: int, drop_attention_mask: bool = False):
+    def _prefill_forward(self, request: _Request, slot: int):
         """The prompt's forward as every family's prefill runs it: positions from the model's own
         `_prepare_position_ids_for_generation` (which reads the attention mask), the forward into a
-        fresh cache that then goes into `slot`, all hidden states where the talker needs them.
-        `drop_attention_mask`: the forward gets no mask (the positions are still made with it).
+        fresh cache that then goes into `slot`, all hidden states where the talker needs them, from
+        the prefix cache's blocks where it holds the prompt's first ones.
+        `prefill_drops_attention_mask`: the forward gets no mask (the positions are still made with it).
         Returns the forward's output and the inputs it got."""
-        from transformers import DynamicCache
-
         job = request.job
         # Prompt tensors arrive as float32 on the CPU: floating inputs take the model's dtype (not
         # video_second_per_grid, float32 in generate too); use_audio_in_video is a plain flag.
@@ -237,17 +285,84 @@ class ThinkerEngine(SlotScheduledEngine):
                   else v.to(self.device, self.dtype) if v.is_floating_point() else v.to(self.device)
                   for k, v in job.prompt.model_kwargs().items()}
         position_ids = self.model._prepare_position_ids_for_generation(kwargs["input_ids"], dict(kwargs))
-        if drop_attention_mask:
+        if self.prefill_drops_attention_mask:
             kwargs.pop("attention_mask")
-        cache = DynamicCache(config=self.model.config.text_config)
-        with self.timer:
-            out = self.model(
-                **kwargs, position_ids=position_ids, past_key_values=cache, use_cache=True,
-                output_hidden_states=job.want_talker_inputs,
-            )
+        keys = self._block_keys(job)
+        hit = self.prefix.lookup(keys, (job.prompt.num_tokens - 1) // BLOCK_TOKENS, job.want_talker_inputs,
+                                 use=self.prefix_hits) if keys else PrefixHit()
+        out, cache, hidden, finals = self.forward_prompt(kwargs, position_ids, hit, job.want_talker_inputs)
+        if keys:
+            self.prefix.store(keys, cache, finals, hidden, first=len(hit.blocks))
+            self.prefix.held(job.prefix, keys)
         self.cache.load(slot, cache)
         request.last_position = position_ids[..., -1:].clone()
         return out, kwargs
+
+    def _block_keys(self, job: ThinkerJob) -> list[bytes]:
+        if self.prefix is None or job.prefix is None:
+            return []
+        return block_keys(job.prompt.input_ids[0].tolist(), job.prefix.media_at)
+
+    def forward_prompt(self, kwargs: dict, position_ids: torch.Tensor, hit: PrefixHit, want_hidden: bool):
+        """The prompt's forward through the module's own path into a fresh cache, from the hit's
+        cached blocks on (their keys and values preloaded, the decoder stack run from there, the LM
+        head over every row: `_lm_head_rows`). Returns (the output, its hidden states completed with
+        the hit's `prefix_layers`; the cache of the whole prompt; [extra, P, hidden] of those layers,
+        or None without `want_hidden`; [P, hidden] the LM head's input, or None without a cache)."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config.text_config)
+        finals: list[torch.Tensor] = []
+        try:
+            if hit.blocks:
+                self.prefix.preload(hit, cache)
+            with (self.timer, skipping_prefix(self.model.model, hit.tokens), self._attention_for(hit),
+                  self._lm_head_rows(hit, finals)):
+                out = self.model(**kwargs, position_ids=position_ids, past_key_values=cache, use_cache=True,
+                                 output_hidden_states=want_hidden)
+        finally:
+            if hit.blocks:
+                self.prefix.release(hit)
+        final = finals[0] if finals else None
+        if not want_hidden:
+            return out, cache, None, final
+        states = list(out.hidden_states)
+        layers = [layer % len(states) for layer in self.prefix_layers]
+        if hit.blocks:
+            cached = self.prefix.hidden_of(hit)  # [extra, hit tokens, hidden]
+            for i, layer in enumerate(layers):
+                states[layer] = torch.cat([cached[i].unsqueeze(0), states[layer]], dim=1)
+            out.hidden_states = tuple(states)
+        return out, cache, torch.stack([states[layer][0] for layer in layers]), final
+
+    @contextlib.contextmanager
+    def _lm_head_rows(self, hit: PrefixHit, finals: list):
+        """With a prefix cache, the LM head's input is recorded into `finals` (the blocks keep it),
+        and after a hit it gets the cached rows before the computed ones: the LM head then runs
+        over the whole prompt's rows, the cold prefill's call, so the last row's logits cannot
+        depend on how many rows were computed (a matmul's row can: fewer rows, other blocking)."""
+        if self.prefix is None:
+            yield
+            return
+
+        def whole_prompt(_module, args):
+            rows = args[0]
+            if hit.blocks:
+                rows = torch.cat([self.prefix.finals_of(hit).unsqueeze(0), rows], dim=1)
+            finals.append(rows[0])
+            return (rows, *args[1:])
+
+        handle = self.model.lm_head.register_forward_pre_hook(whole_prompt)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    def _attention_for(self, hit: PrefixHit):
+        """A prefill after cached blocks needs SDPA's real mask (batching.sdpa_prefill's NOTE)."""
+        text = self.model.config.text_config
+        return sdpa_prefill(text) if hit.blocks and text._attn_implementation == ROWWISE_ATTENTION \
+            else contextlib.nullcontext()
 
     @torch.inference_mode()
     def decode(self, request_ids: list[str], slots: list[int]) -> StepResult:

@@ -52,6 +52,7 @@ class Qwen2_5Prefilled(EngineEvent):
 
 class Qwen2_5ThinkerEngine(ThinkerEngine):
     feeds_token_embeddings = False  # its talker takes reply parts (Token.reply) instead
+    prefill_drops_attention_mask = True  # the NOTE in prefill
 
     def __init__(self, model, config, device: str = "cpu", engine_config: ThinkerEngineConfig = ThinkerEngineConfig()):
         if engine_config.graphs.enabled:
@@ -71,6 +72,10 @@ class Qwen2_5ThinkerEngine(ThinkerEngine):
                            (int(mm.video_token_index), "pixel_values_videos"))
         self._init_runtime()
 
+    @property
+    def prefix_layers(self) -> tuple[int, ...]:
+        return 0, -1  # Qwen2_5Prefilled reads the layer-0 inputs and the last layer (normed)
+
     def add(self, request_id: str, job: ThinkerJob) -> None:
         if job.want_talker_inputs and getattr(job, "voice_bos_token", None) is None:
             raise ValueError("a talker-fed Qwen2.5-Omni thinker job needs voice_bos_token")
@@ -82,7 +87,7 @@ class Qwen2_5ThinkerEngine(ThinkerEngine):
         job = request.job
         # NOTE: generate drops the attention mask once it is all ones (a prompt's always is), after the
         # 4-row positions ([4, 1, P]) are made from it, so the forward runs without one.
-        out, kwargs = self._prefill_forward(request, slot, drop_attention_mask=True)
+        out, kwargs = self._prefill_forward(request, slot)
         events: StepResult = []
         if job.want_talker_inputs:
             events.append((request_id, self._prefilled(job, kwargs, out.hidden_states)))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 from contextlib import aclosing
 
@@ -15,6 +16,7 @@ from omni.v1 import common_pb2, omni_pb2, stages_pb2, stages_pb2_grpc
 from services.runtime.checkpoint import Stage, load_for_serving
 from services.runtime.errors import InvalidArgument, run_cli
 from services.runtime.families import Family, family_of
+from services.runtime.prefix_cache import PromptPrefix
 from services.runtime.prompt import (
     ChatMessage,
     Part,
@@ -46,6 +48,7 @@ from services.serving.grpc_server import ServerHandle
 from services.serving.metrics import StageMetrics
 from services.serving.open_streams import LIGHT_LOAD_STREAMS
 from services.serving.peer_limits import PeerLimits
+from services.serving.prefix_keys import media_digests, message_keys
 from services.serving.stage_main import serve_stage, start_stage
 from services.thinker.adapter import ThinkerAdapter
 from services.thinker.config import Backend, ThinkerConfig
@@ -70,6 +73,7 @@ _ROLES = {omni_pb2.ROLE_SYSTEM: Role.SYSTEM, omni_pb2.ROLE_USER: Role.USER, omni
 # the stages are busy anyway and holds only move text work around (measured at 16: TTFP p50 +10 %).
 AUDIO_FIRST_MARGIN = 4
 AUDIO_FIRST_HOLD_S = 1.0
+DEFAULT_PREFIX_CACHE_MB = 2048
 
 
 def messages_from_proto(request: omni_pb2.GenerateRequest) -> list[ChatMessage]:
@@ -97,6 +101,17 @@ def messages_from_proto(request: omni_pb2.GenerateRequest) -> list[ChatMessage]:
 ADAPTERS = {Family.QWEN3_OMNI: Qwen3ThinkerAdapter, Family.QWEN2_5_OMNI: Qwen2_5ThinkerAdapter}
 
 
+def prompt_prefix(request: omni_pb2.GenerateRequest, input_ids, im_start: int) -> PromptPrefix | None:
+    """What the prefix cache keys of a request's prompt: where each message starts in its tokens
+    (each opens with <|im_start|>, the generation prompt after them), each message's media digest
+    and the message keys the router matches. None when the template rendered another number of
+    turns than the request has messages: that prompt is not cached."""
+    starts = (input_ids == im_start).nonzero().flatten().tolist()
+    if len(starts) != len(request.messages) + 1:
+        return None
+    return PromptPrefix(tuple(starts), tuple(media_digests(request)), tuple(message_keys(request)))
+
+
 class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
     def __init__(self, loop: EngineLoop, engine: ThinkerEngine, prompts: PromptBuilder, config: ThinkerConfig,
                  handle: ServerHandle, adapter: ThinkerAdapter, build_prompt=PromptBuilder.build):
@@ -110,6 +125,8 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         self.channels = ChannelPool(config.serving.max_message_bytes, config.serving.tls)
         self.talker_limits = PeerLimits(Stage.TALKER, self.channels)
         self.metrics: StageMetrics = loop.metrics
+        self.prefix_cache = getattr(engine, "prefix", None)  # the transformers engine's, when on
+        self.im_start = prompts.tokenizer.convert_tokens_to_ids("<|im_start|>")
 
     def prepare(self, request: omni_pb2.GenerateRequest, talker: common_pb2.StageLimits | None) -> Prepared:
         """Validate and convert a request; runs in a worker thread (decodes audio and images).
@@ -141,7 +158,10 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
                 raise InvalidArgument("talker_sampling.max_new_tokens",
                                       f"talker prompt + max_new_tokens ({needed}) exceeds the talker's per-request "
                                       f"cache ({talker.max_model_len})")
-        return Prepared(self.adapter.job(prompt, sampling, audio, forced, voice), audio)
+        job = self.adapter.job(prompt, sampling, audio, forced, voice)
+        if self.prefix_cache is not None:
+            job = dataclasses.replace(job, prefix=prompt_prefix(request, prompt.input_ids[0], self.im_start))
+        return Prepared(job, audio)
 
     def _forced_ids(self, request: omni_pb2.GenerateRequest) -> tuple[int, ...]:
         """The reply's ids for `forced_text`: the text's tokens as the assistant turn holds them
@@ -175,8 +195,13 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         return True
 
     async def GetLoad(self, request, context):
-        return self.loop.load_report(Stage.THINKER, self.config.engine.num_slots, self.handle.draining,
-                                     reset_peak=request.reset_peak)
+        report = self.loop.load_report(Stage.THINKER, self.config.engine.num_slots, self.handle.draining,
+                                       reset_peak=request.reset_peak)
+        if self.prefix_cache is not None:
+            epoch, seq, full, held = self.prefix_cache.index.report(request.prefix_epoch, request.prefix_since)
+            report.prefix.CopyFrom(common_pb2.PrefixReport(
+                epoch=epoch, seq=seq, full=full, held=[common_pb2.PrefixHeld(key=k, tokens=t) for k, t in held]))
+        return report
 
 
 async def create_server(config: ThinkerConfig) -> tuple[ServerHandle, EngineLoop]:
@@ -188,6 +213,7 @@ async def create_server(config: ThinkerConfig) -> tuple[ServerHandle, EngineLoop
             checkpoint=config.model.checkpoint, dtype=config.model.dtype, max_num_seqs=config.engine.max_batch_size,
             max_model_len=config.engine.max_model_len, talker_inputs_device=config.model.device,
             kv_cache_bytes=config.vllm_kv_cache_bytes, gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+            enable_prefix_caching=config.engine.prefix_cache_mb != 0,
         ))
         model_config, build_prompt = engine.config, vllm_backend.build_prompt
     else:
@@ -203,6 +229,8 @@ async def create_server(config: ThinkerConfig) -> tuple[ServerHandle, EngineLoop
     adapter = ADAPTERS[Family(model_config.model_type)](config.model.checkpoint, model_config, prompts)
     handle, loop = start_stage(Stage.THINKER, engine, config.serving, SERVICE, cache_slots=config.engine.num_slots)
     servicer = ThinkerServicer(loop, engine, prompts, config, handle, adapter, build_prompt)
+    if servicer.prefix_cache is not None and loop.metrics is not None:
+        loop.metrics.prefix_cache(servicer.prefix_cache)
     stages_pb2_grpc.add_ThinkerServicer_to_server(servicer, handle.server)
     return handle, loop
 
@@ -223,6 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vllm-gpu-memory-utilization", type=float,
                         default=env_default("vllm_gpu_memory_utilization", 0.9),
                         help="vLLM backend: fraction of GPU memory vLLM may take (default 0.9)")
+    parser.add_argument("--prefix-cache-mb", type=int, default=env_default("prefix_cache_mb", -1),
+                        help="transformers backend: the prefix cache's pool, which keeps prompt KV blocks across "
+                             "requests so a conversation's turn prefills only its new part (default: an eighth of "
+                             "the host's memory, at most 2048; 0 = off). The vLLM backend uses vLLM's own")
     parser.add_argument("--audio-first", choices=["auto", "on", "off"], default=env_default("audio_first", "auto"),
                         help="hold a spoken request's text at the talker's first chunk + 4 tokens until the talker "
                              "answers, so text nobody hears yet does not slow the first audio where the stages "
@@ -250,11 +282,20 @@ def add_input_limit_flags(parser: argparse.ArgumentParser) -> None:
                         help="frames sampled per second of video (default 2, Qwen's)")
 
 
+def prefix_cache_mb(flag: int) -> int:
+    """--prefix-cache-mb: as given (0: off), or, below 0, an eighth of the host's memory, at most 2048."""
+    if flag >= 0:
+        return flag
+    memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
+    return min(DEFAULT_PREFIX_CACHE_MB, memory_mb // 8)
+
+
 def config_from_args(args: argparse.Namespace) -> ThinkerConfig:
     model = model_config_from_args(args)
     engine = ThinkerEngineConfig(max_batch_size=args.max_batch_size, num_slots=args.num_slots,
                                  max_prefills_per_step=args.max_prefills_per_step, max_model_len=args.max_model_len,
-                                 exact_batching=exact_batching(args), exact_gemm=exact_gemm(args), graphs=model.graphs)
+                                 exact_batching=exact_batching(args), exact_gemm=exact_gemm(args), graphs=model.graphs,
+                                 prefix_cache_mb=prefix_cache_mb(args.prefix_cache_mb))
     limits = PromptLimits(args.max_prompt_tokens or None, args.max_audio_seconds, args.max_image_pixels,
                           VideoLimits(args.max_video_seconds, args.max_video_frames, args.max_video_pixels),
                           args.video_fps)

@@ -130,6 +130,9 @@ class VllmThinkerConfig:
     exact_multimodal_talker_inputs: bool = True  # load the truncated transformers thinker
     talker_inputs_device: str = "cpu"  # where the embedding table and that prefill live
     seed: int = 0
+    # vLLM's automatic prefix caching (block-hashed KV kept across requests, LRU; media hashed into
+    # the keys): --prefix-cache-mb 0 turns it off, any other value leaves its sizing to vLLM's pool.
+    enable_prefix_caching: bool = True
 
 
 @dataclass(frozen=True)
@@ -445,7 +448,7 @@ def build_llm_engine(cfg: VllmThinkerConfig):
         hf_overrides=hf_overrides(cfg.checkpoint),
         generation_config="vllm",  # no defaults from generation_config.json: SamplingConfig is the whole truth
         distributed_executor_backend=None if cfg.multiprocess else "uni",
-        disable_log_stats=True,
+        disable_log_stats=True, enable_prefix_caching=cfg.enable_prefix_caching,
     )
     vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
     # Constructed directly: from_engine_args turns multiprocessing on from VLLM_ENABLE_V1_MULTIPROCESSING.

@@ -207,8 +207,10 @@ class ReferenceRunner:
         self.sample_rate = 24000
 
     def _through_invariant_gemm(self) -> None:
-        from services.runtime.batching import GEMM_KERNELS, use_exact_experts, using_kernels
+        from services.runtime.batching import GEMM_KERNELS, use_exact_experts, use_invariant_attention, using_kernels
         from services.runtime.invariance import experts_modules
+
+        use_invariant_attention(self.model.config.thinker_config.text_config)  # the thinker's, as the engine's
 
         # The experts' own configs only: setting a composite config's implementation reaches its sub-configs.
         use_exact_experts(*{id(m.config): m.config for m in experts_modules(self.model)}.values())
