@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 
 from prometheus_client import Counter
@@ -25,6 +26,11 @@ log = logging.getLogger("gateway")
 # uvicorn logs this at ERROR when a response ends without its final chunk: for a CallStream that is
 # the intended signal, already logged by the gateway as a warning with its reason.
 INCOMPLETE_MESSAGE = "ASGI callable returned without completing response."
+
+
+def sse(payload: dict) -> str:
+    """One server-sent event of a JSON payload."""
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
 class StreamBroken(Exception):

@@ -48,6 +48,11 @@ def float_from_bytes(pcm: bytes) -> np.ndarray:
     return np.frombuffer(pcm, dtype="<f4")
 
 
+def joined(chunks: list[np.ndarray]) -> np.ndarray:
+    """The chunks as one clip (none: an empty one)."""
+    return np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+
+
 def to_int16(samples: np.ndarray) -> np.ndarray:
     """Float samples in [-1, 1] -> int16, rounded once to nearest."""
     return np.clip(np.rint(np.asarray(samples, dtype=np.float64) * 32768.0), -32768, 32767).astype("<i2")

@@ -7,7 +7,7 @@ import binascii
 import re
 
 from gateway.audio import AudioTooLong, input_audio_to_wire
-from gateway.errors import bad_request
+from gateway.errors import APIError, bad_request
 from gateway.schemas import ChatCompletionRequest, SpeechRequest
 from omni.v1 import omni_pb2
 
@@ -137,3 +137,24 @@ def speech_to_proto(req: SpeechRequest) -> omni_pb2.GenerateRequest:
     if req.max_audio_frames is not None:
         out.talker_sampling.max_new_tokens = req.max_audio_frames
     return out
+
+
+def check_size(request: omni_pb2.GenerateRequest, max_message_bytes: int) -> None:
+    """413 for a request over the router's message limit (gRPC would refuse it as
+    RESOURCE_EXHAUSTED, which callers retry as a 429), naming its largest part."""
+    size = request.ByteSize()
+    if size <= max_message_bytes:
+        return
+    param, largest = None, 0
+    for i, message in enumerate(request.messages):
+        for j, part in enumerate(message.content):
+            kind = part.WhichOneof("part")
+            length = part.ByteSize()
+            if length > largest:
+                largest = length
+                name = {"audio": ".input_audio", "image": ".image_url"}.get(kind, "")
+                param = f"messages[{i}].content[{j}]{name}"
+    raise APIError(413, f"the request is {size >> 20} MB as the router takes it, over its "
+                        f"{max_message_bytes >> 20} MB message limit"
+                        + (f"; its largest part is {param} ({largest >> 20} MB)" if param else ""),
+                   "invalid_request_error", param, "request_too_large")

@@ -1,7 +1,7 @@
 """Pydantic models of the OpenAI requests the gateway takes.
 
 Fields OpenAI defines that the pipeline cannot honour are declared too, so that a caller who sets
-them gets a 400 naming the field instead of a silent no-op (`refused_fields`); fields that do not
+them gets a 400 naming the field instead of a silent no-op (`check_refused`); fields that do not
 change the output (`user`, `metadata`, `store`, ...) are accepted and ignored.
 """
 
@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.errors import bad_request
 
 
 class _Open(BaseModel):
@@ -98,14 +100,11 @@ CHAT_REFUSED = {
 }
 
 
-def refused_fields(request: BaseModel, refused: dict[str, str]) -> tuple[str, str] | None:
-    """(field, reason) of the first refused field the caller set to something meaningful."""
+def check_refused(request: BaseModel, refused: dict[str, str]) -> None:
+    """400 naming the first refused field the caller set to something meaningful."""
     for name, reason in refused.items():
-        value = getattr(request, name)
-        if value in (None, False, [], {}, 0, 0.0):
-            continue
-        return name, reason
-    return None
+        if getattr(request, name) not in (None, False, [], {}, 0, 0.0):
+            raise bad_request(name, f"{name}: {reason}", code="unsupported_parameter")
 
 
 class SpeechRequest(_Open):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.server import (
+from gateway.config import (
     GatewayConfig,
     end_token_from_config,
     family_from_config,

@@ -102,7 +102,8 @@ def test_non_streaming_client_timeout_frees_every_stage(gateway, gw_stack):
 
 
 def test_reply_text_drops_the_end_tokens_text():
-    from gateway.server import GatewayConfig, reply_text
+    from gateway.chat import reply_text
+    from gateway.config import GatewayConfig
     from omni.v1 import omni_pb2
 
     config = GatewayConfig()
@@ -145,7 +146,7 @@ def test_a_non_streamed_reply_splices_its_base64_audio_into_valid_json():
     import numpy as np
     import soundfile as sf
 
-    from gateway.server import AUDIO_PLACEHOLDER, _render_completion
+    from gateway.chat import AUDIO_PLACEHOLDER, _render_completion
 
     chunks = [np.linspace(-0.5, 0.5, 2400, dtype=np.float32), np.zeros(1200, np.float32)]
     payload = {"choices": [{"message": {"audio": {"id": "audio_x", "data": AUDIO_PLACEHOLDER, "transcript": "a\"b"}}}]}
