@@ -1,4 +1,4 @@
-"""The soak's leak check (services/tools/soak.py) counts a replica it cannot read as busy: a hung
+"""The soak's leak check (services/tools/soak/leaks.py) counts a replica it cannot read as busy: a hung
 stage (here a port that accepts connections and never answers, as a SIGSTOPped server does) and a
 dead one (nothing listening) must never pass for idle in `wait_settled`, `busy()` or the summary."""
 

@@ -1,0 +1,5 @@
+import sys
+
+from services.tools.soak import main
+
+sys.exit(main())
