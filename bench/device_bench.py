@@ -187,30 +187,7 @@ class DeviceBench:
             mode.startup_s = round(time.monotonic() - t, 1)
             mode.gpu_memory = gpu_memory()
             self.say(f"graphs {graphs}: stack up in {mode.startup_s} s; GPU memory: {mode.gpu_memory}")
-            channel, stub = connect(stack.target)
-            t = time.monotonic()
-            warm = [one_request(stub, r, max(5.0, mode_deadline - time.monotonic())) for r in self.requests(2)]
-            mode.warmup_s = round(time.monotonic() - t, 1)
-            self.say(f"graphs {graphs}: warm-up {mode.warmup_s} s ({[w.error or 'ok' for w in warm]})")
-            per_request = max(mode.warmup_s / 2, 0.5)  # a lone request's time, for skipping levels
-            for level in self.args.levels:
-                n = max(level, self.args.min_requests)
-                left = mode_deadline - time.monotonic()
-                # A closed loop of n requests at concurrency `level` takes about n / level lone
-                # requests' time once batched; skip a level that clearly cannot finish.
-                if left < max(10.0, per_request * n / level):
-                    self.report.levels.append(LevelResult(graphs, level, n, skipped=f"time: {left:.0f} s left"))
-                    self.say(f"graphs {graphs}: c={level} skipped ({left:.0f} s left)")
-                    continue
-                self.say(f"graphs {graphs}: c={level}, {n} requests ...")
-                samples, wall = run_level(stub, self.requests(n), level, timeout_s=left)
-                row = summarize(graphs, level, samples, wall)
-                self.report.levels.append(row)
-                self.say(f"graphs {graphs}: c={level}: ttfp p50 {fmt(row.ttfp_ms_p50)} ms p99 {fmt(row.ttfp_ms_p99)} ms, "
-                         f"rtf p50 {fmt(row.rtf_p50, 3)}, {fmt(row.req_per_s, 2)} req/s, errors {row.errors}"
-                         + (f" ({row.first_error})" if row.first_error else ""))
-                self.write()
-            channel.close()
+            self.measure(stack.target, mode, mode_deadline)
         except Exception as exc:  # noqa: BLE001
             mode.error = f"run: {type(exc).__name__}: {exc}"
             self.say(mode.error)
@@ -221,6 +198,34 @@ class DeviceBench:
                 Path(self.args.pids_file).write_text("")
             self.say(f"graphs {graphs}: stack stopped ({time.monotonic() - t:.1f} s)")
             self.write()
+
+    def measure(self, target: str, mode: ModeResult, deadline: float) -> None:
+        """The warm-up, then a closed loop at each concurrency level that can finish by `deadline`."""
+        graphs = mode.graphs
+        channel, stub = connect(target)
+        t = time.monotonic()
+        warm = [one_request(stub, r, max(5.0, deadline - time.monotonic())) for r in self.requests(2)]
+        mode.warmup_s = round(time.monotonic() - t, 1)
+        self.say(f"graphs {graphs}: warm-up {mode.warmup_s} s ({[w.error or 'ok' for w in warm]})")
+        per_request = max(mode.warmup_s / 2, 0.5)  # a lone request's time, for skipping levels
+        for level in self.args.levels:
+            n = max(level, self.args.min_requests)
+            left = deadline - time.monotonic()
+            # A closed loop of n requests at concurrency `level` takes about n / level lone
+            # requests' time once batched; skip a level that clearly cannot finish.
+            if left < max(10.0, per_request * n / level):
+                self.report.levels.append(LevelResult(graphs, level, n, skipped=f"time: {left:.0f} s left"))
+                self.say(f"graphs {graphs}: c={level} skipped ({left:.0f} s left)")
+                continue
+            self.say(f"graphs {graphs}: c={level}, {n} requests ...")
+            samples, wall = run_level(stub, self.requests(n), level, timeout_s=left)
+            row = summarize(graphs, level, samples, wall)
+            self.report.levels.append(row)
+            self.say(f"graphs {graphs}: c={level}: ttfp p50 {fmt(row.ttfp_ms_p50)} ms p99 {fmt(row.ttfp_ms_p99)} ms, "
+                     f"rtf p50 {fmt(row.rtf_p50, 3)}, {fmt(row.req_per_s, 2)} req/s, errors {row.errors}"
+                     + (f" ({row.first_error})" if row.first_error else ""))
+            self.write()
+        channel.close()
 
     def run(self) -> Report:
         modes = self.args.graphs

@@ -171,19 +171,7 @@ def declared_video(data: bytes, field_name: str, limits: VideoLimits, with_audio
             raise InvalidArgument(field_name, f"video declares {frames} frames, more than {limits.max_frames}")
         if frames / fps > limits.max_seconds:
             raise InvalidArgument(field_name, f"video is {frames / fps:.1f} s, longer than {limits.max_seconds} s")
-        audio = None
-        if with_audio:
-            if not container.streams.audio:
-                raise InvalidArgument(field_name, "use_audio_in_video is set but the video has no audio track")
-            track = container.streams.audio[0]
-            if track.codec_context.name not in AUDIO_CODECS:
-                raise InvalidArgument(field_name, f"audio codec {track.codec_context.name} is not one of "
-                                                  f"{', '.join(AUDIO_CODECS)}")
-            audio_rate = int(track.codec_context.sample_rate or 0)
-            if audio_rate <= 0:
-                raise InvalidArgument(field_name, "the audio track declares no sample rate")
-            audio_seconds = _declared_seconds(container, track) or (seconds or 0.0)
-            audio = AudioTrack(audio_rate, int(track.codec_context.channels), audio_seconds)
+        audio = _declared_track(container, field_name, seconds) if with_audio else None
         if frames == 0:  # a container without a frame count (webm): count the packets, no decoding
             frames = _count_packets(container, stream, field_name, limits)
             # Fewer frames than the declared duration holds (two frames of slack): cut short.
@@ -193,6 +181,21 @@ def declared_video(data: bytes, field_name: str, limits: VideoLimits, with_audio
     if frames <= 0:
         raise InvalidArgument(field_name, "video has no frames")
     return VideoHeader(kind, codec, width, height, frames, fps, audio)
+
+
+def _declared_track(container, field_name: str, video_seconds: float | None) -> AudioTrack:
+    """The audio track's header (use_audio_in_video), checked before a sample is decoded."""
+    if not container.streams.audio:
+        raise InvalidArgument(field_name, "use_audio_in_video is set but the video has no audio track")
+    track = container.streams.audio[0]
+    if track.codec_context.name not in AUDIO_CODECS:
+        raise InvalidArgument(field_name, f"audio codec {track.codec_context.name} is not one of "
+                                          f"{', '.join(AUDIO_CODECS)}")
+    rate = int(track.codec_context.sample_rate or 0)
+    if rate <= 0:
+        raise InvalidArgument(field_name, "the audio track declares no sample rate")
+    seconds = _declared_seconds(container, track) or (video_seconds or 0.0)
+    return AudioTrack(rate, int(track.codec_context.channels), seconds)
 
 
 def declared_frames(frames: tuple[bytes, ...], fps: float, field_name: str, limits: VideoLimits,

@@ -246,57 +246,63 @@ class EngineLoop:
         timer = self.engine.timer  # a ForwardTimer (seconds in model forwards), or None
         cpu = time.thread_time()
         while not self._stopped.is_set():
-            # Block for a command only when the engine has nothing to do.
-            waited = time.perf_counter()
-            try:
-                command = self._commands.get(timeout=self._idle_wait()) if not self.engine.has_work() \
-                    else self._commands.get_nowait()
-            except queue.Empty:
-                command = None
-            applied = time.perf_counter()
-            self._account("idle", applied - waited)
-            if command is not None:
-                self._apply(command)
-                try:
-                    while True:
-                        self._apply(self._commands.get_nowait())
-                except queue.Empty:
-                    pass
-                self._account("commands", time.perf_counter() - applied)
+            self._apply_commands()
             if self.metrics is not None:
                 now_cpu = time.thread_time()
                 self.metrics.engine_cpu.inc(max(now_cpu - cpu, 0.0))
                 cpu = now_cpu
             self._set_gauges()
-            if not self.engine.has_work():
-                continue
-            if timer is not None:
-                timer.take()  # forwards outside a step (none today) are not this step's
-            start, start_ns = time.perf_counter(), time.time_ns()
+            if self.engine.has_work():
+                self._step(timer)
+
+    def _apply_commands(self) -> None:
+        """Every queued command; blocks for the first only when the engine has nothing to do."""
+        waited = time.perf_counter()
+        try:
+            command = self._commands.get(timeout=self._idle_wait()) if not self.engine.has_work() \
+                else self._commands.get_nowait()
+        except queue.Empty:
+            command = None
+        applied = time.perf_counter()
+        self._account("idle", applied - waited)
+        if command is not None:
+            self._apply(command)
             try:
-                events = self.engine.step()
-            except Exception as exc:
-                log.exception("%s: engine step failed; failing its running requests", self.name)
-                for request_id in list(self._sinks):
-                    self._fail(request_id, exc)
+                while True:
+                    self._apply(self._commands.get_nowait())
+            except queue.Empty:
+                pass
+            self._account("commands", time.perf_counter() - applied)
+
+    def _step(self, timer) -> None:
+        """One engine step, timed (model forwards apart), its events handed to their streams."""
+        if timer is not None:
+            timer.take()  # forwards outside a step (none today) are not this step's
+        start, start_ns = time.perf_counter(), time.time_ns()
+        try:
+            events = self.engine.step()
+        except Exception as exc:
+            log.exception("%s: engine step failed; failing its running requests", self.name)
+            for request_id in list(self._sinks):
+                self._fail(request_id, exc)
+            return
+        elapsed_ms = (time.perf_counter() - start) * 1000
+        forward = timer.take() if timer is not None else 0.0
+        if timer is not None and self.metrics is not None:
+            self.metrics.forward_seconds.observe(forward)
+            self._account("forward", forward)
+        self.stats.steps += 1
+        self.stats.step_ms_ewma = elapsed_ms if self.stats.steps == 1 else 0.9 * self.stats.step_ms_ewma + 0.1 * elapsed_ms
+        self._observe(elapsed_ms, len({request_id for request_id, _ in events}))
+        for request_id, event in events:
+            sink = self._sinks.get(request_id)
+            if sink is None:
                 continue
-            elapsed_ms = (time.perf_counter() - start) * 1000
-            forward = timer.take() if timer is not None else 0.0
-            if timer is not None and self.metrics is not None:
-                self.metrics.forward_seconds.observe(forward)
-                self._account("forward", forward)
-            self.stats.steps += 1
-            self.stats.step_ms_ewma = elapsed_ms if self.stats.steps == 1 else 0.9 * self.stats.step_ms_ewma + 0.1 * elapsed_ms
-            self._observe(elapsed_ms, len({request_id for request_id, _ in events}))
-            for request_id, event in events:
-                sink = self._sinks.get(request_id)
-                if sink is None:
-                    continue
-                if event.final:
-                    del self._sinks[request_id]
-                if sink.first_step_ns is None:
-                    sink.first_step_ns = start_ns
-                sink.deliver(EngineFailed(self.name, event.message) if isinstance(event, RequestFailed) else event)
-            # The rest of the step and the hand-off of its events: scheduling, sampling, bookkeeping.
-            self._account("engine", time.perf_counter() - start - forward)
-            self._set_gauges()
+            if event.final:
+                del self._sinks[request_id]
+            if sink.first_step_ns is None:
+                sink.first_step_ns = start_ns
+            sink.deliver(EngineFailed(self.name, event.message) if isinstance(event, RequestFailed) else event)
+        # The rest of the step and the hand-off of its events: scheduling, sampling, bookkeeping.
+        self._account("engine", time.perf_counter() - start - forward)
+        self._set_gauges()

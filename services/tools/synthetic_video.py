@@ -45,27 +45,30 @@ def video(frames: int = 12, width: int = 64, height: int = 48, fps: int = 6, con
                 frame.pts = int(last_at_s * fps)  # the stream's time base is 1 / fps
             elif last_at_s is not None:
                 frame.pts = i
-            for packet in stream.encode(frame):
-                out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode())
         if track is not None:
-            n = int(audio_seconds * audio_rate)
-            t = np.arange(n) / audio_rate
-            samples = (0.3 * np.sin(2 * np.pi * 440 * t) * (1 + t)).astype(np.float32)[None]
-            layout, fmt = "mono", "flt"
-            if audio_codec == "vorbis":
-                samples, layout, fmt = np.repeat(samples, 2, axis=0), "stereo", "fltp"
-            step = 1024
-            for start in range(0, n, step):
-                frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples[:, start:start + step]), format=fmt,
-                                                   layout=layout)
-                frame.sample_rate = audio_rate
-                for packet in track.encode(frame):
-                    out.mux(packet)
-            for packet in track.encode():
-                out.mux(packet)
+            _write_tone(out, track, audio_seconds, audio_rate, audio_codec)
     return buf.getvalue()
+
+
+def _write_tone(out, track, seconds: float, rate: int, codec: str) -> None:
+    """A 440 Hz tone growing louder, `seconds` long, into the audio track (vorbis: the same in two
+    planar channels)."""
+    import av
+
+    n = int(seconds * rate)
+    t = np.arange(n) / rate
+    samples = (0.3 * np.sin(2 * np.pi * 440 * t) * (1 + t)).astype(np.float32)[None]
+    layout, fmt = "mono", "flt"
+    if codec == "vorbis":
+        samples, layout, fmt = np.repeat(samples, 2, axis=0), "stereo", "fltp"
+    step = 1024
+    for start in range(0, n, step):
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples[:, start:start + step]), format=fmt, layout=layout)
+        frame.sample_rate = rate
+        out.mux(track.encode(frame))
+    out.mux(track.encode())
 
 
 def frame_images(frames: int = 12, width: int = 64, height: int = 48, seed: int = 0) -> tuple[bytes, ...]:

@@ -57,7 +57,13 @@ def train_tokenizer(out: Path, special_tokens: list[str], chat_template: str,
     assert len(nl) == 1, nl
     tok.save(str(out / "tokenizer.json"))
     ids["vocab_size"] = tok.get_vocab_size()
+    _write_tokenizer_config(out, ids, special_tokens, chat_template, token_attributes)
+    return ids
 
+
+def _write_tokenizer_config(out: Path, ids: dict[str, int], special_tokens: list[str], chat_template: str,
+                            token_attributes: dict[str, str]) -> None:
+    """tokenizer_config.json (Qwen2Tokenizer, the special tokens, the template) and chat_template.jinja."""
     added = {
         str(ids[t]): {
             "content": t, "lstrip": False, "normalized": False, "rstrip": False,
@@ -82,7 +88,6 @@ def train_tokenizer(out: Path, special_tokens: list[str], chat_template: str,
     # The processor's copy, where transformers' processors read it (ProcessorMixin.from_pretrained
     # takes no template from the tokenizer).
     (out / "chat_template.jinja").write_text(chat_template)
-    return ids
 
 
 def write_preprocessor_config(out: Path, patch_size: int, image_mean: list[float], image_std: list[float]) -> None:
