@@ -1,9 +1,7 @@
-"""Figure: docs/performance.md, "Exact batching" (gemm: the invariant GEMM's CPU time against MKL's
-and per-row F.linear calls'). Rerun: `.venv/bin/python -m bench.probes.gemm_micro`.
-
-Omni's invariant GEMM against MKL's F.linear, per-row F.linear calls and one bmm item per row, on
-one thread, at 1, 4 and 16 rows (thread CPU time per call, us). Checks on the way that every row of
-the invariant GEMM equals that row alone, bitwise."""
+"""Figure: docs/performance.md, "Exact batching" (gemm against MKL). Rerun: `.venv/bin/python -m
+bench.probes.gemm_micro`. Omni's invariant GEMM against MKL's F.linear, per-row F.linear calls and
+one bmm item per row, on one thread, at 1, 4 and 16 rows (thread CPU time per call, us). Checks on
+the way that every row of the invariant GEMM equals that row alone, bitwise."""
 
 from __future__ import annotations
 

@@ -1,14 +1,13 @@
-"""Figure: docs/gateway.md, "Speech time to first byte" (TTFB / TTFP per format). Rerun:
-`.venv/bin/python -m bench.probes.speech_ttfb --requests 8`.
+"""Figure: docs/gateway.md, "Speech time to first byte". Rerun: `.venv/bin/python -m
+bench.probes.speech_ttfb --requests 8`.
 
-Time to first byte of `POST /v1/audio/speech` against TTFP.
-
-One stack (the tiny checkpoint unless --target and --gateway-url name a running one), requests one
-at a time: the same text-to-speech request (`forced_text`) over the router's gRPC API, timed to its
-first audio chunk (TTFP), and through the gateway for each --formats, timed to the first byte of
-the HTTP body (TTFB: the gateway encodes and sends each chunk as it comes). The figure is the
-ratio of the p50s, TTFB / TTFP, per format (target: within 1.5x). Small by design: a few requests,
-no concurrency; the gateway's cost under load is `omni-bench --gateway`.
+Time to first byte of `POST /v1/audio/speech` against TTFP. One stack (the tiny checkpoint unless
+--target and --gateway-url name a running one), requests one at a time: the same text-to-speech
+request (`forced_text`) over the router's gRPC API, timed to its first audio chunk (TTFP), and
+through the gateway for each --formats, timed to the first byte of the HTTP body (TTFB: the gateway
+encodes and sends each chunk as it comes). The figure is the ratio of the p50s, TTFB / TTFP, per
+format (target: within 1.5x). Small by design: a few requests, no concurrency; the gateway's cost
+under load is `omni-bench --gateway`.
 """
 
 from __future__ import annotations

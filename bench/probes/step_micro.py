@@ -1,15 +1,12 @@
-"""Figure: docs/performance.md, "Decisions kept" (the lean code predictor's and column tiles' step
-times). Rerun: `.venv/bin/python -m bench.probes.step_micro --checkpoint models/tiny-qwen3-omni
---batch 1 4 16` (`models/wide-qwen3-omni` for column tiles).
+"""Figure: docs/performance.md, "Decisions kept" (code predictor, column tiles). Rerun:
+`.venv/bin/python -m bench.probes.step_micro --checkpoint models/tiny-qwen3-omni --batch 1 4 16`.
 
-In-process microbenchmark of one talker engine step (talker decode + code predictor), of the
-code predictor alone and of one thinker decode step, at several batch sizes, on a generated
-checkpoint.
-
-Requests are synthetic (random thinker embeddings, a text row ready for every step), so every
-step decodes the whole batch; greedy, repetition penalty 1.05 as the service's default. Prints
-the median milliseconds per step and per frame; medians over `--repeats` interleaved rounds,
-since a shared machine's timings are noisy.
+In-process microbenchmark of one talker engine step (talker decode + code predictor), of the code
+predictor alone and of one thinker decode step, at several batch sizes, on a generated checkpoint.
+Requests are synthetic (random thinker embeddings, a text row ready for every step), so every step
+decodes the whole batch; greedy, repetition penalty 1.05 as the service's default. Prints the median
+milliseconds per step and per frame; medians over `--repeats` interleaved rounds, since a shared
+machine's timings are noisy.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
-"""Figure: docs/performance.md, "Thinker backends (in process)". Rerun (after `make setup-vllm`):
-`.venv-vllm/bin/python -m bench.probes.thinker_backends [--checkpoint DIR] [--concurrency 1,16]`.
+"""Figure: docs/performance.md, "Thinker backends (in process)". Rerun: `.venv-vllm/bin/python -m
+bench.probes.thinker_backends` (after `make setup-vllm`).
 
-Thinker backends side by side: tokens per second and TTFT, transformers engine against vLLM.
-
-Both engines run in this process on the same checkpoint, prompts and greedy settings, in one
-invocation, alternating per concurrency level; each is driven the way its service drives it
-(`add`, then `step` until idle), so the figures exclude gRPC. Needs the vLLM install
-(`make setup-vllm`). Without --checkpoint it builds the tiny checkpoint with the head_dim that
-vLLM's CPU attention supports.
+Tokens per second and TTFT, transformers engine against vLLM: both engines run in this process on
+the same checkpoint, prompts and greedy settings, in one invocation, alternating per concurrency
+level; each is driven the way its service drives it (`add`, then `step` until idle), so the figures
+exclude gRPC. Without --checkpoint it builds the tiny checkpoint with the head_dim that vLLM's CPU
+attention supports.
 """
 
 from __future__ import annotations

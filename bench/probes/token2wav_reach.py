@@ -1,6 +1,4 @@
-"""Figures: docs/qwen2_5-omni-token2wav.md (the reach, the context table, the noise facts). Rerun:
-`python -m bench.probes.token2wav_reach {reach,table,stream,noise}`:
-
+"""Figures: docs/qwen2_5-omni-token2wav.md (how far Token2Wav reaches, what streaming costs). Rerun:
 
     python -m bench.probes.token2wav_reach reach               # per-evaluation, ODE and BigVGAN reach (tiny)
     python -m bench.probes.token2wav_reach table --tokens 240  # an interior chunk vs the whole decode, per context
@@ -8,12 +6,10 @@
     python -m bench.probes.token2wav_reach noise               # the noise prefix facts
     python -m bench.probes.token2wav_reach reach --layout real # the real widths (minutes on 2 cores)
 
-How far Qwen2.5-Omni's Token2Wav reaches along the codec tokens, and what streaming costs.
-
 Models are random-weight `Qwen2_5OmniToken2WavModel`s from `Qwen2_5OmniToken2WavConfig` with
 the real structure (transformers' defaults are the 7B's: block_size 24, look-ahead layer 10,
 look-back layers 0 and 20 of 22, repeats 2, mel_dim 80, BigVGAN rates 5,3,2,2,2,2); "tiny" shrinks
-the widths only. Figures are in docs/qwen2_5-omni-token2wav.md.
+the widths only.
 
 NOTE: weights. Matrices normal(0, 1/sqrt(fan_in)) as services/runtime/full_size.init_random_;
 then the DiT's output bias is set to -5 so the mel lands in a log-mel range (BigVGAN clamps its

@@ -1,8 +1,7 @@
-"""Figure: docs/observability.md, "What tracing costs". Rerun: `.venv/bin/python -m
-bench.probes.tracing_cost --concurrency 1,16 --requests 8 --rounds 8` (`--grpc-only`: the one hop).
-
-What tracing costs: the same stack with tracing off and on (every request traced, spans exported
-over OTLP/gRPC to a collector in this process), side by side, in alternating rounds.
+"""Figure: docs/observability.md, "What tracing costs": the same stack with tracing off and on (every
+request traced, spans exported over OTLP/gRPC to a collector in this process), side by side, in
+alternating rounds. Rerun: `.venv/bin/python -m bench.probes.tracing_cost --concurrency 1,16
+--requests 8 --rounds 8` (`--grpc-only`: one gRPC hop).
 
 Two stacks of the same configuration run at once; within each concurrency level the rounds
 alternate which one goes first, so drift hits both. Prints requests per second of each and their
