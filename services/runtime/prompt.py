@@ -1,9 +1,9 @@
 """Turn chat messages (text, audio bytes, image bytes) into the thinker's model inputs.
 
 Both families (services/runtime/families.py) render their chat template and expand placeholders
-alike; what differs is one small object, `AudioRules`: how the feature extractor is called and
-how many prompt tokens an audio gets (`Qwen3OmniMoeProcessor` vs `Qwen2_5OmniProcessor`). Images
-are the same Qwen2-VL processor and `grid.prod() // merge_size**2` tokens in both.
+alike; what differs is how audio becomes features and prompt tokens (`AudioRules`, with the media
+decoding in services/runtime/media.py). Images are the same Qwen2-VL processor and
+`grid.prod() // merge_size**2` tokens in both.
 
 `Qwen3OmniMoeProcessor` insists on a video processor, which needs torchvision (not importable
 beside the CPU torch wheel), so this drives the checkpoint's tokenizer, Whisper feature
@@ -17,11 +17,8 @@ checks that both give identical inputs.
 from __future__ import annotations
 
 import enum
-import io
 import math
 import threading
-import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,7 +35,7 @@ from services.runtime.input_limits import (
     max_token_bytes,
     text_byte_limit,
 )
-from services.runtime.qwen2_5_omni import audio_placeholders
+from services.runtime.media import AUDIO_SAMPLE_RATE, MEL_HOP, Media, audio_rules, decode_audio, decode_image
 from services.runtime.resample import resample
 from services.runtime.video import (
     VideoHeader,
@@ -55,9 +52,6 @@ from services.runtime.video import (
 
 if TYPE_CHECKING:
     import torch
-
-AUDIO_SAMPLE_RATE = 16000  # what the Whisper feature extractor expects
-_MEL_HOP = 160  # samples per mel frame of the Whisper feature extractor
 
 
 class Role(enum.Enum):
@@ -130,98 +124,6 @@ class PromptInputs:
         return self.feature_attention_mask.sum(-1)
 
 
-def audio_output_lengths(mel_lengths: np.ndarray, n_window: int) -> np.ndarray:
-    """Audio encoder output positions for mel frame counts (as the processor computes it)."""
-    chunk = n_window * 2
-    leave = mel_lengths % chunk
-    feat = (leave - 1) // 2 + 1
-    return ((feat - 1) // 2 + 1 - 1) // 2 + 1 + (mel_lengths // chunk) * 13
-
-
-@dataclass(frozen=True)
-class AudioRules:
-    """How a family's processor turns audio into features and prompt tokens."""
-
-    feature_kwargs: dict  # the feature extractor call's keywords beside rate, mask and tensor type
-    tokens: Callable[[np.ndarray], np.ndarray]  # mel frames per audio -> prompt tokens per audio
-    at_least: Callable[[int], int]  # mel frames an audio declares -> prompt tokens it yields, at least
-    # The fewest 16 kHz samples the longest audio of a prompt may hold: the extractor pads every
-    # audio to the longest one (or to its window), then its STFT reflect-pads n_fft / 2 samples on
-    # each side, which needs more samples than that (fewer: torch's RuntimeError, in transformers'
-    # own processor too, so no oracle has an answer to match).
-    min_samples: int = 1
-
-
-def audio_rules(family: Family, config, feature_extractor) -> AudioRules:
-    if family is Family.QWEN2_5_OMNI:
-        # Qwen2_5OmniProcessor pads to the extractor's 30 s window, which also cuts longer audio to
-        # it (the extractor truncates by default), and counts two stride-2 reductions of the frames.
-        window = int(feature_extractor.nb_max_frames)
-        return AudioRules({"padding": "max_length"}, audio_placeholders,
-                          lambda frames: int(audio_placeholders(min(frames, window))))
-    n_window = config.thinker_config.audio_config.n_window
-    return AudioRules({"padding": True, "truncation": False},
-                      lambda mel_lengths: audio_output_lengths(mel_lengths, n_window),
-                      lambda frames: int(frames // (n_window * 2)) * 13,  # whole encoder chunks
-                      min_samples=int(feature_extractor.n_fft) // 2 + 1)  # padded to the longest audio only
-
-
-
-
-def decode_audio(data: bytes, field_name: str, max_seconds: float | None = None,
-                 header: AudioHeader | None = None) -> np.ndarray:
-    """wav/flac bytes -> mono float32 at 16 kHz; InvalidArgument naming the field otherwise.
-
-    The header is checked first (`declared_audio`: length, rate, channels); then at most the
-    declared frames, and never more than `max_seconds`, are decoded, block by block, mixed down
-    to mono as they come (a file holding fewer samples than it declares yields what it holds)."""
-    import soundfile as sf
-
-    header = header or declared_audio(data, field_name, max_seconds)
-    # A stream that does not declare its length (frames 0) is read up to the limit.
-    declared = header.frames if header.frames > 0 else None
-    cap = None if max_seconds is None else int(max_seconds * header.rate) + 1
-    limit = min(n for n in (declared, cap, 1 << 62) if n is not None)
-    blocks, frames = [], 0
-    try:
-        with sf.SoundFile(io.BytesIO(data)) as f:
-            while frames < limit:
-                block = f.read(min(_AUDIO_BLOCK_FRAMES, limit - frames), dtype="float32", always_2d=True)
-                if block.shape[0] == 0:
-                    break
-                blocks.append(block.mean(axis=1))
-                frames += block.shape[0]
-    except Exception as exc:  # soundfile raises several types for garbage input
-        raise InvalidArgument(field_name, f"not a readable wav/flac file ({type(exc).__name__})") from None
-    if frames == 0:
-        raise InvalidArgument(field_name, "audio has no samples")
-    if max_seconds is not None and frames / header.rate > max_seconds:
-        raise InvalidArgument(field_name, f"audio is longer than {max_seconds} s")
-    return resample(np.concatenate(blocks), header.rate, AUDIO_SAMPLE_RATE)
-
-
-_AUDIO_BLOCK_FRAMES = 1 << 16
-
-
-def decode_image(data: bytes, field_name: str, max_pixels: int | None = None):
-    """png/jpeg bytes -> RGB PIL image; InvalidArgument naming the field otherwise. The size the
-    header declares is checked before a pixel is decoded."""
-    from PIL import Image, UnidentifiedImageError
-
-    check_image_size(*declared_image_size(data, field_name), field_name, max_pixels)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
-            if image.format not in ("PNG", "JPEG"):
-                raise InvalidArgument(field_name, f"image format {image.format} is not png or jpeg")
-            check_image_size(image.width, image.height, field_name, max_pixels)  # what PIL will decode
-            image.load()
-            return image.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError,
-            Image.DecompressionBombError, Image.DecompressionBombWarning):
-        raise InvalidArgument(field_name, "not a readable png/jpeg image") from None
-
 
 @dataclass(frozen=True)
 class PromptLimits:
@@ -233,15 +135,6 @@ class PromptLimits:
     video: VideoLimits = VideoLimits()  # per video part, as its header declares
     video_fps: float = 2.0  # frames sampled per second of video (Qwen's own default)
 
-
-@dataclass
-class _Media:
-    """A prompt's decoded media, in prompt order (a video's audio track among the audio parts)."""
-
-    audios: list = field(default_factory=list)
-    audio_fields: list = field(default_factory=list)  # the request field each audio came from
-    images: list = field(default_factory=list)
-    videos: list = field(default_factory=list)
 
 
 class PromptBuilder:
@@ -315,7 +208,7 @@ class PromptBuilder:
 
     def audio_tokens_at_least(self, header: AudioHeader) -> int:
         """Prompt tokens an audio part of this header yields, at least (whole encoder chunks)."""
-        mel_frames = header.frames * AUDIO_SAMPLE_RATE // header.rate // _MEL_HOP
+        mel_frames = header.frames * AUDIO_SAMPLE_RATE // header.rate // MEL_HOP
         return self.audio_rules.at_least(mel_frames)
 
     def image_tokens(self, width: int, height: int) -> int:
@@ -363,7 +256,7 @@ class PromptBuilder:
                     headers[(i, j)] = header
                     at_least += video_tokens(self.video_rules, video_grid(self.video_rules, header, field_name))
                     if header.audio is not None:
-                        frames = int(header.audio.seconds * AUDIO_SAMPLE_RATE) // _MEL_HOP
+                        frames = int(header.audio.seconds * AUDIO_SAMPLE_RATE) // MEL_HOP
                         at_least += self.audio_rules.at_least(frames)
         if text_bytes > self.max_text_bytes:
             raise InvalidArgument(field_prefix, f"prompt text is {text_bytes} bytes, more than the {self.max_text_bytes} "
@@ -392,7 +285,7 @@ class PromptBuilder:
 
         use_audio_in_video = self._check_messages(messages, field_prefix)
         headers = self._check_declared(messages, field_prefix)
-        media = _Media()
+        media = Media()
         chat = [{"role": message.role.value,
                  "content": [self._decode_part(part, f"{field_prefix}[{i}].content[{j}]", headers.get((i, j)), media,
                                                use_audio_in_video)
@@ -428,7 +321,7 @@ class PromptBuilder:
             raise InvalidArgument("use_audio_in_video", "applies to every video of a prompt or to none")
         return with_audio == {True}
 
-    def _decode_part(self, part: Part, where: str, header, media: _Media, use_audio_in_video: bool) -> dict:
+    def _decode_part(self, part: Part, where: str, header, media: Media, use_audio_in_video: bool) -> dict:
         """One content part decoded into `media` (header: its declared size, checked already);
         returns its entry in the chat template's content."""
         if part.text is not None:
@@ -458,7 +351,8 @@ class PromptBuilder:
             return {"type": "video"}
         raise InvalidArgument(where, "empty content part")
 
-    def _media_inputs(self, media: _Media, use_audio_in_video: bool) -> tuple[dict, list[int], list[int]]:
+
+    def _media_inputs(self, media: Media, use_audio_in_video: bool) -> tuple[dict, list[int], list[int]]:
         """The processors' tensors for the decoded media, and the placeholder count of each audio
         and image."""
         import torch

@@ -8,18 +8,8 @@ import numpy as np
 import pytest
 
 from services.runtime.errors import InvalidArgument
-from services.runtime.prompt import (
-    AUDIO_SAMPLE_RATE,
-    ChatMessage,
-    Part,
-    PromptBuilder,
-    Role,
-    audio_output_lengths,
-    decode_audio,
-    decode_image,
-    default_voice,
-    resolve_voice,
-)
+from services.runtime.media import AUDIO_SAMPLE_RATE, audio_output_lengths, decode_audio, decode_image
+from services.runtime.prompt import ChatMessage, Part, PromptBuilder, Role, default_voice, resolve_voice
 
 
 def wav(samples: np.ndarray, rate: int, fmt: str = "WAV") -> bytes:
