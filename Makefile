@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # two cores: the suite waits on stage processes a third of its time (4:34 with 3, 5:45 with 2).
 TEST_WORKERS ?= 3
 
-.PHONY: setup tools proto proto-gen checkpoint run demo lint test test-portable test-all test-slow bench bench-wide clean setup-vllm test-vllm
+.PHONY: setup tools proto proto-gen checkpoint run demo lint test test-portable test-all test-slow bench bench-wide bench-conversations clean setup-vllm test-vllm
 
 setup: $(STAMP) tools
 
@@ -99,6 +99,11 @@ bench: setup checkpoint
 
 bench-wide: setup  # the wide preset: a ~58 M-parameter generated checkpoint (models/wide-qwen3-omni)
 	$(VENV)/bin/omni-bench --preset wide --gemm --out out/wide
+
+# Conversations on the wide preset: prefix cache on against off (4 conversations of 8 turns, text
+# and audio), then random against prefix routing over two thinkers (16 conversations).
+bench-conversations: setup
+	$(VENV)/bin/omni-bench --preset wide --conversations 4 --turns 8 --routing-conversations 16 --out out/conversations
 
 clean:
 	rm -rf $(VENV) $(VENV_VLLM) omni models out

@@ -47,6 +47,9 @@ class BenchConfig:
     gateway_url: str | None = None  # with --target: that stack's HTTP gateway (for the gateway system)
     cpu_layout: str = "auto"  # the stacks started here: the talker on CPUs of its own (services/tools/launcher.py)
     exact_batching: str = "auto"  # the thinker's and talker's --exact-batching in the `pipeline` stack
+    conversations: int = 0  # --conversations: the conversation mode (bench/conversations.py) instead
+    turns: int = 8
+    routing_conversations: int = 16
 
     @property
     def gateway(self) -> bool:
@@ -136,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gemm", action="store_true",
                    help="also run `pipeline-gemm`: a second stack with --exact-batching gemm (omni's invariant "
                         "GEMM, cpu float32), side by side with the others (make bench-wide)")
+    p.add_argument("--conversations", type=int, default=0,
+                   help="conversation mode (bench/conversations.py) instead of the systems above: this many "
+                        "conversations at once, prefix cache on against off (text and audio), then "
+                        "--routing-conversations over two thinkers, random against prefix routing")
+    p.add_argument("--turns", type=int, default=8, help="conversation mode: turns per conversation (default 8)")
+    p.add_argument("--routing-conversations", type=int, default=16,
+                   help="conversation mode: conversations at once in the routing comparison (default 16)")
     return p
 
 
@@ -183,6 +193,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1")
     if getattr(args, "gemm", False) and (args.device != "cpu" or args.dtype != "float32"):
         raise UserError("--gemm: the invariant GEMM runs on --device cpu --dtype float32 only")
+    if getattr(args, "conversations", 0) < 0 or getattr(args, "turns", 8) < 2 \
+            or getattr(args, "routing_conversations", 16) < 1:
+        raise UserError("--conversations must be >= 0, --turns >= 2, --routing-conversations >= 1")
     if args.prebuffer_ms < 0 or args.timeout <= 0 or args.threads < 0:
         raise UserError("--prebuffer-ms and --threads must be >= 0, --timeout > 0")
     return BenchConfig(
@@ -194,4 +207,6 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         floor_repeats=args.floor_repeats, first_chunk_frames=args.first_chunk_frames,
         prebuffer_ms=args.prebuffer_ms, timeout_s=args.timeout, gateway_url=args.gateway_url, preset=preset.name,
         cpu_layout=args.cpu_layout, exact_batching=getattr(args, "exact_batching", "auto"),
+        conversations=getattr(args, "conversations", 0), turns=getattr(args, "turns", 8),
+        routing_conversations=getattr(args, "routing_conversations", 16),
     )

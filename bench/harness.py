@@ -299,6 +299,13 @@ def main(argv: list[str] | None = None) -> int:
 
     def go() -> None:
         config = config_from_args(args)
+        if config.conversations:
+            from bench.conversations import render, run_conversations, write
+
+            report = run_conversations(config)
+            print(render(report))
+            print(f"wrote {write(report, config)}")
+            return
         report = run(config)
         json_path, png_path = write_outputs(report, config.out)
         print(render_table(report))

@@ -145,3 +145,11 @@ def test_prefix_routing_weighs_the_held_prefix_against_load():
     assert thinkers(Routing.LEAST_LOADED, {"a:1": 1, "b:1": 0}, {"a:1": 1500}).pick(prefix_keys=keys).address == "b:1"
     random_picks = {thinkers(Routing.RANDOM, {"a:1": 0, "b:1": 9}, {}).pick().address for _ in range(64)}
     assert random_picks == {"a:1", "b:1"}
+
+
+def test_a_restarted_replica_s_report_replaces_the_router_s_view():
+    view = PrefixView()
+    view.apply(common_pb2.PrefixReport(epoch=7, seq=3, full=True, held=[common_pb2.PrefixHeld(key=b"k", tokens=32)]))
+    assert view.request().prefix_epoch == 7 and view.request().prefix_since == 3
+    view.apply(common_pb2.PrefixReport(epoch=9, seq=0, full=True))  # another start: an empty cache
+    assert view.held == {} and view.matched([b"k"]) == 0 and view.epoch == 9
