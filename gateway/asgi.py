@@ -154,13 +154,17 @@ class CountAndLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         endpoint = self.ENDPOINTS.get(scope["path"])
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start" and endpoint is not None:
+                self.requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
         too_large = APIError(413, f"request body over {self.max_body_bytes >> 20} MB", "invalid_request_error",
                              None, "request_too_large")
         length = dict(scope.get("headers", ())).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            if endpoint is not None:
-                self.requests.labels(endpoint, "413").inc()
-            return await too_large.response()(scope, receive, send)
+            return await too_large.response()(scope, receive, counting_send)
         if length is None and scope.get("method") == "POST":
             # A chunked body: read it here (FastAPI reads it whole anyway), up to the limit, then
             # hand it on as one message.
@@ -173,19 +177,11 @@ class CountAndLimit:
                 size += len(chunks[-1])
                 more = message.get("more_body", False)
                 if size > self.max_body_bytes:
-                    if endpoint is not None:
-                        self.requests.labels(endpoint, "413").inc()
-                    return await too_large.response()(scope, receive, send)
+                    return await too_large.response()(scope, receive, counting_send)
             replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
             async def replaying_receive():
                 return replay.pop() if replay else await receive()
         else:
             replaying_receive = receive
-
-        async def counting_send(message):
-            if message["type"] == "http.response.start" and endpoint is not None:
-                self.requests.labels(endpoint, str(message["status"])).inc()
-            await send(message)
-
         await self.app(scope, replaying_receive, counting_send)

@@ -51,29 +51,21 @@ def _content(message, i: int, max_audio_seconds: float | None = None) -> list[om
                 raise bad_request(f"{at}.input_audio.data",
                                   f"{at}.input_audio.data: unreadable {part.input_audio.format}: {exc}") from None
         elif part.type == "image_url":
-            if part.image_url is None:
-                raise bad_request(f"{at}.image_url", f"{at}.image_url is required for an image_url part")
-            url = part.image_url.url
-            match = _DATA_URL.match(url)
-            if not match:
-                raise bad_request(f"{at}.image_url.url",
-                                  f"{at}.image_url.url: only data: URLs (base64) are accepted; the gateway "
-                                  f"fetches nothing from the network", code="unsupported_value")
-            parts.append(omni_pb2.Content(image=_b64(match["data"], f"{at}.image_url.url")))
+            parts.append(omni_pb2.Content(image=_data_url(part, at, "image_url", "an")))
         elif part.type == "video_url":
-            parts.append(omni_pb2.Content(video=_video(part, at)))
+            parts.append(omni_pb2.Content(video=_data_url(part, at, "video_url", "a")))
     return parts
 
 
-def _video(part, at: str) -> bytes:
-    """A video_url part's data: URL -> the file's bytes (the thinker checks the container)."""
-    if part.video_url is None:
-        raise bad_request(f"{at}.video_url", f"{at}.video_url is required for a video_url part")
-    match = _DATA_URL.match(part.video_url.url)
+def _data_url(part, at: str, kind: str, article: str) -> bytes:
+    """An image_url or video_url part's data: URL -> the file's bytes (the thinker checks the file)."""
+    if getattr(part, kind) is None:
+        raise bad_request(f"{at}.{kind}", f"{at}.{kind} is required for {article} {kind} part")
+    match = _DATA_URL.match(getattr(part, kind).url)
     if not match:
-        raise bad_request(f"{at}.video_url.url", f"{at}.video_url.url: only data: URLs (base64) are accepted; the "
-                                                 f"gateway fetches nothing from the network", code="unsupported_value")
-    return _b64(match["data"], f"{at}.video_url.url")
+        raise bad_request(f"{at}.{kind}.url", f"{at}.{kind}.url: only data: URLs (base64) are accepted; the "
+                                              f"gateway fetches nothing from the network", code="unsupported_value")
+    return _b64(match["data"], f"{at}.{kind}.url")
 
 
 def _use_audio_in_video(req: ChatCompletionRequest) -> bool:
