@@ -10,11 +10,9 @@ replica's `GetLoad`: `leaked` is the sum of their in-flight streams plus the rou
 requests, and must be 0. Prints the counts (one JSON line with `--json`); exits 1 if anything
 leaked or hung, or a request ended in a way its kind never should.
 
-The package: call.py (one call, watched and cancellable), malformed.py (requests the stack must
-refuse), leaks.py (stage loads, the router's gauges, the wait until they hold nothing), mix.py (the
-kinds of request, chaos, and the driver that runs them), cli.py (the command and its summary). The
-pieces (`Call`, `CancelPoint`, `malformed_requests`, `read_loads`, `wait_settled`) are what the
-reliability tests (tests/reliability) use too.
+A file a piece: call.py (one call, watched and cancellable), malformed.py, leaks.py (loads, gauges,
+settling), mix.py (the kinds of request, chaos, the driver), cli.py (the command, the summary); the
+reliability tests (tests/reliability) use them too.
 """
 
 from services.tools.soak.call import Call, CancelPoint, CancelWhen, method_for

@@ -202,7 +202,3 @@ def main(argv: list[str] | None = None) -> int:
     if code == 0 and not result[0].ok:
         return 1
     return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())
