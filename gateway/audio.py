@@ -29,7 +29,7 @@ MIME = {
     "pcm": "audio/pcm", "pcm16": "audio/pcm", "aac": "audio/aac",
 }
 INPUT_FORMATS = ("wav", "mp3", "flac")
-INPUT_SAMPLE_RATE = 16000  # what the thinker's Whisper feature extractor takes (services/runtime/prompt.py)
+INPUT_SAMPLE_RATE = 16000  # what the thinker's Whisper feature extractor takes (services/runtime/media.py)
 STREAMED_FORMATS = ("mp3", "opus", "wav")  # written progressively (StreamEncoder); flac is written whole
 # MP3 written progressively is constant bit rate: with no LAME tag (it is written last, at the front,
 # so a stream cannot carry it), decoders size a file from its first frame, exact only for CBR.
