@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import re
 import statistics
 from dataclasses import asdict, dataclass, field
 
@@ -51,7 +52,7 @@ SYSTEM_PROMPT = " ".join((
     "If the user sounds stressed, slow down, acknowledge it, and keep the answer even shorter.",
     "The household has two adults, two children aged seven and eleven, a dog called Pepper and a small garden.",
     "They live near the coast, cycle to school and work, and cook at home most evenings.",
-) * 3)
+))
 USER_SENTENCES = (
     "We are planning dinner for tonight and have rice, eggs, spinach, a lemon and some feta in the fridge.",
     "The children want something they can help with, and the younger one does not like spicy food.",
@@ -62,6 +63,9 @@ USER_SENTENCES = (
     "My eleven-year-old asked why the sea looks green near the harbour and blue further out.",
     "We have about forty minutes before we need to leave, so keep it simple, please.",
 )
+
+
+PLACEHOLDER = re.compile(r"<\|[a-z_]+_pad\|>")
 
 
 def user_turn(conversation: int, turn: int) -> str:
@@ -118,7 +122,10 @@ def run_turn(system: str, stub, conversations: list[Conversation], turn: int, ti
             return record
         record.prompt_tokens = got.final.usage.prompt_tokens
         record.ttft_ms, record.ttfp_ms = got.ttft_ms, got.ttfp_ms
-        conversation.request.messages.add(role=omni_pb2.ROLE_ASSISTANT).content.add(text=got.text)
+        # A generated checkpoint's random weights say media placeholders a client never sends back
+        # (the thinker refuses them in text: INVALID_ARGUMENT); a trained model does not say them.
+        reply = PLACEHOLDER.sub("", got.text)
+        conversation.request.messages.add(role=omni_pb2.ROLE_ASSISTANT).content.add(text=reply)
         return record
 
     def failed(exc: Exception) -> TurnRecord:

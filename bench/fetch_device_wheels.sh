@@ -8,6 +8,11 @@
 #                            not recorded for the image)
 #   grpcio-health-checking,  not on the image; every stage and the launcher import them
 #   grpcio-reflection 1.85.1
+#   grpcio-status 1.85.1,    not on the image; the stages' rich error details (google.rpc) import them
+#   googleapis-common-protos 1.76.0
+#   opentelemetry-* 1.45.2   not on the image; every process imports the tracing setup
+#   av 18.1.0 (36 MB)        not on the image; the thinker maps PyAV's FFmpeg at start (video input)
+#   (0.66b2 for the semantic conventions and the OTLP common package)
 #   protobuf 7.36.2          the generated *_pb2.py (protoc 7.35.1) need a 7.x runtime >= 7.35.1
 #   transformers 5.19.0      the image has 5.17.0; the engines are written and tested against 5.19
 #                            (row-wise experts hook, mask early exit, grouped_mm experts, no_init_weights).
@@ -25,8 +30,18 @@ WHEELS=(
   grpcio==1.85.3
   grpcio-health-checking==1.85.1
   grpcio-reflection==1.85.1
+  grpcio-status==1.85.1
+  googleapis-common-protos==1.76.0
   protobuf==7.36.2
   transformers==5.19.0
+  opentelemetry-api==1.45.2
+  opentelemetry-sdk==1.45.2
+  opentelemetry-exporter-otlp-proto-grpc==1.45.2
+  opentelemetry-exporter-otlp-proto-common==1.45.2
+  opentelemetry-exporter-otlp-common==0.66b2
+  opentelemetry-proto==1.45.2
+  opentelemetry-semantic-conventions==0.66b2
+  av==18.1.0
 )
 mkdir -p .whl
 for wheel in "${WHEELS[@]}"; do
