@@ -116,7 +116,7 @@ def chat_to_proto(req: ChatCompletionRequest, default_voice: str | None,
     if req.top_p is not None:
         out.thinker_sampling.top_p = req.top_p
     if req.seed is not None:
-        out.thinker_sampling.seed = req.seed
+        out.thinker_sampling.seed = req.seed % 2**64  # a negative int64 seed as its uint64 bits
     return out, audio, fmt
 
 

@@ -64,7 +64,7 @@ class ChatCompletionRequest(_Open):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # int64 or uint64; sent as uint64
     n: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -156,3 +156,20 @@ def test_a_non_streamed_reply_splices_its_base64_audio_into_valid_json():
     samples, rate = sf.read(io.BytesIO(base64.b64decode(audio["data"], validate=True)), dtype="float32")
     assert rate == 24000 and samples.shape == (3600,)
     assert json.loads(_render_completion({"x": 1}, None, "wav")) == {"x": 1}
+
+
+def test_a_seed_is_an_int64_or_a_uint64_and_anything_wider_is_refused_naming_it():
+    from pydantic import ValidationError
+
+    from gateway.convert import chat_to_proto
+    from gateway.schemas import ChatCompletionRequest
+
+    def seed_of(seed: int) -> int:
+        request = ChatCompletionRequest(model="omni", messages=[{"role": "user", "content": "hi"}], seed=seed)
+        return chat_to_proto(request, None)[0].thinker_sampling.seed
+
+    assert seed_of(7) == 7 and seed_of(2**64 - 1) == 2**64 - 1
+    assert seed_of(-1) == 2**64 - 1 and seed_of(-(2**63)) == 2**63  # the int64's bits
+    for wide in (2**64, -(2**63) - 1):
+        with pytest.raises(ValidationError, match="seed"):
+            ChatCompletionRequest(model="omni", messages=[{"role": "user", "content": "hi"}], seed=wide)
