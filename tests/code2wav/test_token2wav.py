@@ -207,6 +207,7 @@ def test_joins_are_no_worse_than_the_rest(runner, full, streamed):
     assert figures["max_jump_at_joins"] <= 10 * figures["p99_jump"] + 1e-7
 
 
+@pytest.mark.slow  # ~10 s of Token2Wav windows on 2 cores: make test-slow (CI)
 def test_windows_off_the_block_grid_keep_absolute_blocks(runner, voice, codes, full):
     # Windows that start and end mid-block (left 54, ahead 30, chunk 18: not multiples of a
     # block's 12 tokens) must partition attention blocks as the whole sequence does, not from
@@ -215,6 +216,7 @@ def test_windows_off_the_block_grid_keep_absolute_blocks(runner, voice, codes, f
     assert snr_db(full, audio) >= TOLERANCE_DB
 
 
+@pytest.mark.slow  # ~15 s for the three contexts: make test-slow (CI)
 @pytest.mark.parametrize("context", [StreamContext(left=0), StreamContext(ahead=0), StreamContext(vocoder=4)])
 def test_context_cut_short_is_far_below_the_tolerance(runner, voice, codes, full, context):
     _, audio = stream(runner, codes, voice, [25], context)
@@ -239,6 +241,7 @@ def run_engine(engine, arrivals):
     return {r: (np.concatenate(audio.get(r, [np.zeros(0, np.float32)])), done[r]) for r in done}
 
 
+@pytest.mark.slow  # ~12 s: make test-slow (CI); exact mode's any-load bits stay in make test
 def test_concurrent_requests_each_equal_their_own_forward(model, voice, codes, full):
     other_voice = random_voice(model, seed=3)
     engine = Token2WavEngine(model, {"a": voice, "b": other_voice}, default_voice="a", seed=SEED)

@@ -238,6 +238,7 @@ def test_speech_cut_at_the_talkers_limit_is_not_a_whole_response(client):
 
 
 
+@pytest.mark.slow  # three speech streams and a code2wav kill: ~26 s; make test-slow (CI)
 def test_a_stage_failing_mid_stream_is_not_a_whole_response(client, gw_stack, omni):
     """code2wav killed (-9) while three speech streams are under way: the router's call fails
     (UNAVAILABLE) after the headers and some audio went out. Raw pcm and raw mp3 end without

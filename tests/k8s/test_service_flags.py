@@ -163,6 +163,7 @@ def listed_services(port: int) -> set[str]:
         return {s.name for s in response.list_services_response.service}
 
 
+@pytest.mark.slow  # a code2wav process from its pod spec: ~28 s of make test's 2 cores; make test-slow (CI)
 def test_code2wav_starts_from_its_dev_cpu_pod_spec_and_reports_serving(overlays, tiny_checkpoint, tmp_path):
     """Runs the container's command with its args and environment (image ENV + ConfigMaps), its
     volumes as folders here (the checkpoint volume holding what the initContainer writes), and

@@ -19,7 +19,6 @@ import pytest
 from services.tools.client import ClientResult, build_request, collect, connect
 from services.tools.launcher import free_port
 from services.tools.soak import read_load, wait_settled
-from tests.migration.test_migration import snr_db
 from tests.stacks import stack_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -117,7 +116,7 @@ def test_a_killed_qwen2_5_replica_s_requests_move_and_complete_with_the_same_aud
             assert got.thinker_token_ids == want.thinker_token_ids
             assert got.codec_frames == want.codec_frames
             assert len(got.audio) == len(want.audio) > 0
-            assert snr_db(want.audio, got.audio) >= 100.0
+            assert np.array_equal(want.audio, got.audio)  # Token2Wav's windows: a grid, each alone
         moved = [r.final.migrations for r in results]
         assert sum(moved) >= 1 and max(moved) == 1, moved
         alive = {s: tuple(a for a in stack.addresses(s) if a != f"127.0.0.1:{stack.port(victim)}")
