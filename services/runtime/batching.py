@@ -389,6 +389,15 @@ def sdpa_prefill(config):
         config._attn_implementation = previous
 
 
+def attention_after_cached_keys(config, cached: bool):
+    """The attention a prefill after `cached` keys runs: SDPA with its real mask where the row-wise
+    attention would have none (`sdpa_prefill`), the invariant attention as it is (it masks by the
+    query's position itself), nothing changed without cached keys."""
+    if cached and config._attn_implementation == ROWWISE_ATTENTION:
+        return sdpa_prefill(config)
+    return contextlib.nullcontext()
+
+
 def use_exact_experts(*configs) -> None:
     """Switch these configs' MoE experts (where they have any) to `_rowwise_experts`, which is the
     configured implementation itself outside exact mode and for one token."""

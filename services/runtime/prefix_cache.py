@@ -70,6 +70,21 @@ def block_keys(input_ids: list[int], media_at: dict[int, bytes]) -> list[bytes]:
     return keys
 
 
+def row_block_keys(ids: list[int], rows: torch.Tensor) -> list[bytes]:
+    """The key of every whole block of a prompt given as input rows ([P, hidden], the talker's:
+    projected from the thinker's hidden states) with their token ids: a hash chain over both, so
+    the same rows after the same rows are the same block, bit for bit."""
+    data = rows.detach().to("cpu").contiguous().view(torch.uint8)  # [P, hidden * element size]
+    keys, key = [], b"omni-rows-v1"
+    for start in range(0, len(ids) - BLOCK_TOKENS + 1, BLOCK_TOKENS):
+        h = hashlib.blake2b(key, digest_size=_KEY_BYTES)
+        h.update(b"".join(t.to_bytes(4, "little") for t in ids[start:start + BLOCK_TOKENS]))
+        h.update(data[start:start + BLOCK_TOKENS].numpy().tobytes())
+        key = h.digest()
+        keys.append(key)
+    return keys
+
+
 @dataclass
 class _Block:
     key: bytes
@@ -175,10 +190,11 @@ class PrefixCache:
         slots = torch.tensor([b.slot for b in hit.blocks], device=self.finals.device)
         return self.finals[slots].reshape(-1, self.finals.shape[-1])
 
-    def store(self, keys: list[bytes], cache, finals: torch.Tensor, hidden: torch.Tensor | None, first: int) -> None:
+    def store(self, keys: list[bytes], cache, finals: torch.Tensor | None, hidden: torch.Tensor | None,
+              first: int) -> None:
         """Blocks `first`.. of `keys` from a finished prefill: `cache` holds every layer's keys and
-        values of the prompt, `finals` [P, hidden] its final hidden states, `hidden` [extra, P,
-        hidden] the extra layers (None: not computed)."""
+        values of the prompt, `finals` [P, hidden] its final hidden states (None: not kept), `hidden`
+        [extra, P, hidden] the extra layers (None: not computed)."""
         stored = first
         for b in range(first, len(keys)):
             span = slice(b * BLOCK_TOKENS, (b + 1) * BLOCK_TOKENS)
@@ -192,7 +208,8 @@ class PrefixCache:
                     layer_cache = cache.layers[layer]
                     self.keys[slot, layer] = layer_cache.keys[0, :, span]
                     self.values[slot, layer] = layer_cache.values[0, :, span]
-                self.finals[slot] = finals[span]
+                if finals is not None:
+                    self.finals[slot] = finals[span]
                 self._blocks[keys[b]] = block
             if hidden is not None and not block.extras:
                 self.extras[block.slot] = hidden[:, span]

@@ -143,3 +143,23 @@ def exact_batching(args: argparse.Namespace) -> bool:
 def exact_gemm(args: argparse.Namespace) -> bool:
     """`--exact-batching gemm`: linear layers and experts through the invariant GEMM."""
     return args.exact_batching == "gemm"
+
+
+DEFAULT_PREFIX_CACHE_MB = 2048
+
+
+def add_prefix_cache_flag(parser: argparse.ArgumentParser, what: str) -> None:
+    """--prefix-cache-mb of an LM stage (services/runtime/prefix_cache.py)."""
+    parser.add_argument("--prefix-cache-mb", type=int, default=env_default("prefix_cache_mb", -1),
+                        help=f"prefix cache pool: {what} (default -1: an eighth of the host's memory, at most "
+                             f"{DEFAULT_PREFIX_CACHE_MB}; 0 = off)")
+
+
+def prefix_cache_mb(flag: int) -> int:
+    """--prefix-cache-mb: as given (0: off), or, below 0, an eighth of the host's memory, at most 2048."""
+    if flag >= 0:
+        return flag
+    import os
+
+    memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
+    return min(DEFAULT_PREFIX_CACHE_MB, memory_mb // 8)

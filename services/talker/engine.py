@@ -27,7 +27,9 @@ import torch
 
 from services.runtime.batching import (
     SlotKVCache,
+    attention_after_cached_keys,
     batch_invariant,
+    use_invariant_attention,
     use_rowwise_attention,
 )
 from services.runtime.engine import StepResult
@@ -35,6 +37,7 @@ from services.runtime.events import EngineEvent
 from services.runtime.finish import FinishReason
 from services.runtime.invariance import choose_exact_kernels, experts_modules, linear_weights
 from services.runtime.lm_engine import SlotScheduledEngine
+from services.runtime.prefix_cache import BLOCK_TOKENS, PrefixCache, PrefixHit, row_block_keys, skipping_prefix
 from services.runtime.sampling import SamplingConfig, select_token
 from services.runtime.scheduler import LMScheduler
 from services.runtime.settings import GraphSettings
@@ -93,6 +96,7 @@ class TalkerEngineConfig:
     exact_gemm: bool = False  # exact mode's linear layers through the invariant GEMM (--exact-batching gemm)
     max_prefills_per_step: int = 1  # waiting requests prefilled in one step beside the decode batch
     graphs: GraphSettings = GraphSettings()  # CUDA graphs of the decode step and the code predictor
+    prefix_cache_mb: int = 0  # the prefix cache's pool (services/runtime/prefix_cache.py); 0: none
 
 
 @dataclass
@@ -157,6 +161,8 @@ class TalkerEngine(SlotScheduledEngine):
         self.predictor_sampling = SamplingConfig(temperature=float(temperature if temperature is not None else 1.0),
                                                  top_k=50, top_p=0.8)
         use_rowwise_attention(model.config.text_config, predictor.config)
+        if engine_config.exact_gemm:
+            use_invariant_attention(model.config.text_config)  # what makes a prefix hit exact
         self.dtype = dtype = next(model.parameters()).dtype
         # With graphs, one extra slot that no request owns takes the padded rows' writes.
         graph_slots = 1 if engine_config.graphs.enabled else 0
@@ -185,6 +191,27 @@ class TalkerEngine(SlotScheduledEngine):
         self._requests: dict[str, _State] = {}  # request_id -> state
         # (request_id, state, hidden [1, 1, H]) whose layer-0 code is picked, residuals to come (end_step)
         self._to_predict: list[tuple[str, _State, torch.Tensor]] = []
+        self._init_prefix_cache()
+
+    def _init_prefix_cache(self) -> None:
+        """The talker's prefix cache, when configured: a conversation's talker prompt repeats every
+        earlier user turn's rows (projected from the thinker's hidden states), keyed by those rows'
+        bits. Used where the thinker's are: with --exact-batching gemm (exact by construction: the
+        projections, the talker's linears and its attention give each row the same bits for any
+        row count) or off; refused with per-row kernels, whose bits follow the row count."""
+        self.prefix: PrefixCache | None = None
+        self.prefix_hits = True
+        if self.engine_config.prefix_cache_mb <= 0:
+            return
+        text = self.tc.text_config
+        dims = dict(layers=int(text.num_hidden_layers), kv_heads=int(text.num_key_value_heads),
+                    head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads),
+                    hidden=int(text.hidden_size), extra_layers=0, dtype=self.dtype)
+        blocks = self.engine_config.prefix_cache_mb * (1 << 20) // PrefixCache.block_bytes(**dims)
+        self.prefix = PrefixCache(**dims, device=self.device, capacity_blocks=max(1, blocks))
+        if self.exact_report is not None:
+            self.prefix_hits = self.engine_config.exact_gemm
+            self.exact_report.more["prefix_hit"] = "used" if self.prefix_hits else "refused"
 
     # The loop's interface.
     def add(self, request_id: str, job: TalkerJob) -> None:
@@ -234,11 +261,23 @@ class TalkerEngine(SlotScheduledEngine):
         position_ids = talker._prepare_position_ids_for_generation(
             inputs_embeds, self._position_kwargs(job, attention_mask, talker_ids))
         cache = DynamicCache(config=self.tc.text_config)
-        with self.timer:
-            out = talker(
-                inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
-                past_key_values=cache, use_cache=True, output_hidden_states=True,
-            )
+        keys = row_block_keys(talker_ids[0].tolist(), inputs_embeds[0]) if self.prefix is not None else []
+        hit = self.prefix.lookup(keys, (talker_ids.shape[1] - 1) // BLOCK_TOKENS, need_extras=False,
+                                 use=self.prefix_hits) if keys else PrefixHit()
+        try:
+            if hit.blocks:
+                self.prefix.preload(hit, cache)
+            with (self.timer, skipping_prefix(talker.model, hit.tokens),
+                  attention_after_cached_keys(self.tc.text_config, bool(hit.blocks))):
+                out = talker(
+                    inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
+                    past_key_values=cache, use_cache=True, output_hidden_states=True,
+                )
+        finally:
+            if hit.blocks:
+                self.prefix.release(hit)
+        if keys:
+            self.prefix.store(keys, cache, None, None, first=len(hit.blocks))
         self.cache.load(slot, cache)
         state.last_position = position_ids[..., -1:].clone()
         state.started = True

@@ -20,10 +20,12 @@ from services.runtime.settings import (
     GraphSettings,
     add_engine_flags,
     add_model_flags,
+    add_prefix_cache_flag,
     env_default,
     exact_batching,
     exact_gemm,
     model_config_from_args,
+    prefix_cache_mb,
 )
 from services.serving.channels import ChannelPool
 from services.serving.config import add_serving_flags, serving_config_from_args
@@ -85,6 +87,9 @@ async def create_server(config: TalkerConfig) -> tuple[ServerHandle, EngineLoop]
     handle, loop = start_stage(Stage.TALKER, engine, config.serving, SERVICE, cache_slots=config.engine.num_slots)
     servicer = TalkerServicer(loop, engine, config, adapter_cls(loaded.config, config), handle)
     stages_pb2_grpc.add_TalkerServicer_to_server(servicer, handle.server)
+    prefix = getattr(engine, "prefix", None)  # Qwen3-Omni's talker (Qwen2.5-Omni's has none)
+    if prefix is not None and loop.metrics is not None:
+        loop.metrics.prefix_cache(prefix)
     return handle, loop
 
 
@@ -93,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     add_model_flags(parser)
     add_serving_flags(parser, default_port=50062)
     add_engine_flags(parser)
+    add_prefix_cache_flag(parser, "Qwen3-Omni's talker keeps the KV of its prompt's blocks across requests (a "
+                                  "conversation's earlier user turns)")
     parser.add_argument("--first-chunk-frames", type=int, default=env_default("first_chunk_frames", 4),
                         help="frames in the first chunk sent to code2wav: time to first audio (default 4)")
     parser.add_argument("--chunk-frames", type=int, default=env_default("chunk_frames", 25),
@@ -117,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         engine = TalkerEngineConfig(max_batch_size=args.max_batch_size, num_slots=args.num_slots,
                                     max_prefills_per_step=args.max_prefills_per_step,
                                     max_model_len=args.max_model_len, exact_batching=exact_batching(args),
-                                    exact_gemm=exact_gemm(args),
-                                    graphs=model.graphs)
+                                    exact_gemm=exact_gemm(args), graphs=model.graphs,
+                                    prefix_cache_mb=prefix_cache_mb(args.prefix_cache_mb))
         config = TalkerConfig(
             serving=serving_config_from_args(args), model=model, engine=engine,
             chunks=chunks,

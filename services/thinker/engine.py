@@ -29,10 +29,9 @@ from typing import ClassVar
 import torch
 
 from services.runtime.batching import (
-    ROWWISE_ATTENTION,
     SlotKVCache,
+    attention_after_cached_keys,
     batch_invariant,
-    sdpa_prefill,
     use_invariant_attention,
     use_rowwise_attention,
 )
@@ -316,7 +315,8 @@ class ThinkerEngine(SlotScheduledEngine):
         try:
             if hit.blocks:
                 self.prefix.preload(hit, cache)
-            with (self.timer, skipping_prefix(self.model.model, hit.tokens), self._attention_for(hit),
+            with (self.timer, skipping_prefix(self.model.model, hit.tokens),
+                  attention_after_cached_keys(self.model.config.text_config, bool(hit.blocks)),
                   self._lm_head_rows(hit, finals)):
                 out = self.model(**kwargs, position_ids=position_ids, past_key_values=cache, use_cache=True,
                                  output_hidden_states=want_hidden)
@@ -357,12 +357,6 @@ class ThinkerEngine(SlotScheduledEngine):
             yield
         finally:
             handle.remove()
-
-    def _attention_for(self, hit: PrefixHit):
-        """A prefill after cached blocks needs SDPA's real mask (batching.sdpa_prefill's NOTE)."""
-        text = self.model.config.text_config
-        return sdpa_prefill(text) if hit.blocks and text._attn_implementation == ROWWISE_ATTENTION \
-            else contextlib.nullcontext()
 
     @torch.inference_mode()
     def decode(self, request_ids: list[str], slots: list[int]) -> StepResult:

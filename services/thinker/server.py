@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import sys
 from contextlib import aclosing
 
@@ -28,11 +27,13 @@ from services.runtime.settings import (
     GraphSettings,
     add_engine_flags,
     add_model_flags,
+    add_prefix_cache_flag,
     env_default,
     exact_batching,
     exact_gemm,
     model_config_from_args,
     on_unless_cuda,
+    prefix_cache_mb,
 )
 from services.runtime.video import VideoLimits
 from services.serving.channels import ChannelPool
@@ -73,7 +74,6 @@ _ROLES = {omni_pb2.ROLE_SYSTEM: Role.SYSTEM, omni_pb2.ROLE_USER: Role.USER, omni
 # the stages are busy anyway and holds only move text work around (measured at 16: TTFP p50 +10 %).
 AUDIO_FIRST_MARGIN = 4
 AUDIO_FIRST_HOLD_S = 1.0
-DEFAULT_PREFIX_CACHE_MB = 2048
 
 
 def messages_from_proto(request: omni_pb2.GenerateRequest) -> list[ChatMessage]:
@@ -251,10 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vllm-gpu-memory-utilization", type=float,
                         default=env_default("vllm_gpu_memory_utilization", 0.9),
                         help="vLLM backend: fraction of GPU memory vLLM may take (default 0.9)")
-    parser.add_argument("--prefix-cache-mb", type=int, default=env_default("prefix_cache_mb", -1),
-                        help="transformers backend: the prefix cache's pool, which keeps prompt KV blocks across "
-                             "requests so a conversation's turn prefills only its new part (default: an eighth of "
-                             "the host's memory, at most 2048; 0 = off). The vLLM backend uses vLLM's own")
+    add_prefix_cache_flag(parser, "the thinker keeps prompt KV blocks across requests, so a conversation's turn "
+                                  "prefills only its new part; the vLLM backend uses vLLM's own")
     parser.add_argument("--audio-first", choices=["auto", "on", "off"], default=env_default("audio_first", "auto"),
                         help="hold a spoken request's text at the talker's first chunk + 4 tokens until the talker "
                              "answers, so text nobody hears yet does not slow the first audio where the stages "
@@ -280,14 +278,6 @@ def add_input_limit_flags(parser: argparse.ArgumentParser) -> None:
                         help="largest video frame in pixels, as declared (default 3840x2160)")
     parser.add_argument("--video-fps", type=float, default=env_default("video_fps", 2.0),
                         help="frames sampled per second of video (default 2, Qwen's)")
-
-
-def prefix_cache_mb(flag: int) -> int:
-    """--prefix-cache-mb: as given (0: off), or, below 0, an eighth of the host's memory, at most 2048."""
-    if flag >= 0:
-        return flag
-    memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
-    return min(DEFAULT_PREFIX_CACHE_MB, memory_mb // 8)
 
 
 def config_from_args(args: argparse.Namespace) -> ThinkerConfig:

@@ -1,6 +1,7 @@
 """A conversation through the stack with two thinker replicas and prefix caches: every turn goes to
-the replica that holds the history, prefills only what is new there, and still equals transformers'
-`generate` on the whole history (ids and codec frames; audio against one vocoder forward).
+the replica that holds the history, prefills only what is new there (the talker too: its prompt
+repeats every earlier user turn), and still equals transformers' `generate` on the whole history
+(ids and codec frames; audio against one vocoder forward).
 
 The stack runs `--exact-batching gemm` (the mode whose cache hits are exact by construction:
 services/thinker/prefix_probe.py), so the oracle is `generate` through the same invariant GEMM and
@@ -38,16 +39,16 @@ def stack(tiny_checkpoint):
     gemm = ("--exact-batching", "gemm")
     base = free_port_block()
     with stack_of(tiny_checkpoint, thinker_replicas=2, thinker_args=gemm + ("--prefix-cache-mb", "16"),
-                  talker_args=gemm, router_args=("--routing", "prefix", "--poll-interval-s", "0.2"),
+                  talker_args=gemm + ("--prefix-cache-mb", "16"), router_args=("--routing", "prefix", "--poll-interval-s", "0.2"),
                   metrics_base_port=base) as running:
         yield running
 
 
-def thinker_counters(stack) -> dict[str, dict[str, float]]:
-    """thinker process name -> omni_prefix_cache_* counter -> value, read from its metrics port."""
+def prefix_counters(stack, stage: str) -> dict[str, dict[str, float]]:
+    """`stage`'s process name -> omni_prefix_cache_* counter -> value, read from its metrics port."""
     out = {}
     for name, process in stack.processes.items():
-        if name.startswith("thinker"):
+        if name.startswith(stage):
             port = process.args[process.args.index("--metrics-port") + 1]
             text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
             out[name] = {s.name: s.value for family in text_string_to_metric_families(text.decode())
@@ -82,7 +83,7 @@ def test_every_turn_goes_where_its_history_is_and_equals_generate_on_the_whole_h
             request.messages.add(role=omni_pb2.ROLE_ASSISTANT).content.add(text=got.text)
     finally:
         channel.close()
-    counters = thinker_counters(stack)
+    counters = prefix_counters(stack, "thinker")
     hits = {name: c["omni_prefix_cache_hit_tokens_total"] for name, c in counters.items()}
     lookups = {name: c["omni_prefix_cache_lookup_tokens_total"] for name, c in counters.items()}
     # One replica served the conversation from its second turn on (the first went to either):
@@ -91,3 +92,5 @@ def test_every_turn_goes_where_its_history_is_and_equals_generate_on_the_whole_h
     assert hits[holder] > 0 and all(v == 0 for name, v in hits.items() if name != holder), hits
     assert hits[holder] >= 0.5 * lookups[holder], (hits, lookups)
     assert all(c["omni_prefix_cache_refused_tokens_total"] == 0 for c in counters.values())
+    (talker,) = prefix_counters(stack, "talker").values()  # its prompt: every user turn, then 9 assistant rows
+    assert talker["omni_prefix_cache_hit_tokens_total"] > 0 and talker["omni_prefix_cache_refused_tokens_total"] == 0

@@ -19,7 +19,8 @@ import torch
 from services.runtime.batching import KernelPath
 from services.runtime.checkpoint import Stage, load_stage
 from services.runtime.finish import FinishReason
-from services.runtime.prompt import PromptBuilder
+from services.runtime.prefix_cache import PromptPrefix
+from services.runtime.prompt import ChatMessage, Part, PromptBuilder, Role
 from services.runtime.qwen3_omni import talker_prompt_len
 from services.runtime.sampling import SamplingConfig
 from services.talker.engine import (
@@ -143,10 +144,10 @@ class Pipeline(TwoStagePipeline):
     in-process through the servers' adapters: a TextRow per token, TextEnd for the last."""
 
     def __init__(self, stages, builder, exact: bool = True, slots: int = SLOTS, text_every: dict | None = None,
-                 gemm: bool = False):
+                 gemm: bool = False, prefix_cache_mb: int = 0):
         thinker, talker = stages
         engine = dict(max_batch_size=slots, num_slots=slots, max_model_len=MAX_MODEL_LEN, exact_batching=exact,
-                      exact_gemm=gemm)
+                      exact_gemm=gemm, prefix_cache_mb=prefix_cache_mb)
         super().__init__(
             ThinkerEngine(thinker.model, thinker.config, engine_config=ThinkerEngineConfig(**engine)),
             TalkerEngine(talker.model, talker.config, engine_config=TalkerEngineConfig(**engine)),
@@ -163,7 +164,12 @@ class Pipeline(TwoStagePipeline):
     def add(self, case: Case, messages) -> None:
         self.cases[case.request_id] = case
         prompt = self.builder.build(messages)
-        self.jobs[case.request_id] = job = ThinkerJob(prompt, SamplingConfig(max_new_tokens=case.max_new_tokens), True)
+        prefix = None
+        if self.thinker.prefix is not None:  # where each message starts (the thinker server's prompt_prefix)
+            starts = (prompt.input_ids[0] == self.config.im_start_token_id).nonzero().flatten().tolist()
+            prefix = PromptPrefix(tuple(starts), (None,) * len(messages), tuple(bytes([i]) * 16 for i in range(len(messages))))
+        self.jobs[case.request_id] = job = ThinkerJob(prompt, SamplingConfig(max_new_tokens=case.max_new_tokens), True,
+                                                      prefix=prefix)
         self.thinker.add(case.request_id, job)
 
     def on_frame(self, rid: str, event: Frame) -> None:
@@ -356,3 +362,27 @@ def test_an_aborted_request_leaves_no_row_for_the_steps_code_predictor(stages):
     engine.abort("gone")
     events = engine.step()  # prefills "kept"
     assert {rid for rid, _ in events} == {"kept"} and all(isinstance(e, Frame) for _, e in events)
+
+
+@pytest.mark.exactness
+@pytest.mark.slow  # three generate calls through the invariant GEMM beside the pipeline: make test-slow (CI)
+def test_a_conversation_s_turns_from_both_prefix_caches_equal_generate_on_the_history(stages, builder,
+                                                                                     tiny_checkpoint):
+    """Three turns, each re-sending the history (the model's replies included), through one thinker
+    and one talker with prefix caches (--exact-batching gemm: hits exact by construction): every
+    turn's ids and frames are generate's on the whole history, and both caches hit (the talker's
+    prompt repeats every earlier user turn)."""
+    pipe = Pipeline(stages, builder, gemm=True, prefix_cache_mb=8)
+    runner = ReferenceRunner(tiny_checkpoint, gemm=True)
+    history = [ChatMessage(Role.SYSTEM, (Part(text="Be brief."),))]
+    for turn, text in enumerate(("Hello there! How are you today?", "Tell me about lighthouses.", "Why?")):
+        history.append(ChatMessage(Role.USER, (Part(text=text),)))
+        case = Case(f"turn-{turn}", text, "chelsie", False, False, 6, 10, 0)
+        pipe.run([case], {case.request_id: list(history)}, max_steps=pipe.steps + 400)
+        want = runner.generate(history, voice="chelsie", max_new_tokens=6, talker_max_new_tokens=10)
+        assert_equals_reference(pipe, {case.request_id: Expected(want.thinker_token_ids, want.codec_frames)},
+                                [case.request_id])
+        history.append(ChatMessage(Role.ASSISTANT, (Part(text=want.text),)))
+    assert pipe.thinker.prefix.stats.hit_tokens > 0 and pipe.talker.prefix.stats.hit_tokens > 0
+    assert pipe.talker.exact_report.paths()["prefix_hit"] == "used"
+    assert_clean(pipe)
