@@ -68,7 +68,9 @@ lint: setup
 # under torch's portable kernels (ATEN_CPU_CAPABILITY=default): a second ISA on the same host, so
 # a kernel invariant on one ISA only fails here, not on a user's machine. make test-portable runs
 # every exactness test under every capability this CPU offers, each at 1 and 2 torch threads
-# (OMNI_TEST_THREADS: the tests' own models and every stage process they start; tests/threads.py).
+# (OMNI_TEST_THREADS: the tests' own models and every stage process they start; tests/threads.py),
+# on cores / threads xdist workers: three workers of 2-thread stages on 2 cores spun OpenMP threads
+# so long that a code2wav's 3 s start-up probe ran past the 180 s start-up bound.
 PORTABLE_THREADS ?= 1 2
 OP_EXACTNESS := tests/common/test_batching.py tests/common/test_invariant_gemm.py tests/talker/test_code_predictor.py
 test: setup lint
@@ -80,8 +82,9 @@ test-portable: setup
 	case $$best in avx512*) caps="default avx2 avx512";; avx2) caps="default avx2";; *) caps="default";; esac; \
 	echo "test-portable: this CPU's best is $$best; running the exactness tests under: $$caps, at $(PORTABLE_THREADS) threads"; \
 	for cap in $$caps; do for threads in $(PORTABLE_THREADS); do \
-	  echo "test-portable: ATEN_CPU_CAPABILITY=$$cap OMNI_TEST_THREADS=$$threads"; \
-	  ATEN_CPU_CAPABILITY=$$cap OMNI_TEST_THREADS=$$threads $(PY) -m pytest -q -m exactness -n $(TEST_WORKERS) \
+	  workers=$$(( $$(nproc) / threads )); [ $$workers -ge 1 ] || workers=1; \
+	  echo "test-portable: ATEN_CPU_CAPABILITY=$$cap OMNI_TEST_THREADS=$$threads on $$workers worker(s)"; \
+	  ATEN_CPU_CAPABILITY=$$cap OMNI_TEST_THREADS=$$threads $(PY) -m pytest -q -m exactness -n $$workers \
 	    --dist loadscope --no-loadscope-reorder || exit 1; \
 	done; done
 

@@ -167,6 +167,7 @@ def test_each_turn_from_cached_blocks_equals_the_cold_prefill_and_generate(famil
 
 
 @pytest.mark.exactness
+@pytest.mark.slow  # 64 cold runs beside the batched ones, both families: ~10 s of make test's 2 cores
 def test_eight_conversations_at_once_equal_each_turn_alone(family, wav_bytes, png_bytes):
     """8 conversations, each turn of all 8 added together (prefilled one a step beside the others'
     decoding), from the cache (gemm mode: hits by construction of every linear layer), against each
