@@ -134,6 +134,22 @@ class PrefixCache:
         self.stats = PrefixStats()
         self.index = PrefixIndex()
 
+    @classmethod
+    def for_model(cls, text_config, megabytes: int, extra_layers: int, dtype, device) -> PrefixCache:
+        """A pool of `megabytes` (at least one block) for an LM with this text config."""
+        dims = dict(layers=int(text_config.num_hidden_layers), kv_heads=int(text_config.num_key_value_heads),
+                    head_dim=int(getattr(text_config, "head_dim", None)
+                                 or text_config.hidden_size // text_config.num_attention_heads),
+                    hidden=int(text_config.hidden_size), extra_layers=extra_layers, dtype=dtype)
+        blocks = megabytes * (1 << 20) // cls.block_bytes(**dims)
+        return cls(**dims, device=device, capacity_blocks=max(1, blocks))
+
+    def empty_like(self, capacity_blocks: int) -> PrefixCache:
+        """Another pool of the same layout and `capacity_blocks` blocks, nothing held."""
+        return PrefixCache(layers=self.layers, kv_heads=self.keys.shape[2], head_dim=self.keys.shape[-1],
+                           hidden=self.extras.shape[-1], extra_layers=self.extras.shape[1], dtype=self.keys.dtype,
+                           device=self.keys.device, capacity_blocks=capacity_blocks)
+
     @staticmethod
     def block_bytes(*, layers: int, kv_heads: int, head_dim: int, hidden: int, extra_layers: int, dtype) -> int:
         element = torch.tensor([], dtype=dtype).element_size()

@@ -203,12 +203,8 @@ class TalkerEngine(SlotScheduledEngine):
         self.prefix_hits = True
         if self.engine_config.prefix_cache_mb <= 0:
             return
-        text = self.tc.text_config
-        dims = dict(layers=int(text.num_hidden_layers), kv_heads=int(text.num_key_value_heads),
-                    head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads),
-                    hidden=int(text.hidden_size), extra_layers=0, dtype=self.dtype)
-        blocks = self.engine_config.prefix_cache_mb * (1 << 20) // PrefixCache.block_bytes(**dims)
-        self.prefix = PrefixCache(**dims, device=self.device, capacity_blocks=max(1, blocks))
+        self.prefix = PrefixCache.for_model(self.tc.text_config, self.engine_config.prefix_cache_mb, 0, self.dtype,
+                                            self.device)
         if self.exact_report is not None:
             self.prefix_hits = self.engine_config.exact_gemm
             self.exact_report.more["prefix_hit"] = "used" if self.prefix_hits else "refused"

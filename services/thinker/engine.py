@@ -199,12 +199,8 @@ class ThinkerEngine(SlotScheduledEngine):
         self.prefix_probe: str | None = None  # why hits are refused (None: not refused)
         if self.engine_config.prefix_cache_mb <= 0:
             return
-        text = self.model.config.text_config
-        dims = dict(layers=int(text.num_hidden_layers), kv_heads=int(text.num_key_value_heads),
-                    head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads),
-                    hidden=int(text.hidden_size), extra_layers=len(self.prefix_layers), dtype=self.dtype)
-        blocks = self.engine_config.prefix_cache_mb * (1 << 20) // PrefixCache.block_bytes(**dims)
-        self.prefix = PrefixCache(**dims, device=self.device, capacity_blocks=max(1, blocks))
+        self.prefix = PrefixCache.for_model(self.model.config.text_config, self.engine_config.prefix_cache_mb,
+                                            len(self.prefix_layers), self.dtype, self.device)
         if self.engine_config.exact_batching:
             from services.thinker.prefix_probe import refused_hits
 

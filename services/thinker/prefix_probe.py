@@ -73,9 +73,7 @@ def _differs(engine, tokens: int, cached_blocks: int, scratch: PrefixCache) -> s
 def probe_prefix_hits(engine) -> str | None:
     """None if every case gave the same bits both ways; else why not (logged)."""
     own = engine.prefix
-    scratch = PrefixCache(layers=own.layers, kv_heads=own.keys.shape[2], head_dim=own.keys.shape[-1],
-                          hidden=own.extras.shape[-1], extra_layers=own.extras.shape[1], dtype=own.keys.dtype,
-                          device=own.keys.device, capacity_blocks=max(c for _, c in CASES))
+    scratch = own.empty_like(max(c for _, c in CASES))
     engine.prefix = scratch  # forward_prompt preloads from engine.prefix
     why = None
     try:

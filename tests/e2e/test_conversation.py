@@ -11,13 +11,10 @@ of a voice assistant does; the first user turn carries an audio clip, the second
 
 from __future__ import annotations
 
-import urllib.request
-
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from bench.stage_metrics import free_port_block
+from bench.stage_metrics import free_port_block, scrape
 from omni.v1 import omni_pb2
 from services.thinker.server import messages_from_proto
 from services.tools.client import collect, connect
@@ -50,9 +47,8 @@ def prefix_counters(stack, stage: str) -> dict[str, dict[str, float]]:
     for name, process in stack.processes.items():
         if name.startswith(stage):
             port = process.args[process.args.index("--metrics-port") + 1]
-            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
-            out[name] = {s.name: s.value for family in text_string_to_metric_families(text.decode())
-                         for s in family.samples if s.name.startswith("omni_prefix_cache_")}
+            out[name] = {sample: value for (sample, _), value in scrape(f"http://127.0.0.1:{port}/metrics").items()
+                         if sample.startswith("omni_prefix_cache_")}
     return out
 
 
