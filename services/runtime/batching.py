@@ -411,6 +411,21 @@ def use_exact_experts(*configs) -> None:
             config._experts_implementation = ROWWISE_EXPERTS
 
 
+def use_capturable_experts(*configs, dtype: torch.dtype) -> None:
+    """CUDA graphs: transformers' grouped_mm experts run weights other than bfloat16 through a
+    fallback that reads each expert's token count on the host (a device-to-host copy inside the
+    step, which capture forbids; seen on an H200 in float32). Those configs run batched_mm, which
+    gathers each (token, expert) pair's weights on the device: capturable in any dtype. The
+    choice is the model's, so the eager steps of the same model run it too."""
+    if dtype == torch.bfloat16:
+        return
+    for config in configs:
+        name = "_omni_base_experts" if getattr(config, "_experts_implementation", None) == ROWWISE_EXPERTS \
+            else "_experts_implementation"
+        if getattr(config, name, None) == "grouped_mm":
+            setattr(config, name, "batched_mm")
+
+
 class SlotKVCache:
     """Keys and values of up to `slots` requests, [slots, kv_heads, max_len, head_dim] per layer,
     allocated once. A request holds one slot from prefill to its end."""

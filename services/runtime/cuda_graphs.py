@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -158,7 +159,8 @@ class GraphRunner:
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 outputs = _as_tuple(self.fn(*static))
         except Exception as exc:  # noqa: BLE001 - any capture error: serve eagerly
-            self.stats.failed = f"{key}: {type(exc).__name__}: {exc}"
+            where = traceback.extract_tb(exc.__traceback__)[-1]  # the op that broke capture
+            self.stats.failed = f"{key}: {type(exc).__name__}: {exc} (at {where.filename}:{where.lineno} {where.name})"
             log.warning("%s: CUDA graph capture failed, running eagerly from now on (%s)", self.name, self.stats.failed)
             self.enabled = False
             self._graphs.clear()

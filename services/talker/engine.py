@@ -29,6 +29,7 @@ from services.runtime.batching import (
     SlotKVCache,
     attention_after_cached_keys,
     batch_invariant,
+    use_capturable_experts,
     use_invariant_attention,
     use_rowwise_attention,
 )
@@ -180,6 +181,7 @@ class TalkerEngine(SlotScheduledEngine):
         self.graphs = self.predictor_graphs = None
         if engine_config.graphs.enabled:
             hidden = model.config.text_config.hidden_size
+            use_capturable_experts(model.config.text_config, dtype=dtype)
             self.graphs = SlotDecodeGraphs(talker_step(model, self.cache), self.cache, engine_config.num_slots,
                                            engine_config.graphs, engine_config.exact_batching, "talker decode", device)
             self.graphs.capture_all(torch.zeros((1, 1, hidden), dtype=dtype))

@@ -32,6 +32,7 @@ from services.runtime.batching import (
     SlotKVCache,
     attention_after_cached_keys,
     batch_invariant,
+    use_capturable_experts,
     use_invariant_attention,
     use_rowwise_attention,
 )
@@ -175,6 +176,7 @@ class ThinkerEngine(SlotScheduledEngine):
                                             engine_config.max_model_len, dtype, device)
         self.graphs = None
         if engine_config.graphs.enabled:
+            use_capturable_experts(text_config, dtype=dtype)
             self.graphs = SlotDecodeGraphs(thinker_step(model, self.cache), self.cache, engine_config.num_slots,
                                            engine_config.graphs, engine_config.exact_batching, "thinker decode", device)
             self.graphs.capture_all(torch.zeros((1, 1), dtype=torch.long))
