@@ -1,5 +1,6 @@
-"""The thinker's prefix cache: the KV of prompt blocks computed before, kept across requests, so a
-conversation's turn prefills only what its history does not already hold.
+"""The prefix cache of the thinker (and of Qwen3-Omni's talker): the KV of prompt blocks computed
+before, kept across requests, so a conversation's turn prefills only what its history does not
+already hold.
 
 A prompt is cut into blocks of BLOCK_TOKENS tokens. Block b's key is a hash chain: the previous
 block's key, the block's token ids and the media digests of the messages that start in it
@@ -119,14 +120,16 @@ class PrefixCache:
     the final hidden states [blocks, BLOCK, hidden], the extra layers' [blocks, extra, BLOCK, hidden]."""
 
     def __init__(self, *, layers: int, kv_heads: int, head_dim: int, hidden: int, extra_layers: int, dtype,
-                 device, capacity_blocks: int):
+                 device, capacity_blocks: int, holds: bool = True):
         if capacity_blocks < 1:
             raise ValueError(f"a prefix cache needs at least one block, got {capacity_blocks}")
-        shape = (capacity_blocks, layers, kv_heads, BLOCK_TOKENS, head_dim)
+        rows = capacity_blocks if holds else 0  # holds False: the bookkeeping alone (`ledger`)
+        shape = (rows, layers, kv_heads, BLOCK_TOKENS, head_dim)
         self.keys = torch.empty(shape, dtype=dtype, device=device)
         self.values = torch.empty(shape, dtype=dtype, device=device)
-        self.extras = torch.empty((capacity_blocks, extra_layers, BLOCK_TOKENS, hidden), dtype=dtype, device=device)
-        self.finals = torch.empty((capacity_blocks, BLOCK_TOKENS, hidden), dtype=dtype, device=device)
+        self.extras = torch.empty((rows, extra_layers, BLOCK_TOKENS, hidden), dtype=dtype, device=device)
+        self.finals = torch.empty((rows, BLOCK_TOKENS, hidden), dtype=dtype, device=device)
+        self.holds = holds
         self.layers = layers
         self.capacity = capacity_blocks
         self._free = list(range(capacity_blocks - 1, -1, -1))
@@ -144,11 +147,18 @@ class PrefixCache:
         blocks = megabytes * (1 << 20) // cls.block_bytes(**dims)
         return cls(**dims, device=device, capacity_blocks=max(1, blocks))
 
-    def empty_like(self, capacity_blocks: int) -> PrefixCache:
+    def empty_like(self, capacity_blocks: int, holds: bool = True) -> PrefixCache:
         """Another pool of the same layout and `capacity_blocks` blocks, nothing held."""
         return PrefixCache(layers=self.layers, kv_heads=self.keys.shape[2], head_dim=self.keys.shape[-1],
                            hidden=self.extras.shape[-1], extra_layers=self.extras.shape[1], dtype=self.keys.dtype,
-                           device=self.keys.device, capacity_blocks=capacity_blocks)
+                           device=self.keys.device, capacity_blocks=capacity_blocks, holds=holds)
+
+    def ledger(self) -> PrefixCache:
+        """What an engine that refuses hits keeps instead of this pool: the same blocks' bookkeeping
+        without their tensors. Lookups still count what a prefill would have found (refused_tokens,
+        what a pool of this size would save where hits are used); a prefill copies nothing, and the
+        router is told of nothing held (a refused hit is not worth routing to)."""
+        return self.empty_like(self.capacity, holds=False)
 
     @staticmethod
     def block_bytes(*, layers: int, kv_heads: int, head_dim: int, hidden: int, extra_layers: int, dtype) -> int:
@@ -220,15 +230,16 @@ class PrefixCache:
                 if slot is None:
                     break  # every block pinned: nothing more is kept
                 block = _Block(keys[b], slot, extras=False)
-                for layer in range(self.layers):
+                for layer in range(self.layers if self.holds else 0):
                     layer_cache = cache.layers[layer]
                     self.keys[slot, layer] = layer_cache.keys[0, :, span]
                     self.values[slot, layer] = layer_cache.values[0, :, span]
-                if finals is not None:
+                if finals is not None and self.holds:
                     self.finals[slot] = finals[span]
                 self._blocks[keys[b]] = block
             if hidden is not None and not block.extras:
-                self.extras[block.slot] = hidden[:, span]
+                if self.holds:
+                    self.extras[block.slot] = hidden[:, span]
                 block.extras = True
             stored = b + 1
         for key in reversed(keys[:stored]):  # the chain's first block the most recent: its tail goes first
@@ -237,6 +248,8 @@ class PrefixCache:
 
     def held(self, prefix: PromptPrefix, keys: list[bytes]) -> None:
         """After `store`: each message prefix whose whole blocks are all held goes in the index."""
+        if not self.holds:
+            return
         for j, message_key in enumerate(prefix.keys):
             blocks = min(prefix.starts[j + 1] // BLOCK_TOKENS, len(keys))
             if blocks and all(k in self._blocks for k in keys[:blocks]):

@@ -210,6 +210,8 @@ class TalkerEngine(SlotScheduledEngine):
         if self.exact_report is not None:
             self.prefix_hits = self.engine_config.exact_gemm
             self.exact_report.more["prefix_hit"] = "used" if self.prefix_hits else "refused"
+            if not self.prefix_hits:
+                self.prefix = self.prefix.ledger()
 
     # The loop's interface.
     def add(self, request_id: str, job: TalkerJob) -> None:

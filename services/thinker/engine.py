@@ -209,6 +209,8 @@ class ThinkerEngine(SlotScheduledEngine):
             self.prefix_probe = refused_hits(self)
             self.prefix_hits = self.prefix_probe is None
             self.exact_report.more["prefix_hit"] = "used" if self.prefix_hits else "refused"
+            if not self.prefix_hits:
+                self.prefix = self.prefix.ledger()
 
     # The loop's interface.
     def add(self, request_id: str, job: ThinkerJob) -> None:

@@ -80,6 +80,19 @@ def test_a_full_pool_evicts_the_least_recently_used_and_never_a_pinned_block():
         c.release(hit)
 
 
+def test_a_ledger_counts_what_a_refused_lookup_would_have_found_and_copies_nothing():
+    # What an engine that refuses hits keeps (per-row kernels): the pool's bookkeeping, no tensors.
+    ledger = pool(4).ledger()
+    assert ledger.capacity == 4 and ledger.keys.numel() == ledger.finals.numel() == ledger.extras.numel() == 0
+    ids = [6] * (2 * BLOCK_TOKENS + 1)
+    keys = block_keys(ids, {})
+    ledger.store(keys, *prefilled(len(ids), 1), first=0)
+    ledger.held(PromptPrefix(starts=(0, len(ids)), media=(None,), keys=(b"m0",)), keys)
+    assert ledger.blocks == 2 and ledger.index.report(0, 0)[3] == []  # nothing the router should route to
+    assert ledger.lookup(keys, 2, need_extras=True, use=False).tokens == 0
+    assert ledger.stats.refused_tokens == 2 * BLOCK_TOKENS and ledger.stats.hit_tokens == 0
+
+
 def test_the_index_reports_changes_since_a_poll_and_everything_to_a_new_reader():
     c = pool(2)
     ids = [9] * (2 * BLOCK_TOKENS + 3)
