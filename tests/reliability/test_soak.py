@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 
+import grpc
 import pytest
 
 from services.tools.soak import main
+from services.tools.soak.mix import Kind, plan, run_planned
 from tests.threads import torch_threads
 
 from .support import assert_recovered
@@ -24,12 +27,27 @@ def test_a_short_soak_reports_nothing_leaked_or_hung(stack, omni, capsys):
     assert summary["ok"] and summary["leaked"] == 0 and summary["hung"] == 0, summary
     assert summary["unexpected"] == {}, summary["examples"]
     assert summary["completed"] > 0 and summary["cancelled"] > 0, summary
+    assert sum(summary["kinds"].values()) == summary["requests"], summary
     # Memory per process, first vs last window (a third of this short run).
     assert set(summary["memory"]) == {"thinker-0", "talker-0", "code2wav-0", "router"}, summary["memory"]
     for name, memory in summary["memory"].items():
         assert 0 < memory["first_mb"] <= memory["peak_mb"] and memory["window_s"] > 0, (name, memory)
     assert summary["requests"] == (summary["completed"] + summary["rejected"] + summary["cancelled"]
                                    + sum(summary["failed"].values()))
+    assert_recovered(stack, omni)
+
+
+@pytest.mark.parametrize(("kind", "close_after", "code"), [(Kind.SLOW_READER, 0, "OK"), (Kind.CHURN, 0, "OK"),
+                                                           (Kind.CHURN, 1, "CANCELLED")])
+def test_a_slow_reader_and_a_connection_closed_mid_stream_end_as_planned(stack, omni, kind, close_after, code):
+    """The soak's slow reader (a pause after each message) completes; a connection of its own,
+    closed once the call ended or right after its first message (churn), completes or is
+    cancelled; either way every stage lets go of the request."""
+    planned = next(p for p in (plan(random.Random(seed), kind, 60.0, chaos=False) for seed in range(100))
+                   if p.close_after == close_after)
+    with grpc.insecure_channel(stack.target) as channel:
+        outcome = run_planned(channel, planned, lambda: grpc.insecure_channel(stack.target))
+    assert (outcome.code, outcome.expected, outcome.hung) == (code, True, False), outcome
     assert_recovered(stack, omni)
 
 

@@ -31,6 +31,7 @@ class Summary:
     rejected: int  # RESOURCE_EXHAUSTED
     cancelled: int  # CANCELLED: this client cancelled
     failed: dict  # status code name -> count, every other non-OK end (expected ones included)
+    kinds: dict  # kind -> requests of it
     unexpected: dict  # "kind CODE" -> count of ends that kind never should have
     examples: dict  # "kind CODE" -> the status details of the first such unexpected end
     hung: int  # requests that ran into the hang bound, plus worker loops that never came back
@@ -54,7 +55,8 @@ class Summary:
         busy += f" (unreachable, counted as busy: {', '.join(self.unreachable)})" if self.unreachable else ""
         examples = [f"    {what}: {details}" for what, details in sorted(self.examples.items())]
         return [
-            f"omni-soak: {self.requests} requests in {self.duration_s:.1f} s",
+            f"omni-soak: {self.requests} requests in {self.duration_s:.1f} s "
+            f"({', '.join(f'{kind} {n}' for kind, n in self.kinds.items())})",
             f"  completed   {self.completed} ({self.migrated} after moving off a dead replica)",
             f"  rejected    {self.rejected}",
             f"  cancelled   {self.cancelled}",
@@ -78,6 +80,7 @@ def summarize(outcomes: list[Outcome], stuck_workers: int, settled: Settled, dur
         duration_s=duration_s, requests=len(outcomes), completed=codes["OK"], migrated=sum(o.migrated for o in outcomes),
         rejected=codes["RESOURCE_EXHAUSTED"],
         cancelled=codes["CANCELLED"], failed={c: n for c, n in sorted(codes.items()) if c not in skip},
+        kinds=dict(sorted(Counter(o.kind.value for o in outcomes).items())),
         unexpected=dict(Counter(key for key, _ in unexpected)),
         examples={key: details for key, details in reversed(unexpected)},
         hung=sum(o.hung for o in outcomes) + stuck_workers, leaked=settled.leaked, busy=settled.busy(),
@@ -134,11 +137,14 @@ def soak(args, log: Callable[[str], None]) -> Summary:
             replicas = read_router_gauges(metrics_url).replicas
         log(f"omni-soak: {args.workers} workers for {args.duration_s:g} s against {target}"
             f"{' with chaos' if args.chaos else ''}")
-        channel = grpc.insecure_channel(target, options=channel_options())
+        def connect() -> grpc.Channel:
+            return grpc.insecure_channel(target, options=channel_options())
+
+        channel = connect()
         watch = MemoryWatch(_pids(stack, args.watch_pid), args.memory_interval_s).start()
         # With a surviving talker replica, chaos's victims move to it and complete: UNAVAILABLE is a failure.
         run = Soak(channel, args.duration_s, args.workers, args.seed, args.hang_timeout_s,
-                   args.chaos and args.talker_replicas < 2)
+                   args.chaos and args.talker_replicas < 2, connect)
         chaos = []
         started = time.monotonic()
         stuck = run.run(on_started=lambda end: chaos.append(chaos_monkey(stack, end, log)) if args.chaos else None)

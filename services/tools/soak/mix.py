@@ -1,6 +1,6 @@
 """The soak's mix: the kinds of request (normal, text only, cancelled at a random point, expiring
-deadline, malformed), one planned at random per turn of a worker loop, the driver that runs the
-loops (`Soak`), and chaos (a talker replica killed and restarted)."""
+deadline, malformed, a slow reader, connection churn), one planned at random per turn of a worker
+loop, the driver that runs the loops (`Soak`), and chaos (a talker replica killed and restarted)."""
 
 from __future__ import annotations
 
@@ -26,9 +26,12 @@ class Kind(Enum):
     CANCEL = "cancel"
     DEADLINE = "deadline"
     MALFORMED = "malformed"
+    SLOW_READER = "slow_reader"  # takes each message late: the stages' sends wait on flow control
+    CHURN = "churn"  # on a connection of its own, closed as the call ends or right after its first message
 
 
-MIX = {Kind.NORMAL: 4, Kind.TEXT_ONLY: 2, Kind.CANCEL: 3, Kind.DEADLINE: 1, Kind.MALFORMED: 1}  # kind -> weight
+MIX = {Kind.NORMAL: 4, Kind.TEXT_ONLY: 2, Kind.CANCEL: 3, Kind.DEADLINE: 1, Kind.MALFORMED: 1,  # kind -> weight
+       Kind.SLOW_READER: 1, Kind.CHURN: 1}
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,8 @@ class Planned:
     expected: frozenset  # status codes this kind may end with
     cancel_at: CancelPoint | None = None
     what: str = ""  # the malformed case's name
+    pause_s: float = 0.0  # a slow reader's wait after each message
+    close_after: int = 0  # churn: its connection is closed after this many messages (0: once the call ended)
 
 
 def plan(rng: random.Random, kind: Kind, hang_timeout_s: float, chaos: bool) -> Planned:
@@ -60,6 +65,15 @@ def plan(rng: random.Random, kind: Kind, hang_timeout_s: float, chaos: bool) -> 
         count = rng.randint(1, text_tokens - 1) if when is CancelWhen.AFTER_TEXT else rng.randint(1, 2)
         point = CancelPoint(when, count, delay_s=rng.uniform(0.0, 0.05))
         return Planned(kind, request, hang_timeout_s, frozenset({Code.CANCELLED} | anywhere), point)
+    if kind is Kind.SLOW_READER:
+        request = build_request(prompt, max_new_tokens=rng.randint(4, 8), talker_max_new_tokens=rng.randint(20, 60))
+        return Planned(kind, request, hang_timeout_s, frozenset({Code.OK} | anywhere), pause_s=rng.uniform(0.05, 0.2))
+    if kind is Kind.CHURN:
+        request = build_request(prompt, max_new_tokens=rng.randint(4, 12), talker_max_new_tokens=rng.randint(10, 60))
+        close_after = rng.choice((0, 1))
+        return Planned(kind, request, hang_timeout_s, frozenset({Code.OK} | anywhere | ({Code.CANCELLED} if close_after
+                                                                                            else set())),
+                       close_after=close_after)
     if kind is Kind.DEADLINE:
         request = build_request(prompt, max_new_tokens=8, talker_max_new_tokens=400)
         return Planned(kind, request, rng.uniform(0.2, 0.5), frozenset({Code.DEADLINE_EXCEEDED} | anywhere))
@@ -81,8 +95,15 @@ class Outcome:
     migrated: bool = False  # completed after moving off a replica that died
 
 
-def run_planned(channel: grpc.Channel, planned: Planned) -> Outcome:
-    call = Call(method_for(channel, planned.request), planned.request, planned.timeout, planned.cancel_at).run()
+def run_planned(channel: grpc.Channel, planned: Planned, connect: Callable[[], grpc.Channel] | None = None) -> Outcome:
+    """One planned request to its end; churn opens its own connection with `connect`."""
+    own = connect() if planned.kind is Kind.CHURN else None
+    try:
+        call = Call(method_for(own or channel, planned.request), planned.request, planned.timeout, planned.cancel_at,
+                    _after_each_message(planned, own)).run()
+    finally:
+        if own is not None:
+            own.close()
     hung = call.code is Code.DEADLINE_EXCEEDED and planned.kind is not Kind.DEADLINE
     # A request planned to be cancelled whose cancel point never came (the text ended before it,
     # as random weights may say <|im_end|> early) completes: that is no failure.
@@ -90,6 +111,15 @@ def run_planned(channel: grpc.Channel, planned: Planned) -> Outcome:
     expected = (call.code in planned.expected or never_cancelled) and not hung
     return Outcome(planned.kind, call.code.name, expected, hung, call.seconds,
                    call.details, planned.what, bool(call.final is not None and call.final.migrations))
+
+
+def _after_each_message(planned: Planned, own: grpc.Channel | None) -> Callable[[Call], None] | None:
+    """What the client does once a message is read: a slow reader waits; churn may close its connection."""
+    if planned.pause_s:
+        return lambda call: time.sleep(planned.pause_s)
+    if own is not None and planned.close_after:
+        return lambda call: own.close() if call.messages >= planned.close_after else None
+    return None
 
 
 @dataclass
@@ -100,6 +130,7 @@ class Soak:
     seed: int
     hang_timeout_s: float
     chaos: bool
+    connect: Callable[[], grpc.Channel]  # a new connection to the target (churn)
     outcomes: list[Outcome] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -108,7 +139,7 @@ class Soak:
         kinds, weights = zip(*MIX.items())
         while time.monotonic() < end:
             planned = plan(rng, rng.choices(kinds, weights)[0], self.hang_timeout_s, self.chaos)
-            outcome = run_planned(self.channel, planned)
+            outcome = run_planned(self.channel, planned, self.connect)
             with self._lock:
                 self.outcomes.append(outcome)
 
