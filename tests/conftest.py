@@ -50,6 +50,12 @@ def pytest_configure(config) -> None:
         # Under xdist, each worker's in-process torch gets its share of the cores (at least one):
         # workers each with torch's default of one thread a core ran the compute tests 2-4x slower.
         threads = max(1, (os.cpu_count() or 1) // int(workers))
+    if (configured_threads() or 1) > 1:
+        # Stage processes on several threads each share the cores with up to seven others (the
+        # migration stack has 8 processes): OpenMP's default wait policy spins at every barrier, and
+        # on 2 cores at 2 threads they starved each other (a code2wav start-up ran past its 180 s).
+        # A passive wait sleeps instead; how an op splits its work, and so its bits, is unchanged.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if threads is not None:
         # OMNI_TEST_THREADS (tests/threads.py) sets it for every process, xdist or not. Tests about
         # thread counts set their own; stage processes get --threads from tests/stacks.py.
