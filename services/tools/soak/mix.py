@@ -71,9 +71,8 @@ def plan(rng: random.Random, kind: Kind, hang_timeout_s: float, chaos: bool) -> 
     if kind is Kind.CHURN:
         request = build_request(prompt, max_new_tokens=rng.randint(4, 12), talker_max_new_tokens=rng.randint(10, 60))
         close_after = rng.choice((0, 1))
-        return Planned(kind, request, hang_timeout_s, frozenset({Code.OK} | anywhere | ({Code.CANCELLED} if close_after
-                                                                                            else set())),
-                       close_after=close_after)
+        ends = {Code.OK, Code.CANCELLED} if close_after else {Code.OK}  # closed mid-stream: CANCELLED
+        return Planned(kind, request, hang_timeout_s, frozenset(ends | anywhere), close_after=close_after)
     if kind is Kind.DEADLINE:
         request = build_request(prompt, max_new_tokens=8, talker_max_new_tokens=400)
         return Planned(kind, request, rng.uniform(0.2, 0.5), frozenset({Code.DEADLINE_EXCEEDED} | anywhere))
