@@ -6,9 +6,9 @@ or `--stage-address stage=host:port`, so it can read every stage's load at the e
 send normal requests, text-only ones, ones cancelled at a random point, ones whose deadline
 expires mid-stream, malformed ones, slow readers (a pause after each message) and churn (a
 connection of its own, closed once the call ended or after its first message); `--chaos` also
-kills a talker replica (SIGKILL) a third of the way in and restarts it. Then it waits for the stack to settle and reads every stage
-replica's `GetLoad`: `leaked` is the sum of their in-flight streams plus the router's admitted
-requests, and must be 0. Prints the counts (one JSON line with `--json`); exits 1 if anything
+kills a talker replica (SIGKILL) a third of the way in and restarts it. Then it waits for the
+stack to settle and reads every stage replica's `GetLoad`: `leaked` is the sum of their in-flight
+streams plus the router's admitted requests, and must be 0. Prints the counts (one JSON line with `--json`); exits 1 if anything
 leaked or hung, or a request ended in a way its kind never should.
 
 A file a piece: call.py (one call, watched and cancellable), malformed.py, leaks.py (loads, gauges,
