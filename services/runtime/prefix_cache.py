@@ -230,12 +230,8 @@ class PrefixCache:
                 if slot is None:
                     break  # every block pinned: nothing more is kept
                 block = _Block(keys[b], slot, extras=False)
-                for layer in range(self.layers if self.holds else 0):
-                    layer_cache = cache.layers[layer]
-                    self.keys[slot, layer] = layer_cache.keys[0, :, span]
-                    self.values[slot, layer] = layer_cache.values[0, :, span]
-                if finals is not None and self.holds:
-                    self.finals[slot] = finals[span]
+                if self.holds:
+                    self._write(slot, cache, finals, span)
                 self._blocks[keys[b]] = block
             if hidden is not None and not block.extras:
                 if self.holds:
@@ -245,6 +241,15 @@ class PrefixCache:
         for key in reversed(keys[:stored]):  # the chain's first block the most recent: its tail goes first
             if key in self._blocks:
                 self._blocks.move_to_end(key)
+
+    def _write(self, slot: int, cache, finals: torch.Tensor | None, span: slice) -> None:
+        """One block of a finished prefill into the pool: every layer's keys and values, its finals."""
+        for layer in range(self.layers):
+            layer_cache = cache.layers[layer]
+            self.keys[slot, layer] = layer_cache.keys[0, :, span]
+            self.values[slot, layer] = layer_cache.values[0, :, span]
+        if finals is not None:
+            self.finals[slot] = finals[span]
 
     def held(self, prefix: PromptPrefix, keys: list[bytes]) -> None:
         """After `store`: each message prefix whose whole blocks are all held goes in the index."""
