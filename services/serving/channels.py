@@ -7,6 +7,7 @@ so a stream that was running through the rotation is not cut."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import replace
 
 import grpc
@@ -16,6 +17,8 @@ from services.serving.security import TLSConfig, secure_or_insecure_channel
 
 # Longer than any stream (the stages' 300 s drain bound), so retiring a channel never cancels one.
 RETIRE_GRACE_S = 900.0
+# Longer than a channel's longest reconnect backoff (grpc_server.channel_options: 1 s, +20 % jitter).
+READY_WAIT_S = 1.5
 
 
 class RotatingChannels:
@@ -41,6 +44,19 @@ class RotatingChannels:
         channel = secure_or_insecure_channel(target, material, self.options)
         self._channels[target] = (channel, generation)
         return channel
+
+    async def wait_ready(self, target: str, timeout_s: float = READY_WAIT_S) -> None:
+        """Give the channel to `target` up to `timeout_s` to connect before a stream is opened on it.
+
+        The router sends a request to a replica as soon as its own health check sees it, while
+        this process's channel to the same address may still sit in its reconnect backoff (the
+        replica came back within the last second). A call on such a channel fails at once, and
+        the stream would move to a fallback for nothing. Returns either way: on a replica that is
+        really down the call that follows fails as it would have, `timeout_s` later."""
+        channel = self.get(target)
+        if channel.get_state(try_to_connect=True) is not grpc.ChannelConnectivity.READY:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(channel.channel_ready(), timeout_s)
 
     def _retire(self, channel: grpc.aio.Channel) -> None:
         try:

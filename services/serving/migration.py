@@ -19,7 +19,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from omni.v1 import common_pb2
@@ -129,11 +129,13 @@ class Downstream:
 
     def __init__(self, owner: str, stage: str, replicas: list[str], open_call: Callable[[str], Any],
                  sink: EventSink, is_final: Callable[[object], bool], max_moves: int,
-                 metrics: StageMetrics | None = None, stall_timeout_s: float | None = None):
+                 metrics: StageMetrics | None = None, stall_timeout_s: float | None = None,
+                 wait_ready: Callable[[str], Awaitable[None]] | None = None):
         self.owner = owner  # the stage this stream goes out of (metrics, logs)
         self.stage = stage
         self._replicas = list(replicas)  # primary first, then fallbacks
         self._open_call = open_call  # address -> a new bidi call
+        self._wait_ready = wait_ready  # address -> until its channel connects (ChannelPool.wait_ready)
         self._sink = sink
         self._is_final = is_final
         self.max_moves = max_moves
@@ -154,8 +156,11 @@ class Downstream:
         self._watch: asyncio.Task | None = None
         self._migration: Migration | None = None  # the open `migrate` span of the last move, until its first output
 
-    def open(self) -> None:
-        self._connect(self._replicas.pop(0))
+    async def open(self) -> None:
+        replica = self._replicas.pop(0)
+        if self._wait_ready is not None:
+            await self._wait_ready(replica)
+        self._connect(replica)
 
     def _connect(self, replica: str) -> None:
         self.replica = replica
@@ -209,6 +214,8 @@ class Downstream:
         self.moves += 1
         self.moved_at = time.perf_counter()
         self._migration = Migration(self.owner, self.stage, left, self._replicas[0], self.moves, exc.detail)
+        if self._wait_ready is not None:
+            await self._wait_ready(self._replicas[0])
         with self._migration.current():  # the replay's call (and so the new replica's spans) under `migrate`
             self._connect(self._replicas.pop(0))
         self._count("moved")

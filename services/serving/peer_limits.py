@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import grpc
 
@@ -13,7 +14,12 @@ from services.serving.status import StageUnavailable
 
 class PeerLimits:
     """The limits of each replica of the next stage, learnt from its load report and kept for
-    `ttl_s` (a replica restarted with other flags is seen within that time)."""
+    `ttl_s` (a replica restarted with other flags is seen within that time).
+
+    The read waits for the channel to be ready (within `timeout_s`): the router routes to a
+    replica as soon as its own health check sees it again, while this stage's channel to the
+    same address may still sit in its reconnect backoff (up to a second, grpc_server's
+    channel_options), and a plain call on such a channel fails at once."""
 
     def __init__(self, stage: str, channels: ChannelPool, ttl_s: float = 30.0, timeout_s: float = 2.0):
         self.stage = stage
@@ -28,10 +34,23 @@ class PeerLimits:
             return known[1]
         try:
             report = await stages_pb2_grpc.TalkerStub(self.channels.get(address)).GetLoad(
-                common_pb2.LoadRequest(), timeout=self.timeout_s)
+                common_pb2.LoadRequest(), timeout=self.timeout_s, wait_for_ready=True)
         except grpc.aio.AioRpcError as exc:
             raise StageUnavailable(self.stage, address, f"cannot read its limits: {exc.details() or exc.code().name}") from None
         if not report.HasField("limits"):
             raise StageUnavailable(self.stage, address, "its load report carries no limits")
         self._known[address] = (time.monotonic(), report.limits)
         return report.limits
+
+    async def first_of(self, addresses: Sequence[str]) -> common_pb2.StageLimits:
+        """The limits of the first replica in `addresses` (the route's primary, then its
+        fallbacks) that answers: a request whose primary died before it started still starts,
+        and its stream moves to the fallback as it would mid-stream. Raises the primary's
+        failure when none answers."""
+        first_failure = None
+        for address in addresses:
+            try:
+                return await self.get(address)
+            except StageUnavailable as exc:
+                first_failure = first_failure or exc
+        raise first_failure

@@ -128,8 +128,8 @@ class SpeakStream:
                                          stages_pb2_grpc.Code2WavStub(s.channels.get(address)).Decode,
                                          timeout=time_remaining(self.context)),
             self.sink, lambda out: out.HasField("final"), route.max_migrations, s.metrics,
-            stall_timeout_s=s.config.serving.stall_timeout_s(stages_below=0))
-        self.decode.open()
+            stall_timeout_s=s.config.serving.stall_timeout_s(stages_below=0), wait_ready=s.channels.wait_ready)
+        await self.decode.open()
         await self.decode.write(stages_pb2.Code2WavInput(start=stages_pb2.Code2WavStart(
             request_id=self.request_id, voice=self.start.voice if self.start.HasField("voice") else None)))
 

@@ -123,7 +123,8 @@ class ThinkerStream:
             if wants_audio(self.req):
                 if not self.route.talker:
                     raise InvalidArgument("route.talker", "audio output needs a talker replica in the route")
-                self.talker_limits = await self.servicer.talker_limits.get(self.route.talker)
+                self.talker_limits = await self.servicer.talker_limits.first_of(
+                    [self.route.talker, *self.route.talker_fallbacks])
             self.prepared = await asyncio.to_thread(self.servicer.prepare, self.req, self.talker_limits)
         except (InvalidArgument, StageUnavailable) as exc:
             self.spans.finish("invalid_argument" if isinstance(exc, InvalidArgument) else "unavailable")
@@ -191,8 +192,8 @@ class ThinkerStream:
                                          stages_pb2_grpc.TalkerStub(s.channels.get(address)).Speak,
                                          timeout=time_remaining(self.context)),
             self.sink, lambda out: out.HasField("final"), self.route.max_migrations, s.metrics,
-            stall_timeout_s=s.config.serving.stall_timeout_s(stages_below=1))
-        self.speak.open()
+            stall_timeout_s=s.config.serving.stall_timeout_s(stages_below=1), wait_ready=s.channels.wait_ready)
+        await self.speak.open()
         self.talker_start = s.adapter.talker_start(self.req, self.route, prefilled, self.prepared.job)
         self.talker_start.replay = self.request.replay  # a replay of the router's
         await self.speak.write(stages_pb2.TalkerInput(start=self.talker_start))

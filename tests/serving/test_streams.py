@@ -225,7 +225,7 @@ def test_a_downstream_given_up_cancels_its_call_and_its_relay_delivers_nothing_m
         sink = EventSink(asyncio.get_running_loop())
         downstream = Downstream("talker", "code2wav", [address], lambda a: calls.append(open_call(a)) or calls[-1],
                                 sink, is_final, max_moves=0)
-        downstream.open()
+        await downstream.open()
         for _ in range(3):
             await sink.get(5.0)
         downstream.cancel()
@@ -282,7 +282,7 @@ def test_a_moved_downstream_replays_what_it_wrote_with_the_start_the_owner_amend
     async def body(open_call, address):
         sink = EventSink(asyncio.get_running_loop())
         downstream = Downstream("thinker", "talker", [address, address], open_call, sink, is_final, max_moves=1)
-        downstream.open()
+        await downstream.open()
         await downstream.write(b"start")
         await downstream.write(b"row 0")
         moved = await downstream.recover(StageUnavailable("talker", address, "killed"), first=b"start, a replay")
