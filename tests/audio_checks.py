@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -40,6 +40,7 @@ _FLOAT64_TWINS: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = we
 class AudioCheck:
     float32_snr_db: float  # the float32 forward against the float64 one: float32 rounding
     streamed_snr_db: float  # the audio under test against the float64 forward
+    truth: np.ndarray = field(repr=False, compare=False)  # the float64 forward's samples checked against
 
 
 def snr_db(reference: np.ndarray, test: np.ndarray) -> float:
@@ -88,7 +89,7 @@ def check_streamed_audio(model: torch.nn.Module, frames, audio: np.ndarray, star
         f"length: audio {audio.shape} from sample {start}, one forward gives {truth.shape[0]} samples")
     truth, float32 = truth[start:], float32[start:]
     assert np.sum(truth ** 2) > 0, "the float64 forward is silent: SNR would mean nothing"
-    check = AudioCheck(float32_snr_db=snr_db(truth, float32), streamed_snr_db=snr_db(truth, audio))
+    check = AudioCheck(float32_snr_db=snr_db(truth, float32), streamed_snr_db=snr_db(truth, audio), truth=truth)
     assert check.streamed_snr_db >= check.float32_snr_db - margin_db, (
         f"audio is {check.streamed_snr_db:.1f} dB from the float64 forward, the float32 forward "
         f"{check.float32_snr_db:.1f} dB: more than {margin_db} dB worse than float32 rounding")

@@ -33,7 +33,7 @@ from services.runtime.chunking import DEFAULT_CHUNKS, FrameChunker
 from services.runtime.full_size import REAL_LAYOUT, build_random_stage
 from services.runtime.stages import Stage
 from services.talker.server import TalkerConfig
-from tests.audio_checks import check_streamed_audio, decode_float64, snr_db
+from tests.audio_checks import check_streamed_audio, snr_db
 
 GRID = BlockGrid(DEFAULT_CHUNKS.schedule())
 
@@ -101,6 +101,5 @@ def test_real_vocoder_config_streams_within_float32_rounding():
     # Re-decoding 25 frames of left context cannot cover the ~580 frames the real vocoder reaches
     # back: right length, wrong audio (measured 3.3 dB).
     windowed = stream(StreamDecoder(WindowVocoder(model, geometry, GRID, 25)), frames, sizes)
-    truth = decode_float64(model, frames)
-    assert windowed.shape == truth.shape
-    assert snr_db(truth, windowed) < 30
+    assert windowed.shape == check.truth.shape
+    assert snr_db(check.truth, windowed) < 30
