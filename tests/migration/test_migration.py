@@ -13,11 +13,15 @@ migration, and every surviving replica must hold nothing afterwards.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import random
+import re
+import signal
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 
 import grpc
 import numpy as np
@@ -260,42 +264,74 @@ def name_of(stack, address: str) -> str:
     return next(name for name, p in stack.processes.items() if f"{stack.options.host}:{p.port}" == address)
 
 
+MOVED = re.compile(r"talker replica \S+ failed mid-stream .*; moved the request to (\S+) \(move")
+
+
+def moves_to(stack) -> collections.Counter:
+    """address -> the thinker's requests moved onto that talker replica so far (its log lines)."""
+    return collections.Counter(match.group(1) for p in stack.processes.values() if p.stage == "thinker"
+                               for line in list(p.output) if (match := MOVED.search(line)))
+
+
+def wait_moved(held: int, took: Callable[[], dict[str, int]]) -> dict[str, int]:
+    """Until the `held` requests of a killed talker reached other talkers (`took`: address -> how
+    many did so far), and what each took.
+    NOTE: `held` is read before the kill: a stream counted there may have been ending (its request
+    done) and never move. Once one move showed, 3 s without the rest is that case."""
+    deadline = time.monotonic() + 60
+    first_move = None  # when the first move showed
+    while True:
+        now = took()
+        if sum(now.values()) >= held:
+            return now
+        if sum(now.values()) and first_move is None:
+            first_move = time.monotonic()
+        if first_move is not None and time.monotonic() - first_move > 3.0:
+            return now
+        assert time.monotonic() < deadline, f"the moved requests never reached another talker: {now}, held {held}"
+        time.sleep(0.005)
+
+
 def kill_then_kill_during_the_replay(stack, stub, second_stage: str) -> tuple[Running, list[int], list[int], list[str]]:
-    """Kill the talker holding the most requests once every greedy one is a few chunks in; as soon
-    as the other talkers have opened the replay streams of the moved requests (counted by those
-    talkers: their streams_total), kill a second replica: of `second_stage` the one holding the
-    most (for "talker": the one that took the most replays). Returns the run, each request's audio
-    chunks at the first and at the second kill, and the killed processes."""
+    """Kill the talker holding the most requests once every greedy one is a few chunks in, then,
+    while the moved requests replay, a second replica. Returns the run, each request's audio chunks
+    at the first and at the second kill, and the killed processes.
+
+    For "talker" the other talkers are stopped (SIGSTOP) before the first kill, so a replay cannot
+    finish before the second kill whatever the host's speed: the moved requests reach a stopped
+    talker (the thinkers log each move), the one that took the most is killed, the other resumes.
+    For "code2wav" the replays run: once the other talkers have opened the moved requests' streams
+    (their own streams_total), the code2wav replica holding the most is killed."""
     running = Running(stub, hold=True)
     running.wait_greedy_streaming()
     wait_streamed(running, 3)
     first = victim_of(stack, "talker")
     held = read_load("talker", f"127.0.0.1:{stack.port(first)}").in_flight
-    before = streams_opened(stack, "talker")
-    before.pop(f"127.0.0.1:{stack.port(first)}")
-    at_first = list(running.audio_chunks)
-    stack.kill(first)
-    deadline = time.monotonic() + 60
-    first_replay = None  # when the first replay stream showed
-    while True:
-        now = streams_opened(stack, "talker")
-        took = {address: now.get(address, 0) - n for address, n in before.items()}
-        if sum(took.values()) >= held:
-            break
-        # NOTE: `held` is read before the kill: a stream counted there may have been ending (its
-        # request done) and never move. Once one replay showed, 3 s without the rest is that case.
-        if sum(took.values()) and first_replay is None:
-            first_replay = time.monotonic()
-        if first_replay is not None and time.monotonic() - first_replay > 3.0:
-            break
-        assert time.monotonic() < deadline, f"the moved requests never reached another talker: {took}, held {held}"
-        time.sleep(0.005)
+    others = [name for name, p in stack.processes.items() if p.stage == "talker" and name != first]
     if second_stage == "talker":
-        second = name_of(stack, max(took, key=took.get))
+        for name in others:
+            stack.kill(name, signal.SIGSTOP)
+        try:
+            before = moves_to(stack)
+            stack.kill(first)
+            took = wait_moved(held, lambda: dict(moves_to(stack) - before))
+            at_first = list(running.audio_chunks)  # no talker streams now: one is dead, the others stopped
+            second = name_of(stack, max(took, key=took.get))
+            stack.kill(second)
+            at_second = list(running.audio_chunks)
+        finally:
+            for name in others:
+                stack.kill(name, signal.SIGCONT)  # the killed one too: SIGCONT to a dead process is nothing
     else:
+        before = streams_opened(stack, "talker")
+        before.pop(f"127.0.0.1:{stack.port(first)}")
+        at_first = list(running.audio_chunks)
+        stack.kill(first)
+        wait_moved(held, lambda: {address: n - before[address]
+                                  for address, n in streams_opened(stack, "talker").items() if address in before})
         second = victim_of(stack, second_stage)
-    stack.kill(second)
-    at_second = list(running.audio_chunks)
+        stack.kill(second)
+        at_second = list(running.audio_chunks)
     running.join()
     return running, at_first, at_second, [first, second]
 
@@ -331,13 +367,10 @@ def test_a_replacement_that_dies_mid_replay_moves_the_request_again_with_the_sam
     with killed_twice(migrating, expected, "talker") as (moved, at_first, at_second):
         assert max(moved) <= 2, moved
         twice = [i for i, m in enumerate(moved) if m == 2]
-        # Mid-replay: a request moved twice got no new audio between the two kills (one that was on
-        # the second talker from the start, moved through the dead first one, may have streamed on).
-        # NOTE: the second kill races the replay; on a loaded host the replay can finish first.
-        # Then the case was not exercised (everything else still had to hold): skip, saying so.
-        mid_replay = any(at_second[i] == at_first[i] for i in twice)
-    if not mid_replay:
-        pytest.skip(f"the replay outran the second kill (migrations {moved}): no request was killed mid-replay")
+        # Mid-replay by construction: the replacement was stopped from before the first kill to
+        # its own, so no request heard new audio between the two kills.
+        assert twice, moved
+        assert all(at_second[i] == at_first[i] for i in twice), (moved, at_first, at_second)
 
 
 @pytest.mark.exactness
