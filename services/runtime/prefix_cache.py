@@ -138,14 +138,15 @@ class PrefixCache:
         self.index = PrefixIndex()
 
     @classmethod
-    def for_model(cls, text_config, megabytes: int, extra_layers: int, dtype, device) -> PrefixCache:
-        """A pool of `megabytes` (at least one block) for an LM with this text config."""
+    def for_model(cls, text_config, megabytes: int, extra_layers: int, dtype, device, holds: bool = True) -> PrefixCache:
+        """A pool of `megabytes` (at least one block) for an LM with this text config (`holds`
+        False: its `ledger`, the bookkeeping without the tensors)."""
         dims = dict(layers=int(text_config.num_hidden_layers), kv_heads=int(text_config.num_key_value_heads),
                     head_dim=int(getattr(text_config, "head_dim", None)
                                  or text_config.hidden_size // text_config.num_attention_heads),
                     hidden=int(text_config.hidden_size), extra_layers=extra_layers, dtype=dtype)
         blocks = megabytes * (1 << 20) // cls.block_bytes(**dims)
-        return cls(**dims, device=device, capacity_blocks=max(1, blocks))
+        return cls(**dims, device=device, capacity_blocks=max(1, blocks), holds=holds)
 
     def empty_like(self, capacity_blocks: int, holds: bool = True) -> PrefixCache:
         """Another pool of the same layout and `capacity_blocks` blocks, nothing held."""

@@ -20,6 +20,7 @@ decoding (docs/qwen3-omni.md):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -138,6 +139,44 @@ def refresh_ready(scheduler: LMScheduler, requests: dict, request_ids) -> None:
             scheduler.set_ready(request_id, requests[request_id].ready)
 
 
+def talker_prefix_cache(text_config, engine_config: TalkerEngineConfig, exact_report, dtype,
+                        device) -> tuple[PrefixCache | None, bool]:
+    """A talker's prefix cache, when configured, and whether it uses hits: a conversation's talker
+    prompt repeats the earlier turns' rows (made from the thinker's hidden states), keyed by those
+    rows' bits. Hits are used where the thinker's are: with --exact-batching gemm (exact by
+    construction: the invariant GEMM and attention give each row the same bits for any row count)
+    or off; refused with per-row kernels, whose bits follow the row count, and then the pool is a
+    `ledger` (the bookkeeping alone: what hits would have saved is still counted)."""
+    if engine_config.prefix_cache_mb <= 0:
+        return None, True
+    hits = True
+    if exact_report is not None:
+        hits = engine_config.exact_gemm
+        exact_report.more["prefix_hit"] = "used" if hits else "refused"
+    return PrefixCache.for_model(text_config, engine_config.prefix_cache_mb, 0, dtype, device, holds=hits), hits
+
+
+def prefill_from_prefix(prefix: PrefixCache | None, hits: bool, ids: list[int], rows: torch.Tensor, text_model,
+                        text_config, cache, forward: Callable[[], object]):
+    """`forward()`, a talker's prompt forward into `cache` (a fresh DynamicCache), from the blocks
+    `prefix` holds of that prompt (keys over its ids and input rows [P, H]): their keys and values
+    preloaded, `text_model`'s decoder stack run from there on; then the prompt's new whole blocks
+    stored. The forward's output."""
+    keys = row_block_keys(ids, rows) if prefix is not None else []
+    hit = prefix.lookup(keys, (len(ids) - 1) // BLOCK_TOKENS, need_extras=False, use=hits) if keys else PrefixHit()
+    try:
+        if hit.blocks:
+            prefix.preload(hit, cache)
+        with skipping_prefix(text_model, hit.tokens), attention_after_cached_keys(text_config, bool(hit.blocks)):
+            out = forward()
+    finally:
+        if hit.blocks:
+            prefix.release(hit)
+    if keys:
+        prefix.store(keys, cache, None, None, first=len(hit.blocks))
+    return out
+
+
 class TalkerEngine(SlotScheduledEngine):
     def __init__(self, model, config, device: str = "cpu", engine_config: TalkerEngineConfig = TalkerEngineConfig()):
         self.model = model
@@ -193,25 +232,8 @@ class TalkerEngine(SlotScheduledEngine):
         self._requests: dict[str, _State] = {}  # request_id -> state
         # (request_id, state, hidden [1, 1, H]) whose layer-0 code is picked, residuals to come (end_step)
         self._to_predict: list[tuple[str, _State, torch.Tensor]] = []
-        self._init_prefix_cache()
-
-    def _init_prefix_cache(self) -> None:
-        """The talker's prefix cache, when configured: a conversation's talker prompt repeats every
-        earlier user turn's rows (projected from the thinker's hidden states), keyed by those rows'
-        bits. Used where the thinker's are: with --exact-batching gemm (exact by construction: the
-        projections, the talker's linears and its attention give each row the same bits for any
-        row count) or off; refused with per-row kernels, whose bits follow the row count."""
-        self.prefix: PrefixCache | None = None
-        self.prefix_hits = True
-        if self.engine_config.prefix_cache_mb <= 0:
-            return
-        self.prefix = PrefixCache.for_model(self.tc.text_config, self.engine_config.prefix_cache_mb, 0, self.dtype,
-                                            self.device)
-        if self.exact_report is not None:
-            self.prefix_hits = self.engine_config.exact_gemm
-            self.exact_report.more["prefix_hit"] = "used" if self.prefix_hits else "refused"
-            if not self.prefix_hits:
-                self.prefix = self.prefix.ledger()
+        self.prefix, self.prefix_hits = talker_prefix_cache(model.config.text_config, engine_config,
+                                                            self.exact_report, dtype, device)
 
     # The loop's interface.
     def add(self, request_id: str, job: TalkerJob) -> None:
@@ -261,23 +283,12 @@ class TalkerEngine(SlotScheduledEngine):
         position_ids = talker._prepare_position_ids_for_generation(
             inputs_embeds, self._position_kwargs(job, attention_mask, talker_ids))
         cache = DynamicCache(config=self.tc.text_config)
-        keys = row_block_keys(talker_ids[0].tolist(), inputs_embeds[0]) if self.prefix is not None else []
-        hit = self.prefix.lookup(keys, (talker_ids.shape[1] - 1) // BLOCK_TOKENS, need_extras=False,
-                                 use=self.prefix_hits) if keys else PrefixHit()
-        try:
-            if hit.blocks:
-                self.prefix.preload(hit, cache)
-            with (self.timer, skipping_prefix(talker.model, hit.tokens),
-                  attention_after_cached_keys(self.tc.text_config, bool(hit.blocks))):
-                out = talker(
-                    inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
-                    past_key_values=cache, use_cache=True, output_hidden_states=True,
-                )
-        finally:
-            if hit.blocks:
-                self.prefix.release(hit)
-        if keys:
-            self.prefix.store(keys, cache, None, None, first=len(hit.blocks))
+        with self.timer:
+            out = prefill_from_prefix(
+                self.prefix, self.prefix_hits, talker_ids[0].tolist(), inputs_embeds[0], talker.model,
+                self.tc.text_config, cache,
+                lambda: talker(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
+                               past_key_values=cache, use_cache=True, output_hidden_states=True))
         self.cache.load(slot, cache)
         state.last_position = position_ids[..., -1:].clone()
         state.started = True

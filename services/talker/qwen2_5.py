@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from services.runtime.batching import SlotKVCache, batch_invariant, use_rowwise_attention
+from services.runtime.batching import SlotKVCache, batch_invariant, use_invariant_attention, use_rowwise_attention
 from services.runtime.engine import StepResult
 from services.runtime.finish import FinishReason
 from services.runtime.invariance import choose_exact_kernels, linear_weights
@@ -36,7 +36,15 @@ from services.runtime.sampling import SamplingConfig, select_token
 from services.runtime.scheduler import LMScheduler
 from services.runtime.stages import Stage
 from services.runtime.timing import ForwardTimer
-from services.talker.engine import Frame, TalkerDone, TalkerEngineConfig, end_text, refresh_ready
+from services.talker.engine import (
+    Frame,
+    TalkerDone,
+    TalkerEngineConfig,
+    end_text,
+    prefill_from_prefix,
+    refresh_ready,
+    talker_prefix_cache,
+)
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,8 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
         self.suppress = torch.zeros(self.vocab, dtype=torch.bool)  # generate's suppress_tokens=[codec_bos]
         self.suppress[self.codec_bos] = True
         use_rowwise_attention(model.config)
+        if engine_config.exact_gemm:
+            use_invariant_attention(model.config)  # what makes a prefix hit exact (the reference runs it too)
         self.dtype = next(model.parameters()).dtype
         self.exact_report = None  # which kernels exact mode runs here (services/runtime/invariance.py)
         if engine_config.exact_batching:
@@ -104,6 +114,11 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
                                             self.dtype, device)
         self.scheduler = LMScheduler(engine_config.max_batch_size, engine_config.num_slots, engine_config.max_model_len)
         self._requests: dict[str, _State] = {}  # request_id -> state
+        # The prompt rows are the thinker's hidden states of the whole history: a conversation's
+        # next turn repeats the earlier turns' rows, bit for bit where the thinker's kernels are
+        # invariant (gemm), so their blocks are cached like Qwen3-Omni's talker's.
+        self.prefix, self.prefix_hits = talker_prefix_cache(model.config, engine_config, self.exact_report,
+                                                            self.dtype, device)
 
     # The loop's interface.
     def add(self, request_id: str, job: Qwen2_5TalkerJob) -> None:
@@ -139,8 +154,11 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
         inputs_embeds = torch.cat((job.prompt_hidden.to(self.device, self.dtype).unsqueeze(0), text[None, :1],
                                    state.replies[0]), dim=1)  # [1, P + 2, H_thinker]
         cache = DynamicCache(config=self.model.config)
+        ids = [self.codec_mask] * job.prompt_hidden.shape[0] + [self.codec_pad, self.codec_bos]  # generate's
         with self.timer:  # no attention mask and no position ids: generate's own path (see the module docstring)
-            out = self.model(inputs_embeds=inputs_embeds, past_key_values=cache, use_cache=True)
+            out = prefill_from_prefix(
+                self.prefix, self.prefix_hits, ids, inputs_embeds[0], self.model.model, self.model.config, cache,
+                lambda: self.model(inputs_embeds=inputs_embeds, past_key_values=cache, use_cache=True))
         self.cache.load(slot, cache)
         state.started = True
         return self._after_forward([request_id], [state], out.logits[:, -1])

@@ -87,9 +87,8 @@ async def create_server(config: TalkerConfig) -> tuple[ServerHandle, EngineLoop]
     handle, loop = start_stage(Stage.TALKER, engine, config.serving, SERVICE, cache_slots=config.engine.num_slots)
     servicer = TalkerServicer(loop, engine, config, adapter_cls(loaded.config, config), handle)
     stages_pb2_grpc.add_TalkerServicer_to_server(servicer, handle.server)
-    prefix = getattr(engine, "prefix", None)  # Qwen3-Omni's talker (Qwen2.5-Omni's has none)
-    if prefix is not None and loop.metrics is not None:
-        loop.metrics.prefix_cache(prefix)
+    if engine.prefix is not None and loop.metrics is not None:
+        loop.metrics.prefix_cache(engine.prefix)
     return handle, loop
 
 

@@ -210,9 +210,10 @@ class ReferenceRunner:
         from services.runtime.batching import GEMM_KERNELS, use_exact_experts, use_invariant_attention, using_kernels
         from services.runtime.invariance import experts_modules
 
-        # The attention the engines run with --exact-batching gemm: the thinker's, and Qwen3-Omni's talker's.
+        # The attention the engines run with --exact-batching gemm: the thinker's and the talker's.
+        talker = self.model.config.talker_config
         use_invariant_attention(self.model.config.thinker_config.text_config,
-                                *([self.model.config.talker_config.text_config] if self.family is Family.QWEN3_OMNI else []))
+                                talker.text_config if self.family is Family.QWEN3_OMNI else talker)
 
         # The experts' own configs only: setting a composite config's implementation reaches its sub-configs.
         use_exact_experts(*{id(m.config): m.config for m in experts_modules(self.model)}.values())

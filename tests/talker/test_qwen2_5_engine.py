@@ -20,7 +20,7 @@ import torch
 from omni.v1 import omni_pb2, stages_pb2
 from services.runtime.checkpoint import voice_bos_tokens
 from services.runtime.finish import FinishReason
-from services.runtime.prompt import PromptBuilder
+from services.runtime.prompt import ChatMessage, Part, PromptBuilder, Role
 from services.runtime.qwen2_5_omni import resolve_voice
 from services.runtime.sampling import SamplingConfig
 from services.runtime.settings import ModelConfig
@@ -33,7 +33,7 @@ from services.thinker.engine import Finished, ThinkerEngineConfig, Token
 from services.thinker.qwen2_5 import Qwen2_5Prefilled, Qwen2_5ThinkerEngine, Qwen2_5ThinkerJob
 from services.thinker.qwen2_5_adapter import qwen2_5_talker_start, qwen2_5_text_tokens
 from services.tools.reference import ReferenceRunner
-from tests.qwen2_5_oracle import BY_ID, CASES, TALKER_EOS_IDS, case_messages, generate_reference, load_engine_stages, media
+from tests.qwen2_5_oracle import BY_ID, CASES, TALKER_EOS_IDS, Case, case_messages, generate_reference, load_engine_stages, media
 from tests.talker.pipeline import TwoStagePipeline, assert_clean
 
 SLOTS = 16
@@ -45,14 +45,16 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/thinker/te
 
 
 class Setup:
-    def __init__(self, folder):
-        self.runner = ReferenceRunner(folder)
+    def __init__(self, folder, gemm: bool = False, references: bool = True):
+        """`gemm`: the reference runs generate through the invariant GEMM and attention (the
+        oracle of --exact-batching gemm); `references`: generate's results for CASES, made now."""
+        self.runner = ReferenceRunner(folder, gemm=gemm)
         self.thinker, self.talker, self.config = load_engine_stages(folder)
         self.builder = PromptBuilder(folder, self.config)
         self.voices = voice_bos_tokens(folder)
         files = media()
         self.messages = {c.request_id: case_messages(c, files) for c in CASES}
-        self.expected = {c.request_id: self.reference(c) for c in CASES}
+        self.expected = {c.request_id: self.reference(c) for c in CASES} if references else {}
 
     def reference(self, case, eos_ids=TALKER_EOS_IDS):
         return generate_reference(self.runner, self.messages[case.request_id], case.voice, case.max_new_tokens,
@@ -75,14 +77,17 @@ class Pipeline(TwoStagePipeline):
     handed over in-process: a reply part per token, TextEnd after the last."""
 
     def __init__(self, setup: Setup, slots: int = SLOTS, text_every: dict | None = None,
-                 eos_ids: tuple[int, ...] = TALKER_EOS_IDS, wire: bool = False):
+                 eos_ids: tuple[int, ...] = TALKER_EOS_IDS, wire: bool = False, gemm: bool = False,
+                 talker_prefix_cache_mb: int = 0):
         config = setup.config
         super().__init__(
             Qwen2_5ThinkerEngine(setup.thinker, config, engine_config=ThinkerEngineConfig(
-                max_batch_size=slots, num_slots=slots, max_model_len=MAX_MODEL_LEN)),
+                max_batch_size=slots, num_slots=slots, max_model_len=MAX_MODEL_LEN, exact_gemm=gemm)),
             Qwen2_5TalkerEngine(setup.talker, config, engine_config=TalkerEngineConfig(
-                max_batch_size=slots, num_slots=slots, max_model_len=MAX_MODEL_LEN)),
+                max_batch_size=slots, num_slots=slots, max_model_len=MAX_MODEL_LEN, exact_gemm=gemm,
+                prefix_cache_mb=talker_prefix_cache_mb)),
             text_every)
+        self.messages: dict[str, list] = {}  # request_id -> its messages, where not setup.messages
         self.setup = setup
         self.wire = wire  # hand everything over as the servers do: protos, serialized and parsed back
         self.previous_id: dict[str, int] = {}  # request_id -> the last text id (wire: its TextToken comes next)
@@ -105,7 +110,7 @@ class Pipeline(TwoStagePipeline):
     def add(self, case) -> None:
         self.cases[case.request_id] = case
         _, bos = resolve_voice(self.setup.voices, case.voice)
-        prompt = self.setup.builder.build(self.setup.messages[case.request_id])
+        prompt = self.setup.builder.build(self.messages.get(case.request_id) or self.setup.messages[case.request_id])
         self.thinker.add(case.request_id, Qwen2_5ThinkerJob(
             prompt, SamplingConfig(max_new_tokens=case.max_new_tokens), True, voice_bos_token=bos))
 
@@ -352,3 +357,32 @@ def test_reply_part_after_the_end_is_refused(tiny):
         pipe.talker.add_input(case.request_id, ReplyPart(torch.zeros(hidden)))
     pipe.talker.abort(case.request_id)
     assert_clean(pipe)
+
+
+@pytest.mark.exactness
+@pytest.mark.slow  # three generate calls through the invariant GEMM beside the engines: make test-slow (CI)
+def test_a_conversation_s_turns_from_the_talker_s_prefix_cache_equal_generate_on_the_history(tiny_qwen2_5_checkpoint):
+    """Three turns, each re-sending the history (the model's replies included), through the two
+    engines with --exact-batching gemm and a talker prefix cache. Qwen2.5-Omni's talker prompt is
+    the thinker's hidden states of the whole history, so every turn after the first finds the
+    earlier turns' blocks, and its ids and codes are still generate's (through the same invariant
+    GEMM and attention) on the whole history. Per-row kernels refuse the hits (a ledger)."""
+    setup = Setup(tiny_qwen2_5_checkpoint, gemm=True, references=False)
+    pipe = Pipeline(setup, gemm=True, talker_prefix_cache_mb=8)
+    history = [ChatMessage(Role.SYSTEM, (Part(text="Be brief."),))]
+    for turn, text in enumerate(("Hello there! How are you today?", "Tell me about lighthouses.", "Why?")):
+        history.append(ChatMessage(Role.USER, (Part(text=text),)))
+        case = Case(f"turn-{turn}", text, "Chelsie", 6, 10, 0)
+        pipe.messages[case.request_id] = list(history)
+        pipe.run([case], max_steps=pipe.steps + 400)
+        want = generate_reference(setup.runner, history, case.voice, case.max_new_tokens, case.talker_max_new_tokens)
+        assert_equals_reference(pipe, [case.request_id], {case.request_id: want})
+        reply = setup.builder.tokenizer.decode(want.token_ids, skip_special_tokens=True)
+        history.append(ChatMessage(Role.ASSISTANT, (Part(text=reply),)))
+    stats = pipe.talker.prefix.stats
+    assert stats.hit_tokens > 0 and stats.refused_tokens == 0, stats
+    assert pipe.talker.exact_report.paths()["prefix_hit"] == "used"
+    assert_clean(pipe)
+    rows = Qwen2_5TalkerEngine(setup.talker, setup.config, engine_config=TalkerEngineConfig(
+        max_model_len=MAX_MODEL_LEN, prefix_cache_mb=8))
+    assert not rows.prefix.holds and rows.exact_report.paths()["prefix_hit"] == "refused"
