@@ -213,7 +213,6 @@ class Stack:
         they are gone, the exit is the error at once, rather than a router that waits for a stage
         until the deadline. Errors carry the process's last log lines."""
         process = self.processes[name]
-        service = "omni.v1.Omni" if process.stage == "router" else ""
         timeout_s = timeout_s or self.options.startup_timeout_s
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -223,14 +222,21 @@ class Stack:
             if peers and (gone := self._gone_need(process)) is not None:
                 raise UserError(f"{gone.name} exited with code {gone.popen.returncode} while {name} was starting, "
                                 f"which cannot be ready without it{self._log_tail(gone)}")
-            if (http_ready(f"http://{self.options.host}:{process.port}/health") if process.stage == "gateway"
-                    else health_status(f"{self.options.host}:{process.port}", service, tls=self.options.tls) == "SERVING"):
+            if self._serving(process):
                 return process.port
             time.sleep(0.1)
         seen = "" if process.stage != "router" else "; what the router polls, asked now: " + ", ".join(
             f"{p.name} {poll_as_the_router(p.stage, f'{self.options.host}:{p.port}', self.options.tls)}"
             for p in self.processes.values() if p.stage in tuple(Stage))
         raise UserError(f"{name} did not become healthy within {timeout_s:.0f} s{seen}{self._log_tail(process)}")
+
+    def _serving(self, process: Process) -> bool:
+        """Whether the process reports SERVING (grpc.health.v1: the router for omni.v1.Omni, every
+        stage has a healthy replica), or the gateway answers /health."""
+        if process.stage == "gateway":
+            return http_ready(f"http://{self.options.host}:{process.port}/health")
+        service = "omni.v1.Omni" if process.stage == "router" else ""
+        return health_status(f"{self.options.host}:{process.port}", service, tls=self.options.tls) == "SERVING"
 
     def _gone_need(self, process: Process) -> Process | None:
         """A process that `process` needs to become ready and that has exited: for the router, the
@@ -269,29 +275,45 @@ class Stack:
                   log=lambda message: print(f"omni-serve: {message}", file=sys.stderr)) -> None:
         """Until `stopping` is set: restart every process that exits, on its port, after a backoff
         (0.5 s doubling to 8 s per recent restart); more than `max_restarts` exits of one process
-        within `window_s` is a crash loop: UserError, and the caller stops the stack."""
+        within `window_s` is a crash loop: UserError, and the caller stops the stack.
+
+        Nothing here waits on one process: a backoff is a due time, and a restarted process is
+        watched while the loop goes on (another that exits meanwhile is restarted in its turn). It
+        is said to serve once it does; one that does not within the start-up timeout is killed,
+        and its exit counts as one more."""
         exits: dict[str, list[float]] = {name: [] for name in self.processes}  # name -> recent exit times
+        due: dict[str, float] = {}  # name -> when it starts again (exited, in its backoff)
+        starting: dict[str, float] = {}  # name -> the deadline of a restarted process not serving yet
         while not stopping.is_set():
             for process in self.processes.values():
-                code = process.popen.poll() if process.popen is not None else None
-                if code is None:
+                name, now = process.name, time.monotonic()
+                if name in due:
+                    if now >= due[name]:
+                        del due[name]
+                        self._launch(process)
+                        starting[name] = now + self.options.startup_timeout_s
                     continue
-                now = time.monotonic()
-                recent = exits[process.name] = [t for t in exits[process.name] if now - t < window_s] + [now]
-                if len(recent) > max_restarts:
-                    raise UserError(f"{process.name} exited {len(recent)} times within {window_s:.0f} s "
-                                    f"(last code {code}): a crash loop; stopping the stack")
-                delay = min(0.5 * 2 ** (len(recent) - 1), 8.0)
-                log(f"{process.name} exited with code {code}; restarting it on port {process.port} in {delay:.1f} s "
-                    f"(the other processes keep serving)")
-                if stopping.wait(delay):
-                    return
-                try:
-                    self.restart(process.name)
-                    log(f"{process.name} is SERVING again")
-                except UserError as exc:
-                    log(f"{process.name} did not come back: {exc}")
-            stopping.wait(0.5)
+                code = process.popen.poll() if process.popen is not None else None
+                if code is not None:
+                    starting.pop(name, None)
+                    recent = exits[name] = [t for t in exits[name] if now - t < window_s] + [now]
+                    if len(recent) > max_restarts:
+                        raise UserError(f"{name} exited {len(recent)} times within {window_s:.0f} s "
+                                        f"(last code {code}): a crash loop; stopping the stack")
+                    delay = min(0.5 * 2 ** (len(recent) - 1), 8.0)
+                    log(f"{name} exited with code {code}; restarting it on port {process.port} in {delay:.1f} s "
+                        f"(the other processes keep serving)")
+                    due[name] = now + delay
+                elif name in starting:
+                    if self._serving(process):
+                        del starting[name]
+                        log(f"{name} is SERVING again")
+                    elif now > starting[name]:
+                        del starting[name]
+                        log(f"{name} did not become healthy within {self.options.startup_timeout_s:.0f} s of its "
+                            f"restart; killing it{self._log_tail(process)}")
+                        process.popen.kill()
+            stopping.wait(0.1 if starting or due else 0.5)
 
     def stop(self, grace_s: float = 10.0) -> None:
         # The gateway and the router first, so no new work reaches the stages.

@@ -106,3 +106,53 @@ def test_start_up_fails_at_once_naming_a_stage_the_router_cannot_do_without(tmp_
         for process in (router, stack.processes["talker-1"]):
             process.popen.kill()
             process.popen.wait()
+
+
+def test_the_supervisor_restarts_one_replica_while_another_is_starting_and_kills_one_that_never_serves(
+        tmp_path, monkeypatch):
+    # omni-serve up's supervisor used to wait for each restart (up to the start-up timeout) and
+    # sleep each backoff, handling no other exit meanwhile, and never said "SERVING again" of a
+    # process that came up after its wait. Plain processes stand in for the replicas here: a
+    # restart starts `sleep 60`, and serving is what the test says.
+    stack = fake_stack(tmp_path, **{"talker-0": ["sleep", "60"], "talker-1": ["sleep", "60"]})
+    stack.options.startup_timeout_s = 2.0
+    launched: list[str] = []
+
+    def launch(process):
+        process.popen = subprocess.Popen(["sleep", "60"])
+        launched.append(process.name)
+
+    serving: set[str] = set()
+    monkeypatch.setattr(stack, "_launch", launch)
+    monkeypatch.setattr(stack, "_serving", lambda process: process.name in serving)
+    stopping, log = threading.Event(), []
+    supervisor = threading.Thread(target=stack.supervise, args=(stopping,), kwargs=dict(log=log.append), daemon=True)
+    supervisor.start()
+
+    def wait_logged(text: str, timeout_s: float = 10.0, times: int = 1) -> None:
+        deadline = time.monotonic() + timeout_s
+        while sum(text in line for line in log) < times:
+            assert time.monotonic() < deadline and supervisor.is_alive(), (text, log)
+            time.sleep(0.02)
+
+    try:
+        stack.processes["talker-0"].popen.kill()  # restarted, then never serves
+        wait_logged("talker-0 exited with code -9; restarting it")
+        while launched != ["talker-0"]:
+            time.sleep(0.02)
+        stack.processes["talker-1"].popen.kill()  # while talker-0 is starting
+        wait_logged("talker-1 exited with code -9; restarting it")
+        while "talker-1" not in launched:
+            time.sleep(0.02)
+        serving.add("talker-1")
+        wait_logged("talker-1 is SERVING again")
+        assert not any("talker-0 is SERVING" in line for line in log), log
+        wait_logged("talker-0 did not become healthy within 2 s of its restart; killing it")
+        wait_logged("talker-0 exited with code -9; restarting it on port", timeout_s=5.0, times=2)  # the kill, an exit
+    finally:
+        stopping.set()
+        supervisor.join(timeout=10)
+        for process in stack.processes.values():
+            process.popen.kill()
+            process.popen.wait()
+    assert not supervisor.is_alive()
