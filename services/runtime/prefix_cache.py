@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.runtime.batching import attention_after_cached_keys
+
 BLOCK_TOKENS = 16
 _KEY_BYTES = 16
 
@@ -348,3 +350,21 @@ def skipping_prefix(text_model, tokens: int):
         yield
     finally:
         handle.remove()
+
+
+@contextlib.contextmanager
+def prefilling_after(prefix: PrefixCache | None, hit: PrefixHit, cache, text_model, text_config):
+    """Inside the block, a prompt's forward into `cache` (a fresh transformers Cache) computes only
+    the positions after the hit's: their keys and values preloaded into `cache`, `text_model`'s
+    decoder stack cut there (`skipping_prefix`), its attention the one a prefill after cached keys
+    runs (batching.attention_after_cached_keys). The hit's blocks stay pinned until the block ends.
+    Without a hit, nothing changes."""
+    if not hit.blocks:
+        yield
+        return
+    try:
+        prefix.preload(hit, cache)
+        with skipping_prefix(text_model, hit.tokens), attention_after_cached_keys(text_config, True):
+            yield
+    finally:
+        prefix.release(hit)

@@ -28,7 +28,6 @@ import torch
 
 from services.runtime.batching import (
     SlotKVCache,
-    attention_after_cached_keys,
     batch_invariant,
     use_capturable_experts,
     use_invariant_attention,
@@ -39,7 +38,7 @@ from services.runtime.events import EngineEvent
 from services.runtime.finish import FinishReason
 from services.runtime.invariance import choose_exact_kernels, experts_modules, linear_weights
 from services.runtime.lm_engine import SlotScheduledEngine
-from services.runtime.prefix_cache import BLOCK_TOKENS, PrefixCache, PrefixHit, row_block_keys, skipping_prefix
+from services.runtime.prefix_cache import BLOCK_TOKENS, PrefixCache, PrefixHit, prefilling_after, row_block_keys
 from services.runtime.sampling import SamplingConfig, select_token
 from services.runtime.scheduler import LMScheduler
 from services.runtime.settings import GraphSettings
@@ -157,21 +156,14 @@ def talker_prefix_cache(text_config, engine_config: TalkerEngineConfig, exact_re
 
 
 def prefill_from_prefix(prefix: PrefixCache | None, hits: bool, ids: list[int], rows: torch.Tensor, text_model,
-                        text_config, cache, forward: Callable[[], object]):
-    """`forward()`, a talker's prompt forward into `cache` (a fresh DynamicCache), from the blocks
-    `prefix` holds of that prompt (keys over its ids and input rows [P, H]): their keys and values
-    preloaded, `text_model`'s decoder stack run from there on; then the prompt's new whole blocks
-    stored. The forward's output."""
+                        text_config, cache, timer, forward: Callable[[], object]):
+    """`forward()`, a talker's prompt forward into `cache` (a fresh DynamicCache) timed by `timer`,
+    from the blocks `prefix` holds of that prompt (keys over its ids and input rows [P, H]; see
+    `prefilling_after`); then the prompt's new whole blocks stored. The forward's output."""
     keys = row_block_keys(ids, rows) if prefix is not None else []
     hit = prefix.lookup(keys, (len(ids) - 1) // BLOCK_TOKENS, need_extras=False, use=hits) if keys else PrefixHit()
-    try:
-        if hit.blocks:
-            prefix.preload(hit, cache)
-        with skipping_prefix(text_model, hit.tokens), attention_after_cached_keys(text_config, bool(hit.blocks)):
-            out = forward()
-    finally:
-        if hit.blocks:
-            prefix.release(hit)
+    with prefilling_after(prefix, hit, cache, text_model, text_config), timer:
+        out = forward()
     if keys:
         prefix.store(keys, cache, None, None, first=len(hit.blocks))
     return out
@@ -283,12 +275,11 @@ class TalkerEngine(SlotScheduledEngine):
         position_ids = talker._prepare_position_ids_for_generation(
             inputs_embeds, self._position_kwargs(job, attention_mask, talker_ids))
         cache = DynamicCache(config=self.tc.text_config)
-        with self.timer:
-            out = prefill_from_prefix(
-                self.prefix, self.prefix_hits, talker_ids[0].tolist(), inputs_embeds[0], talker.model,
-                self.tc.text_config, cache,
-                lambda: talker(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
-                               past_key_values=cache, use_cache=True, output_hidden_states=True))
+        out = prefill_from_prefix(
+            self.prefix, self.prefix_hits, talker_ids[0].tolist(), inputs_embeds[0], talker.model,
+            self.tc.text_config, cache, self.timer,
+            lambda: talker(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
+                           past_key_values=cache, use_cache=True, output_hidden_states=True))
         self.cache.load(slot, cache)
         state.last_position = position_ids[..., -1:].clone()
         state.started = True

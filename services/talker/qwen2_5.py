@@ -155,10 +155,10 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
                                    state.replies[0]), dim=1)  # [1, P + 2, H_thinker]
         cache = DynamicCache(config=self.model.config)
         ids = [self.codec_mask] * job.prompt_hidden.shape[0] + [self.codec_pad, self.codec_bos]  # generate's
-        with self.timer:  # no attention mask and no position ids: generate's own path (see the module docstring)
-            out = prefill_from_prefix(
-                self.prefix, self.prefix_hits, ids, inputs_embeds[0], self.model.model, self.model.config, cache,
-                lambda: self.model(inputs_embeds=inputs_embeds, past_key_values=cache, use_cache=True))
+        # No attention mask and no position ids: generate's own path (see the module docstring).
+        out = prefill_from_prefix(
+            self.prefix, self.prefix_hits, ids, inputs_embeds[0], self.model.model, self.model.config, cache, self.timer,
+            lambda: self.model(inputs_embeds=inputs_embeds, past_key_values=cache, use_cache=True))
         self.cache.load(slot, cache)
         state.started = True
         return self._after_forward([request_id], [state], out.logits[:, -1])

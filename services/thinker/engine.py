@@ -30,7 +30,6 @@ import torch
 
 from services.runtime.batching import (
     SlotKVCache,
-    attention_after_cached_keys,
     batch_invariant,
     use_capturable_experts,
     use_invariant_attention,
@@ -47,7 +46,7 @@ from services.runtime.prefix_cache import (
     PrefixHit,
     PromptPrefix,
     block_keys,
-    skipping_prefix,
+    prefilling_after,
 )
 from services.runtime.prompt import PromptInputs
 from services.runtime.sampling import SamplingConfig, select_token
@@ -312,17 +311,10 @@ class ThinkerEngine(SlotScheduledEngine):
 
         cache = DynamicCache(config=self.model.config.text_config)
         finals: list[torch.Tensor] = []
-        try:
-            if hit.blocks:
-                self.prefix.preload(hit, cache)
-            with (self.timer, skipping_prefix(self.model.model, hit.tokens),
-                  attention_after_cached_keys(self.model.config.text_config, bool(hit.blocks)),
-                  self._lm_head_rows(hit, finals)):
-                out = self.model(**kwargs, position_ids=position_ids, past_key_values=cache, use_cache=True,
-                                 output_hidden_states=want_hidden)
-        finally:
-            if hit.blocks:
-                self.prefix.release(hit)
+        with (prefilling_after(self.prefix, hit, cache, self.model.model, self.model.config.text_config),
+              self.timer, self._lm_head_rows(hit, finals)):
+            out = self.model(**kwargs, position_ids=position_ids, past_key_values=cache, use_cache=True,
+                             output_hidden_states=want_hidden)
         final = finals[0] if finals else None
         if not want_hidden:
             return out, cache, None, final
