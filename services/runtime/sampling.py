@@ -1,6 +1,6 @@
 """Token selection: greedy by default; temperature, top-k, top-p and repetition penalty on demand.
 
-Greedy (temperature unset or 0) is bit-exact with transformers' `generate(do_sample=False)`,
+Greedy (temperature unset, 0, or below `GREEDY_BELOW`) is bit-exact with transformers' `generate(do_sample=False)`,
 including the repetition penalty, which it applies the same way (divide positive scores,
 multiply negative ones, for every token already in `history`).
 """
@@ -11,10 +11,18 @@ from dataclasses import dataclass
 
 import torch
 
+# A temperature below this decodes greedily: logits divided by less overflow float32 (a temperature of
+# 1e-45 made every score inf and softmax NaN), and the draw is the argmax in all but ties anyway.
+# vLLM draws the same line (its _SAMPLING_EPS).
+GREEDY_BELOW = 1e-5
+# The smallest repetition penalty a stage accepts: a repeated token's positive score is divided by it,
+# so a smaller one can overflow float32 to inf too (two infs make softmax NaN).
+MIN_REPETITION_PENALTY = 0.01
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # below GREEDY_BELOW (0 included) = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
     repetition_penalty: float = 1.0
@@ -23,7 +31,7 @@ class SamplingConfig:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def generator(self) -> torch.Generator | None:
         if self.greedy:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from omni.v1 import common_pb2
 from services.runtime.errors import InvalidArgument
 from services.runtime.finish import FinishReason
-from services.runtime.sampling import SamplingConfig
+from services.runtime.sampling import MIN_REPETITION_PENALTY, SamplingConfig
 
 _FINISH_REASONS = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
@@ -46,8 +46,9 @@ def sampling_from_proto(p: common_pb2.SamplingParams, field: str, default_max_ne
             raise InvalidArgument(f"{field}.top_p", f"must be in (0, 1], got {p.top_p}")
         cfg["top_p"] = float(p.top_p)
     if p.HasField("repetition_penalty"):
-        if not (0.0 < p.repetition_penalty <= 10.0):
-            raise InvalidArgument(f"{field}.repetition_penalty", f"must be in (0, 10], got {p.repetition_penalty}")
+        if not (MIN_REPETITION_PENALTY <= p.repetition_penalty <= 10.0):
+            raise InvalidArgument(f"{field}.repetition_penalty",
+                                  f"must be in [{MIN_REPETITION_PENALTY}, 10], got {p.repetition_penalty}")
         cfg["repetition_penalty"] = float(p.repetition_penalty)
     if p.HasField("max_new_tokens"):
         if not (1 <= p.max_new_tokens <= max_new_tokens_limit):

@@ -226,7 +226,7 @@ def sampling_params(cfg: SamplingConfig, stop_ids: list[int]):
     # ignore_eos + stop_token_ids: stop on the thinker's end token only, as generate is called
     # by the reference (thinker_eos_token_id), not on the tokenizer's or generation config's EOS.
     return SamplingParams(
-        n=1, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+        n=1, temperature=0.0 if cfg.greedy else cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
         repetition_penalty=cfg.repetition_penalty, max_tokens=cfg.max_new_tokens, seed=cfg.seed,
         ignore_eos=True, stop_token_ids=stop_ids, detokenize=False, skip_special_tokens=False,
         output_kind=RequestOutputKind.DELTA,

@@ -21,7 +21,13 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from services.runtime.sampling import SamplingConfig, process_scores, select_token
+from services.runtime.sampling import (
+    GREEDY_BELOW,
+    MIN_REPETITION_PENALTY,
+    SamplingConfig,
+    process_scores,
+    select_token,
+)
 
 THINKER_VOCAB = 700
 CODEBOOK = 64
@@ -126,3 +132,23 @@ def test_a_seeded_generator_draws_what_generates_global_generator_draws():
         theirs.append(int(torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1)[0, 0]))
     assert ours == theirs
     assert len(set(ours)) > 1  # really sampled
+
+
+@pytest.mark.parametrize("temperature", [1.4013e-45, 1e-30, GREEDY_BELOW / 2])
+def test_a_temperature_below_greedy_below_decodes_greedily(temperature):
+    # The fuzzer's case: 1.4e-45 (the smallest float32) divided the logits to inf and softmax to NaN,
+    # and the stage failed INTERNAL.
+    logits = torch.tensor([3.0, -1.0, 40.0, 39.5])
+    cfg = SamplingConfig(temperature=temperature, seed=1)
+    assert cfg.greedy and cfg.generator() is None
+    assert select_token(logits, cfg, [], None) == 2
+
+
+def test_the_extremes_the_stages_accept_keep_probabilities_finite():
+    # The smallest sampling temperature and repetition penalty a request may set, on logits far above
+    # a real model's, with every token repeated: the scores stay finite and a token is drawn.
+    logits = torch.tensor([300.0, 299.0, -300.0, 0.5])
+    cfg = SamplingConfig(temperature=GREEDY_BELOW, repetition_penalty=MIN_REPETITION_PENALTY, seed=3)
+    scores = process_scores(logits, cfg, [0, 1, 2, 3])
+    assert torch.isfinite(torch.softmax(scores, dim=-1)).all()
+    assert select_token(logits, cfg, [0, 1, 2, 3], cfg.generator()) == 0

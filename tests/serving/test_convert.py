@@ -32,6 +32,7 @@ def test_set_fields_are_kept_exactly():
 
 @pytest.mark.parametrize("field, value", [("temperature", -0.1), ("temperature", 10.5), ("top_k", -1),
                                           ("top_p", 0.0), ("top_p", 1.01), ("repetition_penalty", 0.0),
+                                          ("repetition_penalty", 1e-45), ("repetition_penalty", 0.009),
                                           ("max_new_tokens", 0), ("max_new_tokens", 101)])
 def test_out_of_range_fields_are_refused_naming_the_field(field, value):
     with pytest.raises(InvalidArgument) as raised:
