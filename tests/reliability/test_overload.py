@@ -19,10 +19,15 @@ from services.tools.soak import Call, read_load, read_router_gauges
 from .support import MAX_IN_FLIGHT, MAX_QUEUE, QUEUE_TIMEOUT_S, assert_recovered
 
 OFFERED = 30  # requests at once: 30 against 4 in flight + 4 queued
+# Long enough that the fastest admitted request ends well after the last refusal on arrival, whose
+# time on a loaded host is mostly the client's 30 threads waiting their turn (40 frames once gave
+# 423 ms against a 487 ms refusal, with the suite's two workers and a CPU hog on 2 cores).
+TALKER_MAX_NEW_TOKENS = 120
 
 
 def test_several_times_capacity_completes_or_is_rejected_before_any_message_and_nothing_hangs(stack, omni):
-    calls = [Call(omni.Generate, build_request(f"overload {i}", max_new_tokens=8, talker_max_new_tokens=40), 60)
+    calls = [Call(omni.Generate, build_request(f"overload {i}", max_new_tokens=8,
+                                                talker_max_new_tokens=TALKER_MAX_NEW_TOKENS), 60)
              for i in range(OFFERED)]
     start = threading.Barrier(OFFERED)
     thinker = stack.address("thinker-0")
@@ -49,7 +54,7 @@ def test_several_times_capacity_completes_or_is_rejected_before_any_message_and_
     assert len(full) + len(timed_out) == rejected, [c.details for c in calls if c.code.name != "OK"]
     assert len(full) >= OFFERED - 2 * (MAX_IN_FLIGHT + MAX_QUEUE), codes
     for call in done:
-        assert call.final is not None and call.final.usage.codec_frames == 39
+        assert call.final is not None and call.final.usage.codec_frames == TALKER_MAX_NEW_TOKENS - 1
     for call in full + timed_out:
         assert call.messages == 0, "a rejection must come before any response message"
     # A full queue refuses at once: before the fastest admitted request could have finished (an
