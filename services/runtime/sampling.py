@@ -7,17 +7,25 @@ multiply negative ones, for every token already in `history`).
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import torch
 
+
+def _float32(x: float) -> float:
+    """`x` as the wire's float32 carries it: a bound compared with what a request sent must be this,
+    or a request that sends the bound itself (0.01 arrives as 0.0099999998) falls on the wrong side."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
 # A temperature below this decodes greedily: logits divided by less overflow float32 (a temperature of
 # 1e-45 made every score inf and softmax NaN), and the draw is the argmax in all but ties anyway.
 # vLLM draws the same line (its _SAMPLING_EPS).
-GREEDY_BELOW = 1e-5
+GREEDY_BELOW = _float32(1e-5)
 # The smallest repetition penalty a stage accepts: a repeated token's positive score is divided by it,
 # so a smaller one can overflow float32 to inf too (two infs make softmax NaN).
-MIN_REPETITION_PENALTY = 0.01
+MIN_REPETITION_PENALTY = _float32(0.01)
 
 
 @dataclass(frozen=True)

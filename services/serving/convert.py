@@ -48,7 +48,7 @@ def sampling_from_proto(p: common_pb2.SamplingParams, field: str, default_max_ne
     if p.HasField("repetition_penalty"):
         if not (MIN_REPETITION_PENALTY <= p.repetition_penalty <= 10.0):
             raise InvalidArgument(f"{field}.repetition_penalty",
-                                  f"must be in [{MIN_REPETITION_PENALTY}, 10], got {p.repetition_penalty}")
+                                  f"must be in [{MIN_REPETITION_PENALTY:.2g}, 10], got {p.repetition_penalty:g}")
         cfg["repetition_penalty"] = float(p.repetition_penalty)
     if p.HasField("max_new_tokens"):
         if not (1 <= p.max_new_tokens <= max_new_tokens_limit):

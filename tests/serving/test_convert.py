@@ -38,3 +38,11 @@ def test_out_of_range_fields_are_refused_naming_the_field(field, value):
     with pytest.raises(InvalidArgument) as raised:
         sampling_from_proto(common_pb2.SamplingParams(**{field: value}), "thinker_sampling", 64, 100)
     assert raised.value.field == f"thinker_sampling.{field}"
+
+
+def test_the_documented_bounds_themselves_pass_the_wire():
+    # 0.01 and 1e-5 arrive as float32 (0.0099999998, 9.9999997e-06): still the bounds.
+    p = common_pb2.SamplingParams(temperature=1e-5, repetition_penalty=0.01)
+    config = sampling_from_proto(p, "thinker_sampling", 64, 100)
+    assert config.repetition_penalty == p.repetition_penalty and not config.greedy
+    assert sampling_from_proto(common_pb2.SamplingParams(temperature=9.9e-6), "thinker_sampling", 64, 100).greedy
