@@ -1,8 +1,8 @@
 """Token selection: greedy by default; temperature, top-k, top-p and repetition penalty on demand.
 
-Greedy (temperature unset, 0, or below `GREEDY_BELOW`) is bit-exact with transformers' `generate(do_sample=False)`,
-including the repetition penalty, which it applies the same way (divide positive scores,
-multiply negative ones, for every token already in `history`).
+Greedy (temperature unset, 0, or below `GREEDY_BELOW`) is bit-exact with transformers'
+`generate(do_sample=False)`, including the repetition penalty, which it applies the same way
+(divide positive scores, multiply negative ones, for every token already in `history`).
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ The code2wav stream has an exact oracle (`expect_code2wav`): the status a stream
 the field an INVALID_ARGUMENT must name. The talker's is coarser: OK for a stream left valid, and
 for any other INVALID_ARGUMENT naming a field, except that a stream spoiled only after the talker's
 answer was complete may end either way (its reader races the engine); never another status, never
-a hang. Cases are
-drawn fresh each run from the printed seed (tests/fuzzing.py); `-m slow` draws many more.
+a hang. Cases are drawn fresh each run from the printed seed (tests/fuzzing.py); `-m slow` draws
+many more.
 """
 
 from __future__ import annotations
