@@ -88,16 +88,12 @@ def expected(migrating_qwen2_5):
         return run(stub)
 
 
-# Needs code2wav's exact mode (each Token2Wav window decoded alone): with windows batched across
-# requests the replay's audio parted from what was delivered in the last bits, and the stage's hash
-# check ended the request ABORTED (REPLAY_DIVERGED), on both stages (the talker's replay regenerates
-# its audio through a new code2wav stream too).
-@pytest.mark.exactness
-@pytest.mark.parametrize("stage", ["talker", "code2wav"])
-def test_a_killed_qwen2_5_replica_s_requests_move_and_complete_with_the_same_audio(migrating_qwen2_5, expected,
-                                                                                   stage):
-    stack = migrating_qwen2_5
-    loads = {address: read_load(stage, address).in_flight for address in stack.addresses(stage)}
+TRIES = 3  # a try whose kill came after every request on the victim had ended (a loaded host) starts over
+
+
+def killed_run(stack, stage: str) -> tuple[list[ClientResult], str]:
+    """Every request at once, and the replica of `stage` holding the most killed once each has
+    its first audio chunk: the results and the killed process."""
     victim = None
 
     def kill() -> None:
@@ -110,26 +106,45 @@ def test_a_killed_qwen2_5_replica_s_requests_move_and_complete_with_the_same_aud
 
     channel, stub = connect(stack.target)
     with channel:
-        results = run(stub, kill)
-    try:
-        for got, want in zip(results, expected):
-            assert got.thinker_token_ids == want.thinker_token_ids
-            assert got.codec_frames == want.codec_frames
-            assert len(got.audio) == len(want.audio) > 0
-            assert np.array_equal(want.audio, got.audio)  # Token2Wav's windows: a grid, each alone
-        moved = [r.final.migrations for r in results]
-        assert sum(moved) >= 1 and max(moved) == 1, moved
-        alive = {s: tuple(a for a in stack.addresses(s) if a != f"127.0.0.1:{stack.port(victim)}")
-                 for s in ("thinker", "talker", "code2wav")}
-        settled = wait_settled(alive, stack.metrics_url, SETTLE_S)
-        assert settled.idle, f"left behind: {settled.busy()}, router {settled.router}"
-        print(f"\nqwen2.5 {stage} killed: {sum(moved)} of {REQUESTS} moved; loads before {loads}; "
-              f"audio {len(results[0].audio) / 24000:.2f} s, max abs diff "
-              f"{max(float(np.max(np.abs(g.audio - w.audio))) for g, w in zip(results, expected))}")
-    finally:
-        if victim is not None:
-            stack.restart(victim)
-            deadline = time.monotonic() + 60
-            while read_load(stage, f"127.0.0.1:{stack.port(victim)}").reachable is False:
-                assert time.monotonic() < deadline
-                time.sleep(0.2)
+        return run(stub, kill), victim
+
+
+def restarted(stack, stage: str, victim: str) -> None:
+    stack.restart(victim)
+    deadline = time.monotonic() + 60
+    while read_load(stage, f"127.0.0.1:{stack.port(victim)}").reachable is False:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+
+# Needs code2wav's exact mode (each Token2Wav window decoded alone): with windows batched across
+# requests the replay's audio parted from what was delivered in the last bits, and the stage's hash
+# check ended the request ABORTED (REPLAY_DIVERGED), on both stages (the talker's replay regenerates
+# its audio through a new code2wav stream too).
+@pytest.mark.exactness
+@pytest.mark.parametrize("stage", ["talker", "code2wav"])
+def test_a_killed_qwen2_5_replica_s_requests_move_and_complete_with_the_same_audio(migrating_qwen2_5, expected,
+                                                                                   stage):
+    stack = migrating_qwen2_5
+    for attempt in range(1, TRIES + 1):
+        results, victim = killed_run(stack, stage)
+        try:
+            for got, want in zip(results, expected):
+                assert got.thinker_token_ids == want.thinker_token_ids
+                assert got.codec_frames == want.codec_frames
+                assert len(got.audio) == len(want.audio) > 0
+                assert np.array_equal(want.audio, got.audio)  # Token2Wav's windows: a grid, each alone
+            moved = [r.final.migrations for r in results]
+            if sum(moved) == 0 and attempt < TRIES:
+                continue  # nothing was left on the victim to move: this try proves nothing
+            assert sum(moved) >= 1 and max(moved) == 1, moved
+            alive = {s: tuple(a for a in stack.addresses(s) if a != f"127.0.0.1:{stack.port(victim)}")
+                     for s in ("thinker", "talker", "code2wav")}
+            settled = wait_settled(alive, stack.metrics_url, SETTLE_S)
+            assert settled.idle, f"left behind: {settled.busy()}, router {settled.router}"
+            print(f"\nqwen2.5 {stage} killed (try {attempt}): {sum(moved)} of {REQUESTS} moved; "
+                  f"audio {len(results[0].audio) / 24000:.2f} s, max abs diff "
+                  f"{max(float(np.max(np.abs(g.audio - w.audio))) for g, w in zip(results, expected))}")
+            return
+        finally:
+            restarted(stack, stage, victim)
