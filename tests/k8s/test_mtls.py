@@ -46,10 +46,11 @@ PLAINTEXT = ("base", "overlays/dev-cpu")
 NEXT_STAGE = {"thinker": "talker", "talker": "code2wav"}
 # Codec frames the rotation test's stream asks for: the talker and code2wav must still be working on
 # it while the certificates rotate (measured: 400 frames take the tiny talker about 7 s on 2 busy
-# cores, the rotation and its checks about 0.5 s). Flow control does not hold the stages back:
-# the hops buffer a short stream whole (200 frames, 1.5 MB, finished upstream while the client read
-# nothing), so only the length keeps it in flight.
-LONG_STREAM_FRAMES = 400
+# cores, the rotation and its checks about 0.5 s; but 400 once ended upstream before the checks did
+# with a CPU hog beside the suite). Flow control does not hold the stages back: the hops buffer a
+# short stream whole (200 frames, 1.5 MB, finished upstream while the client read nothing), so
+# only the length keeps it in flight.
+LONG_STREAM_FRAMES = 1000
 STUBS = {"thinker": stages_pb2_grpc.ThinkerStub, "talker": stages_pb2_grpc.TalkerStub,
          "code2wav": stages_pb2_grpc.Code2WavStub}
 
@@ -355,9 +356,9 @@ def test_rotated_certificates_are_taken_without_a_restart_and_a_stream_in_flight
     # The stream was still being worked on while the files rotated: the talker was generating its
     # frames and code2wav decoding them (the thinker, done with its few text tokens, only relays
     # the audio back to the router by then, on its connections from before the rotation).
-    for loads in (in_flight_before, in_flight_during):
+    for when, loads in (("before", in_flight_before), ("during", in_flight_during)):
         assert loads["talker"] >= 1 and loads["code2wav"] >= 1, (
-            f"{loads}: the stream was done upstream before the rotation; raise LONG_STREAM_FRAMES")
+            f"{when} the rotation {loads}: the stream was done upstream; raise LONG_STREAM_FRAMES")
 
 
 def health_over_tls(address: str, tls: TLSConfig) -> str:
