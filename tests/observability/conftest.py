@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from services.tools.launcher import free_port
+from bench.stage_metrics import free_port_block
 from services.tools.otlp_sink import OtlpSink
 from tests.stacks import stack_of
 
@@ -26,7 +26,7 @@ def collector():
 def traced_stack(tiny_checkpoint, collector):
     saved = os.environ.get("OTEL_BSP_SCHEDULE_DELAY")
     os.environ["OTEL_BSP_SCHEDULE_DELAY"] = EXPORT_DELAY_MS  # the children read it at start (and restart)
-    metrics_port = free_port()
+    metrics_port = free_port_block()  # the base and one port per process after it
     stack = stack_of(tiny_checkpoint, thinker_replicas=2, code2wav_replicas=2, http_port=0, metrics_base_port=metrics_port,
                      router_args=("--max-migrations", "2"),
                      extra_args=("--otlp-endpoint", collector.endpoint, "--log-format", "json"))

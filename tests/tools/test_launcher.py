@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.stage_metrics import free_port_block
 from services.tools.client import build_request, collect, connect
 from services.tools.launcher import free_port, health_status
 from tests.threads import torch_threads
@@ -45,7 +46,7 @@ def wait_for(predicate, timeout_s: float, what: str, log: list[str] = ()) -> Non
 
 @pytest.mark.slow  # omni-serve up's own 6 processes, a kill and a restart: ~40 s of make test's 2 cores
 def test_omni_serve_up_restarts_a_dead_replica_and_keeps_serving(tiny_checkpoint):
-    port, metrics = free_port(), free_port()
+    port, metrics = free_port(), free_port_block()  # the metrics ports: the base and the next four
     launcher = subprocess.Popen(
         [sys.executable, "-m", "services.tools.launcher", "up", "--checkpoint", str(tiny_checkpoint),
          "--port", str(port), "--threads", str(torch_threads(1)), "--talker-replicas", "2", "--metrics-base-port", str(metrics),
