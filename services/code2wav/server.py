@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from contextlib import aclosing
 
 import grpc
 
@@ -76,8 +77,11 @@ class Code2WavServicer(stages_pb2_grpc.Code2WavServicer):
         if first is None or not first.HasField("start"):
             await abort_for(context, InvalidArgument("start", "the first message must be start"))
         call = DecodeCall(self, first.start.request_id or "anonymous", context)
-        async for output in call.run(first.start, request_iterator):
-            yield output
+        # (closed here when grpc closes this handler: its `finally`, the trace's outcome included,
+        # runs before the server span ends, not later when the generator is collected)
+        async with aclosing(call.run(first.start, request_iterator)) as outputs:
+            async for output in outputs:
+                yield output
 
     async def GetLoad(self, request, context):
         return self.loop.load_report(Stage.CODE2WAV, 0, self.handle.draining, reset_peak=request.reset_peak)

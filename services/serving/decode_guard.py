@@ -11,6 +11,7 @@ handler reads them.
 from __future__ import annotations
 
 import inspect
+from contextlib import aclosing
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -47,8 +48,9 @@ def _streaming(inner, make_input):
     writes them with `context.write`) whose input `make_input(raw, context)` (awaited) makes."""
     if inspect.isasyncgenfunction(inner):
         async def generator(raw, context):
-            async for response in inner(await make_input(raw, context), context):
-                yield response
+            async with aclosing(inner(await make_input(raw, context), context)) as responses:
+                async for response in responses:
+                    yield response
         return generator
 
     async def coroutine(raw, context):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from contextlib import aclosing
 
 import grpc
 
@@ -56,8 +57,9 @@ class OpenStreams(grpc.aio.ServerInterceptor):
             async def counted(request, context):
                 self._count(1)
                 try:
-                    async for response in inner(request, context):
-                        yield response
+                    async with aclosing(inner(request, context)) as responses:
+                        async for response in responses:
+                            yield response
                 finally:
                     self._count(-1)
         else:

@@ -6,12 +6,15 @@ child process (the global tracer provider is set once per process, so not in the
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextvars
 import json
 import logging
 import subprocess
 import sys
+import types
 
+import pytest
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
@@ -251,3 +254,95 @@ def test_a_pipeline_call_carries_its_trace_in_metadata_and_the_server_span_is_op
     for request_id in ("req-gone", "req-held"):  # req-held's handler was closed at its yield, before the span ended
         gone = next(s for s in spans if s["kind"] == "SERVER" and s["attributes"]["omni.request_id"] == request_id)
         assert gone["events"] == ["cancelled"]
+
+
+class _Relayed:
+    """Stands in for a stage's stream object (Relay, ThinkerStream, SpeakStream, DecodeCall): its
+    `run` yields two messages and records when its `finally` runs."""
+
+    closed: list[str] = []
+
+    def __init__(self, *args):
+        pass
+
+    async def run(self, *args):
+        try:
+            yield "first"
+            yield "second"
+        finally:
+            _Relayed.closed.append("closed")
+
+
+def _code2wav_inputs():
+    from omni.v1 import stages_pb2
+
+    async def inputs():
+        yield stages_pb2.Code2WavInput(start=stages_pb2.Code2WavStart(request_id="r"))
+    return inputs()
+
+
+@pytest.mark.parametrize("module, servicer, method, stream, args", [
+    ("router.server", "OmniServicer", "Generate", "Relay", lambda: (None, None)),
+    ("services.thinker.server", "ThinkerServicer", "Generate", "ThinkerStream", lambda: (None, None)),
+    ("services.talker.server", "TalkerServicer", "Speak", "SpeakStream", lambda: (None, None)),
+    ("services.code2wav.server", "Code2WavServicer", "Decode", "DecodeCall", lambda: (_code2wav_inputs(), None)),
+], ids=["router", "thinker", "talker", "code2wav"])
+def test_each_stage_handler_closed_at_a_yield_closes_its_stream_at_once(monkeypatch, module, servicer, method, stream,
+                                                                        args):
+    """grpc closes a cancelled call's handler at its `yield`; the stream it relays must close then
+    too, not later when it is collected: its `finally` writes the trace's outcome, and the server
+    span ends right after the handler closes (a code2wav handler without it lost the outcome when
+    the talker cancelled the call as the final message went out)."""
+    import importlib
+
+    served = importlib.import_module(module)
+    monkeypatch.setattr(served, stream, _Relayed)
+    monkeypatch.setattr(_Relayed, "closed", [])
+
+    async def scenario():
+        handler = getattr(getattr(served, servicer), method)(None, *args())
+        assert await anext(handler) == "first"
+        await handler.aclose()
+        return list(_Relayed.closed)
+
+    assert asyncio.run(scenario()) == ["closed"]
+
+
+def test_the_interceptors_wrappers_closed_at_a_yield_close_the_handler_they_wrap_at_once():
+    """The same for the interceptors around every stage handler (the body check and the open-streams
+    count): each wraps the handler in a generator of its own when tracing is off, and closes it
+    with itself; the open count is back at 0 then too."""
+    import grpc
+
+    from omni.v1 import stages_pb2
+    from services.serving.decode_guard import DecodeGuard
+    from services.serving.open_streams import OpenStreams
+
+    closed = []
+
+    async def handler(request, context):
+        try:
+            yield "first"
+            yield "second"
+        finally:
+            closed.append(request)
+
+    method = "/omni.v1.Code2Wav/Decode"
+    details = types.SimpleNamespace(method=method, invocation_metadata=())  # (grpc.HandlerCallDetails: a protocol)
+    counted = OpenStreams(("omni.v1.Code2Wav",))
+
+    async def scenario():
+        async def continuation(_details):
+            return grpc.unary_stream_rpc_method_handler(handler, request_deserializer=stages_pb2.Code2WavStart.FromString)
+
+        wrapped = await counted.intercept_service(continuation, details)
+        guarded = await DecodeGuard().intercept_service(lambda _details: _async(wrapped), details)
+        stream = guarded.unary_stream(stages_pb2.Code2WavStart(request_id="r").SerializeToString(), None)
+        assert await anext(stream) == "first" and counted.open == 1
+        await stream.aclose()
+        return list(closed), counted.open
+
+    async def _async(value):
+        return value
+
+    assert asyncio.run(scenario()) == ([stages_pb2.Code2WavStart(request_id="r")], 0)
