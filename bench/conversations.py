@@ -34,11 +34,11 @@ import grpc
 from bench.config import BenchConfig
 from bench.loop import closed_loop
 from bench.machine import describe_machine
-from bench.stage_metrics import free_port_block, scrape
+from bench.stage_metrics import scrape
 from omni.v1 import common_pb2, omni_pb2, stages_pb2_grpc
 from services.runtime.prefix_cache import BLOCK_TOKENS
 from services.tools.client import collect, connect
-from services.tools.launcher import Stack, StackOptions
+from services.tools.launcher import Stack, StackOptions, free_port_block
 
 SYSTEM_PROMPT = " ".join((
     "You are a helpful voice assistant in a busy household.", "Answer briefly and warmly, in plain words.",

@@ -37,7 +37,7 @@ from bench.report import (
     render_table,
     write_json,
 )
-from bench.stage_metrics import StageScraper, StageTimes, free_port_block, interval
+from bench.stage_metrics import StageScraper, StageTimes, interval
 from bench.systems import (
     BatchedReferenceSystem,
     BlockResult,
@@ -50,7 +50,7 @@ from bench.systems import (
 )
 from services.runtime.checkpoint import check_folder
 from services.runtime.errors import UserError, run_cli
-from services.tools.launcher import Stack, StackOptions
+from services.tools.launcher import Stack, StackOptions, free_port_block
 
 FLOOR_PROMPTS = 4  # the floor is sampled on the first prompts of the set
 

@@ -10,32 +10,10 @@ and decoding tensors, audio and frames for the wire.
 
 from __future__ import annotations
 
-import random
-import socket
 import urllib.request
 from dataclasses import asdict, dataclass, fields
 
 PHASES = ("forward", "engine", "commands", "idle")
-
-
-def free_port_block(host: str = "127.0.0.1", count: int = 8, tries: int = 50) -> int:
-    """A base port with `count` free ports from it (the launcher gives the router base, each stage
-    process the next)."""
-    for _ in range(tries):
-        base = random.randint(20000, 60000)
-        sockets = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket()
-                sockets.append(s)
-                s.bind((host, port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError("no free block of metrics ports")
 
 
 def scrape(url: str, timeout_s: float = 5.0) -> dict[tuple[str, tuple], float]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shlex
 import signal
 import socket
@@ -84,6 +85,26 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def free_port_block(host: str = "127.0.0.1", count: int = 8, tries: int = 50) -> int:
+    """A base port with `count` free ports from it (`--metrics-base-port`: the router takes the base,
+    each stage process the next)."""
+    for _ in range(tries):
+        base = random.randint(20000, 60000)
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket()
+                sockets.append(s)
+                s.bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError("no free block of metrics ports")
 
 
 @dataclass

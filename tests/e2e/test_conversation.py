@@ -14,10 +14,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.stage_metrics import free_port_block, scrape
+from bench.stage_metrics import scrape
 from omni.v1 import omni_pb2
 from services.thinker.server import messages_from_proto
 from services.tools.client import collect, connect
+from services.tools.launcher import free_port_block
 from services.tools.reference import ReferenceRunner
 from tests.audio_checks import check_streamed_audio
 from tests.stacks import stack_of

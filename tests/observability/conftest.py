@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from bench.stage_metrics import free_port_block
+from services.tools.launcher import free_port_block
 from services.tools.otlp_sink import OtlpSink
 from tests.stacks import stack_of
 

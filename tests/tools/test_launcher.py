@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.stage_metrics import free_port_block
 from services.tools.client import build_request, collect, connect
-from services.tools.launcher import free_port, health_status
+from services.tools.launcher import free_port, free_port_block, health_status
 from tests.threads import torch_threads
 
 
