@@ -1,24 +1,31 @@
 """services/serving/tracing.py on its own: off by default, the flag and the OTEL_* variables turn it
 on, a stage's RequestTrace hangs its phases under its server span with counts as attributes, and
 JSON log lines carry the trace and request ids. The spans go to the SDK's in-memory exporter in a
-child process (the global tracer provider is set once per process, so not in the test session)."""
+child process (the global tracer provider is set once per process, so not in the test session).
+And what the server span's end relies on: every stage handler, and every interceptor's wrapper
+around one, closes what it relays when it is closed itself."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextvars
+import importlib
 import json
 import logging
 import subprocess
 import sys
 import types
 
+import grpc
 import pytest
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
+from omni.v1 import stages_pb2
 from services.serving import tracing
+from services.serving.decode_guard import DecodeGuard
+from services.serving.open_streams import OpenStreams
 from services.serving.tracing import REQUEST_ID, JsonFormatter, RequestTrace, TracingConfig
 
 
@@ -274,8 +281,6 @@ class _Relayed:
 
 
 def _code2wav_inputs():
-    from omni.v1 import stages_pb2
-
     async def inputs():
         yield stages_pb2.Code2WavInput(start=stages_pb2.Code2WavStart(request_id="r"))
     return inputs()
@@ -293,8 +298,6 @@ def test_each_stage_handler_closed_at_a_yield_closes_its_stream_at_once(monkeypa
     too, not later when it is collected: its `finally` writes the trace's outcome, and the server
     span ends right after the handler closes (a code2wav handler without it lost the outcome when
     the talker cancelled the call as the final message went out)."""
-    import importlib
-
     served = importlib.import_module(module)
     monkeypatch.setattr(served, stream, _Relayed)
     monkeypatch.setattr(_Relayed, "closed", [])
@@ -312,12 +315,6 @@ def test_the_interceptors_wrappers_closed_at_a_yield_close_the_handler_they_wrap
     """The same for the interceptors around every stage handler (the body check and the open-streams
     count): each wraps the handler in a generator of its own when tracing is off, and closes it
     with itself; the open count is back at 0 then too."""
-    import grpc
-
-    from omni.v1 import stages_pb2
-    from services.serving.decode_guard import DecodeGuard
-    from services.serving.open_streams import OpenStreams
-
     closed = []
 
     async def handler(request, context):
@@ -332,17 +329,16 @@ def test_the_interceptors_wrappers_closed_at_a_yield_close_the_handler_they_wrap
     counted = OpenStreams(("omni.v1.Code2Wav",))
 
     async def scenario():
-        async def continuation(_details):
+        async def the_handler(_details):
             return grpc.unary_stream_rpc_method_handler(handler, request_deserializer=stages_pb2.Code2WavStart.FromString)
 
-        wrapped = await counted.intercept_service(continuation, details)
-        guarded = await DecodeGuard().intercept_service(lambda _details: _async(wrapped), details)
+        async def counted_handler(_details):  # (the server's order: DecodeGuard, then OpenStreams)
+            return await counted.intercept_service(the_handler, details)
+
+        guarded = await DecodeGuard().intercept_service(counted_handler, details)
         stream = guarded.unary_stream(stages_pb2.Code2WavStart(request_id="r").SerializeToString(), None)
         assert await anext(stream) == "first" and counted.open == 1
         await stream.aclose()
         return list(closed), counted.open
-
-    async def _async(value):
-        return value
 
     assert asyncio.run(scenario()) == ([stages_pb2.Code2WavStart(request_id="r")], 0)
