@@ -29,7 +29,7 @@ class Code2WavConfig:
     # Where blocks start: every vocoder call decodes a whole block (blocks.py); the talker's chunk
     # schedule (4, 8, 16, 25, 25, ...), so a talker that keeps to it sends whole blocks.
     blocks: BlockGrid = BlockGrid(DEFAULT_CHUNKS.schedule())
-    max_batch: int = 16  # requests' blocks decoded in one call at most (where the probe allows, probe.py)
+    max_batch: int = 16  # requests' blocks decoded in one call at most (where exact mode's check allows, plan.py)
     max_batch_frames: int = 64  # frames one call decodes at most over its batch (0: no bound; the cuda default)
     delivery_ms: float = 100.0  # a running request's block is due this long before its listener runs dry
     # Decoder.WINDOW: window lengths captured as CUDA graphs at start-up (others on first use); empty:
@@ -37,6 +37,6 @@ class Code2WavConfig:
     graph_windows: tuple[int, ...] = ()
     # Qwen2.5-Omni's streaming Token2Wav: tokens of context around each chunk (services/code2wav/token2wav.py).
     token2wav_context: StreamContext = StreamContext()
-    # Exact mode: Qwen3-Omni's block size and batches probed at start-up (probe.py); Qwen2.5-Omni's
+    # Exact mode: Qwen3-Omni's batches and open blocks checked beside serving (plan.py); Qwen2.5-Omni's
     # Token2Wav decodes each window alone (token2wav_engine.py): bit-identical whatever else decodes.
     exact: bool = True

@@ -10,8 +10,9 @@ adapter, qwen3_adapter.py):
 - `WindowVocoder` (window.py: each block re-decoded with a left context, exact only while the
   context covers the vocoder's reach, the tiny checkpoint's, not the real 8-layer, window-72 one;
   with CUDA graphs, graphs.py, its windows replay from a graph per (length, batch bucket)).
-Which grid and batch sizes keep every request's bits is the start-up probe's (probe.py,
-`BlockPlan`). Qwen2.5-Omni's engine is token2wav_engine.py, with the same inputs and events (below).
+Which batch sizes keep every request's bits, and whether an open block may be decoded before it is
+whole, is exact mode's check's (plan.py, `BlockPlan`), adopted between steps when it passes.
+Qwen2.5-Omni's engine is token2wav_engine.py, with the same inputs and events (below).
 
 NOTE: which blocks a step takes, by deadline. A step's events reach the handlers only when the
 step ends, so the step's requests are those whose listeners run dry first: before any audio the
@@ -41,10 +42,11 @@ import numpy as np
 import torch
 
 from services.code2wav.blocks import BlockStream
-from services.code2wav.probe import BlockPlan
+from services.code2wav.plan import BlockPlan, adopt
 from services.code2wav.vocoder import VocoderGeometry
 from services.runtime.engine import EngineDefaults, StepResult
 from services.runtime.events import EngineEvent
+from services.runtime.startup_checks import StartupCheck
 from services.runtime.timing import ForwardTimer
 
 
@@ -98,10 +100,11 @@ class _Request:
 class Code2WavEngine(EngineDefaults):
     """Blocks of the most due requests a step, batched as the plan allows (the module note)."""
 
-    def __init__(self, vocoder, plan: BlockPlan, config, delivery_ms: float = 100.0):
+    def __init__(self, vocoder, plan: BlockPlan, config, delivery_ms: float = 100.0, check: StartupCheck | None = None):
         self.vocoder = vocoder  # IncrementalVocoder | WindowVocoder, built for plan.grid
         self.plan = plan
         self.exact_report = plan
+        self.check = check  # exact mode's check beside serving, whose verdict replaces `plan` (plan.py)
         self.geometry: VocoderGeometry = vocoder.geometry
         self.codebook_size = int(config.code2wav_config.codebook_size)
         self.num_quantizers = int(config.code2wav_config.num_quantizers)
@@ -126,6 +129,12 @@ class Code2WavEngine(EngineDefaults):
     def abort(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
+    def adopt_checks(self) -> None:
+        """The faster plan, once the check beside serving found it (between steps: a request's bits
+        are those it gets alone under either plan)."""
+        if (plan := adopt(self.plan, self.check)) is not None:
+            self.plan = self.exact_report = plan
+
     def has_work(self) -> bool:
         now = time.monotonic()
         return any(r.stream.done or self._decodable(r, now) for r in self._requests.values())
@@ -133,13 +142,16 @@ class Code2WavEngine(EngineDefaults):
     def wake_in(self) -> float | None:
         """Seconds until the first open block falls due (None: none waits)."""
         rate, now = self.geometry.sample_rate, time.monotonic()
-        due = [r.deadline(rate, self.delivery_s) for r in self._requests.values() if r.stream.ready and not r.stream.whole]
+        due = [r.deadline(rate, self.delivery_s) for r in self._requests.values()
+               if self.plan.open_blocks and r.stream.ready and not r.stream.whole]
         return max(0.0, min(due) - now) if due else None
 
     def _decodable(self, request: _Request, now: float) -> bool:
-        """A whole block now; an open one once its listener needs it (the module note)."""
+        """A whole block now; an open one once its listener needs it (the module note), where the plan
+        decodes open blocks."""
         stream = request.stream
-        return stream.whole or (stream.ready and request.deadline(self.geometry.sample_rate, self.delivery_s) <= now)
+        return stream.whole or (self.plan.open_blocks and stream.ready
+                                and request.deadline(self.geometry.sample_rate, self.delivery_s) <= now)
 
     @property
     def queue_depth(self) -> int:
@@ -154,6 +166,7 @@ class Code2WavEngine(EngineDefaults):
         """Every request whose stream ended with all its frames decoded ends; then one block each
         of the most due requests. (The end is a step of its own after the last block, whenever the
         end mark came: one step count for any timing.)"""
+        self.adopt_checks()
         events = self._finish()
         batch = self._next_batch()
         return events + (self._decode(batch) if batch else [])

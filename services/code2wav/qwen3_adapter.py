@@ -1,6 +1,6 @@
 """Qwen3-Omni's code2wav as the server drives it (adapter.py): the vocoder (`Qwen3OmniMoeCode2Wav`)
 as the configured decoder's block vocoder, `IncrementalVocoder` or `WindowVocoder`, chosen here
-once, its block size and batches probed (probe.py), in `Code2WavEngine` (engine.py); frames of
+once, its batches and open blocks checked beside serving (plan.py), in `Code2WavEngine` (engine.py); frames of
 `num_quantizers` codes; the start message's voice is not used (the voice is in the codes already)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from services.code2wav.config import Code2WavConfig, Decoder
 from services.code2wav.engine import Code2WavEngine, CodecChunk, CodecEnd
 from services.code2wav.graphs import Code2WavGraphs
 from services.code2wav.incremental import IncrementalVocoder
-from services.code2wav.probe import plan_blocks
+from services.code2wav.plan import plan_blocks
 from services.code2wav.vocoder import VocoderGeometry, measure_geometry
 from services.code2wav.window import WindowVocoder, window_lengths
 from services.runtime.checkpoint import LoadedStage
@@ -60,8 +60,9 @@ class Qwen3Code2WavAdapter:
         model, config = self.loaded.model, self.config
         geometry = measure_geometry(model)
         make = VOCODERS[config.decoder](model, geometry, config)
-        vocoder, plan = plan_blocks(make, config.blocks, config.max_batch, config.exact, config.max_batch_frames)
-        return Code2WavEngine(vocoder, plan, self.loaded.config, delivery_ms=config.delivery_ms)
+        vocoder, plan, check = plan_blocks(make, config.blocks, config.max_batch, config.exact,
+                                           config.max_batch_frames, config.model.checks)
+        return Code2WavEngine(vocoder, plan, self.loaded.config, delivery_ms=config.delivery_ms, check=check)
 
     def job_from_proto(self, start: stages_pb2.Code2WavStart) -> None:
         return None  # the vocoder takes nothing but frames

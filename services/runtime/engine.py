@@ -8,8 +8,9 @@ event) pairs in the order they happened, a `final` event being a request's last.
 The optional parts have defaults in `EngineDefaults`, so the loop calls them without asking
 whether they exist: `timer` (seconds spent in model forwards, for the forward/engine split of
 the step metrics), `wake_in` (a step due by a time of the engine's own while idle: the thinker's
-text holds), `exact_report` (exact mode's probed kernel paths, exported once) and `close`
-(resources outside the process: the vLLM backend's engine core).
+text holds), `exact_report` (exact mode's kernel paths, exported), `adopt_checks` (the faster
+paths of a start-up check that ran beside serving, once it passed: services/runtime/startup_checks.py)
+and `close` (resources outside the process: the vLLM backend's engine core).
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ StepResult = list[tuple[str, EngineEvent]]  # (request_id, event) pairs of one s
 
 
 class KernelReport(Protocol):
-    """What the loop exports of exact mode's start-up probe (services.runtime.invariance.ProbeReport,
-    services.code2wav.probe.BlockPlan). Declared here, not imported: the serving plumbing that
+    """What the loop exports of exact mode's plan (services.runtime.invariance.ProbeReport,
+    services.code2wav.plan.BlockPlan). Declared here, not imported: the serving plumbing that
     reads it holds no torch code."""
+
+    check: str  # where it came from: a CheckState (services/runtime/startup_checks.py)
 
     def paths(self) -> dict[str, str]: ...  # op -> the path the probe chose for it
 
@@ -44,6 +47,7 @@ class Engine(Protocol):
     def has_work(self) -> bool: ...
     def step(self) -> StepResult: ...
     def wake_in(self) -> float | None: ...  # seconds until a step is due while idle; None: not before input
+    def adopt_checks(self) -> None: ...  # a start-up check's faster plan, once it ended (loop thread, between steps)
     def close(self) -> None: ...
 
     @property
@@ -61,6 +65,9 @@ class EngineDefaults:
 
     def wake_in(self) -> float | None:
         return None
+
+    def adopt_checks(self) -> None:
+        pass
 
     def close(self) -> None:
         pass

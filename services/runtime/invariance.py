@@ -1,4 +1,4 @@
-"""The start-up probe: which batched kernels give each row its alone-bits on this machine.
+"""Exact mode's kernel check: which batched kernels give each row its alone-bits on this machine.
 
 A batched kernel (one bmm with an item per row, the experts' per-pair bmm, one SDPA over rows of
 equal length) is invariant or not depending on the CPU's ISA, torch's kernel choice for the shapes
@@ -7,9 +7,11 @@ and the thread count: batched SDPA matched every row on an Intel host and not on
 kernel it would use on the shapes it will use (its own weights, random inputs, the batch sizes in
 `probe_batches`), rows together against each row alone along the ROWS path, bitwise, and uses a
 batched kernel only if every case matched. Anything that raises counts as a mismatch: a failed
-probe costs speed, never a request. The choice is logged once and exported
-(`omni_exact_kernel_info`, services/serving/metrics.py); the engine enters it around its model
-work (`SlotScheduledEngine.kernels`).
+probe costs speed, never a request. An engine serves on the per-row paths (invariant by
+construction; `by_construction`) while the probe runs beside serving, and adopts its report
+between steps (`exact_check`, services/runtime/startup_checks.py). The choice is logged once and
+exported (`omni_exact_kernel_info`, services/serving/metrics.py); the engine enters it around its
+model work (`SlotScheduledEngine.kernels`).
 
 What the probe cannot see (why the ROWS path is the default, not the batched one): a case it did
 not run. It runs the engine's exact weight shapes and token counts at the batch sizes where kernel
@@ -19,9 +21,10 @@ the process keeps for its life (stages set it once at load, services/runtime/che
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +40,8 @@ from services.runtime.batching import (
     linear_rows,
     rowwise_matmul,
 )
+from services.runtime.settings import CheckSettings
+from services.runtime.startup_checks import CheckState, StartupCheck
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +78,8 @@ class ProbeReport:
     kernels: ExactKernels
     reasons: dict[str, str] = field(default_factory=dict)  # op -> why it took its path
     seconds: float = 0.0
-    more: dict[str, str] = field(default_factory=dict)  # other probed choices, e.g. prefix_hit -> used
+    more: dict[str, str] = field(default_factory=dict)  # other checked choices, e.g. prefix_hit -> used
+    check: CheckState = CheckState.NONE  # where it came from (omni_exact_check)
 
     def paths(self) -> dict[str, str]:
         """op -> the path it takes (omni_exact_kernel_info)."""
@@ -84,6 +90,30 @@ class ProbeReport:
 
     def line(self) -> str:
         return "; ".join(f"{op} {path} ({self.reasons.get(op, '')})" for op, path in self.paths().items())
+
+    def to_json(self) -> dict:
+        k = self.kernels
+        shapes = None if k.linear_shapes is None else sorted(list(case) for case in k.linear_shapes)
+        return {"linear": k.linear.value, "experts": k.experts.value, "attention": k.attention.value,
+                "linear_shapes": shapes, "reasons": dict(self.reasons), "more": dict(self.more)}
+
+    @classmethod
+    def from_json(cls, data: dict, check: CheckState = CheckState.CACHED) -> ProbeReport:
+        shapes = data["linear_shapes"]
+        kernels = ExactKernels(KernelPath(data["linear"]), KernelPath(data["experts"]), KernelPath(data["attention"]),
+                               None if shapes is None else frozenset(tuple(int(n) for n in case) for case in shapes))
+        return cls(kernels, {str(k): str(v) for k, v in data["reasons"].items()},
+                   more={str(k): str(v) for k, v in data["more"].items()}, check=check)
+
+
+def by_construction(gemm: bool) -> ProbeReport:
+    """What exact mode runs before its check passed: per-row paths (or the invariant GEMM), each
+    invariant on any machine; exact mode's prefix-cache hits refused."""
+    if gemm and (unavailable := invariant_gemm.unavailable_reason()) is not None:
+        raise RuntimeError(f"--exact-batching gemm: the invariant GEMM is unavailable here: {unavailable}")
+    kernels = GEMM_KERNELS if gemm else ExactKernels()
+    why = f"invariant GEMM, {invariant_gemm.isa()} kernel" if gemm else "one call per row until the check passes"
+    return ProbeReport(kernels, {"linear": why, "experts": why, "attention": "per-row SDPA until the check passes"})
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -184,7 +214,7 @@ def probe_exact_kernels(*, gemm: bool, capacity: int, linear_weights: list[torch
                         linear_tokens: tuple[int, ...] = (1,), experts: list | None = None,
                         attention: list[AttentionShape] | None = None, dtype=torch.float32,
                         device="cpu") -> ProbeReport:
-    """Which path each batched op of an engine takes here (nothing adopted: `choose_exact_kernels`).
+    """Which path each batched op of an engine takes here (nothing adopted: `exact_check` runs it).
     `gemm`: `--exact-batching gemm` (linear layers and experts through the invariant GEMM)."""
     with torch.inference_mode():  # parameters require grad outside it, and bmm's out= refuses them
         return _probe(gemm, capacity, linear_weights, linear_tokens, experts, attention, dtype, device)
@@ -231,13 +261,37 @@ def _probe(gemm, capacity, linear_weights, linear_tokens, experts, attention, dt
     return ProbeReport(kernels, reasons, time.perf_counter() - started)
 
 
-def choose_exact_kernels(stage: str, **probe) -> ProbeReport:
-    """Probe an engine's batched kernels (`probe_exact_kernels`) and log the choice once; the
-    engine runs its model work inside `using_kernels(report.kernels)`."""
-    report = probe_exact_kernels(**probe)
-    log.info("%s exact batching on this CPU (%s, %d thread(s)), probed in %.2f s: %s", stage,
-             torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(), report.seconds, report.line())
-    return report
+def exact_check(stage: str, settings: CheckSettings, then: Callable[[ProbeReport], None] | None = None,
+                then_shapes: dict | None = None, **probe) -> StartupCheck:
+    """The check of an engine's batched kernels (`probe_exact_kernels`; `then` adds the engine's
+    other choices to the report, e.g. the thinker's prefix-cache hits, checked on `then_shapes`),
+    keyed by every shape it runs. The engine calls `start()` and runs its model work inside
+    `using_kernels(report.kernels)`."""
+    def run() -> ProbeReport:
+        report = probe_exact_kernels(**probe)
+        if then is not None:
+            then(report)
+        return report
+
+    def weights(tensors) -> list:
+        return sorted({(tuple(w.shape), str(w.dtype)) for w in tensors})
+
+    experts = probe.get("experts") or []
+    shapes = {"gemm": probe["gemm"], "capacity": probe["capacity"], "linear": weights(probe["linear_weights"]),
+              "tokens": list(probe.get("linear_tokens", (1,))),
+              "experts": weights([m.gate_up_proj for m in experts] + [m.down_proj for m in experts]),
+              "attention": [dataclasses.asdict(a) for a in probe.get("attention") or []],
+              "dtype": str(probe.get("dtype", torch.float32)), "device": str(probe.get("device", "cpu")),
+              "gemm_kernel": invariant_gemm.isa() if probe["gemm"] else None,
+              "more": then_shapes}
+    return StartupCheck(f"{stage} kernels", shapes, run, ProbeReport.to_json, ProbeReport.from_json, settings)
+
+
+def log_report(report: ProbeReport, check: StartupCheck) -> None:
+    how = {CheckState.CACHED: "kept on disk", CheckState.FAILED: "check failed, unchanged"}.get(
+        check.state, f"checked in {check.seconds:.2f} s")
+    log.info("%s of exact batching on this CPU (%s, %d thread(s)), %s: %s", check.name,
+             torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(), how, report.line())
 
 
 def linear_weights(*modules) -> list[torch.Tensor]:

@@ -10,17 +10,50 @@ the talker's code predictor over all their rows), then hand the results to the s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 from services.runtime.batching import using_kernels
 from services.runtime.engine import EngineDefaults, StepResult
-from services.runtime.invariance import ProbeReport
+from services.runtime.invariance import ProbeReport, by_construction, exact_check, log_report
 from services.runtime.scheduler import LMScheduler, StepPlan
+from services.runtime.startup_checks import CheckState, StartupCheck
 
 
 class SlotScheduledEngine(EngineDefaults):
     scheduler: LMScheduler
     _requests: dict  # request_id -> the subclass's per-request state
     exact_report: ProbeReport | None = None  # exact mode's kernel paths here (services/runtime/invariance.py)
+    exact_check: StartupCheck | None = None  # the check whose verdict replaces them, beside serving
+
+    def start_exact_check(self, stage: str, settings, **probe) -> None:
+        """Exact mode's plan: a verdict kept on disk or checked now (before serving), else the paths
+        invariant by construction while the check runs beside serving (`adopt_checks` takes its
+        verdict). `probe`: invariance.exact_check's."""
+        safe = by_construction(probe["gemm"])
+        self.exact_check = exact_check(stage, settings, **probe)
+        verdict = self.exact_check.start()
+        self.exact_report = dataclasses.replace(verdict or safe, check=self.exact_check.state)
+        if verdict is not None:
+            self.adopt_verdict(self.exact_report)
+        if self.exact_check.state is not CheckState.RUNNING:
+            log_report(self.exact_report, self.exact_check)
+
+    def adopt_checks(self) -> None:
+        """The check's verdict, once it ended beside serving, between steps: every path it adopts
+        gives each row the bits the per-row path gives it."""
+        check = self.exact_check
+        if check is None or not check.ended():
+            return
+        verdict = check.verdict or self.exact_report
+        # The engine's own entries (a talker's prefix-hit policy, by mode) stay unless the check decided them.
+        report = dataclasses.replace(verdict, check=check.state, more={**self.exact_report.more, **verdict.more})
+        if check.verdict is not None:
+            self.adopt_verdict(report)
+        self.exact_report = report
+        log_report(report, check)
+
+    def adopt_verdict(self, report: ProbeReport) -> None:
+        """Hook: what the engine takes from a verdict besides the kernel paths (the thinker's prefix hits)."""
 
     def kernels(self):
         """The engine's exact-mode kernel paths on this thread, for a block of its model work."""
@@ -42,6 +75,7 @@ class SlotScheduledEngine(EngineDefaults):
         return self.scheduler.running
 
     def step(self) -> StepResult:
+        self.adopt_checks()
         with self.kernels():
             return self._step()
 

@@ -156,6 +156,13 @@ class PrefixCache:
                            hidden=self.extras.shape[-1], extra_layers=self.extras.shape[1], dtype=self.keys.dtype,
                            device=self.keys.device, capacity_blocks=capacity_blocks, holds=holds)
 
+    def keep_no_tensors(self) -> None:
+        """Become this pool's `ledger` in place (exact mode's check refused hits): the tensors go, the
+        bookkeeping stays, and the router is told of nothing more."""
+        self.holds = False
+        self.keys, self.values, self.extras, self.finals = (t.new_empty((0, *t.shape[1:])) for t in (
+            self.keys, self.values, self.extras, self.finals))
+
     def ledger(self) -> PrefixCache:
         """What an engine that refuses hits keeps instead of this pool: the same blocks' bookkeeping
         without their tensors. Lookups still count what a prefill would have found (refused_tokens,
@@ -345,7 +352,21 @@ def skipping_prefix(text_model, tokens: int):
                 kwargs["deepstack_visual_embeds"] = [e[before:] for e in kwargs["deepstack_visual_embeds"]]
         return args, kwargs
 
-    handle = text_model.register_forward_pre_hook(cut, with_kwargs=True)
+    with forward_pre_hook(text_model, cut, with_kwargs=True):
+        yield
+
+
+@contextlib.contextmanager
+def forward_pre_hook(module, hook, with_kwargs: bool = False):
+    """`hook` as `module`'s forward pre-hook inside the block, for the forwards of this thread only:
+    exact mode's start-up check runs prefills through the same modules beside the engine's
+    (services/runtime/startup_checks.py)."""
+    owner = threading.get_ident()
+
+    def on_this_thread(*args):
+        return hook(*args) if threading.get_ident() == owner else None
+
+    handle = module.register_forward_pre_hook(on_this_thread, with_kwargs=with_kwargs)
     try:
         yield
     finally:

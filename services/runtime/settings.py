@@ -59,6 +59,22 @@ def graphs_wanted(flag: str, device: str) -> bool:
     return flag == "on" or (flag == "auto" and is_cuda)
 
 
+def default_check_cache() -> str:
+    """Where verdicts of exact mode's start-up checks are kept by default: OMNI_CHECK_CACHE, else
+    $XDG_CACHE_HOME/omni-serve/checks (~/.cache/omni-serve/checks)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return env_default("check_cache", os.path.join(base, "omni-serve", "checks"))
+
+
+@dataclass(frozen=True)
+class CheckSettings:
+    """Exact mode's start-up checks (services/runtime/startup_checks.py): beside serving or before
+    it, and where verdicts are kept ("": nowhere, every start checks)."""
+
+    background: bool = False  # the stages' flag defaults to beside serving; in-process engines check first
+    cache: str = ""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What a stage loads and where it runs it."""
@@ -70,6 +86,7 @@ class ModelConfig:
     graphs: GraphSettings = GraphSettings()  # CUDA graph capture of the decode steps (cuda only)
     random_weights: bool = False  # build the stage from config.json with seeded random weights
     random_seed: int = 0
+    checks: CheckSettings = CheckSettings()
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -88,6 +105,15 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                              "seeded random weights (for benchmarks at full size; see omni-tiny-checkpoint --full-size)")
     parser.add_argument("--random-seed", type=int, default=env_default("random_seed", 0),
                         help="seed of --random-weights (default 0)")
+    parser.add_argument("--startup-checks", choices=["background", "before-serving"],
+                        default=env_default("startup_checks", "background"),
+                        help="exact mode's check of faster batched kernels: background (default): serve at once on "
+                             "the plan that is exact by construction and adopt the faster one when the check "
+                             "passes; before-serving: check first")
+    parser.add_argument("--check-cache", default=default_check_cache(),
+                        help="folder where start-up check verdicts are kept, keyed by the CPU, torch, threads and "
+                             "shapes, so a restart on the same machine reuses them ('' = keep none; default "
+                             "%(default)s) [OMNI_CHECK_CACHE]")
 
 
 def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
@@ -99,12 +125,16 @@ def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
     if getattr(args, "exact_batching", "auto") not in EXACT_CHOICES:
         raise UserError(f"--exact-batching / OMNI_EXACT_BATCHING: {args.exact_batching!r} is not one of "
                         f"{', '.join(EXACT_CHOICES)}")
+    if args.startup_checks not in ("background", "before-serving"):
+        raise UserError(f"--startup-checks / OMNI_STARTUP_CHECKS: {args.startup_checks!r} is not background or "
+                        "before-serving")
     if getattr(args, "exact_batching", "auto") == "gemm" and (args.device != "cpu" or args.dtype != "float32"):
         raise UserError("--exact-batching gemm runs omni's invariant GEMM: --device cpu --dtype float32 only")
     return ModelConfig(
         checkpoint=args.checkpoint, device=args.device, dtype=args.dtype, threads=args.threads,
         graphs=GraphSettings(graphs_wanted(args.cuda_graphs, args.device), parse_buckets(args.graph_buckets)),
         random_weights=bool(args.random_weights), random_seed=args.random_seed,
+        checks=CheckSettings(background=args.startup_checks != "before-serving", cache=args.check_cache),
     )
 
 

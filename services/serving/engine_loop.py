@@ -144,8 +144,8 @@ class EngineLoop:
             # event loop, between the loop thread's gauge updates, which an idle stage makes only
             # every 0.5 s.
             metrics.in_flight.set_function(lambda: self.in_flight)
-        if metrics is not None and engine.exact_report is not None:  # exact mode: what the probe chose
-            metrics.exact_kernels(engine.exact_report)
+        self._exported = None  # the engine's exact_report as last exported (a start-up check replaces it)
+        self._export_plan()
 
     def start(self) -> None:
         self._thread.start()
@@ -190,6 +190,13 @@ class EngineLoop:
         m.step_seconds.observe(elapsed_ms / 1000)
         if batch:
             m.batch_size.observe(batch)
+
+    def _export_plan(self) -> None:
+        """Exact mode's plan, on the metrics when it changed (a check beside serving ended)."""
+        report = self.engine.exact_report
+        if self.metrics is not None and report is not None and report is not self._exported:
+            self.metrics.exact_kernels(report)
+        self._exported = report
 
     def _set_gauges(self) -> None:
         # After commands and after each step's events: a request that finished or was aborted
@@ -252,8 +259,17 @@ class EngineLoop:
                 self.metrics.engine_cpu.inc(max(now_cpu - cpu, 0.0))
                 cpu = now_cpu
             self._set_gauges()
+            self._adopt_checks()
             if self.engine.has_work():
                 self._step(timer)
+
+    def _adopt_checks(self) -> None:
+        """A start-up check's verdict, adopted between steps (an idle loop comes by every 0.5 s)."""
+        try:
+            self.engine.adopt_checks()
+        except Exception:  # a verdict that cannot be adopted leaves the plan in force, never the loop down
+            log.exception("%s: adopting a start-up check's verdict failed; the plan in force stays", self.name)
+        self._export_plan()
 
     def _apply_commands(self) -> None:
         """Every queued command; blocks for the first only when the engine has nothing to do."""

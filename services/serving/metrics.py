@@ -19,7 +19,15 @@ import functools
 import glob
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Enum,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -70,6 +78,7 @@ STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.
 class StageMetrics:
     def __init__(self, stage: str, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
+        self._exact: tuple | None = None  # exact mode's gauges, made at the first report (exact_kernels)
         self.registry.register(GCCollector())
         self.stage = stage
         ProcessCollector(registry=self.registry)  # process_start_time_seconds: the crash-loop alert (k8s/monitoring)
@@ -115,19 +124,31 @@ class StageMetrics:
                                          ["stage", "peer"], registry=r, buckets=PAUSE_BUCKETS)
 
     def exact_kernels(self, report) -> None:
-        """What exact mode runs here, as the start-up probe chose it (services/runtime/invariance.py,
-        services/code2wav/probe.py): one series per op with value 1, e.g.
-        omni_exact_kernel_info{op="attention", path="rows"}, and a gauge per chosen number, e.g.
-        omni_exact_setting{name="block_frames"}."""
-        info = Gauge("omni_exact_kernel_info", "Exact batching's kernel path per op, as the start-up probe chose it "
-                     "(rows: one call per request; batched: probed invariant here; gemm: omni's invariant GEMM; "
-                     "alone: no batching)", ["stage", "op", "path"], registry=self.registry)
+        """What exact mode runs here (services/runtime/invariance.py, services/code2wav/plan.py), again
+        whenever a start-up check's verdict replaces it: one series per op with value 1, e.g.
+        omni_exact_kernel_info{op="attention", path="rows"}, a gauge per chosen number, e.g.
+        omni_exact_setting{name="block_frames"}, and where the plan came from, omni_exact_check
+        (running: the check runs beside serving, the plan is exact by construction; checked, cached:
+        its verdict, from this process or kept on disk; failed: it raised, the plan stays)."""
+        if self._exact is None:
+            r = self.registry
+            self._exact = (
+                Gauge("omni_exact_kernel_info", "Exact batching's kernel path per op, as exact mode's plan has it "
+                      "(rows: one call per request; batched: checked invariant here; gemm: omni's invariant GEMM; "
+                      "alone: no batching)", ["stage", "op", "path"], registry=r),
+                Gauge("omni_exact_setting", "A number in exact mode's plan (code2wav: block_frames, max_batch, "
+                      "open_blocks)", ["stage", "name"], registry=r),
+                Enum("omni_exact_check", "Where exact mode's plan came from: its start-up check running beside "
+                     "serving, checked, cached (a verdict kept on disk), failed, or none to run", ["stage"],
+                     states=["none", "running", "checked", "cached", "failed"], registry=r))
+        info, setting, check = self._exact
+        info.clear()
         for op, path in report.paths().items():
             info.labels(stage=self.stage, op=op, path=path).set(1)
-        setting = Gauge("omni_exact_setting", "A number exact mode's start-up probe chose (code2wav: block_frames, "
-                        "max_batch)", ["stage", "name"], registry=self.registry)
+        setting.clear()
         for name, number in report.settings().items():
             setting.labels(stage=self.stage, name=name).set(number)
+        check.labels(stage=self.stage).state(str(report.check))
 
     def prefix_cache(self, cache) -> None:
         """The thinker's prefix cache (services/runtime/prefix_cache.py), read at each scrape."""

@@ -36,12 +36,12 @@ from services.runtime.batching import (
 from services.runtime.engine import StepResult
 from services.runtime.events import EngineEvent
 from services.runtime.finish import FinishReason
-from services.runtime.invariance import choose_exact_kernels, experts_modules, linear_weights
+from services.runtime.invariance import experts_modules, linear_weights
 from services.runtime.lm_engine import SlotScheduledEngine
 from services.runtime.prefix_cache import BLOCK_TOKENS, PrefixCache, PrefixHit, prefilling_after, row_block_keys
 from services.runtime.sampling import SamplingConfig, select_token
 from services.runtime.scheduler import LMScheduler
-from services.runtime.settings import GraphSettings
+from services.runtime.settings import CheckSettings, GraphSettings
 from services.runtime.stages import Stage
 from services.runtime.static_decode import SlotDecodeGraphs
 from services.runtime.timing import ForwardTimer
@@ -98,6 +98,7 @@ class TalkerEngineConfig:
     max_prefills_per_step: int = 1  # waiting requests prefilled in one step beside the decode batch
     graphs: GraphSettings = GraphSettings()  # CUDA graphs of the decode step and the code predictor
     prefix_cache_mb: int = 0  # the prefix cache's pool (services/runtime/prefix_cache.py); 0: none
+    checks: CheckSettings = CheckSettings()  # exact mode's start-up check: beside serving or before (startup_checks.py)
 
 
 @dataclass
@@ -202,10 +203,10 @@ class TalkerEngine(SlotScheduledEngine):
                                             engine_config.max_model_len, dtype, device)
         # The code predictor (lean loop) and its keys and values for one frame of every row of a batch.
         self.predictor_cache = CodePredictor(model, engine_config.max_batch_size, device, dtype)
-        self.exact_report = None  # which kernels exact mode runs here (services/runtime/invariance.py)
-        if engine_config.exact_batching:
-            self.exact_report = choose_exact_kernels(
-                Stage.TALKER, gemm=engine_config.exact_gemm, capacity=engine_config.max_batch_size,
+        if engine_config.exact_batching:  # which kernels exact mode runs here (services/runtime/invariance.py)
+            self.start_exact_check(
+                Stage.TALKER, engine_config.checks, gemm=engine_config.exact_gemm,
+                capacity=engine_config.max_batch_size,
                 linear_weights=linear_weights(model.model, model.codec_head, predictor), linear_tokens=(1, 2),
                 experts=experts_modules(model.model), attention=self.predictor_cache.attention_shapes(),
                 dtype=dtype, device=device)

@@ -29,7 +29,7 @@ from transformers import DynamicCache
 from services.runtime.batching import SlotKVCache, batch_invariant, use_invariant_attention, use_rowwise_attention
 from services.runtime.engine import StepResult
 from services.runtime.finish import FinishReason
-from services.runtime.invariance import choose_exact_kernels, linear_weights
+from services.runtime.invariance import linear_weights
 from services.runtime.lm_engine import SlotScheduledEngine
 from services.runtime.qwen2_5_omni import TALKER_EOS_IDS, talker_prompt_len
 from services.runtime.sampling import SamplingConfig, select_token
@@ -104,11 +104,10 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
         if engine_config.exact_gemm:
             use_invariant_attention(model.config)  # what makes a prefix hit exact (the reference runs it too)
         self.dtype = next(model.parameters()).dtype
-        self.exact_report = None  # which kernels exact mode runs here (services/runtime/invariance.py)
-        if engine_config.exact_batching:
-            self.exact_report = choose_exact_kernels(
-                Stage.TALKER, gemm=engine_config.exact_gemm, capacity=engine_config.max_batch_size,
-                linear_weights=linear_weights(model), dtype=self.dtype, device=device)
+        if engine_config.exact_batching:  # which kernels exact mode runs here (services/runtime/invariance.py)
+            self.start_exact_check(Stage.TALKER, engine_config.checks, gemm=engine_config.exact_gemm,
+                                   capacity=engine_config.max_batch_size, linear_weights=linear_weights(model),
+                                   dtype=self.dtype, device=device)
         self.embed = model.get_input_embeddings()  # codec id -> [H_thinker]
         self.cache = SlotKVCache.for_config(model.config, engine_config.num_slots, engine_config.max_model_len,
                                             self.dtype, device)

@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                                     max_prefills_per_step=args.max_prefills_per_step,
                                     max_model_len=args.max_model_len, exact_batching=exact_batching(args),
                                     exact_gemm=exact_gemm(args), graphs=model.graphs,
-                                    prefix_cache_mb=prefix_cache_mb(args.prefix_cache_mb))
+                                    prefix_cache_mb=prefix_cache_mb(args.prefix_cache_mb), checks=model.checks)
         config = TalkerConfig(
             serving=serving_config_from_args(args), model=model, engine=engine,
             chunks=chunks,

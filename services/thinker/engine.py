@@ -38,7 +38,7 @@ from services.runtime.batching import (
 from services.runtime.engine import StepResult
 from services.runtime.events import EngineEvent
 from services.runtime.finish import FinishReason
-from services.runtime.invariance import choose_exact_kernels, experts_modules, linear_weights
+from services.runtime.invariance import ProbeReport, experts_modules, linear_weights
 from services.runtime.lm_engine import SlotScheduledEngine
 from services.runtime.prefix_cache import (
     BLOCK_TOKENS,
@@ -46,12 +46,13 @@ from services.runtime.prefix_cache import (
     PrefixHit,
     PromptPrefix,
     block_keys,
+    forward_pre_hook,
     prefilling_after,
 )
 from services.runtime.prompt import PromptInputs
 from services.runtime.sampling import SamplingConfig, select_token
 from services.runtime.scheduler import LMScheduler
-from services.runtime.settings import GraphSettings
+from services.runtime.settings import CheckSettings, GraphSettings
 from services.runtime.stages import Stage
 from services.runtime.static_decode import SlotDecodeGraphs
 from services.runtime.timing import ForwardTimer
@@ -132,6 +133,7 @@ class ThinkerEngineConfig:
     max_prefills_per_step: int = 1  # waiting requests prefilled in one step beside the decode batch
     graphs: GraphSettings = GraphSettings()  # CUDA graphs of the decode step (services/runtime/static_decode.py)
     prefix_cache_mb: int = 0  # the prefix cache's pool (services/runtime/prefix_cache.py); 0: none
+    checks: CheckSettings = CheckSettings()  # exact mode's start-up check: beside serving or before (startup_checks.py)
 
 
 class ThinkerEngine(SlotScheduledEngine):
@@ -161,13 +163,6 @@ class ThinkerEngine(SlotScheduledEngine):
         use_rowwise_attention(text_config)
         if engine_config.exact_gemm:
             use_invariant_attention(text_config)  # what makes a prefix hit exact (batching.invariant_attention)
-        self.exact_report = None  # which kernels exact mode runs here (services/runtime/invariance.py)
-        if engine_config.exact_batching:
-            decoder = [model.model, model.lm_head]
-            self.exact_report = choose_exact_kernels(
-                Stage.THINKER, gemm=engine_config.exact_gemm, capacity=engine_config.max_batch_size,
-                linear_weights=linear_weights(*decoder), experts=experts_modules(*decoder),
-                dtype=next(model.parameters()).dtype, device=device)
         self.dtype = dtype = next(model.parameters()).dtype
         # With graphs, one extra slot that no request owns takes the padded rows' writes.
         graph_slots = 1 if engine_config.graphs.enabled else 0
@@ -183,6 +178,15 @@ class ThinkerEngine(SlotScheduledEngine):
                                      engine_config.max_model_len, engine_config.max_prefills_per_step)
         self._requests: dict[str, _Request] = {}  # request_id -> decoding state
         self._init_prefix_cache()
+        if engine_config.exact_batching:  # which kernels exact mode runs here (services/runtime/invariance.py)
+            decoder = [model.model, model.lm_head]
+            prefix = {"then": self._prefix_hit_verdict, "then_shapes": {"prefix": text_config.to_dict()}} \
+                if self.prefix is not None else {}
+            self.start_exact_check(Stage.THINKER, engine_config.checks, gemm=engine_config.exact_gemm,
+                                   capacity=engine_config.max_batch_size, linear_weights=linear_weights(*decoder),
+                                   experts=experts_modules(*decoder), dtype=dtype, device=device, **prefix)
+            if self.prefix is not None:
+                self.exact_report.more.setdefault("prefix_hit", "refused")
 
     @property
     def prefix_layers(self) -> tuple[int, ...]:
@@ -193,23 +197,29 @@ class ThinkerEngine(SlotScheduledEngine):
     def _init_prefix_cache(self) -> None:
         """The prefix cache, when configured. Exact mode uses hits only with the invariant GEMM
         (--exact-batching gemm), where they are bit-identical to the cold prefill by construction,
-        checked once at start (services/thinker/prefix_probe.py); with per-row kernels it refuses
-        them (ROWS_REFUSE)."""
+        once its start-up check confirmed it (services/thinker/prefix_probe.py); with per-row
+        kernels it refuses them (ROWS_REFUSE) and keeps the bookkeeping alone."""
         self.prefix: PrefixCache | None = None
-        self.prefix_hits = True
-        self.prefix_probe: str | None = None  # why hits are refused (None: not refused)
-        if self.engine_config.prefix_cache_mb <= 0:
+        config = self.engine_config
+        self.prefix_hits = not config.exact_batching  # exact mode: once the check confirms them (adopt_verdict)
+        if config.prefix_cache_mb <= 0:
             return
-        self.prefix = PrefixCache.for_model(self.model.config.text_config, self.engine_config.prefix_cache_mb,
-                                            len(self.prefix_layers), self.dtype, self.device)
-        if self.engine_config.exact_batching:
-            from services.thinker.prefix_probe import refused_hits
+        self.prefix = PrefixCache.for_model(self.model.config.text_config, config.prefix_cache_mb,
+                                            len(self.prefix_layers), self.dtype, self.device,
+                                            holds=not config.exact_batching or config.exact_gemm)
 
-            self.prefix_probe = refused_hits(self)
-            self.prefix_hits = self.prefix_probe is None
-            self.exact_report.more["prefix_hit"] = "used" if self.prefix_hits else "refused"
-            if not self.prefix_hits:
-                self.prefix = self.prefix.ledger()
+    def _prefix_hit_verdict(self, report: ProbeReport) -> None:
+        """The exact-mode check's word on prefix-cache hits (on the check's thread)."""
+        from services.thinker.prefix_probe import refused_hits
+
+        why = refused_hits(self, report.kernels)
+        report.more["prefix_hit"] = "refused" if why else "used"
+        report.reasons["prefix_hit"] = why or "a prefill from cached blocks matched one without, bitwise"
+
+    def adopt_verdict(self, report: ProbeReport) -> None:
+        self.prefix_hits = report.more.get("prefix_hit") == "used"
+        if self.prefix is not None and not self.prefix_hits:
+            self.prefix.keep_no_tensors()
 
     # The loop's interface.
     def add(self, request_id: str, job: ThinkerJob) -> None:
@@ -301,18 +311,21 @@ class ThinkerEngine(SlotScheduledEngine):
             return []
         return block_keys(job.prompt.input_ids[0].tolist(), job.prefix.media_at)
 
-    def forward_prompt(self, kwargs: dict, position_ids: torch.Tensor, hit: PrefixHit, want_hidden: bool):
+    def forward_prompt(self, kwargs: dict, position_ids: torch.Tensor, hit: PrefixHit, want_hidden: bool,
+                       pool: PrefixCache | None = None, timer=None):
         """The prompt's forward through the module's own path into a fresh cache, from the hit's
-        cached blocks on (their keys and values preloaded, the decoder stack run from there, the LM
-        head over every row: `_lm_head_rows`). Returns (the output, its hidden states completed with
-        the hit's `prefix_layers`; the cache of the whole prompt; [extra, P, hidden] of those layers,
-        or None without `want_hidden`; [P, hidden] the LM head's input, or None without a cache)."""
+        cached blocks on in `pool` (default the engine's: their keys and values preloaded, the
+        decoder stack run from there, the LM head over every row: `_lm_head_rows`), timed by `timer`
+        (default the engine's). Returns (the output, its hidden states completed with the hit's
+        `prefix_layers`; the cache of the whole prompt; [extra, P, hidden] of those layers, or None
+        without `want_hidden`; [P, hidden] the LM head's input, or None without a cache)."""
         from transformers import DynamicCache
 
+        pool = pool or self.prefix
         cache = DynamicCache(config=self.model.config.text_config)
         finals: list[torch.Tensor] = []
-        with (prefilling_after(self.prefix, hit, cache, self.model.model, self.model.config.text_config),
-              self.timer, self._lm_head_rows(hit, finals)):
+        with (prefilling_after(pool, hit, cache, self.model.model, self.model.config.text_config),
+              timer or self.timer, self._lm_head_rows(pool, hit, finals)):
             out = self.model(**kwargs, position_ids=position_ids, past_key_values=cache, use_cache=True,
                              output_hidden_states=want_hidden)
         final = finals[0] if finals else None
@@ -321,34 +334,31 @@ class ThinkerEngine(SlotScheduledEngine):
         states = list(out.hidden_states)
         layers = [layer % len(states) for layer in self.prefix_layers]
         if hit.blocks:
-            cached = self.prefix.hidden_of(hit)  # [extra, hit tokens, hidden]
+            cached = pool.hidden_of(hit)  # [extra, hit tokens, hidden]
             for i, layer in enumerate(layers):
                 states[layer] = torch.cat([cached[i].unsqueeze(0), states[layer]], dim=1)
             out.hidden_states = tuple(states)
         return out, cache, torch.stack([states[layer][0] for layer in layers]), final
 
     @contextlib.contextmanager
-    def _lm_head_rows(self, hit: PrefixHit, finals: list):
+    def _lm_head_rows(self, pool: PrefixCache | None, hit: PrefixHit, finals: list):
         """With a prefix cache, the LM head's input is recorded into `finals` (the blocks keep it),
         and after a hit it gets the cached rows before the computed ones: the LM head then runs
         over the whole prompt's rows, the cold prefill's call, so the last row's logits cannot
         depend on how many rows were computed (a matmul's row can: fewer rows, other blocking)."""
-        if self.prefix is None:
+        if pool is None:
             yield
             return
 
         def whole_prompt(_module, args):
             rows = args[0]
             if hit.blocks:
-                rows = torch.cat([self.prefix.finals_of(hit).unsqueeze(0), rows], dim=1)
+                rows = torch.cat([pool.finals_of(hit).unsqueeze(0), rows], dim=1)
             finals.append(rows[0])
             return (rows, *args[1:])
 
-        handle = self.model.lm_head.register_forward_pre_hook(whole_prompt)
-        try:
+        with forward_pre_hook(self.model.lm_head, whole_prompt):
             yield
-        finally:
-            handle.remove()
 
     @torch.inference_mode()
     def decode(self, request_ids: list[str], slots: list[int]) -> StepResult:

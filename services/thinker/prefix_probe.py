@@ -10,21 +10,22 @@ With --exact-batching gemm every linear layer and expert goes through the invari
 thinker's attention through `invariant_attention` (services/runtime/batching.py): each output
 row's bits are independent of the row count, and the LM head runs over the whole prompt's rows
 either way, so a hit gives the cold prefill's bits by construction. That mode checks it once at
-start, on a few text prompts of its own (bitwise: the last logits, every layer's keys and values,
-the hidden states the talker reads), so a broken construction (another kernel in the path) refuses
-hits instead of changing outputs. Both outcomes are logged once and exported as
-`omni_exact_kernel_info{op="prefix_hit"}`; refused lookups count as `omni_prefix_cache_refused_tokens`.
+start, beside serving (services/runtime/startup_checks.py: hits are refused until it passed), on a
+few text prompts of its own (bitwise: the last logits, every layer's keys and values, the hidden
+states the talker reads), so a broken construction (another kernel in the path) refuses hits
+instead of changing outputs. It prefills through the engine's model on its own thread, into a
+scratch pool of its own; the prefill's hooks act on their own thread's forwards only. Both outcomes
+are logged once and exported as `omni_exact_kernel_info{op="prefix_hit"}`; refused lookups count
+as `omni_prefix_cache_refused_tokens`.
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
+from services.runtime.batching import ExactKernels, using_kernels
 from services.runtime.prefix_cache import BLOCK_TOKENS, PrefixCache, PrefixHit, block_keys
-
-log = logging.getLogger(__name__)
+from services.runtime.timing import ForwardTimer
 
 ROWS_REFUSE = ("per-row kernels (--exact-batching on): a prefill of fewer rows is not the cold one's bits by "
                "construction; --exact-batching gemm uses hits")
@@ -53,11 +54,13 @@ def _differs(engine, tokens: int, cached_blocks: int, scratch: PrefixCache) -> s
     positions = engine.model._prepare_position_ids_for_generation(ids, dict(kwargs))
     if engine.prefill_drops_attention_mask:
         kwargs.pop("attention_mask")
-    cold, cold_cache, cold_hidden, cold_finals = engine.forward_prompt(kwargs, positions, PrefixHit(), want_hidden=True)
+    timer = ForwardTimer()  # not the engine's, which its own thread reads
+    cold, cold_cache, cold_hidden, cold_finals = engine.forward_prompt(kwargs, positions, PrefixHit(), True,
+                                                                       scratch, timer)
     keys = block_keys(ids[0].tolist(), {})
     scratch.store(keys[:cached_blocks], cold_cache, cold_finals, cold_hidden, first=0)
     hit = scratch.lookup(keys, cached_blocks, need_extras=True)
-    warm, warm_cache, warm_hidden, _ = engine.forward_prompt(kwargs, positions, hit, want_hidden=True)
+    warm, warm_cache, warm_hidden, _ = engine.forward_prompt(kwargs, positions, hit, True, scratch, timer)
     where = f"a {tokens}-token prompt from {cached_blocks * BLOCK_TOKENS} cached tokens"
     if not torch.equal(cold.logits[0, -1], warm.logits[0, -1]):
         return f"{where}: the last logits differ"
@@ -70,31 +73,25 @@ def _differs(engine, tokens: int, cached_blocks: int, scratch: PrefixCache) -> s
 
 
 @torch.inference_mode()
-def probe_prefix_hits(engine) -> str | None:
-    """None if every case gave the same bits both ways; else why not (logged)."""
-    own = engine.prefix
-    scratch = own.empty_like(max(c for _, c in CASES))
-    engine.prefix = scratch  # forward_prompt preloads from engine.prefix
+def probe_prefix_hits(engine, kernels: ExactKernels) -> str | None:
+    """None if every case gave the same bits both ways, prefilled along `kernels` (the paths the
+    check adopts); else why not."""
+    scratch = engine.prefix.empty_like(max(c for _, c in CASES))
     why = None
     try:
-        with engine.kernels():  # the kernel paths its steps run (the invariant GEMM with --exact-batching gemm)
+        with using_kernels(kernels):  # the paths its steps run (the invariant GEMM with --exact-batching gemm)
             for tokens, cached_blocks in CASES:
                 why = _differs(engine, tokens, cached_blocks, scratch)
                 if why:
                     break
     except Exception as exc:  # noqa: BLE001 - a probe that cannot run means: not exact here
         why = f"probe failed: {type(exc).__name__}: {exc}"
-    finally:
-        engine.prefix = own
-    log.info("thinker prefix cache with the invariant GEMM on this CPU (%s, %d thread(s)): %s",
-             torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(),
-             f"hits refused ({why})" if why else "hits used (a prefill from cached blocks matched one without, bitwise)")
     return why
 
 
-def refused_hits(engine) -> str | None:
-    """Exact mode: why it refuses prefix-cache hits here (logged once), None when it uses them."""
+def refused_hits(engine, kernels: ExactKernels) -> str | None:
+    """Exact mode: why it refuses prefix-cache hits here, None when it uses them (the check's
+    report, logged once, carries it)."""
     if not engine.engine_config.exact_gemm:
-        log.info("thinker prefix cache in exact mode: hits refused (%s)", ROWS_REFUSE)
         return ROWS_REFUSE
-    return probe_prefix_hits(engine)
+    return probe_prefix_hits(engine, kernels)

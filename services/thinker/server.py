@@ -285,7 +285,7 @@ def config_from_args(args: argparse.Namespace) -> ThinkerConfig:
     engine = ThinkerEngineConfig(max_batch_size=args.max_batch_size, num_slots=args.num_slots,
                                  max_prefills_per_step=args.max_prefills_per_step, max_model_len=args.max_model_len,
                                  exact_batching=exact_batching(args), exact_gemm=exact_gemm(args), graphs=model.graphs,
-                                 prefix_cache_mb=prefix_cache_mb(args.prefix_cache_mb))
+                                 prefix_cache_mb=prefix_cache_mb(args.prefix_cache_mb), checks=model.checks)
     limits = PromptLimits(args.max_prompt_tokens or None, args.max_audio_seconds, args.max_image_pixels,
                           VideoLimits(args.max_video_seconds, args.max_video_frames, args.max_video_pixels),
                           args.video_fps)

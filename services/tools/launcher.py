@@ -249,7 +249,8 @@ class Stack:
         seen = "" if process.stage != "router" else "; what the router polls, asked now: " + ", ".join(
             f"{p.name} {poll_as_the_router(p.stage, f'{self.options.host}:{p.port}', self.options.tls)}"
             for p in self.processes.values() if p.stage in tuple(Stage))
-        raise UserError(f"{name} did not become healthy within {timeout_s:.0f} s{seen}{self._log_tail(process)}")
+        raise UserError(f"{name} did not become healthy within {timeout_s:.0f} s (--startup-timeout-s){seen}; "
+                        f"{self._last_line(process)}{self._log_tail(process)}")
 
     def _serving(self, process: Process) -> bool:
         """Whether the process reports SERVING (grpc.health.v1: the router for omni.v1.Omni, every
@@ -272,6 +273,12 @@ class Stack:
             if router is not None and router.popen is not None and router.popen.poll() is not None:
                 return router
         return None
+
+    @staticmethod
+    def _last_line(process: Process) -> str:
+        """What a process was doing: its last log line."""
+        last = next((line.strip() for line in reversed(process.output) if line.strip()), None)
+        return f"its last log line: {last}" if last else "it logged nothing"
 
     def _log_tail(self, process: Process, lines: int = 30) -> str:
         """The end of a process's log for an error message (with log_prefix its log is on stderr already)."""
@@ -332,7 +339,8 @@ class Stack:
                     elif now > starting[name]:
                         del starting[name]
                         log(f"{name} did not become healthy within {self.options.startup_timeout_s:.0f} s of its "
-                            f"restart; killing it{self._log_tail(process)}")
+                            f"restart (--startup-timeout-s); {self._last_line(process)}; killing it"
+                            f"{self._log_tail(process)}")
                         process.popen.kill()
             stopping.wait(0.1 if starting or due else 0.5)
 
@@ -437,6 +445,10 @@ def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
                              "runs on CPUs of its own (its --threads' worth, the last ones) and the other processes on "
                              "the rest (--light-load-cpus); anywhere above that. Skipped when it leaves them none. "
                              "auto (default): on unless --device is cuda")
+    parser.add_argument("--startup-timeout-s", type=float, default=180.0,
+                        help="how long each process may take to report SERVING, at start and after a restart "
+                             "(default 180: a stage serves once its weights are loaded; exact mode's start-up checks "
+                             "run beside serving)")
     parser.add_argument("--tls-cert", help="every process serves with this certificate (and presents it onward)")
     parser.add_argument("--tls-key", help="private key of --tls-cert")
     parser.add_argument("--tls-ca", help="CA of the pipeline: mutual TLS on every hop")
@@ -444,6 +456,8 @@ def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
 
 def _options(args) -> StackOptions:
     check_folder(args.checkpoint, need_weights=not args.random_weights)
+    if not args.startup_timeout_s > 0:
+        raise UserError(f"--startup-timeout-s must be above 0, got {args.startup_timeout_s}")
     every = (("--device", args.device) if args.device else ()) + (("--dtype", args.dtype) if args.dtype else ()) + (
         ("--random-weights",) if args.random_weights else ())
     thinker = ("--default-max-new-tokens", str(args.thinker_max_new_tokens)) if args.thinker_max_new_tokens else ()
@@ -460,7 +474,7 @@ def _options(args) -> StackOptions:
                         talker_args=every + talker + more["talker"], code2wav_args=every + more["code2wav"],
                         router_args=more["router"], extra_args=tls_flags, tls=tls,
                         metrics_base_port=args.metrics_base_port, device=args.device or "cpu",
-                        cpu_layout=args.cpu_layout)
+                        cpu_layout=args.cpu_layout, startup_timeout_s=args.startup_timeout_s)
 
 
 def up(args) -> None:

@@ -1,9 +1,11 @@
 """Qwen3-Omni's streamed audio is a function of the frames alone, never of how the talker cut them
-or of what else code2wav decodes (services/code2wav/blocks.py, probe.py): bit for bit, with both
-decoders, and the start-up probe falls back where a machine's kernels would break that."""
+or of what else code2wav decodes (services/code2wav/blocks.py, plan.py): bit for bit, with both
+decoders, and exact mode's check keeps the plan exact by construction where a machine's kernels
+would break that."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -14,7 +16,7 @@ from services.code2wav.blocks import BlockGrid, BlockStream, StreamDecoder
 from services.code2wav.config import Code2WavConfig, Decoder
 from services.code2wav.engine import Audio, Code2WavEngine, CodecChunk, CodecEnd
 from services.code2wav.incremental import IncrementalVocoder
-from services.code2wav.probe import BlockPlan, plan_blocks
+from services.code2wav.plan import BlockPlan, plan_blocks
 from services.code2wav.qwen3_adapter import Qwen3Code2WavAdapter
 from services.code2wav.vocoder import VocoderGeometry, measure_geometry
 from services.code2wav.window import WindowVocoder
@@ -142,18 +144,27 @@ class RowsDependOnTheBatch(IncrementalVocoder):
         return (wav + 1e-6 if len(blocks) > 1 and (self.always or not rows) else wav), after
 
 
+def engine_with(vocoder, plan: BlockPlan, loaded) -> Code2WavEngine:
+    return Code2WavEngine(vocoder, plan, loaded.config)
+
+
 @pytest.mark.exactness
-def test_where_an_open_block_changes_bits_blocks_are_one_frame_and_the_audio_is_the_cold_path(
+def test_where_an_open_block_changes_bits_open_blocks_wait_and_the_audio_does_not_follow_the_cuts(
         loaded, frames, caplog):
     geometry = measure_geometry(loaded.model)
-    with caplog.at_level(logging.INFO, logger="services.code2wav.probe"):
-        vocoder, plan = plan_blocks(lambda grid: LeakyOpenBlocks(loaded.model, geometry, grid), GRID, 16, exact=True)
-    assert plan.grid == vocoder.grid == BlockGrid((1,))
-    assert "blocks of 1 frame (an open block of the grid 4,8,16,25 changed the bits" in plan.reasons["block"]
+    with caplog.at_level(logging.INFO, logger="services.code2wav.plan"):
+        vocoder, plan, _ = plan_blocks(lambda grid: LeakyOpenBlocks(loaded.model, geometry, grid), GRID, 16, exact=True)
+    assert plan.grid == vocoder.grid == GRID and not plan.open_blocks
+    assert "an open block decoded once whole (an open block of the grid 4,8,16,25 changed the bits" in \
+        plan.reasons["block"]
+    assert plan.paths()["open_block"] == "when_whole"
     assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1  # logged once
-    cold = streamed(IncrementalVocoder(loaded.model, geometry, BlockGrid((1,))), frames, [FRAMES])
-    for name, cuts in cut_plans().items():
-        assert np.array_equal(streamed(vocoder, frames, cuts), cold), name
+    engine = engine_with(vocoder, plan, loaded)
+    audio = {name: run_engine(engine, {"a": (frames, cuts)})["a"] for name, cuts in cut_plans().items()}
+    assert all(np.array_equal(wav, audio["whole"]) for wav in audio.values())
+    # The leak is real: the same vocoder decoding open blocks when due gives cut-dependent audio.
+    leaky = engine_with(vocoder, dataclasses.replace(plan, open_blocks=True), loaded)
+    assert not np.array_equal(run_engine(leaky, {"a": (frames, cut_plans()["one by one"])})["a"], audio["whole"])
 
 
 @pytest.mark.exactness
@@ -161,17 +172,19 @@ def test_where_an_open_block_changes_bits_blocks_are_one_frame_and_the_audio_is_
 def test_batches_that_change_a_row_s_bits_are_never_used(loaded, always):
     geometry = measure_geometry(loaded.model)
     leaky = type("Leaky", (RowsDependOnTheBatch,), {"always": always})
-    _, plan = plan_blocks(lambda grid: leaky(loaded.model, geometry, grid), GRID, 16, exact=True)
+    _, plan, _ = plan_blocks(lambda grid: leaky(loaded.model, geometry, grid), GRID, 16, exact=True)
     if always:
-        assert plan.batches == (1,) and plan.paths() == {"conv": "batched", "vocoder": "alone"}
+        assert plan.batches == (1,) and plan.paths() == {"conv": "batched", "vocoder": "alone",
+                                                         "open_block": "when_due"}
     else:
         assert plan.rows and plan.batches[-1] == 16 and plan.paths()["conv"] == "rows"
 
 
-def test_without_exact_mode_nothing_is_probed(loaded):
+def test_without_exact_mode_nothing_is_checked(loaded):
     geometry = measure_geometry(loaded.model)
-    _, plan = plan_blocks(lambda grid: LeakyOpenBlocks(loaded.model, geometry, grid), GRID, 8, exact=False)
-    assert (plan.grid, plan.batches, plan.rows) == (GRID, tuple(range(1, 9)), False)
+    _, plan, check = plan_blocks(lambda grid: LeakyOpenBlocks(loaded.model, geometry, grid), GRID, 8, exact=False)
+    assert (plan.grid, plan.batches, plan.rows, plan.open_blocks, check) == (GRID, tuple(range(1, 9)), False, True,
+                                                                              None)
 
 
 def test_a_block_stream_pads_the_open_block_and_emits_only_final_samples():

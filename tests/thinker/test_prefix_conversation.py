@@ -142,7 +142,7 @@ def assert_same_bits(cached: Out, cold: Out, where: str) -> None:
 def assert_hits_used(engine: ThinkerEngine, used: bool) -> None:
     """Hits used (gemm), or refused (per-row kernels: said once, exported, counted)."""
     stats = engine.prefix.stats
-    assert engine.prefix_hits is used, engine.prefix_probe
+    assert engine.prefix_hits is used, engine.exact_report.reasons.get("prefix_hit")
     assert engine.exact_report.paths()["prefix_hit"] == ("used" if used else "refused")
     if used:
         assert stats.hit_tokens > 0 and stats.refused_tokens == 0
