@@ -41,6 +41,12 @@ def pytest_configure(config) -> None:
     from tests.fuzzing import SEED, SEED_ENV
 
     os.environ[SEED_ENV] = str(SEED)  # xdist's workers start later, from this environment: one seed per run
+    if "OMNI_CHECK_CACHE" not in os.environ:
+        # Start-up check verdicts (services/runtime/startup_checks.py) kept for this run only: a
+        # stage a test starts never adopts one a run before it kept in the user's cache.
+        import tempfile
+
+        os.environ["OMNI_CHECK_CACHE"] = tempfile.mkdtemp(prefix="omni-checks-")
     try:
         threads = configured_threads()
     except ValueError as exc:

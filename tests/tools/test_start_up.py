@@ -3,6 +3,7 @@ says meanwhile, with processes that hold no model (seconds, not a stack's start)
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 import threading
@@ -12,7 +13,15 @@ from pathlib import Path
 import pytest
 
 from services.runtime.errors import UserError
-from services.tools.launcher import Process, Stack, StackOptions, free_port, health_status
+from services.tools.launcher import (
+    Process,
+    Stack,
+    StackOptions,
+    _add_stack_flags,
+    _options,
+    free_port,
+    health_status,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -99,13 +108,44 @@ def test_start_up_fails_at_once_naming_a_stage_the_router_cannot_do_without(tmp_
         # once it supervises). Without `peers` (a restart) only its own exit counts; the router's
         # timeout says what its polls of the stages get.
         del stack.processes["thinker-0"]
-        with pytest.raises(UserError, match="router did not become healthy within 1 s; what the router polls, "
-                                            "asked now: talker-0 health UNAVAILABLE, talker-1 health UNAVAILABLE"):
+        with pytest.raises(UserError, match=r"router did not become healthy within 1 s \(--startup-timeout-s\); what "
+                                            "the router polls, asked now: talker-0 health UNAVAILABLE, talker-1 "
+                                            "health UNAVAILABLE"):
             stack.wait_ready("router", timeout_s=1, peers=True)
     finally:
         for process in (router, stack.processes["talker-1"]):
             process.popen.kill()
             process.popen.wait()
+
+
+def test_a_stage_not_healthy_in_time_is_named_with_what_it_was_doing(tmp_path):
+    # omni-serve up said "code2wav-0 did not become healthy within 180 s (see its log)", its log
+    # thousands of lines up; the timeout was not a flag.
+    stack = fake_stack(tmp_path, **{"code2wav-0": [sys.executable, "-u", "-c", "print('loading weights'); "
+                                                   "print('code2wav blocks: checking'); print(); "
+                                                   "import time; time.sleep(60)"]})
+    stack.options.log_prefix = True  # as omni-serve up runs: the log went to stderr
+    try:
+        deadline = time.monotonic() + 30
+        while len(stack.processes["code2wav-0"].output) < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with pytest.raises(UserError, match=r"code2wav-0 did not become healthy within 1 s \(--startup-timeout-s\); "
+                                            r"its last log line: code2wav blocks: checking \(see its log\)"):
+            stack.wait_ready("code2wav-0", timeout_s=1)
+    finally:
+        stack.processes["code2wav-0"].popen.kill()
+        stack.processes["code2wav-0"].popen.wait()
+
+
+def test_the_start_up_timeout_is_a_flag(tiny_checkpoint):
+    parser = argparse.ArgumentParser()
+    _add_stack_flags(parser)
+    assert _options(parser.parse_args(["--checkpoint", str(tiny_checkpoint)])).startup_timeout_s == 180
+    assert _options(parser.parse_args(["--checkpoint", str(tiny_checkpoint), "--startup-timeout-s", "900"])
+                    ).startup_timeout_s == 900
+    with pytest.raises(UserError, match="--startup-timeout-s must be above 0, got 0"):
+        _options(parser.parse_args(["--checkpoint", str(tiny_checkpoint), "--startup-timeout-s", "0"]))
 
 
 def test_the_supervisor_restarts_one_replica_while_another_is_starting_and_kills_one_that_never_serves(
@@ -147,7 +187,7 @@ def test_the_supervisor_restarts_one_replica_while_another_is_starting_and_kills
         serving.add("talker-1")
         wait_logged("talker-1 is SERVING again")
         assert not any("talker-0 is SERVING" in line for line in log), log
-        wait_logged("talker-0 did not become healthy within 2 s of its restart; killing it")
+        wait_logged("talker-0 did not become healthy within 2 s of its restart (--startup-timeout-s)")
         wait_logged("talker-0 exited with code -9; restarting it on port", timeout_s=5.0, times=2)  # the kill, an exit
     finally:
         stopping.set()
