@@ -59,8 +59,9 @@ class BenchConfig:
         return max(self.requests, concurrency)
 
     def stage_args(self) -> tuple[str, ...]:
-        """What every stage server gets, so the pipeline runs where the reference does."""
-        return ("--device", self.device, "--dtype", self.dtype)
+        """What every stage server gets, so the pipeline runs where the reference does, on the plan
+        exact mode's start-up check chose (not the one it serves on while the check runs)."""
+        return ("--device", self.device, "--dtype", self.dtype, "--startup-checks", "before-serving")
 
     def talker_args(self) -> tuple[str, ...]:
         """The talker also gets the first chunk's size, so the floor and the stack agree."""

@@ -59,11 +59,13 @@ def graphs_wanted(flag: str, device: str) -> bool:
     return flag == "on" or (flag == "auto" and is_cuda)
 
 
-def default_check_cache() -> str:
-    """Where verdicts of exact mode's start-up checks are kept by default: OMNI_CHECK_CACHE, else
-    $XDG_CACHE_HOME/omni-serve/checks (~/.cache/omni-serve/checks)."""
+def check_cache_folder(flag: str) -> str:
+    """--check-cache: "auto" is $XDG_CACHE_HOME/omni-serve/checks (~/.cache/omni-serve/checks); ""
+    keeps no verdicts; anything else is the folder."""
+    if flag != "auto":
+        return flag
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return env_default("check_cache", os.path.join(base, "omni-serve", "checks"))
+    return os.path.join(base, "omni-serve", "checks")
 
 
 @dataclass(frozen=True)
@@ -110,10 +112,11 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         help="exact mode's check of faster batched kernels: background (default): serve at once on "
                              "the plan that is exact by construction and adopt the faster one when the check "
                              "passes; before-serving: check first")
-    parser.add_argument("--check-cache", default=default_check_cache(),
+    parser.add_argument("--check-cache", default=env_default("check_cache", "auto"),
                         help="folder where start-up check verdicts are kept, keyed by the CPU, torch, threads and "
-                             "shapes, so a restart on the same machine reuses them ('' = keep none; default "
-                             "%(default)s) [OMNI_CHECK_CACHE]")
+                             "shapes, so a restart on the same machine reuses them (auto, the default: "
+                             "$XDG_CACHE_HOME/omni-serve/checks, else ~/.cache/omni-serve/checks; '' = keep none) "
+                             "[OMNI_CHECK_CACHE]")
 
 
 def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
@@ -134,7 +137,8 @@ def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
         checkpoint=args.checkpoint, device=args.device, dtype=args.dtype, threads=args.threads,
         graphs=GraphSettings(graphs_wanted(args.cuda_graphs, args.device), parse_buckets(args.graph_buckets)),
         random_weights=bool(args.random_weights), random_seed=args.random_seed,
-        checks=CheckSettings(background=args.startup_checks != "before-serving", cache=args.check_cache),
+        checks=CheckSettings(background=args.startup_checks != "before-serving",
+                             cache=check_cache_folder(args.check_cache)),
     )
 
 

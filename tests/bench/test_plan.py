@@ -23,7 +23,7 @@ def test_defaults_cover_concurrency_1_4_16_with_every_system():
 
 def test_device_flags_pass_through_to_every_stage():
     cfg = config("--device", "cuda", "--dtype", "bfloat16")
-    assert cfg.stage_args() == ("--device", "cuda", "--dtype", "bfloat16")
+    assert cfg.stage_args() == ("--device", "cuda", "--dtype", "bfloat16", "--startup-checks", "before-serving")
 
 
 def test_within_a_round_every_system_serves_the_same_prompts_and_the_order_flips_between_rounds():
