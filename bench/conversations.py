@@ -35,8 +35,10 @@ from bench.config import BenchConfig
 from bench.loop import closed_loop
 from bench.machine import describe_machine
 from bench.stage_metrics import scrape
-from omni.v1 import common_pb2, omni_pb2, stages_pb2_grpc
+from omni.v1 import common_pb2, omni_pb2
 from services.runtime.prefix_cache import BLOCK_TOKENS
+from services.runtime.stages import Stage
+from services.serving.stage_stubs import stage_stub
 from services.tools.client import collect, connect
 from services.tools.launcher import Stack, StackOptions, free_port_block
 
@@ -182,7 +184,7 @@ def thinker_counters(stack: Stack) -> tuple[dict[str, float], dict[str, int]]:
             if sample.startswith("omni_prefix_cache_") and sample.endswith("_total"):
                 totals[sample] = totals.get(sample, 0.0) + value
         with grpc.insecure_channel(f"{stack.options.host}:{process.port}") as channel:
-            load = stages_pb2_grpc.ThinkerStub(channel).GetLoad(common_pb2.LoadRequest(), timeout=10)
+            load = stage_stub(Stage.THINKER, channel).GetLoad(common_pb2.LoadRequest(), timeout=10)
         streams[name] = int(load.streams_total)
     return totals, streams
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from bench.loop import closed_loop
 from bench.machine import describe_machine
 from bench.metrics import percentile
+from bench.plot import Line, plot_levels
 from services.code2wav.config import Decoder
 from services.tools.client import build_request, collect, connect
 from services.tools.launcher import Stack, StackOptions
@@ -267,39 +268,17 @@ def write_markdown(report: Report, path: Path) -> None:
 
 
 def write_plot(report: Report, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_ttfp, ax_rps) = plt.subplots(1, 2, figsize=(11, 4.5))
+    lines = []
     for graphs, colour in (("on", "tab:blue"), ("off", "tab:gray"), ("auto", "tab:green")):
         rows = sorted((r for r in report.levels if r.graphs == graphs and r.ttfp_ms_p50 is not None),
                       key=lambda r: r.concurrency)
-        if not rows:
-            continue
-        levels = [r.concurrency for r in rows]
-        ax_ttfp.plot(levels, [r.ttfp_ms_p50 for r in rows], marker="o", color=colour, label=f"graphs {graphs} p50")
-        ax_ttfp.plot(levels, [r.ttfp_ms_p99 for r in rows], linestyle=":", color=colour, label=f"graphs {graphs} p99")
-        ax_rps.plot(levels, [r.req_per_s for r in rows], marker="o", color=colour, label=f"graphs {graphs}")
-    for ax, title, ylabel in ((ax_ttfp, "Time to first audio", "TTFP (ms, log)"),
-                              (ax_rps, "Throughput", "completed requests / s")):
-        ax.set_xscale("log", base=2)
-        levels = sorted({r.concurrency for r in report.levels})
-        ax.set_xticks(levels, [str(n) for n in levels])
-        ax.set_xlabel("concurrency")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    ax_ttfp.set_yscale("log")
-    ax_rps.set_ylim(bottom=0)
+        if rows:
+            lines.append(Line(f"graphs {graphs}", colour, "o", [r.concurrency for r in rows],
+                              [r.ttfp_ms_p50 for r in rows], [r.ttfp_ms_p99 for r in rows],
+                              [r.req_per_s for r in rows], tail="p99"))
     cfg = report.config
-    fig.suptitle(f"omni-serve: {cfg['label']}, random weights, {cfg['dtype']}, {report.machine.get('gpu') or cfg['device']}",
-                 fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plot_levels(lines, path, f"omni-serve: {cfg['label']}, random weights, {cfg['dtype']}, "
+                             f"{report.machine.get('gpu') or cfg['device']}")
 
 
 def main(argv: list[str] | None = None) -> int:

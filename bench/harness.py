@@ -56,14 +56,16 @@ FLOOR_PROMPTS = 4  # the floor is sampled on the first prompts of the set
 
 
 @dataclass(frozen=True)
-class Block:
+class RunBlock:
+    """One system at one concurrency for one round, on these prompts: the unit the harness runs and logs."""
+
     system: System
     concurrency: int
     round: int
     prompt_indices: tuple[int, ...]
 
 
-def plan_blocks(config: BenchConfig, n_prompts: int) -> list[Block]:
+def plan_run_blocks(config: BenchConfig, n_prompts: int) -> list[RunBlock]:
     """Every block in run order. Within a round all systems get the same prompts; successive
     rounds (and levels) move on through the prompt set."""
     blocks, offset = [], 0
@@ -76,7 +78,7 @@ def plan_blocks(config: BenchConfig, n_prompts: int) -> list[Block]:
             for system in order:
                 if system is System.REFERENCE_BATCHED and level == 1:
                     continue  # a batch of one is the reference row
-                blocks.append(Block(system, level, r, indices))
+                blocks.append(RunBlock(system, level, r, indices))
     return blocks
 
 
@@ -102,7 +104,7 @@ class Bench:
         self.started = time.perf_counter()
         self.machine = describe_machine()
         self.prompts: list[BenchPrompt] = load_jsonl(config.prompts_file) if config.prompts_file else built_in_prompts()
-        self.blocks = plan_blocks(config, len(self.prompts))
+        self.blocks = plan_run_blocks(config, len(self.prompts))
         self.skipped: list[Skipped] = []
         if System.REFERENCE_BATCHED in config.systems and 1 in config.concurrency:
             self.skipped.append(Skipped(System.REFERENCE_BATCHED, 1, "a batch of one is the reference row"))

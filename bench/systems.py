@@ -29,6 +29,7 @@ from bench.loop import closed_loop
 from bench.metrics import RequestTiming, whole_response
 from bench.prompts import BenchPrompt
 from bench.reference import Generated, Reference
+from services.runtime.stages import SPEECH_SAMPLE_RATE
 from services.tools.client import build_request, collect, connect
 
 
@@ -210,7 +211,7 @@ class GatewaySystem:
                         text_times.append(now)
                     if audio.get("data"):
                         audio_times.append(now)
-                        durations.append(len(base64.b64decode(audio["data"])) / 2 / 24000)
+                        durations.append(len(base64.b64decode(audio["data"])) / 2 / SPEECH_SAMPLE_RATE)
             response.read()  # the rest (nothing after [DONE]): the connection is reusable
         except (OSError, ValueError) as exc:
             if getattr(self.local, "connection", None) is not None:

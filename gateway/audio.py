@@ -14,8 +14,7 @@ import io
 import numpy as np
 
 from services.runtime.resample import resample
-
-SAMPLE_RATE = 24000
+from services.runtime.stages import SPEECH_SAMPLE_RATE
 
 # OpenAI format name -> (libsndfile container, subtype); None = raw little-endian int16.
 _SOUNDFILE = {
@@ -73,7 +72,7 @@ def supported_output(fmt: str) -> bool:
     return container in sf.available_formats() and subtype in sf.available_subtypes(container)
 
 
-def encode(samples: np.ndarray, fmt: str, sample_rate: int = SAMPLE_RATE) -> bytes:
+def encode(samples: np.ndarray, fmt: str, sample_rate: int = SPEECH_SAMPLE_RATE) -> bytes:
     """A whole clip in `fmt` (wav, flac, mp3, opus, pcm/pcm16)."""
     if fmt in ("pcm", "pcm16"):
         return pcm16_bytes(samples)
@@ -184,7 +183,7 @@ class StreamEncoder:
     mark of a stream whose length is unknown: written before any sample). Not thread-safe: one
     caller at a time (the gateway runs each call in a worker thread, in order)."""
 
-    def __init__(self, fmt: str, sample_rate: int = SAMPLE_RATE):
+    def __init__(self, fmt: str, sample_rate: int = SPEECH_SAMPLE_RATE):
         if fmt not in STREAMED_FORMATS or not supported_output(fmt):
             raise UnsupportedFormat(fmt)
         import soundfile as sf

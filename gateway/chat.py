@@ -17,7 +17,8 @@ from gateway import audio as audio_codec
 from gateway.asgi import CallStream, sse
 from gateway.config import GatewayConfig
 from gateway.convert import chat_to_proto, check_size
-from gateway.router_call import Call, Gateway
+from gateway.process import Gateway
+from gateway.router_call import Call
 from gateway.schemas import CHAT_REFUSED, ChatCompletionRequest, check_refused
 from omni.v1 import common_pb2, omni_pb2
 

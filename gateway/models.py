@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.errors import APIError
-from gateway.router_call import Gateway
+from gateway.process import Gateway
 
 OPEN_PATHS = ("/live", "/health")  # probes: no token (they carry no data)
 routes = APIRouter()

@@ -25,7 +25,8 @@ from gateway import chat, models, speech
 from gateway.asgi import BearerAuth, CountAndLimit, IncompleteFilter, metrics_wsgi_app
 from gateway.config import GatewayConfig, config_from_args
 from gateway.errors import APIError, from_validation
-from gateway.router_call import ClientGone, Gateway
+from gateway.process import Gateway
+from gateway.router_call import ClientGone
 from services.runtime.errors import UserError, run_cli
 from services.runtime.settings import env_default, env_flag
 from services.serving.gc_heap import freeze_startup_heap

@@ -15,7 +15,8 @@ from gateway.asgi import CallStream, StreamBroken, sse
 from gateway.config import GatewayConfig
 from gateway.convert import check_size, speech_to_proto
 from gateway.errors import APIError, bad_request
-from gateway.router_call import Call, Gateway
+from gateway.process import Gateway
+from gateway.router_call import Call
 from gateway.schemas import SPEECH_REFUSED, SpeechRequest, check_refused
 from omni.v1 import common_pb2, omni_pb2
 

@@ -33,19 +33,16 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from omni.v1 import common_pb2, stages_pb2_grpc
+from omni.v1 import common_pb2
 from router.prefix import DEFAULT_PREFIX_WEIGHT, PrefixView, Routing
 from services.runtime.errors import UserError
 from services.serving.channels import RotatingChannels
 from services.serving.security import TLSConfig
+from services.serving.stage_stubs import stage_stub
 
 log = logging.getLogger("router.replicas")
 
-_LOAD_STUBS = {
-    "thinker": stages_pb2_grpc.ThinkerStub,
-    "talker": stages_pb2_grpc.TalkerStub,
-    "code2wav": stages_pb2_grpc.Code2WavStub,
-}
+
 
 
 UP, SUSPECT, DOWN = "up", "suspect", "down"
@@ -219,7 +216,7 @@ class ReplicaSet:
         try:
             health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
             serving = health.status == health_pb2.HealthCheckResponse.SERVING
-            load = await _LOAD_STUBS[self.stage](channel).GetLoad(replica.prefix.request(), timeout=1.0) \
+            load = await stage_stub(self.stage, channel).GetLoad(replica.prefix.request(), timeout=1.0) \
                 if serving else None
         except grpc.aio.AioRpcError as exc:
             code = exc.code()

@@ -22,8 +22,8 @@ from router.admission import Admission, AdmissionConfig
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.prefix import DEFAULT_PREFIX_WEIGHT, Routing
-from router.relay import Relay
 from router.replicas import Replica, ReplicaSet, ReplicaSource, publish_state
+from router.stream import RouterStream
 from services.runtime.errors import run_cli
 from services.runtime.settings import env_default
 from services.runtime.stages import Stage
@@ -94,7 +94,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
             self.metrics.replica_in_flight.labels(stage, replica.address).set(replica.in_flight)
 
     async def Generate(self, request: omni_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        async with aclosing(Relay(self, request, context).run()) as responses:
+        async with aclosing(RouterStream(self, request, context).run()) as responses:
             async for response in responses:
                 yield response
 
@@ -164,7 +164,7 @@ async def create_server(config: RouterConfig) -> tuple[ServerHandle, Router]:
     return handle, router
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni-router", description=__doc__.splitlines()[0])
     # Clients' messages are smaller than what stages pass each other (a whole prompt's hidden states).
     add_serving_flags(parser, default_port=50051, max_message_mb=64, idle_timeout_help=(
@@ -193,42 +193,50 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix-weight", type=float, default=env_default("prefix_weight", DEFAULT_PREFIX_WEIGHT),
                         help="prefix routing: requests of load that 1,000 prompt tokens a replica holds are worth "
                              f"(default {DEFAULT_PREFIX_WEIGHT:g})")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        thinker=ReplicaSource.parse(args.thinker, "--thinker"),
+        talker=ReplicaSource.parse(args.talker, "--talker"),
+        code2wav=ReplicaSource.parse(args.code2wav, "--code2wav"),
+        serving=serving_config_from_args(args),
+        admission=AdmissionConfig(args.max_in_flight, args.max_queue, args.queue_timeout_s),
+        poll_interval_s=args.poll_interval_s, dns_refresh_s=args.dns_refresh_s,
+        auth_tokens=load_tokens(args.auth_token_file), max_migrations=args.max_migrations,
+        routing=Routing(args.routing), prefix_weight=args.prefix_weight,
+    )
+
+
+async def serve(config: RouterConfig, port_file: str | None = None) -> None:
+    """Serve until SIGTERM: live at once, ready (omni.v1.Omni) once every stage has a replica."""
+    handle, router = await create_server(config)
+    health = None
+    await handle.set_serving(False, services=(SERVICE,))  # not ready until every stage has a replica
+
+    def started() -> None:
+        nonlocal health
+        write_port_file(port_file, handle.port)
+        health = asyncio.get_running_loop().create_task(router.keep_health(handle))
+
+    # NOTE: readiness (omni.v1.Omni) is keep_health's alone: marked SERVING with the rest at the
+    # start, it read SERVING until keep_health's first round, with no stage replica maybe up.
+    await serve_until_signal(handle, config.serving.grace_s, drain_delay_s=config.serving.drain_delay_s,
+                             on_started=started, started_services=("",),
+                             light_load_cpus=config.serving.light_load_cpus)
+    if health is not None:
+        health.cancel()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     def run() -> None:
-        config = RouterConfig(
-            thinker=ReplicaSource.parse(args.thinker, "--thinker"),
-            talker=ReplicaSource.parse(args.talker, "--talker"),
-            code2wav=ReplicaSource.parse(args.code2wav, "--code2wav"),
-            serving=serving_config_from_args(args),
-            admission=AdmissionConfig(args.max_in_flight, args.max_queue, args.queue_timeout_s),
-            poll_interval_s=args.poll_interval_s, dns_refresh_s=args.dns_refresh_s,
-            auth_tokens=load_tokens(args.auth_token_file), max_migrations=args.max_migrations,
-            routing=Routing(args.routing), prefix_weight=args.prefix_weight,
-        )
+        config = config_from_args(args)
         setup_logging("router", config.serving.tracing.log_format)
         setup_tracing("router", config.serving.tracing, config.serving.port)
-
-        async def serve() -> None:
-            handle, router = await create_server(config)
-            health = None
-            await handle.set_serving(False, services=(SERVICE,))  # not ready until every stage has a replica
-
-            def started() -> None:
-                nonlocal health
-                write_port_file(args.port_file, handle.port)
-                health = asyncio.get_running_loop().create_task(router.keep_health(handle))
-
-            # NOTE: readiness (omni.v1.Omni) is keep_health's alone: marked SERVING with the rest at the
-            # start, it read SERVING until keep_health's first round, with no stage replica maybe up.
-            await serve_until_signal(handle, config.serving.grace_s, drain_delay_s=config.serving.drain_delay_s,
-                                     on_started=started, started_services=("",),
-                                     light_load_cpus=config.serving.light_load_cpus)
-
-            if health is not None:
-                health.cancel()
-
-        asyncio.run(serve())
+        asyncio.run(serve(config, args.port_file))
 
     return run_cli(run)
 

@@ -1,13 +1,12 @@
 """Code2Wav gRPC service: codec frames in, PCM chunks out, on one bidirectional stream.
 
 The family's adapter (adapter.py, picked once at start by the checkpoint's model_type) builds the
-engine and converts the stream's messages; each stream is one `DecodeCall`.
+engine and converts the stream's messages; each stream is one `Code2WavStream`.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 from contextlib import aclosing
@@ -18,9 +17,9 @@ from omni.v1 import stages_pb2, stages_pb2_grpc
 from services.code2wav.adapter import Code2WavAdapter
 from services.code2wav.blocks import BlockGrid
 from services.code2wav.config import Code2WavConfig, Decoder
-from services.code2wav.engine import Audio, CodecEnd, Decoded
 from services.code2wav.qwen2_5_adapter import Qwen2_5Code2WavAdapter
 from services.code2wav.qwen3_adapter import Qwen3Code2WavAdapter
+from services.code2wav.stream import Code2WavStream
 from services.code2wav.token2wav import StreamContext, Token2WavGeometry
 from services.code2wav.vocoder import VocoderGeometry
 from services.runtime.checkpoint import LoadedStage, load_for_serving
@@ -42,15 +41,10 @@ from services.serving.config import (
 )
 from services.serving.engine_loop import (
     EngineLoop,
-    EventSink,
-    engine_key,
 )
 from services.serving.grpc_server import ServerHandle
 from services.serving.stage_main import serve_stage, start_stage
-from services.serving.status import WireError, abort_for
-from services.serving.streams import let_end
-from services.serving.tracing import RequestTrace, now_ns
-from services.serving.wire import audio_to_proto
+from services.serving.status import abort_for
 
 log = logging.getLogger(Stage.CODE2WAV)
 SERVICE = stages_pb2.DESCRIPTOR.services_by_name["Code2Wav"].full_name
@@ -76,7 +70,7 @@ class Code2WavServicer(stages_pb2_grpc.Code2WavServicer):
         first = await anext(aiter(request_iterator), None)
         if first is None or not first.HasField("start"):
             await abort_for(context, InvalidArgument("start", "the first message must be start"))
-        call = DecodeCall(self, first.start.request_id or "anonymous", context)
+        call = Code2WavStream(self, first.start.request_id or "anonymous", context)
         # (closed here when grpc closes this handler: its `finally`, the trace's outcome included,
         # runs before the server span ends, not later when the generator is collected)
         async with aclosing(call.run(first.start, request_iterator)) as outputs:
@@ -85,94 +79,6 @@ class Code2WavServicer(stages_pb2_grpc.Code2WavServicer):
 
     async def GetLoad(self, request, context):
         return self.loop.load_report(Stage.CODE2WAV, 0, self.handle.draining, reset_peak=request.reset_peak)
-
-
-class DecodeCall:
-    """One Decode stream, in its steps: admit the request, take its frames (a reader task beside
-    the handler), wait for what the engine decoded, send each audio chunk, finish with the final
-    message; on any other way out, the outcome for the trace and the request aborted."""
-
-    def __init__(self, servicer: Code2WavServicer, request_id: str, context: grpc.aio.ServicerContext):
-        self.loop = servicer.loop
-        self.adapter = servicer.adapter
-        self.geometry = servicer.geometry
-        self.idle_timeout_s = servicer.idle_timeout_s
-        self.context = context
-        self.spans = RequestTrace(Stage.CODE2WAV, request_id)
-        self.key = engine_key(request_id)  # unique per stream, whatever ids callers reuse
-        self.sink = EventSink(asyncio.get_running_loop())
-        self.added_ns = 0  # now_ns() when admitted
-        self.chunks_sent = 0  # the next AudioChunk.index
-        self.finished = False  # Decoded came: the engine holds nothing of the request any more
-        self.outcome = "cancelled"  # unless the stream ends otherwise (the caller went away)
-
-    async def run(self, start: stages_pb2.Code2WavStart, request_iterator):
-        self.admit(start)
-        reader = asyncio.create_task(self.take_frames(request_iterator))
-        try:
-            while True:
-                match await self.sink.get(self.idle_timeout_s, Stage.CODE2WAV):  # what the engine decoded
-                    case Audio() as audio:
-                        yield self.send_audio(audio)
-                    case Decoded() as decoded:
-                        yield self.finish(decoded)
-                        return
-        except grpc.aio.AbortError:
-            self.outcome = "error"
-            raise
-        except Exception as exc:  # a failed engine or a bad input stream
-            await self.fail(exc)
-        finally:
-            self.spans.finish(self.outcome)
-            let_end(reader)  # never cancelled mid-read (services/serving/streams.py); ends with the call
-            if not self.finished:
-                self.loop.abort(self.key)
-
-    def admit(self, start: stages_pb2.Code2WavStart) -> None:
-        self.added_ns = now_ns()
-        self.loop.add(self.key, self.adapter.job_from_proto(start), self.sink)
-
-    async def take_frames(self, request_iterator) -> None:
-        """The messages after start, into the engine, up to the end mark; a bad one fails the stream."""
-        try:
-            async for message in request_iterator:
-                item = self.adapter.input_from_proto(message)
-                self.loop.add_input(self.key, item)
-                if isinstance(item, CodecEnd):
-                    return
-            # The caller half-closed without an end mark: it gave up on this request.
-            raise InvalidArgument("end", "stream closed before the end mark")
-        except (InvalidArgument, WireError) as exc:
-            self.sink.fail(exc)
-        except asyncio.CancelledError:
-            raise
-        except grpc.aio.AioRpcError:
-            pass  # the caller went away; the handler's finally aborts the request
-
-    def send_audio(self, audio: Audio) -> stages_pb2.Code2WavOutput:
-        if self.chunks_sent == 0:
-            self.spans.phase("queue", self.added_ns, self.sink.first_step_ns)
-            self.spans.phase("first_chunk", self.added_ns, samples=int(audio.samples.shape[-1]))
-            self.spans.open("decode")
-        self.spans.count("chunks")
-        first_frame = audio.first_sample // self.geometry.samples_per_frame
-        chunk = audio_to_proto(audio.samples, self.geometry.sample_rate, self.chunks_sent, first_frame, audio.end_frame)
-        self.chunks_sent += 1
-        return stages_pb2.Code2WavOutput(audio=chunk)
-
-    def finish(self, decoded: Decoded) -> stages_pb2.Code2WavOutput:
-        self.finished = True
-        self.outcome = "ok"
-        self.spans.close("decode", samples=decoded.samples)
-        return stages_pb2.Code2WavOutput(final=stages_pb2.Code2WavFinal(audio_samples=decoded.samples))
-
-    async def fail(self, exc: Exception) -> None:
-        """End the stream with `exc`'s status (services/serving/status.py)."""
-        # A talker that goes away (cancelled) often reaches the reader as its stream's end before the
-        # cancellation reaches the handler: a stream closed without the end mark is abandoned, for the trace.
-        gone = self.context.cancelled() or (isinstance(exc, InvalidArgument) and exc.field == "end")
-        self.outcome = "cancelled" if gone else type(exc).__name__
-        await abort_for(self.context, exc)
 
 
 async def create_server(config: Code2WavConfig) -> tuple[ServerHandle, EngineLoop]:

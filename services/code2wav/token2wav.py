@@ -35,8 +35,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from services.runtime.stages import SPEECH_SAMPLE_RATE
+
 EMPTY = np.zeros(0, dtype=np.float32)
-SAMPLE_RATE = 24000  # BigVGAN's output rate (Qwen2.5-Omni's speech is 24 kHz)
 # The CPU generator's normal kernel fills 16 values at a time and redraws the last 16 of a draw
 # whose size is not a multiple of 16: only multiples of 16 concatenate into the longer draw.
 NOISE_GRAIN = 16
@@ -51,7 +52,7 @@ class Token2WavGeometry:
     samples_per_mel: int  # BigVGAN upsampling, the product of upsample_rates (240)
     max_mel_frames: int  # the DiT's max_position_embeddings (32768)
     num_embeds: int  # codec embedding rows: valid ids are [0, num_embeds)
-    sample_rate: int = SAMPLE_RATE
+    sample_rate: int = SPEECH_SAMPLE_RATE  # BigVGAN's output rate
 
     @property
     def samples_per_frame(self) -> int:

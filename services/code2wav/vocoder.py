@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.runtime.qwen3_omni import DEFAULT_SAMPLE_RATE
+from services.runtime.stages import SPEECH_SAMPLE_RATE
 
 EMPTY = np.zeros(0, dtype=np.float32)
 
@@ -73,7 +73,7 @@ def measure_geometry(model) -> VocoderGeometry:
     lookahead = lookaheads.pop()
     if not 0 <= lookahead < samples_per_frame:
         raise RuntimeError(f"implausible vocoder look-ahead L={lookahead} for U={samples_per_frame}")
-    sample_rate = getattr(model.config, "sample_rate", None) or DEFAULT_SAMPLE_RATE
+    sample_rate = getattr(model.config, "sample_rate", None) or SPEECH_SAMPLE_RATE
     return VocoderGeometry(samples_per_frame, int(lookahead), int(sample_rate))
 
 

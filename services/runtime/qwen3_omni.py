@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import math
 
+from services.runtime.stages import SPEECH_SAMPLE_RATE
+
 # The vocoder's output rate where its config names none.
-DEFAULT_SAMPLE_RATE = 24000
 
 # Positions of the talker prefill after the user-turn positions: text rows <|im_start|>,
 # `assistant`, `\n`, 4 x tts_pad, tts_bos, the first generated token, summed with codec rows
@@ -32,4 +33,4 @@ def seconds_per_frame(code2wav_config) -> float:
     """The audio one codec frame becomes: the vocoder's total upsampling over its sample rate
     (80 ms for the real layout: 8 * 5 * 4 * 3 * 2 * 2 = 1920 samples at 24 kHz)."""
     samples = math.prod(code2wav_config.upsample_rates) * math.prod(code2wav_config.upsampling_ratios)
-    return samples / (getattr(code2wav_config, "sample_rate", None) or DEFAULT_SAMPLE_RATE)
+    return samples / (getattr(code2wav_config, "sample_rate", None) or SPEECH_SAMPLE_RATE)

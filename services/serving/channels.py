@@ -45,6 +45,13 @@ class RotatingChannels:
         self._channels[target] = (channel, generation)
         return channel
 
+    def renew(self, target: str) -> None:
+        """The next `get(target)` opens a new channel (a new DNS resolution); the current one closes
+        after its calls."""
+        entry = self._channels.pop(target, None)
+        if entry is not None:
+            self._retire(entry[0])
+
     async def wait_ready(self, target: str, timeout_s: float = READY_WAIT_S) -> None:
         """Give the channel to `target` up to `timeout_s` to connect before a stream is opened on it.
 

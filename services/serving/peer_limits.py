@@ -7,8 +7,10 @@ from collections.abc import Sequence
 
 import grpc
 
-from omni.v1 import common_pb2, stages_pb2_grpc
+from omni.v1 import common_pb2
+from services.runtime.stages import Stage
 from services.serving.channels import ChannelPool
+from services.serving.stage_stubs import stage_stub
 from services.serving.status import StageUnavailable
 
 
@@ -33,7 +35,7 @@ class PeerLimits:
         if known is not None and time.monotonic() - known[0] < self.ttl_s:
             return known[1]
         try:
-            report = await stages_pb2_grpc.TalkerStub(self.channels.get(address)).GetLoad(
+            report = await stage_stub(Stage.TALKER, self.channels.get(address)).GetLoad(
                 common_pb2.LoadRequest(), timeout=self.timeout_s, wait_for_ready=True)
         except grpc.aio.AioRpcError as exc:
             raise StageUnavailable(self.stage, address, f"cannot read its limits: {exc.details() or exc.code().name}") from None

@@ -38,7 +38,7 @@ from services.talker.config import TalkerConfig
 from services.talker.engine import TalkerEngineConfig
 from services.talker.qwen2_5_adapter import Qwen2_5TalkerAdapter
 from services.talker.qwen3_adapter import Qwen3TalkerAdapter
-from services.talker.stream import SpeakStream
+from services.talker.stream import TalkerStream
 
 log = logging.getLogger(Stage.TALKER)
 SERVICE = stages_pb2.DESCRIPTOR.services_by_name["Talker"].full_name
@@ -59,7 +59,7 @@ class TalkerServicer(stages_pb2_grpc.TalkerServicer):
         self.metrics: StageMetrics = loop.metrics
 
     async def Speak(self, request_iterator, context: grpc.aio.ServicerContext):
-        async with aclosing(SpeakStream(self, request_iterator, context).run()) as responses:
+        async with aclosing(TalkerStream(self, request_iterator, context).run()) as responses:
             async for response in responses:
                 yield response
 

@@ -3,7 +3,7 @@ start it on the engine and read the thinker's text rows into it, open the code2w
 the frames down in chunks and the audio up, move the code2wav stream to a fallback replica if its
 replica dies, finish.
 
-`SpeakStream.run` is the request's whole path; each event the stream's sink hands out goes to one
+`TalkerStream.run` is the request's whole path; each event the stream's sink hands out goes to one
 `on_*` method, which returns the responses it makes for the caller.
 """
 
@@ -48,7 +48,7 @@ class TalkerStage(Protocol):
     metrics: StageMetrics
 
 
-class SpeakStream:
+class TalkerStream:
     def __init__(self, servicer: TalkerStage, request_iterator, context: grpc.aio.ServicerContext):
         self.servicer = servicer
         self.requests = request_iterator

@@ -19,7 +19,7 @@ from omni.v1 import common_pb2, omni_pb2, stages_pb2, stages_pb2_grpc
 from services.runtime.detokenizer import IncrementalDetokenizer
 from services.runtime.errors import InvalidArgument
 from services.runtime.prompt import PromptBuilder
-from services.runtime.stages import Stage
+from services.runtime.stages import SPEECH_SAMPLE_RATE, Stage
 from services.serving import tracing
 from services.serving.channels import ChannelPool
 from services.serving.convert import finish_reason_to_proto
@@ -242,7 +242,7 @@ class ThinkerStream:
         if talker is not None:
             final.audio_finish_reason = talker.finish_reason
             final.usage.codec_frames = talker.codec_frames
-            final.usage.audio_seconds = talker.audio_samples / 24000.0
+            final.usage.audio_seconds = talker.audio_samples / SPEECH_SAMPLE_RATE
         final.timings.ttft_ms = self.ttft or 0.0
         final.timings.ttfp_ms = self.ttfp or 0.0
         final.timings.total_ms = (time.perf_counter() - self.received) * 1000

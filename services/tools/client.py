@@ -20,6 +20,7 @@ import numpy as np
 
 from omni.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 from services.runtime.errors import UserError, run_cli
+from services.runtime.stages import SPEECH_SAMPLE_RATE
 from services.serving.grpc_server import channel_options
 from services.serving.security import (
     TLSConfig,
@@ -75,7 +76,7 @@ class ClientResult:
     thinker_token_ids: list[int] = field(default_factory=list)
     codec_frames: list[list[int]] = field(default_factory=list)
     audio_chunks: list[np.ndarray] = field(default_factory=list)
-    sample_rate: int = 24000
+    sample_rate: int = SPEECH_SAMPLE_RATE
     sent: float = 0.0  # perf_counter when the request was sent
     text_times: list[float] = field(default_factory=list)  # perf_counter per text delta
     audio_times: list[float] = field(default_factory=list)  # perf_counter per audio chunk

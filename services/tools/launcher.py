@@ -37,6 +37,7 @@ from services.runtime.stages import Stage
 from services.serving.open_streams import LIGHT_LOAD_STREAMS
 from services.serving.placement import cpu_list
 from services.serving.security import TLSConfig, secure_or_insecure_channel, tls_from_args
+from services.serving.stage_stubs import stage_stub
 from services.tools.client import build_request, collect, connect
 from services.tools.reference import write_wav
 
@@ -389,10 +390,8 @@ def health_status(target: str, service: str = "", timeout: float = 1.0, tls: TLS
 def poll_as_the_router(stage: str, target: str, tls: TLSConfig = TLSConfig(), timeout: float = 5.0) -> str:
     """What the router's poll of a stage replica gets (router/replicas.py: health, then GetLoad),
     for an error message: 'health SERVING, GetLoad OK', or the status of the call that failed."""
-    from omni.v1 import common_pb2, stages_pb2_grpc
+    from omni.v1 import common_pb2
 
-    stub = {Stage.THINKER: stages_pb2_grpc.ThinkerStub, Stage.TALKER: stages_pb2_grpc.TalkerStub,
-            Stage.CODE2WAV: stages_pb2_grpc.Code2WavStub}[Stage(stage)]
     with secure_or_insecure_channel(target, tls, [], aio=False) as channel:
         try:
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
@@ -400,7 +399,7 @@ def poll_as_the_router(stage: str, target: str, tls: TLSConfig = TLSConfig(), ti
             return f"health {exc.code().name}"
         status = health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)
         try:
-            stub(channel).GetLoad(common_pb2.LoadRequest(), timeout=timeout)
+            stage_stub(stage, channel).GetLoad(common_pb2.LoadRequest(), timeout=timeout)
         except grpc.RpcError as exc:
             return f"health {status}, GetLoad {exc.code().name}: {exc.details()}"
     return f"health {status}, GetLoad OK"

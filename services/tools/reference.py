@@ -49,6 +49,7 @@ from services.runtime.checkpoint import check_folder
 from services.runtime.errors import InvalidArgument, UserError, run_cli
 from services.runtime.families import DEFAULT_VOICES, Family, family_of
 from services.runtime.prompt import ChatMessage, Part, Role  # plain data classes: the request's messages
+from services.runtime.stages import SPEECH_SAMPLE_RATE
 
 AUDIO_SAMPLE_RATE = 16000  # the Whisper feature extractor's rate; the oracle resamples nothing
 TOKEN2WAV_SEED = 0  # Qwen2.5-Omni: the global seed set before generate when the call names none
@@ -204,7 +205,7 @@ class ReferenceRunner:
                 self.config.talker_config.audio_config = self.config.thinker_config.audio_config
             self.voices = {name: name for name in self.config.talker_config.speaker_id}
             self.eos_id = self.config.im_end_token_id
-        self.sample_rate = 24000
+        self.sample_rate = SPEECH_SAMPLE_RATE
 
     def _through_invariant_gemm(self) -> None:
         from services.runtime.batching import GEMM_KERNELS, use_exact_experts, use_invariant_attention, using_kernels

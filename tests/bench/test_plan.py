@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.config import build_parser, config_from_args
-from bench.harness import plan_blocks
+from bench.harness import plan_run_blocks
 from bench.systems import System
 from services.runtime.errors import UserError
 
@@ -28,7 +28,7 @@ def test_device_flags_pass_through_to_every_stage():
 
 def test_within_a_round_every_system_serves_the_same_prompts_and_the_order_flips_between_rounds():
     cfg = config("--concurrency", "4,1", "--requests", "3", "--rounds", "2", "--skip", "pipeline-unbatched")
-    blocks = plan_blocks(cfg, n_prompts=5)
+    blocks = plan_run_blocks(cfg, n_prompts=5)
     level1 = [b for b in blocks if b.concurrency == 1]
     assert [b.system for b in level1] == [System.REFERENCE, System.PIPELINE, System.PIPELINE, System.REFERENCE]
     assert level1[0].prompt_indices == level1[1].prompt_indices == (0, 1, 2)
@@ -40,7 +40,7 @@ def test_within_a_round_every_system_serves_the_same_prompts_and_the_order_flips
 
 
 def test_no_batched_block_at_concurrency_one():
-    blocks = plan_blocks(config("--concurrency", "1"), n_prompts=8)
+    blocks = plan_run_blocks(config("--concurrency", "1"), n_prompts=8)
     assert System.REFERENCE_BATCHED not in {b.system for b in blocks}
 
 

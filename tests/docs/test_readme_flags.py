@@ -81,10 +81,8 @@ _parsers: dict[tuple[str, str | None], argparse.ArgumentParser] = {}  # (script,
 
 def parser_for(service: str) -> argparse.ArgumentParser:
     key = SERVICES[service]
-    if key not in _parsers:  # the defaults the README documents: without OMNI_* variables (the tests set some)
-        with mock.patch.dict(os.environ, {k: v for k, v in os.environ.items() if not k.startswith("OMNI_")},
-                             clear=True):
-            _parsers[key] = build_parser(*key)
+    if key not in _parsers:
+        _parsers[key] = build_parser(*key)
     return _parsers[key]
 
 

@@ -16,9 +16,10 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from omni.v1 import common_pb2, omni_pb2_grpc, stages_pb2_grpc
+from omni.v1 import common_pb2, omni_pb2_grpc
 from router.replicas import ReplicaSource
 from services.serving.security import TLSConfig, secure_or_insecure_channel
+from services.serving.stage_stubs import stage_stub
 from services.tools.client import build_request, collect, connect
 from tests.needs import need_command
 
@@ -51,8 +52,6 @@ NEXT_STAGE = {"thinker": "talker", "talker": "code2wav"}
 # short stream whole (200 frames, 1.5 MB, finished upstream while the client read nothing), so
 # only the length keeps it in flight.
 LONG_STREAM_FRAMES = 1000
-STUBS = {"thinker": stages_pb2_grpc.ThinkerStub, "talker": stages_pb2_grpc.TalkerStub,
-         "code2wav": stages_pb2_grpc.Code2WavStub}
 
 
 def parsed(objects, component: str):
@@ -279,7 +278,7 @@ def test_a_client_without_a_pipeline_certificate_is_refused_by_every_component(r
             if component == "router":
                 collect(omni_pb2_grpc.OmniStub(channel), build_request("hi", max_new_tokens=2), timeout=10)
             else:
-                STUBS[component](channel).GetLoad(common_pb2.LoadRequest(), timeout=10)
+                stage_stub(component, channel).GetLoad(common_pb2.LoadRequest(), timeout=10)
         assert info.value.code() is grpc.StatusCode.UNAVAILABLE, component
 
 
@@ -299,7 +298,7 @@ def stage_in_flight(cluster: LoopbackCluster) -> dict[str, int]:
     for stage in STAGES:
         tls = client_tls(cluster, server_name=f"omni-{stage}")
         with secure_or_insecure_channel(work_port(cluster, stage), tls, [], aio=False) as channel:
-            loads[stage] = STUBS[stage](channel).GetLoad(common_pb2.LoadRequest(), timeout=10).in_flight
+            loads[stage] = stage_stub(stage, channel).GetLoad(common_pb2.LoadRequest(), timeout=10).in_flight
     return loads
 
 

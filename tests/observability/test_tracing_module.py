@@ -266,7 +266,7 @@ def test_a_pipeline_call_carries_its_trace_in_metadata_and_the_server_span_is_op
 
 
 class _Relayed:
-    """Stands in for a stage's stream object (Relay, ThinkerStream, SpeakStream, DecodeCall): its
+    """Stands in for a stage's stream object (RouterStream, ThinkerStream, TalkerStream, Code2WavStream): its
     `run` yields two messages and records when its `finally` runs."""
 
     closed: list[str] = []
@@ -289,10 +289,10 @@ def _code2wav_inputs():
 
 
 @pytest.mark.parametrize("module, servicer, method, stream, args", [
-    ("router.server", "OmniServicer", "Generate", "Relay", lambda: (None, None)),
+    ("router.server", "OmniServicer", "Generate", "RouterStream", lambda: (None, None)),
     ("services.thinker.server", "ThinkerServicer", "Generate", "ThinkerStream", lambda: (None, None)),
-    ("services.talker.server", "TalkerServicer", "Speak", "SpeakStream", lambda: (None, None)),
-    ("services.code2wav.server", "Code2WavServicer", "Decode", "DecodeCall", lambda: (_code2wav_inputs(), None)),
+    ("services.talker.server", "TalkerServicer", "Speak", "TalkerStream", lambda: (None, None)),
+    ("services.code2wav.server", "Code2WavServicer", "Decode", "Code2WavStream", lambda: (_code2wav_inputs(), None)),
 ], ids=["router", "thinker", "talker", "code2wav"])
 def test_each_stage_handler_closed_at_a_yield_closes_its_stream_at_once(monkeypatch, module, servicer, method, stream,
                                                                         args):

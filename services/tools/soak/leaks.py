@@ -9,15 +9,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from omni.v1 import common_pb2, stages_pb2_grpc
+from omni.v1 import common_pb2
 from services.runtime.stages import Stage
+from services.serving.stage_stubs import stage_stub
 
 STAGES = tuple(Stage)
-_LOAD_STUBS = {
-    "thinker": stages_pb2_grpc.ThinkerStub,
-    "talker": stages_pb2_grpc.TalkerStub,
-    "code2wav": stages_pb2_grpc.Code2WavStub,
-}
+
 
 
 @dataclass(frozen=True)
@@ -43,7 +40,7 @@ def read_load(stage: str, address: str, timeout: float = 1.0, reset_peak: bool =
     """The replica's GetLoad; `reset_peak` starts a new high-water mark after this report."""
     with grpc.insecure_channel(address) as channel:
         try:
-            report = _LOAD_STUBS[stage](channel).GetLoad(common_pb2.LoadRequest(reset_peak=reset_peak), timeout=timeout)
+            report = stage_stub(stage, channel).GetLoad(common_pb2.LoadRequest(reset_peak=reset_peak), timeout=timeout)
         except grpc.RpcError:
             return StageLoad(stage, address, reachable=False)
     return StageLoad(stage, address, report.in_flight, report.running, report.queue_depth,

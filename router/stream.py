@@ -2,7 +2,7 @@
 its route, relay the thinker's stream to the client, move it to another thinker replica if its
 replica dies mid-stream (passing up only what the client does not have yet), finish.
 
-`Relay.run` is the request's whole path; `pass_up` decides what of each thinker response reaches
+`RouterStream.run` is the request's whole path; `pass_up` decides what of each thinker response reaches
 the client and `observe` records what the client saw (time to first text and audio, underruns).
 """
 
@@ -23,7 +23,7 @@ from router.admission import Admission, Rejected
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.replicas import Replica, ReplicaSet
-from services.runtime.stages import Stage
+from services.runtime.stages import SPEECH_SAMPLE_RATE, Stage
 from services.serving import tracing
 from services.serving.grpc_server import time_remaining
 from services.serving.migration import Passed, Resume, as_replay
@@ -39,7 +39,6 @@ from services.serving.streams import read
 from services.serving.tracing import RequestTrace, now_ns
 
 log = logging.getLogger("router")
-SAMPLE_RATE = 24000  # until the first audio chunk says otherwise
 
 
 def fix_seeds(request: omni_pb2.GenerateRequest) -> None:
@@ -85,7 +84,7 @@ class RouterStage(Protocol):
     def note_failure(self, exc: grpc.aio.AioRpcError, route: dict[str, Replica]) -> None: ...
 
 
-class Relay:
+class RouterStream:
     def __init__(self, servicer: RouterStage, request: omni_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         self.servicer = servicer
         self.metrics = servicer.metrics
@@ -102,7 +101,7 @@ class Relay:
         self.moved_at: float | None = None  # perf_counter of the last move, until the new replica's first output
         # What the client saw, for its metrics.
         self.first_text = self.first_audio = self.last_audio = None
-        self.audio_samples, self.sample_rate = 0, SAMPLE_RATE
+        self.audio_samples, self.sample_rate = 0, SPEECH_SAMPLE_RATE  # until the first audio chunk says
         self.played_until: float | None = None  # when the audio passed up so far has played (a listener from the first chunk)
 
     async def run(self):
