@@ -15,14 +15,26 @@ TEST_WORKERS ?= 3
 setup: $(STAMP) tools
 
 # Commands the tests run besides Python: openssl (certificates for the TLS tests; Debian's openssl
-# package, installed with apt-get when this runs as root) and kubectl >= 1.27 (the k8s manifest
-# tests render every overlay with `kubectl kustomize`; Debian's kubernetes-client is too old, so
-# it is not installed here: see docs/testing.md). Without them the TLS tests skip with the reason
-# (and fail under CI=true); the k8s tests fail.
+# package, installed with apt-get when this runs as root), promtool and prometheus (the alert rules'
+# and dashboard's tests: Debian's prometheus package, the same way) and kubectl >= 1.27 (the k8s
+# manifest tests render every overlay with `kubectl kustomize`; Debian's kubernetes-client is too
+# old, so it is not installed here: see docs/testing.md). Without openssl, promtool or prometheus
+# their tests skip with the reason (and fail under CI=true); without kubectl the k8s tests fail.
+# The prometheus package's postinst would start its service: a policy-rc.d that denies it (as
+# container images have) is put in place for the install when there is none, and the unit is
+# disabled, so nothing is left running or starts at the next boot; the tests start their own.
 tools:
 	@command -v openssl >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 		{ apt-get update -q >/dev/null; apt-get install -y -q --no-install-recommends openssl >/dev/null; }; } || \
 		echo "make setup: openssl is missing and could not be installed (apt-get install openssl as root)" >&2
+	@{ command -v promtool && command -v prometheus; } >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && { \
+		policy=/usr/sbin/policy-rc.d; [ -e $$policy ] || { printf '#!/bin/sh\nexit 101\n' >$$policy; chmod 755 $$policy; \
+			trap "rm -f $$policy" EXIT; trap "exit 1" INT TERM HUP; }; \
+		apt-get update -q >/dev/null; DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1; \
+		ok=$$?; \
+		update-rc.d prometheus disable >/dev/null 2>&1; deb-systemd-helper disable prometheus.service >/dev/null 2>&1; \
+		[ $$ok = 0 ] && command -v promtool >/dev/null && command -v prometheus >/dev/null; }; } || \
+		echo "make setup: promtool/prometheus are missing and could not be installed (apt-get install prometheus as root)" >&2
 	@command -v kubectl >/dev/null 2>&1 || [ -n "$(KUBECTL)" ] || \
 		echo "make setup: kubectl (>= 1.27) is missing: the k8s tests will fail; see docs/testing.md" >&2
 
