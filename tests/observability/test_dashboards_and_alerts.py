@@ -5,12 +5,12 @@ Prometheus itself (Debian's prometheus package: promtool and the server, `make s
 - `promtool check rules` loads the alert rules (the PrometheusRule's spec.groups);
 - `promtool test rules` runs alert_rules_test.yaml beside this file: series that make every alert
   fire, with the labels and annotations Alertmanager would get, and series that must not;
-- the slow test starts a real Prometheus scraping the running router, thinkers, talker, code2wav
-  replicas and gateway (labelled as the PodMonitors label them), sends requests through them (a
-  thinker and a code2wav replica killed mid-request, so the migration panels have data), and runs
-  every dashboard query, each of which must return at least one series, so every metric it names
-  is one the services export; every alert expression must evaluate, and every metric name the
-  unit tests feed the alerts must be among those Prometheus scraped.
+- the slow test starts a stack of its own and a real Prometheus scraping its router, thinkers,
+  talker, code2wav replicas and gateway (labelled as the PodMonitors label them), sends requests
+  through them (a thinker and a code2wav replica killed mid-request, so the migration panels have
+  data), and runs every dashboard query, each of which must return at least one series, so every
+  metric it names is one the services export; every alert expression must evaluate, and every
+  metric name the unit tests feed the alerts must be among those Prometheus scraped.
 
 Without promtool or prometheus these tests skip with the reason (and fail under CI=true)."""
 
@@ -31,10 +31,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.tools.launcher import free_port
+from services.tools.launcher import free_port, free_port_block
 from tests.k8s.manifests import find_kubectl
 from tests.needs import need_command
 from tests.observability.test_tracing import Call, audio_request, holding_replica, kill_and_complete
+from tests.stacks import stack_of
 
 MONITORING = Path(__file__).resolve().parents[2] / "k8s" / "monitoring"
 DASHBOARD = MONITORING / "dashboards" / "omni-serve.json"
@@ -255,6 +256,22 @@ class Prometheus:
         return (self.folder / "prometheus.log").read_text(errors="replace")[-3000:]
 
 
+@pytest.fixture(scope="module")
+def scraped_stack(tiny_checkpoint):
+    """The pipeline as the traced stack (conftest.py) has it, without its OTLP collector: a router,
+    two thinker replicas, a talker, two code2wav replicas and the gateway, each with a metrics port;
+    `.metrics_targets` {process: host:port}. Its own, not the package's traced stack: this test
+    kills replicas, and the tracing tests count the moves in their stack's logs."""
+    metrics_port = free_port_block()  # the router the base, every other process the next ones, in start order
+    stack = stack_of(tiny_checkpoint, thinker_replicas=2, code2wav_replicas=2, http_port=0, metrics_base_port=metrics_port,
+                     router_args=("--max-migrations", "2"))
+    with stack:
+        others = [name for name in stack.processes if name != "router"]
+        stack.metrics_targets = {"router": f"127.0.0.1:{metrics_port}",
+                                 **{name: f"127.0.0.1:{metrics_port + 1 + i}" for i, name in enumerate(others)}}
+        yield stack
+
+
 def move_a_request_off(stack, stage: str) -> None:
     """A request whose `stage` replica is killed mid-stream completes, moved (the migration
     metrics); the replica is started again."""
@@ -269,27 +286,27 @@ def move_a_request_off(stack, stage: str) -> None:
             stack.restart(victim)
 
 
-@pytest.mark.slow  # the traced stack (tests/observability/conftest.py)
+@pytest.mark.slow  # a stack of its own
 @pytest.mark.timeout(600)
 def test_every_dashboard_query_returns_series_and_every_alert_evaluates_on_prometheus_scraping_the_stack(
-        traced_stack, tmp_path):
-    targets = {name: urllib.parse.urlsplit(url).netloc for name, url in traced_stack.metrics_urls.items()}
+        scraped_stack, tmp_path):
+    targets = scraped_stack.metrics_targets
     assert {"router", "gateway", "talker-0"} <= set(targets) and len(targets) == 7, targets
     with Prometheus(tmp_path, targets) as prometheus:
         prometheus.wait_scraped_since(time.time())  # a scrape before the traffic: the counters' rates
-        calls = [Call(traced_stack, audio_request(f"prometheus-{i}-{secrets.token_hex(4)}")) for i in range(2)]
+        calls = [Call(scraped_stack, audio_request(f"prometheus-{i}-{secrets.token_hex(4)}")) for i in range(2)]
         for call in calls:
             call.join()
             assert call.error is None and call.final is not None
-        with urllib.request.urlopen(traced_stack.http_url + "/v1/models", timeout=30) as response:
+        with urllib.request.urlopen(scraped_stack.http_url + "/v1/models", timeout=30) as response:
             model = json.load(response)["data"][0]["id"]
         body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4})
-        request = urllib.request.Request(traced_stack.http_url + "/v1/chat/completions", data=body.encode(),
+        request = urllib.request.Request(scraped_stack.http_url + "/v1/chat/completions", data=body.encode(),
                                          method="POST", headers={"content-type": "application/json"})
         with urllib.request.urlopen(request, timeout=120) as response:
             assert response.status == 200
-        move_a_request_off(traced_stack, "thinker")  # the router's migration metrics
-        move_a_request_off(traced_stack, "code2wav")  # the talker's
+        move_a_request_off(scraped_stack, "thinker")  # the router's migration metrics
+        move_a_request_off(scraped_stack, "code2wav")  # the talker's
         prometheus.wait_scraped_since(time.time() + SCRAPE_S)
 
         empty, failed = [], []
