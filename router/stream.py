@@ -85,8 +85,14 @@ class RouterStage(Protocol):
 
 
 class RouterStream:
-    def __init__(self, servicer: RouterStage, request: omni_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+    """`context` is the client call's (a realtime session's turn passes its own: router/session.py);
+    `admitted`: the request runs on a place its caller already holds (a session's), so it neither
+    takes nor gives back one."""
+
+    def __init__(self, servicer: RouterStage, request: omni_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
+                 admitted: bool = False):
         self.servicer = servicer
+        self.admitted = admitted
         self.metrics = servicer.metrics
         self.request = request
         self.context = context
@@ -105,7 +111,8 @@ class RouterStream:
         self.played_until: float | None = None  # when the audio passed up so far has played (a listener from the first chunk)
 
     async def run(self):
-        await self.admit()
+        if not self.admitted:
+            await self.admit()
         outcome = grpc.StatusCode.UNKNOWN
         try:
             self.open_route()
@@ -273,5 +280,6 @@ class RouterStream:
             self.spans.finish(outcome_label(outcome))
         self.metrics.requests.labels(outcome_label(outcome)).inc()
         self.servicer.track(self.route, -1)
-        self.servicer.admission.release()
-        self.metrics.in_flight.set(self.servicer.admission.in_flight)
+        if not self.admitted:
+            self.servicer.admission.release()
+            self.metrics.in_flight.set(self.servicer.admission.in_flight)

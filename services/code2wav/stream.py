@@ -104,7 +104,8 @@ class Code2WavStream:
             self.spans.open("decode")
         self.spans.count("chunks")
         first_frame = audio.first_sample // self.geometry.samples_per_frame
-        chunk = audio_to_proto(audio.samples, self.geometry.sample_rate, self.chunks_sent, first_frame, audio.end_frame)
+        chunk = audio_to_proto(audio.samples, self.geometry.sample_rate, self.chunks_sent, first_frame, audio.end_frame,
+                               self.geometry.samples_per_frame)
         self.chunks_sent += 1
         return stages_pb2.Code2WavOutput(audio=chunk)
 

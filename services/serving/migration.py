@@ -92,7 +92,7 @@ class Resume:
             return None
         out = common_pb2.AudioChunk(pcm=chunk.pcm[skip * 4:], sample_rate=chunk.sample_rate, index=self.chunks,
                                     num_samples=chunk.num_samples - skip, first_frame=chunk.first_frame,
-                                    end_frame=chunk.end_frame)
+                                    end_frame=chunk.end_frame, samples_per_frame=chunk.samples_per_frame)
         self.chunks += 1
         return out
 

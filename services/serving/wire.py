@@ -61,10 +61,10 @@ def tensor_from_proto(p: common_pb2.Tensor) -> torch.Tensor:
 
 @_timed
 def audio_to_proto(samples: np.ndarray, sample_rate: int, index: int, first_frame: int = 0,
-                   end_frame: int = 0) -> common_pb2.AudioChunk:
+                   end_frame: int = 0, samples_per_frame: int = 0) -> common_pb2.AudioChunk:
     pcm = np.ascontiguousarray(samples, dtype="<f4")
     return common_pb2.AudioChunk(pcm=pcm.tobytes(), sample_rate=sample_rate, index=index, num_samples=pcm.size,
-                                 first_frame=first_frame, end_frame=end_frame)
+                                 first_frame=first_frame, end_frame=end_frame, samples_per_frame=samples_per_frame)
 
 
 @_timed

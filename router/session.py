@@ -1,0 +1,526 @@
+"""One `Omni/Session` call: a realtime voice session (docs/sessions.md).
+
+The session holds one of the router's in-flight places for its life (refused at connect, before
+any event, when none is free), keeps the conversation, buffers the input audio and runs turn
+detection on it, and runs each response as an ordinary request through the router's own path
+(`RouterStream` on the session's place), whose messages are the conversation so far: prefix
+caching and prefix routing carry a session's turns as they carry any conversation.
+
+Three tasks: the reader (the client's messages into the inbox; never cancelled, see
+services/serving/streams.py), the writer (the outbox to the client, one event at a time), and
+the session's own loop (`run`), which handles each message and owns every state change; a
+response's task relays its request's stream into the outbox. Errors about one message are
+`error` events and the session goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from array import array
+from collections import deque
+from contextlib import aclosing
+from dataclasses import dataclass
+
+import grpc
+
+from omni.v1 import omni_pb2
+from router.conversation import Conversation, Item, Reply
+from router.session_audio import Resampler, decode, wav_bytes
+from router.session_settings import AUDIO, SessionConfig, Settings
+from router.stream import RouterStage, RouterStream
+from router.turn_detection import SpeechStart, SpeechStop, TurnDetector
+from services.runtime.errors import InvalidArgument
+from services.serving.status import Overloaded, abort_for, field_violations, status_for
+from services.serving.streams import let_end
+
+log = logging.getLogger("router")
+TICK_S = 0.25  # how often the loop checks the idle and send timeouts
+COMPLETED, CANCELLED, FAILED = (omni_pb2.RESPONSE_STATUS_COMPLETED, omni_pb2.RESPONSE_STATUS_CANCELLED,
+                                omni_pb2.RESPONSE_STATUS_FAILED)
+RESPONSE_OUTPUT = ("text", "audio", "codec_frames")  # events dropped unsent when their response is cancelled
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:20]}"
+
+
+class MessageError(Exception):
+    """A client message the session cannot take: an `error` event, and the session goes on."""
+
+    def __init__(self, code: str, message: str, field: str = ""):
+        super().__init__(message)
+        self.code, self.message, self.field = code, message, field
+
+
+class TurnFailed(Exception):
+    """A turn's request ended with a status: raised where RouterStream aborts its call."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, trailing_metadata):
+        super().__init__(message)
+        self._code, self._metadata = code, tuple(trailing_metadata or ())
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def trailing_metadata(self):
+        return self._metadata
+
+    def as_error(self) -> omni_pb2.SessionError:
+        violations = field_violations(self)
+        return omni_pb2.SessionError(code=self._code.name.lower(), message=str(self),
+                                     field=violations[0][0] if violations else "")
+
+
+class TurnContext:
+    """What RouterStream asks of its call's context, for a session's turn: no deadline of its own,
+    and a status raises TurnFailed instead of ending the session's call."""
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    async def abort(self, code: grpc.StatusCode, message: str, trailing_metadata=()):
+        raise TurnFailed(code, message, trailing_metadata)
+
+
+@dataclass
+class Response:
+    response_id: str
+    item: Item  # the assistant item its reply becomes
+    task: asyncio.Task | None = None
+    ended: bool = False
+
+
+@dataclass
+class Playback:
+    """The server's audio clock for the last reply: the client plays its audio from the first
+    chunk written, in real time (used to cut the reply when the client reports no position)."""
+
+    item: Item
+    response_id: str
+    started: float | None = None  # monotonic time its first audio chunk was written
+    samples: int = 0  # written
+    rate: int = 0
+
+    def played_ms(self, now: float) -> int:
+        if self.started is None or not self.rate:
+            return 0
+        return int(min(self.samples / self.rate, now - self.started) * 1000)
+
+    def playing(self, now: float) -> bool:
+        return self.started is not None and self.played_ms(now) < self.samples * 1000 // self.rate
+
+
+class _End:
+    """Inbox: the client closed its side of the stream."""
+
+
+class RealtimeSession:
+    def __init__(self, servicer: RouterStage, requests, context: grpc.aio.ServicerContext, config: SessionConfig,
+                 vad_factory):
+        self.servicer = servicer
+        self.metrics = servicer.metrics
+        self.requests = requests
+        self.context = context
+        self.config = config
+        self.vad_factory = vad_factory  # () -> a fresh detector: 512 16 kHz samples -> speech probability
+        self.session_id = new_id("sess")
+        self.settings = Settings()
+        self.conversation = Conversation()
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.outbox: deque[omni_pb2.SessionEvent] = deque()
+        self.outbox_ready = asyncio.Event()
+        self.writing_since: float | None = None  # monotonic start of the write in progress
+        self.closed: omni_pb2.SessionClosed | None = None
+        self.client_done = False
+        self.last_activity = time.monotonic()
+        self.turns = 0
+        self.response: Response | None = None
+        self.playback: Playback | None = None
+        # Input audio at the input rate, from absolute sample `input_start` on (`input_total` received).
+        self.input = array("h")
+        self.input_start = self.input_total = 0
+        self.speech_item: str | None = None  # the item id of the speech in progress
+        self.speech_stopped_at: float | None = None  # monotonic time of the last stop: end of speech -> first audio
+        self.reset_detection()
+
+    # ---- the call ----
+
+    async def run(self) -> None:
+        admission = self.servicer.admission
+        if not admission.try_acquire():
+            self.metrics.sessions.labels("rejected").inc()
+            await abort_for(self.context, Overloaded(
+                f"router at capacity: {admission.in_flight} of {admission.config.max_in_flight} places held, "
+                "no place for a session", self.servicer.config.admission.retry_after_s))
+        self.metrics.in_flight.set(admission.in_flight)
+        self.metrics.sessions_open.inc()
+        reader = asyncio.create_task(self.read_requests())
+        writer = asyncio.create_task(self.write_events())
+        outcome = "cancelled"
+        try:
+            self.emit(omni_pb2.SessionEvent(created=self.info()))
+            while self.closed is None:
+                try:
+                    message = await asyncio.wait_for(self.inbox.get(), TICK_S)
+                except TimeoutError:
+                    message = None
+                if message is None:
+                    self.check_timeouts()
+                elif isinstance(message, _End):
+                    self.client_done = True
+                else:
+                    self.last_activity = time.monotonic()
+                    self.handle(message)
+                if self.client_done and (self.response is None or self.response.ended):
+                    break
+            outcome = omni_pb2.CloseReason.Name(self.closed.reason).removeprefix("CLOSE_REASON_").lower() \
+                if self.closed is not None else "ended"
+            await self.flush()
+        finally:
+            if self.response is not None and not self.response.ended:
+                self.cancel_response(omni_pb2.CANCEL_REASON_CLIENT, cut=False)
+            self.closed = self.closed or omni_pb2.SessionClosed()
+            self.outbox_ready.set()
+            let_end(reader)
+            if self.writing_since is None:
+                writer.cancel()
+            else:
+                let_end(writer)  # stuck in a write to a client that stopped reading: it ends with the call
+            admission.release()
+            self.metrics.in_flight.set(admission.in_flight)
+            self.metrics.sessions_open.dec()
+            self.metrics.sessions.labels(outcome).inc()
+
+    async def read_requests(self) -> None:
+        try:
+            async for request in self.requests:
+                await self.inbox.put(request)
+        finally:
+            await self.inbox.put(_End())
+
+    async def write_events(self) -> None:
+        while True:
+            while not self.outbox:
+                if self.closed is not None:
+                    return
+                self.outbox_ready.clear()
+                await self.outbox_ready.wait()
+            event = self.outbox.popleft()
+            self.writing_since = time.monotonic()
+            await self.context.write(event)
+            self.writing_since = None
+            self.written(event)
+
+    async def flush(self) -> None:
+        """Let the writer send what is queued (the closing event included), for at most the send timeout."""
+        deadline = time.monotonic() + self.config.send_timeout_s
+        while self.outbox and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    def emit(self, event: omni_pb2.SessionEvent) -> None:
+        self.outbox.append(event)
+        self.outbox_ready.set()
+
+    def error(self, code: str, message: str, field: str = "", event_id: str = "") -> None:
+        self.emit(omni_pb2.SessionEvent(error=omni_pb2.SessionError(code=code, message=message, field=field,
+                                                                    event_id=event_id)))
+
+    def close(self, reason: int, message: str) -> None:
+        log.info("session %s closed: %s", self.session_id, message)
+        if self.response is not None and not self.response.ended:
+            self.cancel_response(omni_pb2.CANCEL_REASON_CLIENT, cut=False)
+        self.closed = omni_pb2.SessionClosed(reason=reason, message=message)
+        self.emit(omni_pb2.SessionEvent(closed=self.closed))
+
+    def check_timeouts(self) -> None:
+        now = time.monotonic()
+        if self.writing_since is not None and now - self.writing_since > self.config.send_timeout_s:
+            self.close(omni_pb2.CLOSE_REASON_SLOW_READER,
+                       f"the client took no event for {self.config.send_timeout_s:g} s")
+            self.outbox.clear()  # it reads nothing: do not wait to flush
+        elif (self.response is None or self.response.ended) and now - self.last_activity > self.config.idle_timeout_s:
+            self.close(omni_pb2.CLOSE_REASON_IDLE_TIMEOUT, f"no input for {self.config.idle_timeout_s:g} s")
+
+    def written(self, event: omni_pb2.SessionEvent) -> None:
+        """The server's audio clock: what of the last reply the client has, and since when."""
+        playback = self.playback
+        if event.WhichOneof("event") != "audio" or playback is None or event.response_id != playback.response_id:
+            return
+        if playback.started is None:
+            playback.started = time.monotonic()
+            if self.speech_stopped_at is not None:
+                self.metrics.session_first_audio.observe(playback.started - self.speech_stopped_at)
+                self.speech_stopped_at = None
+        playback.samples += event.audio.num_samples
+        playback.rate = event.audio.sample_rate or playback.rate
+
+    def info(self) -> omni_pb2.SessionInfo:
+        return omni_pb2.SessionInfo(session_id=self.session_id, settings=self.settings.to_proto())
+
+    # ---- the client's messages ----
+
+    def handle(self, request: omni_pb2.SessionRequest) -> None:
+        kind = request.WhichOneof("event")
+        try:
+            if kind is None:
+                raise MessageError("unknown_event", "the message sets no event", "event")
+            getattr(self, f"on_{kind}")(getattr(request, kind))
+        except InvalidArgument as exc:
+            self.error("invalid_argument", str(exc), exc.field, request.event_id)
+        except MessageError as exc:
+            self.error(exc.code, exc.message, exc.field, request.event_id)
+
+    def on_update(self, update: omni_pb2.SessionSettings) -> None:
+        settings = self.settings.updated(update)
+        if settings.input_format != self.settings.input_format and len(self.input):
+            raise MessageError("invalid_argument", "the input buffer holds audio: commit or clear it before changing "
+                                                   "the input format", "update.input_format")
+        changed_detection = settings.turn_detection != self.settings.turn_detection
+        format_changed = settings.input_format != self.settings.input_format
+        self.settings = settings
+        if changed_detection or format_changed:
+            self.reset_detection()
+        self.emit(omni_pb2.SessionEvent(updated=self.info()))
+
+    def on_append_audio(self, append: omni_pb2.AppendAudio) -> None:
+        if len(append.data) > self.config.max_append_bytes:
+            raise MessageError("input_too_large", f"an append of {len(append.data)} bytes is over the "
+                                                  f"{self.config.max_append_bytes}-byte bound", "append_audio.data")
+        fmt = self.settings.input_format
+        samples = decode(append.data, fmt, "append_audio.data")
+        if (len(self.input) + len(samples)) / fmt.sample_rate > self.config.max_input_s:
+            raise MessageError("input_buffer_full", f"the input buffer would hold over {self.config.max_input_s:g} s "
+                                                    "of audio: commit or clear it", "append_audio.data")
+        self.input.extend(samples)
+        self.input_total += len(samples)
+        if self.detector is None:
+            return
+        for event in self.detector.feed(self.resampler.feed(samples)):
+            if isinstance(event, SpeechStart):
+                self.speech_started(event)
+            else:
+                self.speech_stopped(event)
+        if not self.detector.speaking:
+            self.trim_input()
+
+    def on_commit(self, _: omni_pb2.CommitInput) -> None:
+        if not len(self.input):
+            raise MessageError("no_input", "the input buffer is empty", "commit")
+        self.commit_input(self.speech_item or new_id("item"))
+        if self.detector is not None:
+            self.detector.reset()
+
+    def on_clear(self, _: omni_pb2.ClearInput) -> None:
+        self.input_start = self.input_total
+        del self.input[:]
+        self.speech_item = None
+        if self.detector is not None:
+            self.detector.reset()
+        self.emit(omni_pb2.SessionEvent(cleared=omni_pb2.InputCleared()))
+
+    def on_create_item(self, create: omni_pb2.CreateItem) -> None:
+        message = create.message
+        if message.role not in (omni_pb2.ROLE_SYSTEM, omni_pb2.ROLE_USER, omni_pb2.ROLE_ASSISTANT):
+            raise MessageError("invalid_argument", "role must be system, user or assistant", "create_item.message.role")
+        for i, part in enumerate(message.content):
+            kind = part.WhichOneof("part")
+            if kind != "text" and not (kind == "audio" and message.role == omni_pb2.ROLE_USER):
+                raise MessageError("unsupported", f"a {kind or 'empty'} part (an item holds text parts, and a user "
+                                                  "item audio parts)", f"create_item.message.content[{i}]")
+        if not message.content:
+            raise MessageError("invalid_argument", "the item has no content", "create_item.message.content")
+        item_id = create.item_id if create.HasField("item_id") and create.item_id else new_id("item")
+        if self.conversation.find(item_id) is not None:
+            raise MessageError("invalid_argument", f"item {item_id} exists", "create_item.item_id")
+        item = Item(item_id, message.role, list(message.content))
+        previous = self.conversation.add(item)
+        self.emit(omni_pb2.SessionEvent(item_added=omni_pb2.ItemAdded(
+            item_id=item_id, previous_item_id=previous, role=message.role, text=item.text)))
+
+    def on_create_response(self, _: omni_pb2.CreateResponse) -> None:
+        if self.response is not None and not self.response.ended:
+            raise MessageError("response_in_progress", "a response is in progress: cancel it first", "create_response")
+        self.create_response()
+
+    def on_cancel_response(self, _: omni_pb2.CancelResponse) -> None:
+        if self.response is None or self.response.ended:
+            raise MessageError("no_response", "no response is in progress", "cancel_response")
+        self.cancel_response(omni_pb2.CANCEL_REASON_CLIENT)
+
+    def on_truncate(self, truncate: omni_pb2.TruncateItem) -> None:
+        item = self.conversation.find(truncate.item_id)
+        if item is None or item.reply is None:
+            raise MessageError("unknown_item", f"no assistant reply {truncate.item_id!r}", "truncate.item_id")
+        if self.response is not None and not self.response.ended and self.response.item is item:
+            self.cancel_response(omni_pb2.CANCEL_REASON_CLIENT, cut=False)
+        if truncate.audio_end_ms > item.reply.audio_ms:
+            raise MessageError("invalid_argument", f"audio_end_ms {truncate.audio_end_ms} is past the reply's "
+                                                   f"{item.reply.audio_ms} ms of audio", "truncate.audio_end_ms")
+        self.truncate(item, truncate.audio_end_ms)
+
+    # ---- input audio and turn detection ----
+
+    def reset_detection(self) -> None:
+        settings = self.settings
+        self.resampler = Resampler(settings.input_format.sample_rate)
+        if not settings.turn_detection.enabled:
+            self.detector = None
+            return
+        self.detector = TurnDetector(settings.turn_detection, self.vad_factory())
+        # The detector's clock starts at the next sample: its milliseconds are offset by what came before.
+        self.detector_origin = self.input_total
+
+    def input_ms(self, detector_ms: int) -> tuple[int, int]:
+        """(milliseconds in the session's input, absolute input sample) of a detector position."""
+        rate = self.settings.input_format.sample_rate
+        sample = self.detector_origin + detector_ms * rate // 1000
+        return sample * 1000 // rate, sample
+
+    def trim_input(self) -> None:
+        """Outside speech, keep only the prefix padding of the input."""
+        rate = self.settings.input_format.sample_rate
+        keep = self.settings.turn_detection.prefix_padding_ms * rate // 1000
+        if len(self.input) > keep:
+            drop = len(self.input) - keep
+            del self.input[:drop]
+            self.input_start += drop
+
+    def speech_started(self, event: SpeechStart) -> None:
+        ms, sample = self.input_ms(event.at_ms)
+        rate = self.settings.input_format.sample_rate
+        # The item starts `prefix_padding_ms` before the speech.
+        start = max(sample - self.settings.turn_detection.prefix_padding_ms * rate // 1000, self.input_start)
+        del self.input[:start - self.input_start]
+        self.input_start = start
+        self.speech_item = new_id("item")
+        self.emit(omni_pb2.SessionEvent(speech_started=omni_pb2.SpeechStarted(audio_start_ms=ms, item_id=self.speech_item)))
+        if self.settings.turn_detection.interrupt_response:
+            self.barge_in()
+
+    def speech_stopped(self, event: SpeechStop) -> None:
+        ms, _ = self.input_ms(event.at_ms)
+        item_id = self.speech_item or new_id("item")
+        self.emit(omni_pb2.SessionEvent(speech_stopped=omni_pb2.SpeechStopped(audio_end_ms=ms, item_id=item_id)))
+        self.speech_stopped_at = time.monotonic()
+        self.commit_input(item_id)
+        # With barge-in off, speech during a response adds its item; the next response hears it.
+        if self.settings.turn_detection.create_response and (self.response is None or self.response.ended):
+            self.create_response()
+
+    def commit_input(self, item_id: str) -> None:
+        """The input buffer becomes a user item (its audio as a wav at the input rate); the buffer empties."""
+        rate = self.settings.input_format.sample_rate
+        audio_ms = len(self.input) * 1000 // rate
+        item = Item(item_id, omni_pb2.ROLE_USER, [omni_pb2.Content(audio=wav_bytes(self.input, rate))])
+        previous = self.conversation.add(item)
+        self.input = array("h")
+        self.input_start = self.input_total
+        self.speech_item = None
+        self.emit(omni_pb2.SessionEvent(committed=omni_pb2.InputCommitted(
+            item_id=item_id, previous_item_id=previous, audio_ms=audio_ms)))
+
+    # ---- responses ----
+
+    def create_response(self) -> None:
+        if self.turns >= self.config.max_turns:
+            self.close(omni_pb2.CLOSE_REASON_TURN_LIMIT, f"the session made its {self.config.max_turns} responses")
+            return
+        self.turns += 1
+        response_id = new_id("resp")
+        request = self.settings.request(response_id, self.conversation.messages())
+        item = Item(new_id("item"), omni_pb2.ROLE_ASSISTANT, reply=Reply())
+        self.conversation.add(item)
+        self.response = response = Response(response_id, item)
+        if AUDIO in self.settings.output_modalities:
+            self.playback = Playback(item, response_id)
+        self.emit(omni_pb2.SessionEvent(response_id=response_id,
+                                        response_created=omni_pb2.ResponseCreated(item_id=item.item_id)))
+        response.task = asyncio.create_task(self.run_response(response, request))
+
+    async def run_response(self, response: Response, request: omni_pb2.GenerateRequest) -> None:
+        """The turn's request through the router's path, its output into the outbox."""
+        stream = RouterStream(self.servicer, request, TurnContext(), admitted=True)
+        reply, final = response.item.reply, None
+        try:
+            async with aclosing(stream.run()) as outputs:
+                async for output in outputs:
+                    kind = output.WhichOneof("event")
+                    event = omni_pb2.SessionEvent(response_id=response.response_id)
+                    if kind == "text":
+                        reply.add_text(output.text)
+                        event.text.CopyFrom(output.text)
+                    elif kind == "audio":
+                        reply.add_audio(output.audio)
+                        event.audio.CopyFrom(output.audio)
+                    elif kind == "codec_frames":
+                        event.codec_frames.CopyFrom(output.codec_frames)
+                    else:
+                        final = output.final
+                        continue
+                    self.emit(event)
+        except TurnFailed as failed:
+            self.end_response(response, FAILED, error=failed.as_error())
+            return
+        except Exception as exc:  # a bug here must not end the session silently
+            log.exception("session %s: response %s failed", self.session_id, response.response_id)
+            status, _ = status_for(exc)
+            self.end_response(response, FAILED, error=omni_pb2.SessionError(code="internal", message=status.message))
+            return
+        self.end_response(response, COMPLETED, final=final)
+
+    def end_response(self, response: Response, status: int, final: omni_pb2.Final | None = None,
+                     error: omni_pb2.SessionError | None = None, reason: int = 0) -> None:
+        if response.ended:
+            return
+        response.ended = True
+        reply = response.item.reply
+        self.metrics.session_turns.labels(omni_pb2.ResponseStatus.Name(status).removeprefix("RESPONSE_STATUS_").lower()).inc()
+        done = omni_pb2.ResponseDone(item_id=response.item.item_id, status=status, cancel_reason=reason,
+                                     transcript=reply.text, audio_ms=reply.audio_ms)
+        if final is not None:
+            done.final.CopyFrom(final)
+        if error is not None:
+            done.error.CopyFrom(error)
+        self.emit(omni_pb2.SessionEvent(response_id=response.response_id, response_done=done))
+
+    def cancel_response(self, reason: int, cut: bool = True) -> None:
+        """Cancel the response in progress everywhere (its request's call, so every stage frees it),
+        drop what of it was not sent yet, and cut its reply to what was played (`cut`)."""
+        response = self.response
+        response.task.cancel()
+        self.outbox = deque(e for e in self.outbox
+                            if not (e.response_id == response.response_id and e.WhichOneof("event") in RESPONSE_OUTPUT))
+        reply = response.item.reply
+        if self.playback is not None and self.playback.item is response.item:
+            reply.audio_samples = self.playback.samples  # the client has only what was written
+        if cut:
+            self.cut_played(response.item)
+        self.end_response(response, CANCELLED, reason=reason)
+
+    def barge_in(self) -> None:
+        """Speech started: cancel the response in progress and cut the reply still playing."""
+        now = time.monotonic()
+        if self.response is not None and not self.response.ended:
+            self.metrics.session_barge_ins.inc()
+            self.cancel_response(omni_pb2.CANCEL_REASON_TURN_DETECTED)
+        elif self.playback is not None and self.playback.playing(now):
+            self.metrics.session_barge_ins.inc()
+            self.cut_played(self.playback.item)
+
+    def cut_played(self, item: Item) -> None:
+        """Cut `item`'s reply where the server's audio clock says the client is (nothing played:
+        nothing kept). A text-only reply keeps what was sent."""
+        if self.playback is None or self.playback.item is not item:
+            return
+        self.truncate(item, self.playback.played_ms(time.monotonic()))
+        self.playback = None
+
+    def truncate(self, item: Item, audio_end_ms: int) -> None:
+        item.reply.cut(audio_end_ms)
+        if self.playback is not None and self.playback.item is item:
+            self.playback = None
+        self.emit(omni_pb2.SessionEvent(truncated=omni_pb2.ItemTruncated(
+            item_id=item.item_id, audio_end_ms=item.reply.audio_end_ms, text=item.reply.text)))

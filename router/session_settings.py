@@ -1,0 +1,83 @@
+"""A realtime session's settings (what the client chose, `Settings`) and the router's bounds on
+every session (`SessionConfig`, from flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from omni.v1 import common_pb2, omni_pb2
+from router.session_audio import DEFAULT_FORMAT, InputFormat, input_format
+from router.turn_detection import TurnDetectionSettings
+from services.runtime.errors import InvalidArgument
+
+TEXT, AUDIO = omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """The router's bounds on each session (flags --session-*)."""
+
+    idle_timeout_s: float = 300.0  # no client message and no response this long: closed
+    max_turns: int = 200  # responses a session may create; the next closes it
+    max_input_s: float = 60.0  # audio the input buffer may hold; an append past it is refused
+    max_append_bytes: int = 1 << 20  # one append's bytes; a larger one is refused
+    send_timeout_s: float = 10.0  # one event the client takes no bytes of this long: closed (a slow reader)
+
+
+@dataclass(frozen=True)
+class Settings:
+    instructions: str = ""
+    voice: str | None = None
+    # Serialized omni.v1.SamplingParams (a frozen value; b"": the server's defaults).
+    thinker_sampling: bytes = b""
+    talker_sampling: bytes = b""
+    output_modalities: tuple[int, ...] = (TEXT, AUDIO)
+    turn_detection: TurnDetectionSettings = field(default_factory=TurnDetectionSettings)
+    input_format: InputFormat = DEFAULT_FORMAT
+    return_codec_frames: bool = False
+
+    def updated(self, proto: omni_pb2.SessionSettings, field_: str = "update") -> Settings:
+        """These settings with what `proto` sets, each checked (InvalidArgument names the field)."""
+        changes: dict = {}
+        if proto.HasField("instructions"):
+            changes["instructions"] = proto.instructions
+        if proto.HasField("voice"):
+            changes["voice"] = proto.voice or None
+        for name in ("thinker_sampling", "talker_sampling"):
+            if proto.HasField(name):
+                changes[name] = getattr(proto, name).SerializeToString(deterministic=True)
+        if proto.output_modalities:
+            modalities = tuple(dict.fromkeys(proto.output_modalities))
+            if TEXT not in modalities or not set(modalities) <= {TEXT, AUDIO}:
+                raise InvalidArgument(f"{field_}.output_modalities", "must be [TEXT] or [TEXT, AUDIO]")
+            changes["output_modalities"] = tuple(sorted(modalities))
+        if proto.HasField("turn_detection"):
+            changes["turn_detection"] = self.turn_detection.updated(proto.turn_detection, f"{field_}.turn_detection")
+        if proto.HasField("input_format"):
+            changes["input_format"] = input_format(proto.input_format, f"{field_}.input_format")
+        if proto.HasField("return_codec_frames"):
+            changes["return_codec_frames"] = proto.return_codec_frames
+        return replace(self, **changes)
+
+    def to_proto(self) -> omni_pb2.SessionSettings:
+        settings = omni_pb2.SessionSettings(
+            instructions=self.instructions, output_modalities=self.output_modalities,
+            turn_detection=self.turn_detection.to_proto(), input_format=self.input_format.to_proto(),
+            return_codec_frames=self.return_codec_frames,
+            thinker_sampling=common_pb2.SamplingParams.FromString(self.thinker_sampling),
+            talker_sampling=common_pb2.SamplingParams.FromString(self.talker_sampling))
+        if self.voice is not None:
+            settings.voice = self.voice
+        return settings
+
+    def request(self, request_id: str, messages: list[omni_pb2.Message]) -> omni_pb2.GenerateRequest:
+        """One turn: the conversation so far as an ordinary Generate request."""
+        system = [omni_pb2.Message(role=omni_pb2.ROLE_SYSTEM, content=[omni_pb2.Content(text=self.instructions)])]
+        request = omni_pb2.GenerateRequest(
+            request_id=request_id, messages=(system if self.instructions else []) + messages,
+            output_modalities=self.output_modalities, return_codec_frames=self.return_codec_frames,
+            thinker_sampling=common_pb2.SamplingParams.FromString(self.thinker_sampling),
+            talker_sampling=common_pb2.SamplingParams.FromString(self.talker_sampling))
+        if self.voice is not None:
+            request.voice = self.voice
+        return request
