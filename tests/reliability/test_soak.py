@@ -6,6 +6,7 @@ import json
 import random
 import subprocess
 import sys
+from collections import defaultdict
 
 import grpc
 import pytest
@@ -15,6 +16,8 @@ from services.tools.soak.mix import Kind, plan, run_planned
 from tests.threads import torch_threads
 
 from .support import assert_recovered
+
+MEMORY_GROWTH_MB = 32.0  # a stage's or the router's RSS growth over the short soak, first window to last
 
 
 def test_a_short_soak_reports_nothing_leaked_or_hung(stack, omni, capsys):
@@ -27,13 +30,26 @@ def test_a_short_soak_reports_nothing_leaked_or_hung(stack, omni, capsys):
     assert summary["ok"] and summary["leaked"] == 0 and summary["hung"] == 0, summary
     assert summary["unexpected"] == {}, summary["examples"]
     assert summary["completed"] > 0 and summary["cancelled"] > 0, summary
-    assert sum(summary["kinds"].values()) == summary["requests"], summary
-    # Memory per process, first vs last window (a third of this short run).
+    # Per kind. Seed 7 plans every kind but the slow reader within each worker's first 3 requests
+    # (the slow reader comes 9th at the earliest; the next test runs one); a run here makes 70-90.
+    kinds = defaultdict(int, summary["kinds"])
+    assert set(kinds) >= {kind.value for kind in Kind if kind is not Kind.SLOW_READER}, kinds
+    # Each kind's ends, counted by status across the run: a deadline request always expires, a
+    # malformed one is always refused, only cancel and churn may end CANCELLED, and everything else
+    # completes: each unless the router turned it away (rejected: none measured, 4 workers within
+    # its 4 in flight). `unexpected` judges each request by its kind's allowed codes; these say
+    # the codes each kind really ended with.
+    failed, rejected = defaultdict(int, summary["failed"]), summary["rejected"]
+    assert kinds["deadline"] - rejected <= failed["DEADLINE_EXCEEDED"] <= kinds["deadline"], summary
+    assert kinds["malformed"] - rejected <= failed["INVALID_ARGUMENT"] <= kinds["malformed"], summary
+    assert summary["cancelled"] <= kinds["cancel"] + kinds["churn"], summary
+    assert summary["completed"] >= kinds["normal"] + kinds["text_only"] + kinds["slow_reader"] - rejected, summary
+    # Memory per process: the mean RSS of the last window (a third of this short run) against the
+    # first. Measured on a fresh stack: at most +9.2 MB (thinker-0) over ~80 requests; a leak of
+    # half a MB a request (a request's audio, its KV; ~50 requests between the windows) fails here.
     assert set(summary["memory"]) == {"thinker-0", "talker-0", "code2wav-0", "router"}, summary["memory"]
     for name, memory in summary["memory"].items():
-        assert 0 < memory["first_mb"] <= memory["peak_mb"] and memory["window_s"] > 0, (name, memory)
-    assert summary["requests"] == (summary["completed"] + summary["rejected"] + summary["cancelled"]
-                                   + sum(summary["failed"].values()))
+        assert memory["window_s"] > 0 and memory["growth_mb"] < MEMORY_GROWTH_MB, (name, memory)
     assert_recovered(stack, omni)
 
 
