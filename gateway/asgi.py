@@ -19,6 +19,7 @@ import logging
 
 from prometheus_client import Counter
 from starlette.responses import StreamingResponse
+from starlette.websockets import WebSocket
 
 from gateway.errors import APIError
 
@@ -108,7 +109,8 @@ def authorized(header: bytes | str | None, tokens: tuple[bytes, ...]) -> bool:
 
 class BearerAuth:
     """Plain ASGI middleware: with tokens configured, every route but the probes (`open_paths`) needs
-    `Authorization: Bearer <token>`; else 401 in OpenAI's shape, before the body is read."""
+    `Authorization: Bearer <token>`; else 401 in OpenAI's shape, before the body is read (a
+    WebSocket's handshake is answered with the 401 instead of being upgraded)."""
 
     def __init__(self, app, tokens: tuple[bytes, ...], open_paths: tuple[str, ...], denied):
         self.app = app
@@ -117,10 +119,12 @@ class BearerAuth:
         self.denied = denied  # () -> the 401 response
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not self.tokens or scope["path"] in self.open_paths:
+        if scope["type"] not in ("http", "websocket") or not self.tokens or scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
         if authorized(dict(scope.get("headers", ())).get(b"authorization"), self.tokens):
             return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":
+            return await WebSocket(scope, receive, send).send_denial_response(self.denied())
         return await self.denied()(scope, receive, send)
 
 

@@ -1,0 +1,158 @@
+"""`GET /v1/realtime`: the OpenAI Realtime API over a WebSocket, as a translation of the router's
+`Omni/Session` stream (docs/sessions.md). The session itself (turn detection, the conversation,
+barge-in) lives in the router; this file moves events both ways.
+
+The router's call opens before the WebSocket is accepted, so a refusal is an HTTP status in the
+handshake (429 with Retry-After over capacity, 401, 503), not a socket that opens and drops. Then
+two tasks: the client's events to the router (each translated, or answered with an `error` event),
+and the router's events to the client. A client that takes no bytes for `--send-timeout-s` is
+cut off and its session cancelled, which frees its response in every stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import grpc
+from fastapi import APIRouter, WebSocket, WebSocketDisconnect
+
+from gateway.errors import APIError, from_rpc
+from gateway.process import Gateway
+from gateway.realtime_events import ClientEventError, Translator, api_error_event, client_event, event_id
+from omni.v1 import omni_pb2
+from services.serving.streams import read
+
+log = logging.getLogger("gateway")
+routes = APIRouter()
+CLOSE_NORMAL, CLOSE_POLICY, CLOSE_ERROR = 1000, 1008, 1011
+
+
+@routes.websocket("/v1/realtime")
+async def realtime(ws: WebSocket) -> None:
+    gateway: Gateway = ws.app.state.gateway
+    config = gateway.config
+    auth = ws.headers.get("authorization")
+    call = gateway.stub().Session(metadata=(("authorization", auth),) if auth else None)
+    translator = Translator(config, config.model)
+    # The Realtime API's audio is pcm16 at 24 kHz: the session's input from the start.
+    await call.write(omni_pb2.SessionRequest(update=omni_pb2.SessionSettings(input_format=omni_pb2.AudioFormat(
+        encoding=omni_pb2.AUDIO_ENCODING_PCM16, sample_rate=24000))))
+    try:
+        created, updated = await read(call), await read(call)
+    except grpc.RpcError as err:
+        gateway.metrics.requests.labels("realtime", str(from_rpc(err).status)).inc()
+        await ws.send_denial_response(from_rpc(err).response())
+        return
+    if created is grpc.aio.EOF or updated is grpc.aio.EOF:
+        await ws.send_denial_response(APIError(502, "the router ended the session at once", "server_error").response())
+        return
+    await ws.accept()
+    gateway.metrics.requests.labels("realtime", "101").inc()
+    gateway.metrics.in_flight.inc()
+    send = Sender(ws, config.send_timeout_s)
+    gone = asyncio.Event()  # set when the client left (its reader cancelled the call)
+    upstream = asyncio.create_task(client_to_router(ws, call, translator, send, config, gone))
+    try:
+        translator.server_events(created)
+        await send.events([{**translator.server_events(updated)[0], "type": "session.created"}])
+        await router_to_client(call, translator, send)
+    except grpc.RpcError as err:
+        error = from_rpc(err)
+        await send.events([{"type": "error", "event_id": event_id(), "error": error.body()["error"]}])
+        await send.close(CLOSE_ERROR, error.message[:120])
+    except (SendTimeout, WebSocketDisconnect, RuntimeError):
+        pass  # the client went away or stopped reading: the call is cancelled below
+    except asyncio.CancelledError:
+        # Reading a call cancelled because the client left raises CancelledError: how the call
+        # ended, not an order to stop this task (then re-raised).
+        task = asyncio.current_task()
+        if not gone.is_set() or (task is not None and task.cancelling()):
+            raise
+    finally:
+        call.cancel()  # frees the session, its place and its response in every stage
+        upstream.cancel()
+        gateway.metrics.in_flight.dec()
+
+
+class SendTimeout(Exception):
+    pass
+
+
+class Sender:
+    """Events to the client, each send bounded by the send timeout (a client that stopped reading)."""
+
+    def __init__(self, ws: WebSocket, timeout_s: float):
+        self.ws = ws
+        self.timeout_s = timeout_s
+        self.closed = False
+        self.lock = asyncio.Lock()  # both directions answer the client: one frame at a time
+
+    async def events(self, events: list[dict]) -> None:
+        for event in events:
+            event.setdefault("event_id", event_id())
+            try:
+                async with self.lock:
+                    await asyncio.wait_for(self.ws.send_text(json.dumps(event, separators=(",", ":"))), self.timeout_s)
+            except TimeoutError:
+                log.warning("realtime client took no event for %.0f s: cutting it off", self.timeout_s)
+                raise SendTimeout from None
+
+    async def close(self, code: int, reason: str) -> None:
+        if not self.closed:
+            self.closed = True
+            try:
+                await asyncio.wait_for(self.ws.close(code, reason), self.timeout_s)
+            except (TimeoutError, RuntimeError, WebSocketDisconnect):
+                pass
+
+
+async def router_to_client(call, translator: Translator, send: Sender) -> None:
+    while True:
+        event = await read(call)
+        if event is grpc.aio.EOF:
+            await send.close(CLOSE_NORMAL, "session ended")
+            return
+        await send.events(translator.server_events(event))
+        if event.WhichOneof("event") == "closed":
+            await send.close(CLOSE_POLICY if event.closed.reason == omni_pb2.CLOSE_REASON_SLOW_READER else CLOSE_NORMAL,
+                             event.closed.message[:120])
+            return
+
+
+async def client_to_router(ws: WebSocket, call, translator: Translator, send: Sender, config,
+                           gone: asyncio.Event) -> None:
+    """The client's events, translated, to the router; refused ones answered with `error` at once."""
+    try:
+        while True:
+            message = await ws.receive()
+            if message["type"] == "websocket.disconnect":
+                break
+            text = message.get("text")
+            if text is None:
+                await send.events([api_error_event(ClientEventError(
+                    "events are JSON text frames, not binary", None, "invalid_event"))])
+                continue
+            try:
+                event = json.loads(text)
+                if not isinstance(event, dict):
+                    raise ClientEventError("an event is a JSON object", None, "invalid_event")
+            except (ValueError, RecursionError):
+                await send.events([api_error_event(ClientEventError("the event is not valid JSON", None, "invalid_json"))])
+                continue
+            except ClientEventError as exc:
+                await send.events([api_error_event(exc)])
+                continue
+            try:
+                request = client_event(event, config, translator.last_item)
+            except ClientEventError as exc:
+                exc.event_id = event.get("event_id") if isinstance(event.get("event_id"), str) else None
+                await send.events([api_error_event(exc)])
+                continue
+            await call.write(request)
+    except (WebSocketDisconnect, SendTimeout, RuntimeError, asyncio.InvalidStateError, grpc.aio.AioRpcError):
+        pass
+    finally:
+        gone.set()
+        call.cancel()  # the client left: end the session (its response is cancelled in every stage)

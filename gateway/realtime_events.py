@@ -1,0 +1,443 @@
+"""The OpenAI Realtime API's events <-> the router's Omni/Session messages, as plain functions and
+one small translator that remembers what the events need (each response's item, its modalities,
+the settings to show). The shapes are the pinned openai SDK's (openai/types/realtime/).
+
+In: `session.update`, `input_audio_buffer.append/commit/clear`, `conversation.item.create/truncate`,
+`response.create/cancel`. Everything else, and every field we cannot honour, is answered with an
+`error` event naming it (UNSUPPORTED_EVENTS, the checks below); the session goes on.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import uuid
+import wave
+
+from gateway import audio as audio_codec
+from gateway.config import GatewayConfig
+from gateway.errors import APIError
+from omni.v1 import omni_pb2
+
+OUTPUT_RATE = 24000  # the pipeline's audio, and the Realtime API's pcm16
+INPUT_RATE = 24000  # the Realtime API's audio/pcm input (its only rate)
+TEXT, AUDIO = omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO
+# Client events of the Realtime API this gateway does not serve, and why (docs/sessions.md).
+UNSUPPORTED_EVENTS = {
+    "conversation.item.delete": "items are kept in order and not deleted",
+    "conversation.item.retrieve": "items are not stored for retrieval (the audio was sent as it came)",
+    "output_audio_buffer.clear": "WebRTC only",
+    "transcription_session.update": "no transcription sessions",
+}
+# Session fields we refuse unless unset/null (the pipeline has no such feature). Tools belong to
+# function calling, not served yet.
+REFUSED_SESSION_FIELDS = ("tools", "tool_choice", "prompt", "reasoning", "include", "parallel_tool_calls")
+# The router's field names (SessionError.field) -> the Realtime API's.
+_PARAMS = (
+    ("update.turn_detection", "session.audio.input.turn_detection"),
+    ("update.input_format", "session.audio.input.format"),
+    ("update.output_modalities", "session.output_modalities"),
+    ("append_audio.data", "audio"),
+    ("create_item.message", "item"),
+    ("create_item.item_id", "item.id"),
+    ("truncate.audio_end_ms", "audio_end_ms"),
+    ("truncate.item_id", "item_id"),
+    ("thinker_sampling.max_new_tokens", "session.max_output_tokens"),
+    ("voice", "session.audio.output.voice"),
+)
+
+
+class ClientEventError(Exception):
+    """A client event we answer with an `error` event."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value",
+                 event_id: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.code, self.event_id = message, param, code, event_id
+
+
+def event_id() -> str:
+    return f"event_{uuid.uuid4().hex[:20]}"
+
+
+def error_event(message: str, param: str | None, code: str, client_event_id: str | None = None,
+                type_: str = "invalid_request_error") -> dict:
+    return {"type": "error", "event_id": event_id(), "error": {
+        "type": type_, "code": code, "message": message, "param": param, "event_id": client_event_id}}
+
+
+def openai_param(field: str) -> str | None:
+    if not field:
+        return None
+    for ours, theirs in _PARAMS:
+        if field.startswith(ours):
+            return theirs + field[len(ours):]
+    return field
+
+
+def decode_base64(value, param: str) -> bytes:
+    if not isinstance(value, str):
+        raise ClientEventError(f"{param} must be a base64 string", param)
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise ClientEventError(f"{param} is not valid base64", param) from None
+
+
+def pcm16_wav(pcm: bytes, param: str) -> bytes:
+    """An input_audio part's base64 pcm16 (24 kHz mono) as the wav the router takes."""
+    if len(pcm) % 2:
+        raise ClientEventError(f"{param}: {len(pcm)} bytes is not a whole number of pcm16 samples", param)
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(INPUT_RATE)
+        out.writeframes(pcm)
+    return buf.getvalue()
+
+
+def _object(value, param: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ClientEventError(f"{param} must be an object", param)
+    return value
+
+
+def session_update(session: dict, config: GatewayConfig) -> omni_pb2.SessionSettings:
+    """`session.update`'s `session` -> SessionSettings; ClientEventError naming what we refuse."""
+    session = _object(session, "session")
+    settings = omni_pb2.SessionSettings()
+    if session.get("type", "realtime") != "realtime":
+        raise ClientEventError("only realtime sessions (no transcription sessions)", "session.type", "unsupported")
+    for name in REFUSED_SESSION_FIELDS:
+        if session.get(name) not in (None, [], "auto" if name == "tool_choice" else None):
+            raise ClientEventError(f"session.{name} is not supported"
+                                   + (" (function calling is not served yet)" if name.startswith("tool") else ""),
+                                   f"session.{name}", "unsupported")
+    if session.get("truncation") not in (None, "disabled", "auto"):
+        raise ClientEventError("only truncation 'disabled' (or 'auto', which never truncates here)",
+                               "session.truncation", "unsupported")
+    if "instructions" in session:
+        if not isinstance(session["instructions"], str | None):
+            raise ClientEventError("session.instructions must be a string", "session.instructions")
+        settings.instructions = session["instructions"] or ""
+    if "output_modalities" in session and session["output_modalities"] is not None:
+        modalities = session["output_modalities"]
+        if modalities == ["audio"]:
+            settings.output_modalities.extend([TEXT, AUDIO])
+        elif modalities == ["text"]:
+            settings.output_modalities.append(TEXT)
+        else:
+            raise ClientEventError('session.output_modalities must be ["audio"] or ["text"]', "session.output_modalities")
+    if "max_output_tokens" in session:
+        tokens = session["max_output_tokens"]
+        if tokens not in (None, "inf"):
+            if not isinstance(tokens, int) or isinstance(tokens, bool) or not 1 <= tokens <= 4096:
+                raise ClientEventError("session.max_output_tokens must be an integer in [1, 4096] or 'inf'",
+                                       "session.max_output_tokens")
+            settings.thinker_sampling.max_new_tokens = tokens
+        else:
+            settings.thinker_sampling.SetInParent()
+    audio = _object(session.get("audio"), "session.audio")
+    _input(_object(audio.get("input"), "session.audio.input"), settings)
+    output = _object(audio.get("output"), "session.audio.output")
+    _check_format(output.get("format"), "session.audio.output.format")
+    if output.get("speed") not in (None, 1, 1.0):
+        raise ClientEventError("session.audio.output.speed must be 1.0 (no time-stretching)", "session.audio.output.speed",
+                               "unsupported")
+    voice = output.get("voice")
+    if isinstance(voice, dict):
+        voice = voice.get("id")
+    if voice is not None:
+        if not isinstance(voice, str):
+            raise ClientEventError("session.audio.output.voice must be a string", "session.audio.output.voice")
+        try:
+            settings.voice = config.voice(voice, "session.audio.output.voice")
+        except APIError as exc:
+            raise ClientEventError(exc.message, "session.audio.output.voice") from None
+    return settings
+
+
+def _input(audio_in: dict, settings: omni_pb2.SessionSettings) -> None:
+    _check_format(audio_in.get("format"), "session.audio.input.format")
+    for name in ("transcription", "noise_reduction"):
+        if audio_in.get(name) is not None:
+            raise ClientEventError(f"session.audio.input.{name} is not supported", f"session.audio.input.{name}",
+                                   "unsupported")
+    if "turn_detection" not in audio_in:
+        return
+    detection = audio_in["turn_detection"]
+    if detection is None:
+        settings.turn_detection.enabled = False
+        return
+    detection = _object(detection, "session.audio.input.turn_detection")
+    if detection.get("type", "server_vad") != "server_vad":
+        raise ClientEventError("only server_vad turn detection", "session.audio.input.turn_detection.type", "unsupported")
+    if detection.get("idle_timeout_ms") is not None:
+        raise ClientEventError("idle_timeout_ms is not supported", "session.audio.input.turn_detection.idle_timeout_ms",
+                               "unsupported")
+    turn = settings.turn_detection
+    turn.enabled = True
+    for name, kind in (("threshold", float), ("prefix_padding_ms", int), ("silence_duration_ms", int),
+                       ("create_response", bool), ("interrupt_response", bool)):
+        value = detection.get(name)
+        if value is None:
+            continue
+        if kind is bool:
+            ok, need = isinstance(value, bool), "a bool"
+        else:
+            ok = isinstance(value, int | float) and not isinstance(value, bool) and value >= 0 and (
+                kind is float or float(value).is_integer())
+            need = "a number >= 0" if kind is float else "an integer >= 0"
+        if not ok:
+            raise ClientEventError(f"{name} must be {need}", f"session.audio.input.turn_detection.{name}")
+        setattr(turn, name, kind(value))
+
+
+def _check_format(fmt, param: str) -> None:
+    if fmt is None:
+        return
+    fmt = _object(fmt, param)
+    if fmt.get("type", "audio/pcm") != "audio/pcm":
+        raise ClientEventError(f"{param}: only audio/pcm (pcm16, 24 kHz); {fmt.get('type')} is not served", f"{param}.type",
+                               "unsupported")
+    if fmt.get("rate", INPUT_RATE) != INPUT_RATE:
+        raise ClientEventError(f"{param}.rate must be 24000", f"{param}.rate")
+
+
+def create_item(event: dict, last_item: str | None) -> omni_pb2.CreateItem:
+    """`conversation.item.create` -> CreateItem (messages of text, and a user's input_audio)."""
+    if event.get("previous_item_id") not in (None, "root", last_item):
+        raise ClientEventError("items go after the last item only", "previous_item_id", "unsupported")
+    item = _object(event.get("item"), "item")
+    if item.get("type") != "message":
+        raise ClientEventError(f"item.type {item.get('type')!r} is not supported (messages only; function calls are "
+                               "not served yet)", "item.type", "unsupported")
+    roles = {"user": omni_pb2.ROLE_USER, "system": omni_pb2.ROLE_SYSTEM, "assistant": omni_pb2.ROLE_ASSISTANT}
+    if item.get("role") not in roles:
+        raise ClientEventError("item.role must be user, system or assistant", "item.role")
+    message = omni_pb2.Message(role=roles[item["role"]])
+    content = item.get("content")
+    if not isinstance(content, list) or not content:
+        raise ClientEventError("item.content must be a non-empty list", "item.content")
+    for i, part in enumerate(content):
+        part = _object(part, f"item.content[{i}]")
+        kind = part.get("type")
+        if kind in ("input_text", "text", "output_text"):
+            if not isinstance(part.get("text"), str):
+                raise ClientEventError(f"item.content[{i}].text must be a string", f"item.content[{i}].text")
+            message.content.add(text=part["text"])
+        elif kind == "output_audio" and isinstance(part.get("transcript"), str):
+            message.content.add(text=part["transcript"])  # what the history keeps of an assistant's audio
+        elif kind == "input_audio" and item["role"] == "user":
+            pcm = decode_base64(part.get("audio"), f"item.content[{i}].audio")
+            message.content.add(audio=pcm16_wav(pcm, f"item.content[{i}].audio"))
+        else:
+            raise ClientEventError(f"item.content[{i}].type {kind!r} is not supported here", f"item.content[{i}].type",
+                                   "unsupported")
+    create = omni_pb2.CreateItem(message=message)
+    if isinstance(item.get("id"), str) and item["id"]:
+        create.item_id = item["id"]
+    return create
+
+
+def response_create(event: dict) -> omni_pb2.CreateResponse:
+    """`response.create`: a response of the session's settings; per-response overrides are refused."""
+    response = _object(event.get("response"), "response")
+    for name, value in response.items():
+        if name not in ("metadata",) and value is not None:
+            raise ClientEventError(f"response.{name} is not supported (a response uses the session's settings: "
+                                   "session.update)", f"response.{name}", "unsupported")
+    return omni_pb2.CreateResponse()
+
+
+def client_event(event: dict, config: GatewayConfig, last_item: str | None) -> omni_pb2.SessionRequest:
+    """One client event as the router's SessionRequest; ClientEventError for what we refuse."""
+    kind = event.get("type")
+    request = omni_pb2.SessionRequest()
+    if isinstance(event.get("event_id"), str):
+        request.event_id = event["event_id"]
+    match kind:
+        case "session.update":
+            request.update.CopyFrom(session_update(event.get("session"), config))
+        case "input_audio_buffer.append":
+            request.append_audio.data = decode_base64(event.get("audio"), "audio")
+        case "input_audio_buffer.commit":
+            request.commit.SetInParent()
+        case "input_audio_buffer.clear":
+            request.clear.SetInParent()
+        case "conversation.item.create":
+            request.create_item.CopyFrom(create_item(event, last_item))
+        case "conversation.item.truncate":
+            if not isinstance(event.get("item_id"), str):
+                raise ClientEventError("item_id must be a string", "item_id")
+            end = event.get("audio_end_ms")
+            if not isinstance(end, int) or isinstance(end, bool) or end < 0:
+                raise ClientEventError("audio_end_ms must be an integer >= 0", "audio_end_ms")
+            if event.get("content_index", 0) != 0:
+                raise ClientEventError("an assistant item has one content part: content_index 0", "content_index")
+            request.truncate.item_id, request.truncate.audio_end_ms = event["item_id"], end
+        case "response.create":
+            request.create_response.CopyFrom(response_create(event))
+        case "response.cancel":
+            request.cancel_response.SetInParent()
+        case str() if kind in UNSUPPORTED_EVENTS:
+            raise ClientEventError(f"{kind} is not supported: {UNSUPPORTED_EVENTS[kind]}", "type", "unsupported")
+        case _:
+            raise ClientEventError(f"unknown event type {kind!r}", "type", "unknown_event")
+    return request
+
+
+class Translator:
+    """The router's session events -> the Realtime API's server events."""
+
+    def __init__(self, config: GatewayConfig, model: str):
+        self.config = config
+        self.model = model
+        self.last_item: str | None = None  # the conversation's last item id
+        self.responses: dict[str, tuple[str, bool]] = {}  # response_id -> (its item id, audio out)
+        self.audio_held: dict[str, bytes] = {}  # response_id -> pcm16 bytes held back (whole 3-byte groups go out)
+        self.audio_out = True  # the session's output modalities hold audio (from its created/updated events)
+
+    def session(self, info: omni_pb2.SessionInfo) -> dict:
+        s = info.settings
+        turn = s.turn_detection
+        detection = None if not turn.enabled else {
+            "type": "server_vad", "threshold": round(turn.threshold, 4), "prefix_padding_ms": turn.prefix_padding_ms,
+            "silence_duration_ms": turn.silence_duration_ms, "create_response": turn.create_response,
+            "interrupt_response": turn.interrupt_response, "idle_timeout_ms": None}
+        pcm = {"type": "audio/pcm", "rate": INPUT_RATE}
+        return {
+            "type": "realtime", "object": "realtime.session", "id": info.session_id, "model": self.model,
+            "instructions": s.instructions, "output_modalities": ["audio"] if AUDIO in s.output_modalities else ["text"],
+            "max_output_tokens": s.thinker_sampling.max_new_tokens if s.thinker_sampling.HasField("max_new_tokens")
+            else "inf",
+            "audio": {"input": {"format": pcm, "turn_detection": detection, "transcription": None,
+                                "noise_reduction": None},
+                      "output": {"format": pcm, "voice": s.voice or self.config.default_voice, "speed": 1.0}},
+            "tools": [], "tool_choice": "auto", "tracing": None, "truncation": "disabled",
+        }
+
+    def server_events(self, event: omni_pb2.SessionEvent) -> list[dict]:
+        kind = event.WhichOneof("event")
+        body = getattr(event, kind)
+        rid = event.response_id
+        match kind:
+            case "created" | "updated":
+                self.audio_out = AUDIO in body.settings.output_modalities
+                return [{"type": f"session.{kind}", "session": self.session(body)}]
+            case "speech_started":
+                return [{"type": "input_audio_buffer.speech_started", "audio_start_ms": body.audio_start_ms,
+                         "item_id": body.item_id}]
+            case "speech_stopped":
+                return [{"type": "input_audio_buffer.speech_stopped", "audio_end_ms": body.audio_end_ms,
+                         "item_id": body.item_id}]
+            case "committed":
+                item = {"id": body.item_id, "object": "realtime.item", "type": "message", "role": "user",
+                        "status": "completed", "content": [{"type": "input_audio", "transcript": None}]}
+                return [{"type": "input_audio_buffer.committed", "item_id": body.item_id,
+                         "previous_item_id": body.previous_item_id or None}, *self.item_events(item, body.previous_item_id)]
+            case "cleared":
+                return [{"type": "input_audio_buffer.cleared"}]
+            case "item_added":
+                role = omni_pb2.Role.Name(body.role).removeprefix("ROLE_").lower()
+                part = "output_text" if role == "assistant" else "input_text"
+                item = {"id": body.item_id, "object": "realtime.item", "type": "message", "role": role,
+                        "status": "completed", "content": [{"type": part, "text": body.text}]}
+                return self.item_events(item, body.previous_item_id)
+            case "response_created":
+                return self.response_created(rid, body)
+            case "text":
+                return self.text_delta(rid, body)
+            case "audio":
+                return self.audio_delta(rid, body)
+            case "response_done":
+                return self.response_done(rid, body)
+            case "truncated":
+                return [{"type": "conversation.item.truncated", "item_id": body.item_id, "content_index": 0,
+                         "audio_end_ms": body.audio_end_ms}]
+            case "error":
+                return [error_event(body.message, openai_param(body.field), body.code, body.event_id or None)]
+            case "closed":
+                reason = omni_pb2.CloseReason.Name(body.reason).removeprefix("CLOSE_REASON_").lower()
+                return [error_event(body.message, None, f"session_{reason}", type_="server_error")]
+        return []  # codec_frames: not part of the Realtime API
+
+    def item_events(self, item: dict, previous: str) -> list[dict]:
+        self.last_item = item["id"]
+        return [{"type": t, "item": item, "previous_item_id": previous or None}
+                for t in ("conversation.item.added", "conversation.item.done")]
+
+    def response(self, rid: str, status: str, output: list, audio: bool, **extra) -> dict:
+        return {"id": rid, "object": "realtime.response", "status": status, "output": output,
+                "output_modalities": ["audio"] if audio else ["text"], "conversation_id": "conv_default",
+                "max_output_tokens": "inf", "metadata": None, "status_details": None, "usage": None, **extra}
+
+    def response_created(self, rid: str, body: omni_pb2.ResponseCreated) -> list[dict]:
+        audio = self.audio_out
+        self.responses[rid] = (body.item_id, audio)
+        item = {"id": body.item_id, "object": "realtime.item", "type": "message", "role": "assistant",
+                "status": "in_progress", "content": []}
+        previous = self.last_item
+        self.last_item = body.item_id
+        return [{"type": "response.created", "response": self.response(rid, "in_progress", [], audio)},
+                {"type": "conversation.item.added", "item": item, "previous_item_id": previous}]
+
+    def text_delta(self, rid: str, delta: omni_pb2.TextDelta) -> list[dict]:
+        item_id, audio = self.responses.get(rid, ("", True))
+        text = delta.text
+        if delta.token_ids and delta.token_ids[-1] == self.config.end_token_id:
+            text = text.removesuffix(self.config.end_token_text)
+        if not text:
+            return []
+        kind = "response.output_audio_transcript.delta" if audio else "response.output_text.delta"
+        return [{"type": kind, "response_id": rid, "item_id": item_id, "output_index": 0, "content_index": 0,
+                 "delta": text}]
+
+    def audio_delta(self, rid: str, chunk) -> list[dict]:
+        item_id, _ = self.responses.get(rid, ("", True))
+        # NOTE: base64 of whole 3-byte groups, so clients that join the deltas' strings decode them.
+        pcm = self.audio_held.pop(rid, b"") + audio_codec.pcm16_bytes(audio_codec.float_from_bytes(chunk.pcm))
+        cut = len(pcm) - len(pcm) % 6
+        if len(pcm) > cut:
+            self.audio_held[rid] = pcm[cut:]
+        if not cut:
+            return []
+        return [{"type": "response.output_audio.delta", "response_id": rid, "item_id": item_id, "output_index": 0,
+                 "content_index": 0, "delta": base64.b64encode(pcm[:cut]).decode()}]
+
+    def response_done(self, rid: str, done: omni_pb2.ResponseDone) -> list[dict]:
+        item_id, audio = self.responses.pop(rid, (done.item_id, True))
+        events = []
+        held = self.audio_held.pop(rid, b"")
+        if held and done.status == omni_pb2.RESPONSE_STATUS_COMPLETED:
+            events.append({"type": "response.output_audio.delta", "response_id": rid, "item_id": item_id,
+                           "output_index": 0, "content_index": 0, "delta": base64.b64encode(held).decode()})
+        status = {omni_pb2.RESPONSE_STATUS_COMPLETED: "completed", omni_pb2.RESPONSE_STATUS_CANCELLED: "cancelled",
+                  omni_pb2.RESPONSE_STATUS_FAILED: "failed"}.get(done.status, "failed")
+        part = {"type": "output_audio", "transcript": done.transcript} if audio else \
+            {"type": "output_text", "text": done.transcript}
+        item = {"id": item_id, "object": "realtime.item", "type": "message", "role": "assistant",
+                "status": "completed" if status == "completed" else "incomplete", "content": [part]}
+        details = {"type": status, "reason": None, "error": None}
+        if status == "cancelled":
+            details["reason"] = "turn_detected" if done.cancel_reason == omni_pb2.CANCEL_REASON_TURN_DETECTED \
+                else "client_cancelled"
+        elif status == "failed":
+            details["error"] = {"type": "server_error", "code": done.error.code, "message": done.error.message}
+        usage = done.final.usage
+        usage_out = {"total_tokens": usage.prompt_tokens + usage.text_tokens + usage.codec_frames,
+                     "input_tokens": usage.prompt_tokens, "output_tokens": usage.text_tokens + usage.codec_frames,
+                     "input_token_details": {"text_tokens": usage.prompt_tokens, "audio_tokens": 0, "cached_tokens": 0},
+                     "output_token_details": {"text_tokens": usage.text_tokens, "audio_tokens": usage.codec_frames}}
+        events.append({"type": "conversation.item.done", "item": item, "previous_item_id": None})
+        events.append({"type": "response.done", "response": self.response(
+            rid, status, [item], audio, status_details=details, usage=usage_out)})
+        return events
+
+
+def api_error_event(exc: ClientEventError) -> dict:
+    return error_event(exc.message, exc.param, exc.code, exc.event_id)
