@@ -1,0 +1,78 @@
+"""Turn detection (router/turn_detection.py): the rule on made-up probabilities, and Silero VAD on
+the committed espeak-ng recordings (bench/speech/) with silences between them."""
+
+from __future__ import annotations
+
+import wave
+from array import array
+from pathlib import Path
+
+import pytest
+
+from omni.v1 import omni_pb2
+from router.turn_detection import WINDOW, WINDOW_MS, SpeechStart, SpeechStop, TurnDetectionSettings, TurnDetector, silero
+from services.base.errors import InvalidArgument
+
+SPEECH = sorted((Path(__file__).parents[2] / "bench" / "speech").glob("*.wav"))
+
+
+def scripted(probabilities: list[float]):
+    """A detector that answers each window with the next of `probabilities`."""
+    it = iter(probabilities)
+    return lambda window: next(it)
+
+
+def windows(n: int) -> array:
+    return array("h", bytes(2 * WINDOW * n))
+
+
+def test_speech_stops_after_the_silence_setting_and_is_reported_where_the_silence_began():
+    settings = TurnDetectionSettings(silence_duration_ms=160)  # 5 windows of 32 ms
+    probabilities = [0.1, 0.9, 0.9, 0.9] + [0.1] * 5 + [0.1]
+    detector = TurnDetector(settings, scripted(probabilities))
+    events = detector.feed(windows(len(probabilities)))
+    assert events == [SpeechStart(1 * WINDOW_MS), SpeechStop(4 * WINDOW_MS)]
+
+
+def test_a_dip_shorter_than_the_silence_setting_does_not_end_speech():
+    settings = TurnDetectionSettings(silence_duration_ms=160)
+    probabilities = [0.9, 0.1, 0.1, 0.1, 0.9, 0.9, 0.2, 0.9]
+    detector = TurnDetector(settings, scripted(probabilities))
+    assert detector.feed(windows(len(probabilities))) == [SpeechStart(0)]
+    assert detector.speaking
+
+
+def test_samples_short_of_a_window_wait_for_the_next_feed():
+    detector = TurnDetector(TurnDetectionSettings(), scripted([0.9]))
+    assert detector.feed(array("h", bytes(2 * (WINDOW - 1)))) == []
+    assert detector.feed(array("h", [0])) == [SpeechStart(0)]
+
+
+@pytest.mark.parametrize(("field", "value"), [("threshold", 1.0), ("threshold", 0.0), ("silence_duration_ms", 50),
+                                              ("silence_duration_ms", 6000), ("prefix_padding_ms", 2500)])
+def test_out_of_range_settings_are_refused_naming_the_field(field, value):
+    with pytest.raises(InvalidArgument) as refused:
+        TurnDetectionSettings().updated(omni_pb2.TurnDetection(**{field: value}), "update.turn_detection")
+    assert refused.value.field == f"update.turn_detection.{field}"
+
+
+def test_silero_hears_each_recording_between_silences_as_one_turn():
+    assert len(SPEECH) >= 3
+    silence = array("h", bytes(2 * 16000))  # 1 s
+    audio, spans = array("h"), []
+    for path in SPEECH:
+        with wave.open(str(path)) as w:
+            assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (16000, 1, 2)
+            speech = array("h", w.readframes(w.getnframes()))
+        audio.extend(silence)
+        spans.append((len(audio) * 1000 // 16000, (len(audio) + len(speech)) * 1000 // 16000))
+        audio.extend(speech)
+    audio.extend(silence)
+    detector = TurnDetector(TurnDetectionSettings(), silero())
+    events = []
+    for i in range(0, len(audio), 320):  # 20 ms appends, as a microphone sends them
+        events += detector.feed(audio[i:i + 320])
+    assert [type(e) for e in events] == [SpeechStart, SpeechStop] * len(SPEECH), events
+    for (start, stop), (began, ended) in zip(zip(events[::2], events[1::2]), spans):
+        assert began - 100 <= start.at_ms <= began + 300, (start, began)
+        assert ended - 300 <= stop.at_ms <= ended + 300, (stop, ended)
