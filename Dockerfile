@@ -49,12 +49,12 @@ COPY gateway ./gateway
 RUN python -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/omni/v1/*.proto \
     && touch omni/__init__.py omni/v1/__init__.py
 # pip byte-compiles what it installs, so the read-only image never compiles at start-up. The
-# invariant GEMM of --exact-batching gemm (services/runtime/invariant_gemm.c) is compiled here, next
+# invariant GEMM of --exact-batching gemm (services/runtime/lm/invariant_gemm.c) is compiled here, next
 # to its source in the installed package, with the build stage's own compiler (not in the runtime).
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/* \
     && pip install --no-deps . \
     && pip uninstall -y grpcio-tools \
-    && cd /tmp && python -m services.runtime.invariant_gemm
+    && cd /tmp && python -m services.runtime.lm.invariant_gemm
 
 # ---- runtime ----
 FROM python:${PYTHON_VERSION}-slim-bookworm

@@ -40,14 +40,14 @@ tools:
 
 # NOTE: the protobuf code is generated before the editable install: setuptools maps the
 # project's top-level packages (omni among them) when it installs, not later.
-$(STAMP): requirements.txt requirements-oracle.txt pyproject.toml $(PROTO_SRC) services/runtime/invariant_gemm.c
+$(STAMP): requirements.txt requirements-oracle.txt pyproject.toml $(PROTO_SRC) services/runtime/lm/invariant_gemm.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/oracle-vision -r requirements-oracle.txt
 	$(MAKE) --no-print-directory proto-gen
 	$(PY) -m pip install -q --no-deps -e .
-	$(PY) -m services.runtime.invariant_gemm  # --exact-batching gemm's kernel (cc -O3), next to its source
+	$(PY) -m services.runtime.lm.invariant_gemm  # --exact-batching gemm's kernel (cc -O3), next to its source
 	touch $(STAMP)
 
 proto: $(STAMP) proto-gen
@@ -84,7 +84,7 @@ lint: setup
 # on cores / threads xdist workers: three workers of 2-thread stages on 2 cores spun OpenMP threads
 # so long that a code2wav's 3 s start-up probe ran past the 180 s start-up bound.
 PORTABLE_THREADS ?= 1 2
-OP_EXACTNESS := tests/common/test_batching.py tests/common/test_invariant_gemm.py tests/talker/test_code_predictor.py
+OP_EXACTNESS := tests/runtime/lm/test_kernels.py tests/runtime/lm/test_invariant_gemm.py tests/talker/test_code_predictor.py
 test: setup lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q -m exactness $(OP_EXACTNESS)

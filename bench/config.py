@@ -9,8 +9,8 @@ from pathlib import Path
 
 from bench.presets import PRESETS, ensure_checkpoint
 from bench.systems import System
-from services.runtime.errors import UserError
-from services.runtime.families import Family, family_of
+from services.base.errors import UserError
+from services.base.families import Family, family_of
 
 # Defaults sized so that `make bench` (tiny checkpoint, all three systems at concurrency 1, 4
 # and 16) ends in about 3 minutes on 2 idle CPU cores and in about 5 with other work loading

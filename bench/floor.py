@@ -39,14 +39,14 @@ import torch
 
 from bench.prompts import BenchPrompt
 from omni.v1 import stages_pb2
+from services.base.stages import Stage
 from services.code2wav.config import Code2WavConfig
 from services.code2wav.engine import Audio, CodecChunk, CodecEnd
 from services.code2wav.server import ADAPTERS
-from services.runtime.checkpoint import LoadedStage
-from services.runtime.prompt import PromptBuilder
-from services.runtime.sampling import SamplingConfig
-from services.runtime.settings import ModelConfig
-from services.runtime.stages import Stage
+from services.runtime.inputs.prompt import PromptBuilder
+from services.runtime.lm.sampling import SamplingConfig
+from services.runtime.model.checkpoint import LoadedStage
+from services.runtime.model.settings import ModelConfig
 from services.serving.config import ServingConfig
 from services.talker.engine import Frame, TalkerDone
 from services.thinker.engine import Token

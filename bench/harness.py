@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.config import BenchConfig, build_parser, config_from_args
+from bench.conversations import render, run_conversations, write
 from bench.floor import FloorMeter, FloorSample, summarize_floor
 from bench.machine import describe_machine
 from bench.metrics import ratio, summarize
@@ -48,8 +49,8 @@ from bench.systems import (
     RequestRecord,
     System,
 )
-from services.runtime.checkpoint import check_folder
-from services.runtime.errors import UserError, run_cli
+from services.base.errors import UserError, run_cli
+from services.runtime.model.checkpoint import check_folder
 from services.tools.launcher import Stack, StackOptions, free_port_block
 
 FLOOR_PROMPTS = 4  # the floor is sampled on the first prompts of the set
@@ -302,8 +303,6 @@ def main(argv: list[str] | None = None) -> int:
     def go() -> None:
         config = config_from_args(args)
         if config.conversations:
-            from bench.conversations import render, run_conversations, write
-
             report = run_conversations(config)
             print(render(report))
             print(f"wrote {write(report, config)}")

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.tools.tiny_checkpoint import build
+
 _WIDE_MROPE = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [12, 10, 10], "interleaved": True}
 WIDE_HIDDEN = 512  # thinker; also the audio/vision outputs and the talker's thinker_hidden_size
 WIDE_TALKER_HIDDEN = 512  # talker and code predictor (the predictor reads the talker's hidden state)
@@ -66,7 +68,6 @@ def ensure_checkpoint(preset: Preset, folder: Path | None = None, seed: int = 0)
     """The preset's checkpoint folder, written (seeded, no download) when it has no weights yet."""
     folder = Path(folder or preset.checkpoint)
     if not (folder / "model.safetensors").is_file() or not (folder / "config.json").is_file():
-        from services.tools.tiny_checkpoint import build
 
         build(folder, seed=seed, layout=preset.layout)
     return folder

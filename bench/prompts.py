@@ -15,8 +15,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.runtime.errors import UserError
-from services.runtime.prompt import ChatMessage, Part, Role
+from services.base.errors import UserError
+from services.runtime.inputs.prompt import ChatMessage, Part, Role
+from services.tools.synthetic_video import video
 
 # Short everyday requests of different lengths, as a voice assistant gets them.
 BUILT_IN = (
@@ -57,8 +58,6 @@ class BenchPrompt:
 
 
 def built_in_prompts() -> list[BenchPrompt]:
-    from services.tools.synthetic_video import video
-
     prompts = [BenchPrompt(text, BUILT_IN_SYSTEM, label=f"built-in {i}") for i, text in enumerate(BUILT_IN)]
     clip = video(frames=12, width=64, height=48, fps=6, seed=7)
     return prompts + [BenchPrompt(BUILT_IN_VIDEO, BUILT_IN_SYSTEM, video=clip, label=f"built-in {len(prompts)}")]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.prompts import BenchPrompt
-from services.runtime.prompt import PromptBuilder, PromptInputs
+from services.runtime.inputs.prompt import PromptBuilder, PromptInputs
 from services.tools.reference import ReferenceRunner
 
 

@@ -104,7 +104,7 @@ class BenchReport:
     # (bench/floor.py, the burst floor); levels above 1 with the pipeline measured
     burst_floor: dict[int, float] = dataclasses.field(default_factory=dict)
     # system -> stage process -> op -> the kernel path its exact-batching probe chose
-    # (omni_exact_kernel_info: rows, batched or gemm; services/runtime/invariance.py)
+    # (omni_exact_kernel_info: rows, batched or gemm; services/runtime/lm/invariance.py)
     exact_kernels: dict[str, dict[str, dict[str, str]]] = dataclasses.field(default_factory=dict)
 
     def row(self, system: System, concurrency: int) -> ResultRow | None:

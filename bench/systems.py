@@ -29,7 +29,7 @@ from bench.loop import closed_loop
 from bench.metrics import RequestTiming, whole_response
 from bench.prompts import BenchPrompt
 from bench.reference import Generated, Reference
-from services.runtime.stages import SPEECH_SAMPLE_RATE
+from services.base.stages import SPEECH_SAMPLE_RATE
 from services.tools.client import build_request, collect, connect
 
 

@@ -13,8 +13,8 @@ import io
 
 import numpy as np
 
-from services.runtime.resample import resample
-from services.runtime.stages import SPEECH_SAMPLE_RATE
+from services.base.resample import resample
+from services.base.stages import SPEECH_SAMPLE_RATE
 
 # OpenAI format name -> (libsndfile container, subtype); None = raw little-endian int16.
 _SOUNDFILE = {
@@ -28,7 +28,7 @@ MIME = {
     "pcm": "audio/pcm", "pcm16": "audio/pcm", "aac": "audio/aac",
 }
 INPUT_FORMATS = ("wav", "mp3", "flac")
-INPUT_SAMPLE_RATE = 16000  # what the thinker's Whisper feature extractor takes (services/runtime/media.py)
+INPUT_SAMPLE_RATE = 16000  # what the thinker's Whisper feature extractor takes (services/runtime/inputs/media.py)
 STREAMED_FORMATS = ("mp3", "opus", "wav")  # written progressively (StreamEncoder); flac is written whole
 # MP3 written progressively is constant bit rate: with no LAME tag (it is written last, at the front,
 # so a stream cannot carry it), decoders size a file from its first frame, exact only for CBR.

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from gateway.errors import bad_request
 from gateway.voices import resolve_voice
-from services.runtime.errors import UserError
-from services.runtime.families import DEFAULT_VOICES, Family
+from services.base.errors import UserError
+from services.base.families import DEFAULT_VOICES, Family
 from services.serving.security import TLSConfig, load_tokens, tls_from_args
 
 
@@ -70,7 +70,7 @@ def family_from_config(config: dict) -> Family:
 
 
 def voices_from_config(config: dict) -> tuple[str, ...]:
-    """Qwen3-Omni: the speakers (talker_config.speaker_id), as services/runtime/prompt.py speaker_names
+    """Qwen3-Omni: the speakers (talker_config.speaker_id), as services/runtime/inputs/prompt.py speaker_names
     reads them. Qwen2.5-Omni keeps its voices in spk_dict.pt, a torch file this process cannot read:
     none here (`omni-serve up` passes them as --voices; without them the thinker checks)."""
     if family_from_config(config) is not Family.QWEN3_OMNI:

@@ -21,14 +21,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway import chat, models, speech
+from gateway import chat, models, realtime, speech
 from gateway.asgi import BearerAuth, CountAndLimit, IncompleteFilter, metrics_wsgi_app
 from gateway.config import GatewayConfig, config_from_args
 from gateway.errors import APIError, from_validation
 from gateway.process import Gateway
 from gateway.router_call import ClientGone
-from services.runtime.errors import UserError, run_cli
-from services.runtime.settings import env_default, env_flag
+from services.base.env import env_default, env_flag
+from services.base.errors import UserError, run_cli
 from services.serving.gc_heap import freeze_startup_heap
 from services.serving.grpc_server import setup_logging
 from services.serving.security import add_tls_flags
@@ -55,7 +55,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         401, "missing or invalid bearer token (Authorization: Bearer <token>)", "invalid_request_error", None,
         "invalid_api_key", {"WWW-Authenticate": "Bearer"}).response())
     _add_error_handlers(app)
-    for endpoints in (chat.routes, speech.routes, models.routes):
+    for endpoints in (chat.routes, speech.routes, models.routes, realtime.routes):
         app.include_router(endpoints)
     return app
 

@@ -35,7 +35,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omni.v1 import common_pb2
 from router.prefix import DEFAULT_PREFIX_WEIGHT, PrefixView, Routing
-from services.runtime.errors import UserError
+from services.base.errors import UserError
 from services.serving.channels import RotatingChannels
 from services.serving.security import TLSConfig
 from services.serving.stage_stubs import stage_stub

@@ -27,9 +27,9 @@ from router.session import RealtimeSession
 from router.session_settings import SessionConfig
 from router.stream import RouterStream
 from router.turn_detection import silero
-from services.runtime.errors import run_cli
-from services.runtime.settings import env_default
-from services.runtime.stages import Stage
+from services.base.env import env_default
+from services.base.errors import run_cli
+from services.base.stages import Stage
 from services.serving.config import add_serving_flags, serving_config_from_args
 from services.serving.grpc_server import (
     ServerHandle,

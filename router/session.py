@@ -32,7 +32,7 @@ from router.session_audio import Resampler, decode, wav_bytes
 from router.session_settings import AUDIO, SessionConfig, Settings
 from router.stream import RouterStage, RouterStream
 from router.turn_detection import SpeechStart, SpeechStop, TurnDetector
-from services.runtime.errors import InvalidArgument
+from services.base.errors import InvalidArgument
 from services.serving.status import Overloaded, abort_for, field_violations, status_for
 from services.serving.streams import let_end
 

@@ -1,7 +1,7 @@
 """A realtime session's input audio, in pure Python (the router imports no numpy): the client's
 samples (pcm16 or float32 at its stated rate) as 16-bit samples, resampled to 16 kHz for the
 turn detector, and a committed turn as the wav file the thinker reads (at the input's own rate:
-the thinker resamples, services/runtime/media.py)."""
+the thinker resamples, services/runtime/inputs/media.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from array import array
 from dataclasses import dataclass
 
 from omni.v1 import omni_pb2
-from services.runtime.errors import InvalidArgument
+from services.base.errors import InvalidArgument
 
 VAD_RATE = 16000  # what Silero VAD hears
 MIN_RATE, MAX_RATE = 8000, 48000

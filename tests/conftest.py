@@ -42,7 +42,7 @@ def pytest_configure(config) -> None:
 
     os.environ[SEED_ENV] = str(SEED)  # xdist's workers start later, from this environment: one seed per run
     if "OMNI_CHECK_CACHE" not in os.environ:
-        # Start-up check verdicts (services/runtime/startup_checks.py) kept for this run only: a
+        # Start-up check verdicts (services/runtime/checks.py) kept for this run only: a
         # stage a test starts never adopts one a run before it kept in the user's cache.
         import tempfile
 

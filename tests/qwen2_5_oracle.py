@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 from transformers import Qwen2_5OmniForConditionalGeneration
 
-from services.runtime.checkpoint import Stage, load_stage
-from services.runtime.prompt import ChatMessage
+from services.runtime.inputs.prompt import ChatMessage
+from services.runtime.model.checkpoint import Stage, load_stage
 from services.tools.reference import ReferenceRunner
 
 # generate's own default talker end ids, read from transformers (not from the project's constant,
@@ -136,7 +136,7 @@ def media() -> dict[str, tuple[str, bytes]]:
 
 
 def case_messages(case: Case, files: dict[str, tuple[str, bytes]]) -> list[ChatMessage]:
-    from services.runtime.prompt import Part, Role
+    from services.runtime.inputs.prompt import Part, Role
 
     parts = [Part(**{files[name][0]: files[name][1]}) for name in (case.audio, case.image) if name is not None]
     parts.append(Part(text=case.prompt))

@@ -18,8 +18,8 @@ import torch
 from services.code2wav.config import Code2WavConfig
 from services.code2wav.engine import CodecChunk, CodecEnd
 from services.code2wav.qwen3_adapter import Qwen3Code2WavAdapter
-from services.runtime.checkpoint import Stage, load_stage
-from services.runtime.settings import ModelConfig
+from services.runtime.model.checkpoint import Stage, load_stage
+from services.runtime.model.settings import ModelConfig
 from services.serving.config import ServingConfig
 
 CHUNKS = (4, 8, 16, 25, 10)

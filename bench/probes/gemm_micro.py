@@ -10,7 +10,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from services.runtime import invariant_gemm
+from services.runtime.lm import invariant_gemm
 
 SHAPES = [(512, 512), (1024, 512), (512, 1024), (1536, 512), (2048, 512), (3072, 1024), (768, 2048)]  # [N, K]
 

@@ -21,10 +21,10 @@ import time
 import torch
 
 from omni.v1 import omni_pb2
-from services.runtime.checkpoint import Stage, load_stage
-from services.runtime.families import family_of
-from services.runtime.prompt import PromptBuilder
-from services.runtime.sampling import SamplingConfig
+from services.base.families import family_of
+from services.runtime.inputs.prompt import PromptBuilder
+from services.runtime.lm.sampling import SamplingConfig
+from services.runtime.model.checkpoint import Stage, load_stage
 from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig
 from services.thinker.server import ADAPTERS, messages_from_proto, prompt_prefix
 

@@ -4,7 +4,7 @@ minutes on 2 cores: the code2wav checks decode about 1,900 frames through the re
 
 Every real width of Qwen3-Omni-30B-A3B: the whole real code2wav (8 layers, hidden 1024, decoder
 1536, 1920 samples a frame), the thinker and talker cut to 2 layers and 16 / 8 experts, random
-weights (services/runtime/full_size.py), float32 on the CPU. Each check runs alone, in the
+weights (services/runtime/model/full_size.py), float32 on the CPU. Each check runs alone, in the
 foreground, timed: code2wav's open-block check and batch check (services/code2wav/plan.py, on the
 default grid, --max-batch 16 within --max-batch-frames 64), then each LM engine built with its
 check before serving (`--exact-batching on`, then `gemm` with a prefix cache: the thinker's prefix
@@ -20,14 +20,14 @@ from pathlib import Path
 
 import torch
 
+from services.base.stages import Stage
 from services.code2wav.blocks import BlockGrid
 from services.code2wav.incremental import IncrementalVocoder
 from services.code2wav.plan import batches_keep_their_bits, open_blocks_keep_their_bits
 from services.code2wav.vocoder import measure_geometry
-from services.runtime.checkpoint import load_stage
 from services.runtime.chunking import DEFAULT_CHUNKS
-from services.runtime.full_size import REAL_LAYOUT, build_random_stage, merge_layout
-from services.runtime.stages import Stage
+from services.runtime.model.checkpoint import load_stage
+from services.runtime.model.full_size import REAL_LAYOUT, build_random_stage, merge_layout
 from services.talker.engine import TalkerEngine, TalkerEngineConfig
 from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig
 from services.tools.tiny_checkpoint import build

@@ -20,7 +20,7 @@ import torch
 
 
 def build_engine(checkpoint: str, batch: int, exact: bool = True):
-    from services.runtime.checkpoint import Stage, load_stage
+    from services.runtime.model.checkpoint import Stage, load_stage
     from services.talker.engine import TalkerEngine, TalkerEngineConfig
 
     stage = load_stage(checkpoint, Stage.TALKER)
@@ -30,9 +30,9 @@ def build_engine(checkpoint: str, batch: int, exact: bool = True):
 
 
 def fill(engine, batch: int, rows: int, seed: int = 0):
-    from services.runtime.prompt import PromptBuilder  # noqa: F401  (import cost outside the timing)
-    from services.runtime.qwen3_omni import talker_prompt_len
-    from services.runtime.sampling import SamplingConfig
+    from services.runtime.inputs.prompt import PromptBuilder  # noqa: F401  (import cost outside the timing)
+    from services.runtime.lm.sampling import SamplingConfig
+    from services.runtime.model.qwen3_omni import talker_prompt_len
     from services.talker.engine import TalkerJob, TextRow
 
     cfg = engine.config
@@ -54,8 +54,8 @@ def fill(engine, batch: int, rows: int, seed: int = 0):
 
 
 def build_thinker(checkpoint: str, batch: int, exact: bool = True):
-    from services.runtime.checkpoint import Stage, load_stage
-    from services.runtime.prompt import PromptBuilder
+    from services.runtime.inputs.prompt import PromptBuilder
+    from services.runtime.model.checkpoint import Stage, load_stage
     from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig
 
     stage = load_stage(checkpoint, Stage.THINKER)
@@ -65,7 +65,7 @@ def build_thinker(checkpoint: str, batch: int, exact: bool = True):
 
 
 def fill_thinker(engine, builder, batch: int, tokens: int) -> None:
-    from services.runtime.sampling import SamplingConfig
+    from services.runtime.lm.sampling import SamplingConfig
     from services.thinker.engine import ThinkerJob
     from services.tools.reference import messages_from_args
 

@@ -20,10 +20,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.metrics import percentile
-from services.runtime.checkpoint import Stage, load_stage
-from services.runtime.errors import UserError, run_cli
-from services.runtime.prompt import ChatMessage, Part, PromptBuilder, Role
-from services.runtime.sampling import SamplingConfig
+from services.base.errors import UserError, run_cli
+from services.runtime.inputs.prompt import ChatMessage, Part, PromptBuilder, Role
+from services.runtime.lm.sampling import SamplingConfig
+from services.runtime.model.checkpoint import Stage, load_stage
 from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig, ThinkerJob, Token
 from services.tools.tiny_checkpoint import build
 

@@ -39,7 +39,7 @@ from services.code2wav.token2wav import (
     Voice,
     decode_full,
 )
-from services.runtime.full_size import init_random_
+from services.runtime.model.full_size import init_random_
 
 # Widths only: every structural field keeps transformers' default (the 7B's).
 TINY_LAYOUT = {

@@ -29,7 +29,7 @@ from pathlib import Path
 from bench.presets import PRESETS, ensure_checkpoint
 from bench.prompts import built_in_prompts
 from bench.systems import PipelineSystem
-from services.runtime.errors import run_cli
+from services.base.errors import run_cli
 from services.tools.launcher import Stack, StackOptions
 from services.tools.otlp_sink import OtlpSink
 

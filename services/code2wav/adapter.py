@@ -14,9 +14,9 @@ from __future__ import annotations
 from typing import Protocol
 
 from omni.v1 import stages_pb2
+from services.base.engine import Engine
+from services.base.errors import InvalidArgument
 from services.code2wav.engine import CodecChunk, CodecEnd
-from services.runtime.engine import Engine
-from services.runtime.errors import InvalidArgument
 from services.serving.wire import frames_from_proto
 
 

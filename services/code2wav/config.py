@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from services.code2wav.blocks import BlockGrid
 from services.code2wav.token2wav import StreamContext
 from services.runtime.chunking import DEFAULT_CHUNKS
-from services.runtime.settings import ModelConfig
+from services.runtime.model.settings import ModelConfig
 from services.serving.config import ServingConfig
 
 

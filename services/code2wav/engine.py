@@ -29,7 +29,8 @@ decoded again only where its listener would otherwise have waited (`wake_in` say
 Without the margin a running request counted as due only once its listener had already run dry,
 so during a burst it waited behind every new request's first chunk (up to 180 ms in a probe at
 concurrency 16), the talker's early chunks too (chunking.py, "running dry"): the two together cut
-underruns at 16; either alone did not (README, "Playback underruns").
+underruns at 16; either alone did not (docs/performance.md, "Early chunks when the listener is about
+to run dry").
 """
 
 from __future__ import annotations
@@ -41,13 +42,13 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from services.base.engine import EngineDefaults, StepResult
+from services.base.events import EngineEvent
+from services.base.timing import ForwardTimer
 from services.code2wav.blocks import BlockStream
 from services.code2wav.plan import BlockPlan, adopt
 from services.code2wav.vocoder import VocoderGeometry
-from services.runtime.engine import EngineDefaults, StepResult
-from services.runtime.events import EngineEvent
-from services.runtime.startup_checks import StartupCheck
-from services.runtime.timing import ForwardTimer
+from services.runtime.checks import StartupCheck
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ class Code2WavEngine(EngineDefaults):
         self.codebook_size = int(config.code2wav_config.codebook_size)
         self.num_quantizers = int(config.code2wav_config.num_quantizers)
         self.delivery_s = delivery_ms / 1000  # audio's way from here to its listener (the module note)
-        self.timer = ForwardTimer()  # seconds in vocoder forwards (services/runtime/timing.py)
+        self.timer = ForwardTimer()  # seconds in vocoder forwards (services/base/timing.py)
         self._requests: dict[str, _Request] = {}  # request_id -> its frames and state
 
     def add(self, request_id: str, _payload=None) -> None:

@@ -13,10 +13,10 @@ import logging
 
 import torch
 
+from services.base.stages import Stage
 from services.code2wav.vocoder import forward_batch
-from services.runtime.cuda_graphs import GraphRunner, pad_rows, plan_padding
-from services.runtime.settings import GraphSettings
-from services.runtime.stages import Stage
+from services.runtime.lm.cuda_graphs import GraphRunner, pad_rows, plan_padding
+from services.runtime.model.settings import GraphSettings
 
 log = logging.getLogger(__name__)
 

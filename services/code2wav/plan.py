@@ -3,7 +3,7 @@
 A decode's bits depend on the shapes its kernels run (blocks.py, the NOTE); the block grid fixes
 them per request. Two things remain properties of the machine's kernels, so exact mode serves on
 the plan that needs neither (`BlockPlan.by_construction`: one request a call, an open block
-decoded only at its stream's end) and checks both beside serving (services/runtime/startup_checks.py),
+decoded only at its stream's end) and checks both beside serving (services/runtime/checks.py),
 bitwise, adopting only what matched (anything that raises counts as a mismatch):
 
 - an open block: decoding a block with its missing frames as zero frames must not change the
@@ -13,7 +13,7 @@ bitwise, adopting only what matched (anything that raises counts as a mismatch):
   for its frames (or its stream's end): the talker's early cuts then bring no audio sooner.
 - a batch: several requests' blocks decoded in one call must each give the bits of that block
   decoded alone, for every shape the vocoder decodes (`shape_classes`) at the batch sizes where
-  kernel heuristics switch (services/runtime/invariance.py's `probe_batches`) that the engine can
+  kernel heuristics switch (services/runtime/lm/invariance.py's `probe_batches`) that the engine can
   run for that shape (a call decodes at most `max_frames` frames: blocks of 25 frames go two a
   call on a CPU, so the larger sizes are never checked there). First all ops batched; where a
   size differs, again with the dense convolutions one row at a time (the ops whose CPU kernels
@@ -38,11 +38,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from services.base.stages import Stage
 from services.code2wav.blocks import Block, BlockGrid, BlockStream, StreamDecoder
-from services.runtime.invariance import probe_batches
-from services.runtime.settings import CheckSettings
-from services.runtime.stages import Stage
-from services.runtime.startup_checks import CheckState, StartupCheck
+from services.runtime.checks import CheckState, StartupCheck
+from services.runtime.lm.invariance import probe_batches
+from services.runtime.model.settings import CheckSettings
 
 log = logging.getLogger(__name__)
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 import logging
 
 from omni.v1 import stages_pb2
+from services.base.families import DEFAULT_VOICES, Family
 from services.code2wav.adapter import codec_input_from_proto
 from services.code2wav.config import Code2WavConfig
 from services.code2wav.engine import CodecChunk, CodecEnd
 from services.code2wav.token2wav import geometry_of, voices_of
 from services.code2wav.token2wav_engine import Token2WavEngine, Token2WavStart
-from services.runtime.checkpoint import LoadedStage, load_voices
-from services.runtime.families import DEFAULT_VOICES, Family
+from services.runtime.model.checkpoint import LoadedStage, load_voices
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from services.code2wav.incremental import IncrementalVocoder
 from services.code2wav.plan import plan_blocks
 from services.code2wav.vocoder import VocoderGeometry, measure_geometry
 from services.code2wav.window import WindowVocoder, window_lengths
-from services.runtime.checkpoint import LoadedStage
+from services.runtime.model.checkpoint import LoadedStage
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,10 @@ from contextlib import aclosing
 import grpc
 
 from omni.v1 import stages_pb2, stages_pb2_grpc
+from services.base.env import env_default
+from services.base.errors import InvalidArgument, UserError, run_cli
+from services.base.families import Family
+from services.base.stages import Stage
 from services.code2wav.adapter import Code2WavAdapter
 from services.code2wav.blocks import BlockGrid
 from services.code2wav.config import Code2WavConfig, Decoder
@@ -22,19 +26,9 @@ from services.code2wav.qwen3_adapter import Qwen3Code2WavAdapter
 from services.code2wav.stream import Code2WavStream
 from services.code2wav.token2wav import StreamContext, Token2WavGeometry
 from services.code2wav.vocoder import VocoderGeometry
-from services.runtime.checkpoint import LoadedStage, load_for_serving
 from services.runtime.chunking import DEFAULT_CHUNKS
-from services.runtime.errors import InvalidArgument, UserError, run_cli
-from services.runtime.families import Family
-from services.runtime.settings import (
-    EXACT_CHOICES,
-    add_model_flags,
-    env_default,
-    exact_batching,
-    model_config_from_args,
-    parse_buckets,
-)
-from services.runtime.stages import Stage
+from services.runtime.model.checkpoint import LoadedStage, load_for_serving
+from services.runtime.model.settings import EXACT_CHOICES, add_model_flags, exact_batching, model_config_from_args, parse_buckets
 from services.serving.config import (
     add_serving_flags,
     serving_config_from_args,

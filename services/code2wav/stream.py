@@ -13,12 +13,12 @@ from typing import Protocol
 import grpc
 
 from omni.v1 import stages_pb2
+from services.base.errors import InvalidArgument
+from services.base.stages import Stage
 from services.code2wav.adapter import Code2WavAdapter
 from services.code2wav.engine import Audio, CodecEnd, Decoded
 from services.code2wav.token2wav import Token2WavGeometry
 from services.code2wav.vocoder import VocoderGeometry
-from services.runtime.errors import InvalidArgument
-from services.runtime.stages import Stage
 from services.serving.engine_loop import EngineLoop, EventSink, engine_key
 from services.serving.status import WireError, abort_for
 from services.serving.streams import let_end

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.runtime.stages import SPEECH_SAMPLE_RATE
+from services.base.stages import SPEECH_SAMPLE_RATE
 
 EMPTY = np.zeros(0, dtype=np.float32)
 # The CPU generator's normal kernel fills 16 values at a time and redraws the last 16 of a draw
@@ -121,7 +121,7 @@ class Voice:
 
 
 def voices_of(checkpoint_voices: dict, mel_dim: int) -> dict[str, Voice]:
-    """`services.runtime.checkpoint.load_voices`'s voices (name -> Voice with cond [1, E] and
+    """`services.runtime.model.checkpoint.load_voices`'s voices (name -> Voice with cond [1, E] and
     ref_mel [1, T, mel]) -> name -> this module's Voice, the conditioning Token2Wav takes."""
     return {name: Voice(v.cond.float().reshape(-1), v.ref_mel.float().reshape(-1, mel_dim))
             for name, v in checkpoint_voices.items()}

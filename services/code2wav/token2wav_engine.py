@@ -27,6 +27,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from services.base.engine import EngineDefaults, StepResult
+from services.base.timing import ForwardTimer
 from services.code2wav.engine import Audio, CodecChunk, CodecEnd, Decoded, check_frames
 from services.code2wav.token2wav import (
     DitWindow,
@@ -37,8 +39,6 @@ from services.code2wav.token2wav import (
     VocoderWindow,
     Voice,
 )
-from services.runtime.engine import EngineDefaults, StepResult
-from services.runtime.timing import ForwardTimer
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class Token2WavEngine(EngineDefaults):
         self.seed = seed
         self.max_batch = 1 if exact else max_batch  # exact: every window alone (the module's docstring)
         self.num_quantizers = 1
-        self.timer = ForwardTimer()  # seconds in DiT and BigVGAN forwards (services/runtime/timing.py)
+        self.timer = ForwardTimer()  # seconds in DiT and BigVGAN forwards (services/base/timing.py)
         self._requests: dict[str, _Request] = {}  # request_id -> its stream
 
     def add(self, request_id: str, payload: Token2WavStart | None = None) -> None:

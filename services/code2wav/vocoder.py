@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.runtime.stages import SPEECH_SAMPLE_RATE
+from services.base.stages import SPEECH_SAMPLE_RATE
 
 EMPTY = np.zeros(0, dtype=np.float32)
 

@@ -9,7 +9,7 @@ few more code2wav calls per request.
 
 NOTE: running dry. Those sizes assume the talker runs well ahead of real time: the chunk ending
 at frame C(k) is made while the C(k-1) frames before it play, which asks for 2.2x real time for
-the second chunk (README, "Playback underruns at 16"). When many requests start together the
+the second chunk (docs/performance.md, "Underruns at 16"). When many requests start together the
 talker's first steps for each are slower than that, and a listener ran dry waiting for a chunk
 that was half made. So a chunk also goes out before it is full when waiting for one more frame
 would make it late: when the next frame, as far behind this one as this one was behind the

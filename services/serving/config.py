@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from services.runtime.settings import env_default
+from services.base.env import env_default
 from services.serving.grpc_server import DEFAULT_DRAIN_DELAY_S, DEFAULT_MAX_MESSAGE_BYTES
 from services.serving.open_streams import LIGHT_LOAD_STREAMS
 from services.serving.placement import parse_cpus

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from omni.v1 import common_pb2
-from services.runtime.errors import InvalidArgument
-from services.runtime.finish import FinishReason
-from services.runtime.sampling import MIN_REPETITION_PENALTY, SamplingConfig
+from services.base.errors import InvalidArgument
+from services.base.finish import FinishReason
+from services.runtime.lm.sampling import MIN_REPETITION_PENALTY, SamplingConfig
 
 _FINISH_REASONS = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,

@@ -16,7 +16,7 @@ from contextlib import aclosing
 import grpc
 from google.protobuf.message import DecodeError
 
-from services.runtime.errors import InvalidArgument
+from services.base.errors import InvalidArgument
 from services.serving.status import abort_for
 
 FIELD = "request"  # the BadRequest field of a body that is not the method's message

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from omni.v1 import common_pb2
-from services.runtime.engine import Engine
-from services.runtime.events import EngineEvent, RequestFailed
+from services.base.engine import Engine
+from services.base.events import EngineEvent, RequestFailed
 from services.serving.status import EngineFailed, StreamIdle
 
 log = logging.getLogger(__name__)

@@ -124,7 +124,7 @@ class StageMetrics:
                                          ["stage", "peer"], registry=r, buckets=PAUSE_BUCKETS)
 
     def exact_kernels(self, report) -> None:
-        """What exact mode runs here (services/runtime/invariance.py, services/code2wav/plan.py), again
+        """What exact mode runs here (services/runtime/lm/invariance.py, services/code2wav/plan.py), again
         whenever a start-up check's verdict replaces it: one series per op with value 1, e.g.
         omni_exact_kernel_info{op="attention", path="rows"}, a gauge per chosen number, e.g.
         omni_exact_setting{name="block_frames"}, and where the plan came from, omni_exact_check
@@ -151,7 +151,7 @@ class StageMetrics:
         check.labels(stage=self.stage).state(str(report.check))
 
     def prefix_cache(self, cache) -> None:
-        """The thinker's prefix cache (services/runtime/prefix_cache.py), read at each scrape."""
+        """The thinker's prefix cache (services/runtime/lm/prefix_cache.py), read at each scrape."""
         self.registry.register(_PrefixCacheCollector(self.stage, cache))
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int | None:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import grpc
 
 from omni.v1 import common_pb2
-from services.runtime.stages import Stage
+from services.base.stages import Stage
 from services.serving.channels import ChannelPool
 from services.serving.stage_stubs import stage_stub
 from services.serving.status import StageUnavailable

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 
-from services.runtime.errors import UserError
+from services.base.errors import UserError
 from services.serving.open_streams import LIGHT_LOAD_STREAMS
 
 log = logging.getLogger(__name__)

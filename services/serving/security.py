@@ -36,8 +36,8 @@ from pathlib import Path
 
 import grpc
 
-from services.runtime.errors import UserError
-from services.runtime.settings import env_default
+from services.base.env import env_default
+from services.base.errors import UserError
 
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 log = logging.getLogger("tls")

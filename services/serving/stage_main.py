@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.runtime.engine import Engine
+from services.base.engine import Engine
 from services.serving.config import ServingConfig
 from services.serving.engine_loop import EngineLoop
 from services.serving.grpc_server import (

@@ -5,7 +5,7 @@ soak's leak check, the benchmark)."""
 from __future__ import annotations
 
 from omni.v1 import stages_pb2_grpc
-from services.runtime.stages import Stage
+from services.base.stages import Stage
 
 STAGE_STUBS = {  # stage -> its stub class (a Stage is its name: "thinker" finds it too)
     Stage.THINKER: stages_pb2_grpc.ThinkerStub,

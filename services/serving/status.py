@@ -21,7 +21,7 @@ from google.protobuf import duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from services.runtime.errors import InvalidArgument
+from services.base.errors import InvalidArgument
 
 DOMAIN = "omni-serve"
 STAGE_UNAVAILABLE = "STAGE_UNAVAILABLE"  # ErrorInfo.reason: a stage could not be reached or died

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from opentelemetry import trace
 
-from services.runtime.settings import env_default
+from services.base.env import env_default
 
 # The request a log line is about (set by RequestTrace in the handler's task; empty elsewhere).
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("omni_request_id", default="")

@@ -22,7 +22,7 @@ All rows of a frame sit at the same position, so attention can run as one batche
 [B, heads, T, head_dim]. Whether that gives each row its B = 1 bits is a property of the CPU's
 SDPA kernel (it did on an Intel host; on AMD hosts at 2 threads it did not), so in exact mode the
 batched call is used only where the start-up probe found it invariant for these shapes
-(services/runtime/invariance.py, `ExactKernels.attention`); otherwise one SDPA per row, with the
+(services/runtime/lm/invariance.py, `ExactKernels.attention`); otherwise one SDPA per row, with the
 shape `generate`'s predictor gives it. The projections go along the process's exact linear path
 (ROWS, probed BATCHED bmm, or GEMM). `tests/talker` compares every frame with `generate`.
 """
@@ -35,8 +35,8 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from services.runtime.batching import KernelPath, batch_invariant, exact_kernels, exact_linear
-from services.runtime.invariance import AttentionShape
+from services.runtime.lm.invariance import AttentionShape
+from services.runtime.lm.kernels import KernelPath, batch_invariant, exact_kernels, exact_linear
 
 
 def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
@@ -106,7 +106,7 @@ class CodePredictor:
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, exact: bool) -> torch.Tensor:
         """F.linear without bias; in exact mode along the process's exact linear path
-        (services/runtime/batching.py, `exact_linear`)."""
+        (services/runtime/lm/kernels.py, `exact_linear`)."""
         if not exact:
             return F.linear(x, weight)
         return exact_linear(x, weight)

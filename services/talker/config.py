@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.runtime.chunking import DEFAULT_CHUNKS, ChunkPolicy
-from services.runtime.settings import ModelConfig
+from services.runtime.model.settings import ModelConfig
 from services.serving.config import ServingConfig
 from services.talker.engine import TalkerEngineConfig
 

@@ -26,25 +26,20 @@ from typing import ClassVar
 
 import torch
 
-from services.runtime.batching import (
-    SlotKVCache,
-    batch_invariant,
-    use_capturable_experts,
-    use_invariant_attention,
-    use_rowwise_attention,
-)
-from services.runtime.engine import StepResult
-from services.runtime.events import EngineEvent
-from services.runtime.finish import FinishReason
-from services.runtime.invariance import experts_modules, linear_weights
-from services.runtime.lm_engine import SlotScheduledEngine
-from services.runtime.prefix_cache import BLOCK_TOKENS, PrefixCache, PrefixHit, prefilling_after, row_block_keys
-from services.runtime.sampling import SamplingConfig, select_token
-from services.runtime.scheduler import LMScheduler
-from services.runtime.settings import CheckSettings, GraphSettings
-from services.runtime.stages import Stage
-from services.runtime.static_decode import SlotDecodeGraphs
-from services.runtime.timing import ForwardTimer
+from services.base.engine import StepResult
+from services.base.events import EngineEvent
+from services.base.finish import FinishReason
+from services.base.stages import Stage
+from services.base.timing import ForwardTimer
+from services.runtime.lm.engine import SlotScheduledEngine
+from services.runtime.lm.invariance import experts_modules, linear_weights
+from services.runtime.lm.kernels import batch_invariant, use_capturable_experts, use_invariant_attention, use_rowwise_attention
+from services.runtime.lm.kv_slots import SlotKVCache
+from services.runtime.lm.prefix_cache import BLOCK_TOKENS, PrefixCache, PrefixHit, prefilling_after, row_block_keys
+from services.runtime.lm.sampling import SamplingConfig, select_token
+from services.runtime.lm.scheduler import LMScheduler
+from services.runtime.lm.static_decode import SlotDecodeGraphs
+from services.runtime.model.settings import CheckSettings, GraphSettings
 from services.talker.code_predictor import CodePredictor
 from services.talker.graphs import PredictorGraphs, talker_step
 
@@ -93,12 +88,12 @@ class TalkerEngineConfig:
     max_batch_size: int = 32  # requests decoded together in one step
     num_slots: int = 32  # KV cache slots
     max_model_len: int = 4096  # cache positions per slot: prompt part + 9 + max_new_tokens must fit
-    exact_batching: bool = True  # batch-invariant kernels (see services/runtime/batching.py)
+    exact_batching: bool = True  # batch-invariant kernels (see services/runtime/lm/kernels.py)
     exact_gemm: bool = False  # exact mode's linear layers through the invariant GEMM (--exact-batching gemm)
     max_prefills_per_step: int = 1  # waiting requests prefilled in one step beside the decode batch
     graphs: GraphSettings = GraphSettings()  # CUDA graphs of the decode step and the code predictor
-    prefix_cache_mb: int = 0  # the prefix cache's pool (services/runtime/prefix_cache.py); 0: none
-    checks: CheckSettings = CheckSettings()  # exact mode's start-up check: beside serving or before (startup_checks.py)
+    prefix_cache_mb: int = 0  # the prefix cache's pool (services/runtime/lm/prefix_cache.py); 0: none
+    checks: CheckSettings = CheckSettings()  # exact mode's start-up check: beside serving or before (services/runtime/checks.py)
 
 
 @dataclass
@@ -177,7 +172,7 @@ class TalkerEngine(SlotScheduledEngine):
         self.tc = config.talker_config
         self.device = device
         self.engine_config = engine_config
-        self.timer = ForwardTimer()  # seconds in model forwards (services/runtime/timing.py)
+        self.timer = ForwardTimer()  # seconds in model forwards (services/base/timing.py)
         vocab = self.tc.text_config.vocab_size
         self.eos = int(self.tc.codec_eos_token_id)
         self.suppress = torch.zeros(vocab, dtype=torch.bool)
@@ -203,7 +198,7 @@ class TalkerEngine(SlotScheduledEngine):
                                             engine_config.max_model_len, dtype, device)
         # The code predictor (lean loop) and its keys and values for one frame of every row of a batch.
         self.predictor_cache = CodePredictor(model, engine_config.max_batch_size, device, dtype)
-        if engine_config.exact_batching:  # which kernels exact mode runs here (services/runtime/invariance.py)
+        if engine_config.exact_batching:  # which kernels exact mode runs here (services/runtime/lm/invariance.py)
             self.start_exact_check(
                 Stage.TALKER, engine_config.checks, gemm=engine_config.exact_gemm,
                 capacity=engine_config.max_batch_size,

@@ -4,7 +4,7 @@ whole code-predictor frame (prefill + 14 greedy sub-steps) per replay.
 Every row of a frame starts a fresh 17-position cache and advances in lockstep (the lean loop of
 services/talker/code_predictor.py, its own buffers), so the 15 sub-steps unroll into one graph
 with static slices; greedy picks (argmax) happen inside the
-graph. Frames with a sampling request run eagerly. See services/runtime/static_decode.py for the
+graph. Frames with a sampling request run eagerly. See services/runtime/lm/static_decode.py for the
 slot view and the exactness note.
 """
 
@@ -15,10 +15,10 @@ from collections.abc import Callable
 
 import torch
 
-from services.runtime.batching import SlotKVCache
-from services.runtime.cuda_graphs import GraphRunner, pad_rows, plan_padding
-from services.runtime.settings import GraphSettings
-from services.runtime.static_decode import StaticSlotView
+from services.runtime.lm.cuda_graphs import GraphRunner, pad_rows, plan_padding
+from services.runtime.lm.kv_slots import SlotKVCache
+from services.runtime.lm.static_decode import StaticSlotView
+from services.runtime.model.settings import GraphSettings
 from services.talker.code_predictor import CodePredictor
 
 log = logging.getLogger(__name__)

@@ -26,16 +26,17 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from services.runtime.batching import SlotKVCache, batch_invariant, use_invariant_attention, use_rowwise_attention
-from services.runtime.engine import StepResult
-from services.runtime.finish import FinishReason
-from services.runtime.invariance import linear_weights
-from services.runtime.lm_engine import SlotScheduledEngine
-from services.runtime.qwen2_5_omni import TALKER_EOS_IDS, talker_prompt_len
-from services.runtime.sampling import SamplingConfig, select_token
-from services.runtime.scheduler import LMScheduler
-from services.runtime.stages import Stage
-from services.runtime.timing import ForwardTimer
+from services.base.engine import StepResult
+from services.base.finish import FinishReason
+from services.base.stages import Stage
+from services.base.timing import ForwardTimer
+from services.runtime.lm.engine import SlotScheduledEngine
+from services.runtime.lm.invariance import linear_weights
+from services.runtime.lm.kernels import batch_invariant, use_invariant_attention, use_rowwise_attention
+from services.runtime.lm.kv_slots import SlotKVCache
+from services.runtime.lm.sampling import SamplingConfig, select_token
+from services.runtime.lm.scheduler import LMScheduler
+from services.runtime.model.qwen2_5_omni import TALKER_EOS_IDS, talker_prompt_len
 from services.talker.engine import (
     Frame,
     TalkerDone,
@@ -93,7 +94,7 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
         tc = config.talker_config
         self.device = device
         self.engine_config = engine_config
-        self.timer = ForwardTimer()  # seconds in model forwards (services/runtime/timing.py)
+        self.timer = ForwardTimer()  # seconds in model forwards (services/base/timing.py)
         self.vocab = int(tc.vocab_size)
         self.codec_bos, self.codec_pad, self.codec_mask = (int(tc.tts_codec_start_token_id),
                                                            int(tc.tts_codec_pad_token_id),
@@ -104,7 +105,7 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
         if engine_config.exact_gemm:
             use_invariant_attention(model.config)  # what makes a prefix hit exact (the reference runs it too)
         self.dtype = next(model.parameters()).dtype
-        if engine_config.exact_batching:  # which kernels exact mode runs here (services/runtime/invariance.py)
+        if engine_config.exact_batching:  # which kernels exact mode runs here (services/runtime/lm/invariance.py)
             self.start_exact_check(Stage.TALKER, engine_config.checks, gemm=engine_config.exact_gemm,
                                    capacity=engine_config.max_batch_size, linear_weights=linear_weights(model),
                                    dtype=self.dtype, device=device)

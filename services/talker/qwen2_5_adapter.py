@@ -6,8 +6,8 @@ the voice already chose the thinker's bos row), and each later token brings its 
 from __future__ import annotations
 
 from omni.v1 import stages_pb2
+from services.base.errors import InvalidArgument
 from services.runtime.chunking import ChunkPolicy
-from services.runtime.errors import InvalidArgument
 from services.serving.convert import sampling_from_proto
 from services.serving.wire import tensor_from_proto
 from services.talker.config import TalkerConfig

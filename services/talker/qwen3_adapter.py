@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 
 from omni.v1 import stages_pb2
+from services.base.errors import InvalidArgument
 from services.runtime.chunking import ChunkPolicy
-from services.runtime.errors import InvalidArgument
-from services.runtime.prompt import resolve_voice
-from services.runtime.qwen3_omni import seconds_per_frame, talker_prompt_len
+from services.runtime.inputs.prompt import resolve_voice
+from services.runtime.model.qwen3_omni import seconds_per_frame, talker_prompt_len
 from services.serving.convert import sampling_from_proto
 from services.serving.wire import tensor_from_proto
 from services.talker.config import TalkerConfig

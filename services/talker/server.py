@@ -12,16 +12,16 @@ from contextlib import aclosing
 import grpc
 
 from omni.v1 import common_pb2, stages_pb2, stages_pb2_grpc
-from services.runtime.checkpoint import Stage, load_for_serving
+from services.base.env import env_default
+from services.base.errors import UserError, run_cli
+from services.base.families import Family, family_of
 from services.runtime.chunking import ChunkPolicy
-from services.runtime.errors import UserError, run_cli
-from services.runtime.families import Family, family_of
-from services.runtime.settings import (
+from services.runtime.model.checkpoint import Stage, load_for_serving
+from services.runtime.model.settings import (
     GraphSettings,
     add_engine_flags,
     add_model_flags,
     add_prefix_cache_flag,
-    env_default,
     exact_batching,
     exact_gemm,
     model_config_from_args,

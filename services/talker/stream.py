@@ -17,9 +17,9 @@ import grpc
 import torch
 
 from omni.v1 import stages_pb2, stages_pb2_grpc
+from services.base.errors import InvalidArgument
+from services.base.stages import Stage
 from services.runtime.chunking import FrameChunker
-from services.runtime.errors import InvalidArgument
-from services.runtime.stages import Stage
 from services.serving import tracing
 from services.serving.channels import ChannelPool
 from services.serving.convert import finish_reason_to_proto

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Protocol
 
 from omni.v1 import omni_pb2, stages_pb2
-from services.runtime.prompt import PromptInputs
-from services.runtime.sampling import SamplingConfig
+from services.runtime.inputs.prompt import PromptInputs
+from services.runtime.lm.sampling import SamplingConfig
 from services.thinker.engine import ThinkerJob, Token
 
 

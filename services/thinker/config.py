@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from services.runtime.prompt import PromptLimits
-from services.runtime.settings import ModelConfig
+from services.runtime.inputs.prompt import PromptLimits
+from services.runtime.model.settings import ModelConfig
 from services.serving.config import ServingConfig
 from services.thinker.engine import ThinkerEngineConfig
 

@@ -1,7 +1,7 @@
 """The thinker engine: prefill, then one decode step per generated text token.
 
 Continuous batching: each step prefills waiting requests (one at a time, through the module's own
-path) beside one batched decode step of every running request (services/runtime/batching.py).
+path) beside one batched decode step of every running request (services/runtime/lm/kernels.py).
 
 Mirrors `Qwen3OmniMoeThinkerForConditionalGeneration.generate` exactly under greedy decoding:
 the 4-row position ids (text row + 3 multimodal-rope rows) are computed once at prefill by the
@@ -28,19 +28,17 @@ from typing import ClassVar
 
 import torch
 
-from services.runtime.batching import (
-    SlotKVCache,
-    batch_invariant,
-    use_capturable_experts,
-    use_invariant_attention,
-    use_rowwise_attention,
-)
-from services.runtime.engine import StepResult
-from services.runtime.events import EngineEvent
-from services.runtime.finish import FinishReason
-from services.runtime.invariance import ProbeReport, experts_modules, linear_weights
-from services.runtime.lm_engine import SlotScheduledEngine
-from services.runtime.prefix_cache import (
+from services.base.engine import StepResult
+from services.base.events import EngineEvent
+from services.base.finish import FinishReason
+from services.base.stages import Stage
+from services.base.timing import ForwardTimer
+from services.runtime.inputs.prompt import PromptInputs
+from services.runtime.lm.engine import SlotScheduledEngine
+from services.runtime.lm.invariance import ProbeReport, experts_modules, linear_weights
+from services.runtime.lm.kernels import batch_invariant, use_capturable_experts, use_invariant_attention, use_rowwise_attention
+from services.runtime.lm.kv_slots import SlotKVCache
+from services.runtime.lm.prefix_cache import (
     BLOCK_TOKENS,
     PrefixCache,
     PrefixHit,
@@ -49,14 +47,12 @@ from services.runtime.prefix_cache import (
     forward_pre_hook,
     prefilling_after,
 )
-from services.runtime.prompt import PromptInputs
-from services.runtime.sampling import SamplingConfig, select_token
-from services.runtime.scheduler import LMScheduler
-from services.runtime.settings import CheckSettings, GraphSettings
-from services.runtime.stages import Stage
-from services.runtime.static_decode import SlotDecodeGraphs
-from services.runtime.timing import ForwardTimer
+from services.runtime.lm.sampling import SamplingConfig, select_token
+from services.runtime.lm.scheduler import LMScheduler
+from services.runtime.lm.static_decode import SlotDecodeGraphs
+from services.runtime.model.settings import CheckSettings, GraphSettings
 from services.thinker.graphs import thinker_step
+from services.thinker.prefix_probe import refused_hits
 
 
 @dataclass(frozen=True)
@@ -68,7 +64,7 @@ class ThinkerJob:
     # Each is fed through the model exactly as a sampled one would be (same cache, positions and
     # embeddings), so everything downstream sees what `generate` gives had it produced these ids.
     forced_ids: tuple[int, ...] = ()
-    # Its messages as the prefix cache keys them (services/runtime/prefix_cache.py); None: not cached.
+    # Its messages as the prefix cache keys them (services/runtime/lm/prefix_cache.py); None: not cached.
     prefix: PromptPrefix | None = None
 
 
@@ -128,12 +124,12 @@ class ThinkerEngineConfig:
     max_batch_size: int = 32  # requests decoded together in one step
     num_slots: int = 32  # KV cache slots (requests holding cache at once)
     max_model_len: int = 4096  # cache positions per slot: prompt + max_new_tokens must fit
-    exact_batching: bool = True  # batch-invariant kernels (see services/runtime/batching.py)
+    exact_batching: bool = True  # batch-invariant kernels (see services/runtime/lm/kernels.py)
     exact_gemm: bool = False  # exact mode's linear layers through the invariant GEMM (--exact-batching gemm)
     max_prefills_per_step: int = 1  # waiting requests prefilled in one step beside the decode batch
-    graphs: GraphSettings = GraphSettings()  # CUDA graphs of the decode step (services/runtime/static_decode.py)
-    prefix_cache_mb: int = 0  # the prefix cache's pool (services/runtime/prefix_cache.py); 0: none
-    checks: CheckSettings = CheckSettings()  # exact mode's start-up check: beside serving or before (startup_checks.py)
+    graphs: GraphSettings = GraphSettings()  # CUDA graphs of the decode step (services/runtime/lm/static_decode.py)
+    prefix_cache_mb: int = 0  # the prefix cache's pool (services/runtime/lm/prefix_cache.py); 0: none
+    checks: CheckSettings = CheckSettings()  # exact mode's start-up check: beside serving or before (services/runtime/checks.py)
 
 
 class ThinkerEngine(SlotScheduledEngine):
@@ -158,7 +154,7 @@ class ThinkerEngine(SlotScheduledEngine):
         """What every family's thinker engine sets up alike: cache slots, graphs, scheduler."""
         model, engine_config, device = self.model, self.engine_config, self.device
         self.embed = model.get_input_embeddings()
-        self.timer = ForwardTimer()  # seconds in model forwards (services/runtime/timing.py)
+        self.timer = ForwardTimer()  # seconds in model forwards (services/base/timing.py)
         text_config = model.config.text_config
         use_rowwise_attention(text_config)
         if engine_config.exact_gemm:
@@ -178,7 +174,7 @@ class ThinkerEngine(SlotScheduledEngine):
                                      engine_config.max_model_len, engine_config.max_prefills_per_step)
         self._requests: dict[str, _Request] = {}  # request_id -> decoding state
         self._init_prefix_cache()
-        if engine_config.exact_batching:  # which kernels exact mode runs here (services/runtime/invariance.py)
+        if engine_config.exact_batching:  # which kernels exact mode runs here (services/runtime/lm/invariance.py)
             decoder = [model.model, model.lm_head]
             prefix = {"then": self._prefix_hit_verdict, "then_shapes": {"prefix": text_config.to_dict()}} \
                 if self.prefix is not None else {}
@@ -210,8 +206,6 @@ class ThinkerEngine(SlotScheduledEngine):
 
     def _prefix_hit_verdict(self, report: ProbeReport) -> None:
         """The exact-mode check's word on prefix-cache hits (on the check's thread)."""
-        from services.thinker.prefix_probe import refused_hits
-
         why = refused_hits(self, report.kernels)
         report.more["prefix_hit"] = "refused" if why else "used"
         report.reasons["prefix_hit"] = why or "a prefill from cached blocks matched one without, bitwise"

@@ -1,11 +1,11 @@
-"""The thinker's static-shape decode step for CUDA graphs (see services/runtime/static_decode.py)."""
+"""The thinker's static-shape decode step for CUDA graphs (see services/runtime/lm/static_decode.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from services.runtime.batching import SlotKVCache
-from services.runtime.static_decode import StaticSlotView
+from services.runtime.lm.kv_slots import SlotKVCache
+from services.runtime.lm.static_decode import StaticSlotView
 
 
 def thinker_step(model, cache: SlotKVCache) -> Callable:

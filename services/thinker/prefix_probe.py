@@ -7,10 +7,10 @@ whose oracle is plain `generate`) that changes bits: the BLAS picks its blocking
 SDPA cuts its queries into blocks by their count (a 129-token prompt from 112 cached tokens
 differed in its last row). So that mode refuses hits (ROWS_REFUSE), by construction, not by probe.
 With --exact-batching gemm every linear layer and expert goes through the invariant GEMM and the
-thinker's attention through `invariant_attention` (services/runtime/batching.py): each output
+thinker's attention through `invariant_attention` (services/runtime/lm/kernels.py): each output
 row's bits are independent of the row count, and the LM head runs over the whole prompt's rows
 either way, so a hit gives the cold prefill's bits by construction. That mode checks it once at
-start, beside serving (services/runtime/startup_checks.py: hits are refused until it passed), on a
+start, beside serving (services/runtime/checks.py: hits are refused until it passed), on a
 few text prompts of its own (bitwise: the last logits, every layer's keys and values, the hidden
 states the talker reads), so a broken construction (another kernel in the path) refuses hits
 instead of changing outputs. It prefills through the engine's model on its own thread, into a
@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from services.runtime.batching import ExactKernels, using_kernels
-from services.runtime.prefix_cache import BLOCK_TOKENS, PrefixCache, PrefixHit, block_keys
-from services.runtime.timing import ForwardTimer
+from services.base.timing import ForwardTimer
+from services.runtime.lm.kernels import ExactKernels, using_kernels
+from services.runtime.lm.prefix_cache import BLOCK_TOKENS, PrefixCache, PrefixHit, block_keys
 
 ROWS_REFUSE = ("per-row kernels (--exact-batching on): a prefill of fewer rows is not the cold one's bits by "
                "construction; --exact-batching gemm uses hits")

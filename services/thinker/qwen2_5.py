@@ -31,10 +31,10 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig
 
-from services.runtime.batching import batch_invariant
-from services.runtime.engine import StepResult
-from services.runtime.events import EngineEvent
-from services.runtime.qwen2_5_omni import text_embed_ids
+from services.base.engine import StepResult
+from services.base.events import EngineEvent
+from services.runtime.lm.kernels import batch_invariant
+from services.runtime.model.qwen2_5_omni import text_embed_ids
 from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig, ThinkerJob
 
 

@@ -9,10 +9,10 @@ one TextToken per generated token except the last
 from __future__ import annotations
 
 from omni.v1 import omni_pb2, stages_pb2
-from services.runtime import qwen2_5_omni
-from services.runtime.checkpoint import voice_bos_tokens
-from services.runtime.prompt import PromptInputs
-from services.runtime.sampling import SamplingConfig
+from services.runtime.inputs.prompt import PromptInputs
+from services.runtime.lm.sampling import SamplingConfig
+from services.runtime.model import qwen2_5_omni
+from services.runtime.model.checkpoint import voice_bos_tokens
 from services.serving.wire import tensor_to_proto
 from services.thinker.engine import Token
 from services.thinker.qwen2_5 import Qwen2_5Prefilled, Qwen2_5ThinkerEngine, Qwen2_5ThinkerJob

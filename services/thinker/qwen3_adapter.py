@@ -6,9 +6,9 @@ generated token except the last (docs/qwen3-omni.md)."""
 from __future__ import annotations
 
 from omni.v1 import omni_pb2, stages_pb2
-from services.runtime.prompt import PromptInputs, resolve_voice
-from services.runtime.qwen3_omni import talker_prompt_len
-from services.runtime.sampling import SamplingConfig
+from services.runtime.inputs.prompt import PromptInputs, resolve_voice
+from services.runtime.lm.sampling import SamplingConfig
+from services.runtime.model.qwen3_omni import talker_prompt_len
 from services.serving.wire import tensor_to_proto
 from services.thinker.engine import Prefilled, ThinkerEngine, ThinkerJob, Token
 

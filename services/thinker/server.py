@@ -12,30 +12,30 @@ from contextlib import aclosing
 import grpc
 
 from omni.v1 import common_pb2, omni_pb2, stages_pb2, stages_pb2_grpc
-from services.runtime.checkpoint import Stage, load_for_serving
-from services.runtime.errors import InvalidArgument, run_cli
-from services.runtime.families import Family, family_of
-from services.runtime.prefix_cache import PromptPrefix
-from services.runtime.prompt import (
+from services.base.env import env_default
+from services.base.errors import InvalidArgument, run_cli
+from services.base.families import Family, family_of
+from services.runtime.inputs.prompt import (
     ChatMessage,
     Part,
     PromptBuilder,
     PromptLimits,
     Role,
 )
-from services.runtime.settings import (
+from services.runtime.inputs.video import VideoLimits
+from services.runtime.lm.prefix_cache import PromptPrefix
+from services.runtime.model.checkpoint import Stage, load_for_serving
+from services.runtime.model.settings import (
     GraphSettings,
     add_engine_flags,
     add_model_flags,
     add_prefix_cache_flag,
-    env_default,
     exact_batching,
     exact_gemm,
     model_config_from_args,
     on_unless_cuda,
     prefix_cache_mb,
 )
-from services.runtime.video import VideoLimits
 from services.serving.channels import ChannelPool
 from services.serving.config import (
     add_serving_flags,

@@ -16,10 +16,10 @@ from typing import Protocol
 import grpc
 
 from omni.v1 import common_pb2, omni_pb2, stages_pb2, stages_pb2_grpc
-from services.runtime.detokenizer import IncrementalDetokenizer
-from services.runtime.errors import InvalidArgument
-from services.runtime.prompt import PromptBuilder
-from services.runtime.stages import SPEECH_SAMPLE_RATE, Stage
+from services.base.errors import InvalidArgument
+from services.base.stages import SPEECH_SAMPLE_RATE, Stage
+from services.runtime.inputs.detokenizer import IncrementalDetokenizer
+from services.runtime.inputs.prompt import PromptBuilder
 from services.serving import tracing
 from services.serving.channels import ChannelPool
 from services.serving.convert import finish_reason_to_proto

@@ -78,12 +78,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from services.runtime.checkpoint import load_config
-from services.runtime.engine import EngineDefaults, StepResult
-from services.runtime.errors import InvalidArgument
-from services.runtime.events import RequestFailed
-from services.runtime.finish import FinishReason
-from services.runtime.prompt import (
+from services.base.engine import EngineDefaults, StepResult
+from services.base.errors import InvalidArgument
+from services.base.events import RequestFailed
+from services.base.finish import FinishReason
+from services.runtime.inputs.prompt import (
     AUDIO_SAMPLE_RATE,
     ChatMessage,
     PromptBuilder,
@@ -91,7 +90,8 @@ from services.runtime.prompt import (
     decode_audio,
     decode_image,
 )
-from services.runtime.sampling import SamplingConfig
+from services.runtime.lm.sampling import SamplingConfig
+from services.runtime.model.checkpoint import load_config
 from services.thinker.engine import Finished, Prefilled, ThinkerJob, Token
 
 EMBED_KEY = "thinker.model.embed_tokens.weight"

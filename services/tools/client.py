@@ -19,8 +19,8 @@ import grpc
 import numpy as np
 
 from omni.v1 import common_pb2, omni_pb2, omni_pb2_grpc
-from services.runtime.errors import UserError, run_cli
-from services.runtime.stages import SPEECH_SAMPLE_RATE
+from services.base.errors import UserError, run_cli
+from services.base.stages import SPEECH_SAMPLE_RATE
 from services.serving.grpc_server import channel_options
 from services.serving.security import (
     TLSConfig,

@@ -10,9 +10,9 @@ checks included. Only the network is left out.
 from __future__ import annotations
 
 from omni.v1 import omni_pb2, stages_pb2
-from services.runtime.prompt import PromptBuilder, PromptInputs
-from services.runtime.sampling import SamplingConfig
-from services.runtime.settings import ModelConfig
+from services.runtime.inputs.prompt import PromptBuilder, PromptInputs
+from services.runtime.lm.sampling import SamplingConfig
+from services.runtime.model.settings import ModelConfig
 from services.serving.config import ServingConfig
 from services.serving.convert import sampling_to_proto
 from services.talker.config import TalkerConfig

@@ -29,11 +29,12 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.runtime.checkpoint import check_folder, load_voices
-from services.runtime.errors import UserError, run_cli
-from services.runtime.families import Family, family_of
-from services.runtime.settings import on_unless_cuda
-from services.runtime.stages import Stage
+from omni.v1 import common_pb2
+from services.base.errors import UserError, run_cli
+from services.base.families import Family, family_of
+from services.base.stages import Stage
+from services.runtime.model.checkpoint import check_folder, load_voices
+from services.runtime.model.settings import on_unless_cuda
 from services.serving.open_streams import LIGHT_LOAD_STREAMS
 from services.serving.placement import cpu_list
 from services.serving.security import TLSConfig, secure_or_insecure_channel, tls_from_args
@@ -390,8 +391,6 @@ def health_status(target: str, service: str = "", timeout: float = 1.0, tls: TLS
 def poll_as_the_router(stage: str, target: str, tls: TLSConfig = TLSConfig(), timeout: float = 5.0) -> str:
     """What the router's poll of a stage replica gets (router/replicas.py: health, then GetLoad),
     for an error message: 'health SERVING, GetLoad OK', or the status of the call that failed."""
-    from omni.v1 import common_pb2
-
     with secure_or_insecure_channel(target, tls, [], aio=False) as channel:
         try:
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)

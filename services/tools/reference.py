@@ -7,7 +7,7 @@ The correctness oracle (the pipeline's text ids and codec frames must equal thes
 baseline (the stages run one after the other, nothing streamed). `ReferenceRunner.generate` can
 also sample, from torch's global generator seeded per call.
 
-The oracle shares no input code with the pipeline: it never uses services/runtime/prompt.py's
+The oracle shares no input code with the pipeline: it never uses services/runtime/inputs/prompt.py's
 `PromptBuilder`. Its inputs come from transformers' own `Qwen3OmniMoeProcessor.apply_chat_template
 (tokenize=True, return_dict=True)`, which renders the chat template and calls the processor's
 `__call__`: the Whisper feature extractor, the Qwen2-VL image processor and the processor's own
@@ -45,11 +45,13 @@ from pathlib import Path
 
 import numpy as np
 
-from services.runtime.checkpoint import check_folder
-from services.runtime.errors import InvalidArgument, UserError, run_cli
-from services.runtime.families import DEFAULT_VOICES, Family, family_of
-from services.runtime.prompt import ChatMessage, Part, Role  # plain data classes: the request's messages
-from services.runtime.stages import SPEECH_SAMPLE_RATE
+from services.base.errors import InvalidArgument, UserError, run_cli
+from services.base.families import DEFAULT_VOICES, Family, family_of
+from services.base.stages import SPEECH_SAMPLE_RATE
+from services.runtime.inputs.prompt import ChatMessage, Part, Role  # plain data classes: the request's messages
+from services.runtime.lm.invariance import experts_modules
+from services.runtime.lm.kernels import GEMM_KERNELS, use_exact_experts, use_invariant_attention, using_kernels
+from services.runtime.model.checkpoint import check_folder
 
 AUDIO_SAMPLE_RATE = 16000  # the Whisper feature extractor's rate; the oracle resamples nothing
 TOKEN2WAV_SEED = 0  # Qwen2.5-Omni: the global seed set before generate when the call names none
@@ -208,9 +210,6 @@ class ReferenceRunner:
         self.sample_rate = SPEECH_SAMPLE_RATE
 
     def _through_invariant_gemm(self) -> None:
-        from services.runtime.batching import GEMM_KERNELS, use_exact_experts, use_invariant_attention, using_kernels
-        from services.runtime.invariance import experts_modules
-
         # The attention the engines run with --exact-batching gemm: the thinker's and the talker's.
         talker = self.model.config.talker_config
         use_invariant_attention(self.model.config.thinker_config.text_config,

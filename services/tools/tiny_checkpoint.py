@@ -20,10 +20,10 @@ import json
 import sys
 from pathlib import Path
 
-from services.runtime.errors import UserError, run_cli
-from services.runtime.families import Family
-from services.runtime.full_size import REAL_LAYOUT, check_layout, merge_layout
-from services.runtime.full_size_qwen2_5 import REAL_LAYOUT as QWEN2_5_REAL_LAYOUT
+from services.base.errors import UserError, run_cli
+from services.base.families import Family
+from services.runtime.model.full_size import REAL_LAYOUT, check_layout, merge_layout
+from services.runtime.model.full_size_qwen2_5 import REAL_LAYOUT as QWEN2_5_REAL_LAYOUT
 from services.tools import tiny_qwen2_5_omni
 from services.tools.tiny_tokenizer import train_tokenizer, write_preprocessor_config, write_video_preprocessor_config
 from services.tools.tiny_weights import init_weights_, save_config_only, save_model

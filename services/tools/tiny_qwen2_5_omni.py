@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.runtime.full_size import merge_layout
-from services.runtime.full_size_qwen2_5 import check_layout
+from services.runtime.model.full_size import merge_layout
+from services.runtime.model.full_size_qwen2_5 import check_layout
 from services.tools.tiny_tokenizer import train_tokenizer, write_preprocessor_config, write_video_preprocessor_config
 from services.tools.tiny_weights import init_weights_, save_config_only, save_model
 

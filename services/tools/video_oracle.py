@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.runtime.prompt import ChatMessage
+from services.runtime.inputs.prompt import ChatMessage
 
 VISION_DIR = Path(sys.prefix) / "oracle-vision"  # `make setup`: pip install --target (torchvision, no deps)
 AUDIO_SAMPLE_RATE = 16000
@@ -141,7 +141,9 @@ def _build(job: dict) -> dict:
     )
     from transformers.video_utils import VideoMetadata
 
-    from services.runtime.families import Family, family_of
+    # (in the child, after its path holds the oracle's torchvision: transformers is imported here, and
+    # so is what imports it)
+    from services.base.families import Family, family_of
     from services.tools.reference import oracle_audio
 
     folder = job["folder"]

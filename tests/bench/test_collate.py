@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from bench.reference import collate
-from services.runtime.prompt import PromptInputs
+from services.runtime.inputs.prompt import PromptInputs
 
 
 def inputs(ids: list[int], audio_frames: int | None = None, patches: int | None = None) -> PromptInputs:

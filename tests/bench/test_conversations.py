@@ -8,7 +8,7 @@ import pytest
 from bench.config import build_parser, config_from_args
 from bench.conversations import Conversation, TurnRecord, cacheable_tokens, new_conversations, user_turn
 from omni.v1 import omni_pb2
-from services.runtime.errors import UserError
+from services.base.errors import UserError
 
 
 def test_cacheable_tokens_are_the_previous_prompt_s_whole_blocks_the_turn_may_take():

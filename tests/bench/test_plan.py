@@ -7,7 +7,7 @@ import pytest
 from bench.config import build_parser, config_from_args
 from bench.harness import plan_run_blocks
 from bench.systems import System
-from services.runtime.errors import UserError
+from services.base.errors import UserError
 
 
 def config(*extra: str):
@@ -79,7 +79,7 @@ def test_the_wide_layout_is_consistent_and_wide(tmp_path):
     import torch
 
     from bench.presets import WIDE_LAYOUT
-    from services.runtime.checkpoint import Stage, _stage_classes
+    from services.runtime.model.checkpoint import Stage, _stage_classes
     from services.tools.tiny_checkpoint import build_config, build_tokenizer
 
     config = build_config(build_tokenizer(tmp_path), WIDE_LAYOUT)

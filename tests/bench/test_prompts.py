@@ -7,8 +7,8 @@ import json
 import pytest
 
 from bench.prompts import built_in_prompts, load_jsonl
-from services.runtime.errors import UserError
-from services.runtime.prompt import Role
+from services.base.errors import UserError
+from services.runtime.inputs.prompt import Role
 
 
 def test_built_in_prompts_are_text_and_one_video_with_a_system_turn():

@@ -20,9 +20,9 @@ from services.code2wav.plan import BlockPlan, plan_blocks
 from services.code2wav.qwen3_adapter import Qwen3Code2WavAdapter
 from services.code2wav.vocoder import VocoderGeometry, measure_geometry
 from services.code2wav.window import WindowVocoder
-from services.runtime.checkpoint import Stage, load_stage
 from services.runtime.chunking import DEFAULT_CHUNKS
-from services.runtime.settings import ModelConfig
+from services.runtime.model.checkpoint import Stage, load_stage
+from services.runtime.model.settings import ModelConfig
 from services.serving.config import ServingConfig
 from tests.audio_checks import check_streamed_audio
 

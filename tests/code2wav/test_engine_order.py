@@ -17,9 +17,9 @@ from services.code2wav.incremental import IncrementalVocoder
 from services.code2wav.plan import BlockPlan
 from services.code2wav.qwen3_adapter import Qwen3Code2WavAdapter
 from services.code2wav.vocoder import measure_geometry
-from services.runtime.checkpoint import Stage, load_stage
 from services.runtime.chunking import DEFAULT_CHUNKS
-from services.runtime.settings import ModelConfig
+from services.runtime.model.checkpoint import Stage, load_stage
+from services.runtime.model.settings import ModelConfig
 from services.serving.config import ServingConfig
 
 SAMPLES_PER_FRAME, LOOKAHEAD, RATE = 1920, 555, 24000  # the tiny vocoder's geometry (the real one's)

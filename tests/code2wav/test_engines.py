@@ -13,8 +13,8 @@ from services.code2wav.engine import Audio, CodecChunk, CodecEnd, Decoded
 from services.code2wav.incremental import IncrementalVocoder
 from services.code2wav.server import adapter_for, build_parser, config_from_args
 from services.code2wav.window import WindowVocoder
-from services.runtime.checkpoint import Stage, load_stage
-from services.runtime.settings import ModelConfig
+from services.runtime.model.checkpoint import Stage, load_stage
+from services.runtime.model.settings import ModelConfig
 from services.serving.config import ServingConfig
 from tests.audio_checks import check_streamed_audio
 

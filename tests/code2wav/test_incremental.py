@@ -18,7 +18,7 @@ from services.code2wav.blocks import BlockGrid, StreamDecoder
 from services.code2wav.incremental import IncrementalVocoder, _TransConv
 from services.code2wav.vocoder import decode_full, measure_geometry
 from services.code2wav.window import WindowVocoder
-from services.runtime.checkpoint import Stage, load_stage
+from services.runtime.model.checkpoint import Stage, load_stage
 from tests.audio_checks import check_streamed_audio, snr_db
 
 REAL_REACH = {"code2wav_config": {"num_hidden_layers": 8, "sliding_window": 72}}

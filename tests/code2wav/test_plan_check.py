@@ -16,10 +16,10 @@ from services.code2wav.engine import Code2WavEngine
 from services.code2wav.incremental import IncrementalVocoder
 from services.code2wav.plan import batches_keep_their_bits, plan_blocks
 from services.code2wav.vocoder import measure_geometry
-from services.runtime.checkpoint import Stage, load_stage
+from services.runtime.checks import CheckState
 from services.runtime.chunking import DEFAULT_CHUNKS
-from services.runtime.settings import CheckSettings
-from services.runtime.startup_checks import CheckState
+from services.runtime.model.checkpoint import Stage, load_stage
+from services.runtime.model.settings import CheckSettings
 from tests.code2wav.test_blocks import run_engine
 
 GRID = BlockGrid(DEFAULT_CHUNKS.schedule())

@@ -25,13 +25,13 @@ import numpy as np
 import pytest
 import torch
 
+from services.base.stages import Stage
 from services.code2wav.blocks import BlockGrid, StreamDecoder
 from services.code2wav.incremental import IncrementalVocoder
 from services.code2wav.vocoder import measure_geometry
 from services.code2wav.window import WindowVocoder
 from services.runtime.chunking import DEFAULT_CHUNKS, FrameChunker
-from services.runtime.full_size import REAL_LAYOUT, build_random_stage
-from services.runtime.stages import Stage
+from services.runtime.model.full_size import REAL_LAYOUT, build_random_stage
 from services.talker.server import TalkerConfig
 from tests.audio_checks import check_streamed_audio, snr_db
 

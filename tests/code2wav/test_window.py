@@ -20,7 +20,7 @@ import torch
 from services.code2wav.blocks import BlockGrid, StreamDecoder
 from services.code2wav.vocoder import VocoderGeometry, decode_full, measure_geometry
 from services.code2wav.window import WindowVocoder
-from services.runtime.checkpoint import Stage, load_stage
+from services.runtime.model.checkpoint import Stage, load_stage
 from services.tools.tiny_checkpoint import build
 from tests.audio_checks import check_streamed_audio, snr_db
 

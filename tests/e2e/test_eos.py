@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from omni.v1 import common_pb2
-from services.runtime.prompt import ChatMessage, Part, Role
+from services.runtime.inputs.prompt import ChatMessage, Part, Role
 from services.tools.client import build_request, collect, connect
 from tests.stacks import stack_of
 

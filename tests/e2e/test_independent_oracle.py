@@ -20,7 +20,7 @@ import torch
 
 from omni.v1 import omni_pb2
 from services.code2wav.vocoder import decode_full
-from services.runtime.prompt import ChatMessage, Part, PromptBuilder, Role
+from services.runtime.inputs.prompt import ChatMessage, Part, PromptBuilder, Role
 from services.tools.client import build_request, collect
 
 pytestmark = pytest.mark.exactness

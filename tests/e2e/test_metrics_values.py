@@ -139,7 +139,7 @@ def test_every_process_froze_its_start_up_heap_and_reports_its_collections(measu
 
 
 def test_the_lm_stages_export_the_kernel_path_their_probe_chose_for_each_op(measured):
-    # One series per op with value 1 (services/runtime/invariance.py): what exact batching runs here.
+    # One series per op with value 1 (services/runtime/lm/invariance.py): what exact batching runs here.
     final = measured[1]
     for stage in ("thinker", "talker"):
         series = {dict(labels)["op"]: dict(labels)["path"] for (name, labels), v in final[stage].items()

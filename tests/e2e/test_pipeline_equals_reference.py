@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from omni.v1 import common_pb2
-from services.runtime.prompt import ChatMessage, Part, Role
+from services.runtime.inputs.prompt import ChatMessage, Part, Role
 from services.tools.client import build_request, collect
 from tests.audio_checks import check_streamed_audio
 

@@ -4,7 +4,7 @@ generator seeded the same, and the same tokens on every run, alone or batched wi
 generate draws every sampled token of a stage with `torch.multinomial` from torch's global
 generator; each engine draws a request's tokens from its own generator seeded with the request's
 seed, in the same order (talker: layer-0 code, then the code predictor's residuals, frame by frame).
-The scores are transformers' bit for bit (tests/common/test_sampling_vs_transformers.py), so the
+The scores are transformers' bit for bit (tests/runtime/lm/test_sampling_vs_transformers.py), so the
 tokens must be equal, not just similar.
 """
 
@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from omni.v1 import common_pb2, omni_pb2
-from services.runtime.prompt import ChatMessage, Part, Role
+from services.runtime.inputs.prompt import ChatMessage, Part, Role
 from services.tools.client import build_request, collect
 
 pytestmark = pytest.mark.exactness

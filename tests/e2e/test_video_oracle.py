@@ -2,7 +2,7 @@
 
 The oracle's inputs come from transformers' own processor with its real video processor
 (services/tools/video_oracle.py: `Qwen2VLVideoProcessor`, run in a child process where
-torchvision imports); the pipeline's from the project's PromptBuilder (services/runtime/video.py).
+torchvision imports); the pipeline's from the project's PromptBuilder (services/runtime/inputs/video.py).
 Then the real stack over gRPC against `generate` on those inputs: text ids and codec frames equal,
 with and without the audio track (Qwen3-Omni interleaves the track's pads with the frames' pads by
 time), in both containers: mp4 (h264, aac) and webm (vp9, vorbis; a webm declares no frame count).
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from omni.v1 import omni_pb2
-from services.runtime.prompt import ChatMessage, Part, PromptBuilder, Role
+from services.runtime.inputs.prompt import ChatMessage, Part, PromptBuilder, Role
 from services.tools.client import collect
 from services.tools.synthetic_video import frame_images, video
 from services.tools.video_oracle import video_inputs

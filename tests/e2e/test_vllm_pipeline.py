@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.runtime.prompt import ChatMessage, Part, Role
+from services.runtime.inputs.prompt import ChatMessage, Part, Role
 from services.thinker.vllm_backend import TINY_LAYOUT_FOR_VLLM_CPU, vllm_available
 from services.tools.client import build_request, collect, connect
 from tests.stacks import stack_of

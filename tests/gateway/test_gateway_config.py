@@ -13,8 +13,8 @@ from gateway.config import (
     read_checkpoint_config,
     voices_from_config,
 )
-from services.runtime.errors import UserError
-from services.runtime.families import Family
+from services.base.errors import UserError
+from services.base.families import Family
 
 
 def test_qwen3_omni_config_gives_its_speakers_and_im_end(tiny_checkpoint):

@@ -53,7 +53,7 @@ def test_the_gateway_process_holds_no_model_code(gateway):
     assert "libtorch" not in maps
     probe = ("import sys, gateway.server; bad = [m for m in sys.modules if m.split('.')[0] in "
              "('torch', 'transformers') or m.startswith(('services.thinker', 'services.talker', "
-             "'services.code2wav', 'services.runtime.prompt', 'services.runtime.qwen3_omni'))]; print(bad)")
+             "'services.code2wav', 'services.runtime.inputs.prompt', 'services.runtime.model.qwen3_omni'))]; print(bad)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

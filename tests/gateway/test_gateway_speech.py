@@ -52,7 +52,7 @@ def test_forced_text_equals_reference_talker(omni, tiny_checkpoint):
     same codec frames, frame for frame."""
     import transformers
 
-    from services.runtime.prompt import ChatMessage, Part, Role
+    from services.runtime.inputs.prompt import ChatMessage, Part, Role
     from services.tools.reference import ReferenceRunner
 
     frames = 20

@@ -7,10 +7,10 @@ from collections import defaultdict
 
 import torch
 
-from services.runtime.batching import SlotKVCache
-from services.runtime.sampling import SamplingConfig
-from services.runtime.settings import GraphSettings
-from services.runtime.static_decode import SlotDecodeGraphs
+from services.runtime.lm.kv_slots import SlotKVCache
+from services.runtime.lm.sampling import SamplingConfig
+from services.runtime.lm.static_decode import SlotDecodeGraphs
+from services.runtime.model.settings import GraphSettings
 from services.talker.engine import (
     Frame,
     TalkerDone,

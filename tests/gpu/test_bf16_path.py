@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from services.base.finish import FinishReason
 from services.code2wav.config import Code2WavConfig
 from services.code2wav.engine import (
     Audio,
@@ -20,10 +21,9 @@ from services.code2wav.engine import (
     Decoded,
 )
 from services.code2wav.qwen3_adapter import Qwen3Code2WavAdapter
-from services.runtime.checkpoint import Stage, load_stage
-from services.runtime.finish import FinishReason
-from services.runtime.prompt import PromptBuilder
-from services.runtime.settings import ModelConfig
+from services.runtime.inputs.prompt import PromptBuilder
+from services.runtime.model.checkpoint import Stage, load_stage
+from services.runtime.model.settings import ModelConfig
 from services.serving.config import ServingConfig
 from services.talker.engine import TalkerEngine, TalkerEngineConfig
 from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig

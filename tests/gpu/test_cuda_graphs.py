@@ -1,4 +1,4 @@
-"""services/runtime/cuda_graphs.py on CPU: bucket choice, padding plans, flags, and the eager
+"""services/runtime/lm/cuda_graphs.py on CPU: bucket choice, padding plans, flags, and the eager
 fallback of GraphRunner (what CPU runs). Capture and replay need a GPU: bench/device_check.sh."""
 
 from __future__ import annotations
@@ -8,15 +8,15 @@ import argparse
 import pytest
 import torch
 
-from services.runtime.cuda_graphs import (
+from services.base.errors import UserError
+from services.runtime.lm.cuda_graphs import (
     GraphRunner,
     PaddingPlan,
     pad_rows,
     pick_bucket,
     plan_padding,
 )
-from services.runtime.errors import UserError
-from services.runtime.settings import (
+from services.runtime.model.settings import (
     DEFAULT_BUCKETS,
     GraphSettings,
     add_model_flags,

@@ -13,17 +13,17 @@ import numpy as np
 import pytest
 import torch
 
-from services.runtime.checkpoint import (
+from services.base.errors import UserError
+from services.runtime.inputs.prompt import PromptBuilder
+from services.runtime.model.checkpoint import (
     Stage,
     _stage_classes,
     load_config,
     load_for_serving,
     load_stage,
 )
-from services.runtime.errors import UserError
-from services.runtime.full_size import REAL_LAYOUT, check_layout
-from services.runtime.prompt import PromptBuilder
-from services.runtime.settings import ModelConfig
+from services.runtime.model.full_size import REAL_LAYOUT, check_layout
+from services.runtime.model.settings import ModelConfig
 from services.talker.engine import TalkerEngine, TalkerEngineConfig
 from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig
 from services.tools.reference import messages_from_args

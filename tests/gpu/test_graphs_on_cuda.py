@@ -13,9 +13,9 @@ import torch
 
 from services.code2wav.graphs import Code2WavGraphs
 from services.code2wav.vocoder import forward_batch
-from services.runtime.checkpoint import Stage, load_stage
-from services.runtime.prompt import PromptBuilder
-from services.runtime.settings import GraphSettings
+from services.runtime.inputs.prompt import PromptBuilder
+from services.runtime.model.checkpoint import Stage, load_stage
+from services.runtime.model.settings import GraphSettings
 from services.talker.engine import TalkerEngine, TalkerEngineConfig
 from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig
 from services.tools.reference import messages_from_args

@@ -1,4 +1,4 @@
-"""The static-shape steps that CUDA graphs capture (services/runtime/static_decode.py), checked on CPU.
+"""The static-shape steps that CUDA graphs capture (services/runtime/lm/static_decode.py), checked on CPU.
 
 1. Run eagerly on CPU, padded to buckets, the static thinker step, talker step and code-predictor
    frame give the same greedy text ids and codec frames as the engines' row-wise steps.
@@ -17,11 +17,12 @@ from unittest import mock
 import pytest
 import torch
 
-from services.runtime.batching import SlotKVCache, use_rowwise_attention
-from services.runtime.checkpoint import Stage, _stage_classes, load_stage
-from services.runtime.full_size import REAL_LAYOUT
-from services.runtime.prompt import PromptBuilder
-from services.runtime.settings import GraphSettings
+from services.runtime.inputs.prompt import PromptBuilder
+from services.runtime.lm.kernels import use_rowwise_attention
+from services.runtime.lm.kv_slots import SlotKVCache
+from services.runtime.model.checkpoint import Stage, _stage_classes, load_stage
+from services.runtime.model.full_size import REAL_LAYOUT
+from services.runtime.model.settings import GraphSettings
 from services.talker.engine import TalkerEngine, TalkerEngineConfig
 from services.talker.graphs import PredictorGraphs, talker_step
 from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig
@@ -94,7 +95,7 @@ def test_meta_proxy_catches_a_host_sync():
 @pytest.mark.parametrize("batch", [1, 8])
 def test_thinker_and_talker_steps_have_no_host_sync_at_full_size(meta_stages, batch):
     thinker, talker = meta_stages[Stage.THINKER], meta_stages[Stage.TALKER]
-    text_config = thinker.config.text_config  # batching.py wraps the configured experts row-wise
+    text_config = thinker.config.text_config  # lm/kernels.py wraps the configured experts row-wise
     assert getattr(text_config, "_omni_base_experts", text_config._experts_implementation) == "grouped_mm"
     with torch.inference_mode(), capturing():
         cache = SlotKVCache.for_config(thinker.config.text_config, 3, 32, torch.bfloat16, "meta")

@@ -105,7 +105,7 @@ def test_limits_hold_exactly_at_the_bound(stack, omni, tiny_checkpoint):
     # Text: one byte over what the prompt limit can hold is refused by its size, before tokenizing.
     from transformers import AutoTokenizer
 
-    from services.runtime.input_limits import max_token_bytes, text_byte_limit
+    from services.runtime.inputs.limits import max_token_bytes, text_byte_limit
 
     limit = text_byte_limit(MAX_PROMPT_TOKENS, max_token_bytes(AutoTokenizer.from_pretrained(str(tiny_checkpoint))))
     details = refused(omni, build_request("z" * (limit + 1)), "messages")

@@ -3,7 +3,7 @@ duration bomb (two frames an hour apart), a frame-count bomb (470 KB declaring 3
 truncated container and a codec the thinker does not take are each refused INVALID_ARGUMENT naming
 the part, before a frame is decoded where the header tells, and the stack keeps serving. A video
 exactly at the frame-size bound is served within its documented memory. (Each bound at its exact
-value: tests/common/test_video_input.py.)"""
+value: tests/runtime/inputs/test_video_input.py.)"""
 
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ def test_a_video_at_the_frame_size_bound_is_served_within_its_memory_bound(stack
     import grpc
     from transformers import AutoConfig
 
-    from services.runtime.prompt import Part, PromptBuilder
-    from services.runtime.video import VideoLimits, build_bytes
+    from services.runtime.inputs.prompt import Part, PromptBuilder
+    from services.runtime.inputs.video import VideoLimits, build_bytes
     from services.tools.soak import Call
 
     clip = video(frames=4, width=3840, height=2160, fps=2, flat=True, codec="mpeg4")

@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 from omni.v1 import common_pb2, stages_pb2
 from services.code2wav.config import Code2WavConfig
 from services.code2wav.server import create_server as create_code2wav
-from services.runtime.checkpoint import load_config
-from services.runtime.settings import ModelConfig
+from services.runtime.model.checkpoint import load_config
+from services.runtime.model.settings import ModelConfig
 from services.serving.config import ServingConfig
 from services.serving.status import field_violations
 from services.serving.wire import tensor_to_proto

@@ -1,5 +1,5 @@
 """A code2wav process serves as soon as its weights are loaded, while exact mode's check runs beside
-it at the lowest priority (services/runtime/startup_checks.py): killed during the check it restarts
+it at the lowest priority (services/runtime/checks.py): killed during the check it restarts
 and serves at once, its audio exact from the first request; once the check ends its verdict is kept
 and the next start adopts it before serving.
 
@@ -24,8 +24,8 @@ from omni.v1 import stages_pb2, stages_pb2_grpc
 from services.code2wav.blocks import BlockGrid, StreamDecoder
 from services.code2wav.incremental import IncrementalVocoder
 from services.code2wav.vocoder import measure_geometry
-from services.runtime.checkpoint import Stage, load_stage
 from services.runtime.chunking import DEFAULT_CHUNKS
+from services.runtime.model.checkpoint import Stage, load_stage
 from services.serving.wire import audio_from_proto, frames_to_proto
 from services.tools.launcher import Stack, StackOptions, free_port
 from tests.threads import torch_threads

@@ -10,7 +10,7 @@ import pytest
 from omni.v1 import common_pb2
 from router.admission import Admission, AdmissionConfig, Rejected
 from router.replicas import Replica, ReplicaSet, ReplicaSource
-from services.runtime.errors import UserError
+from services.base.errors import UserError
 
 
 def test_admission_admits_up_to_the_bound_queues_then_rejects_at_once():

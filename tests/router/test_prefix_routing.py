@@ -16,7 +16,7 @@ from router.metrics import RouterMetrics
 from router.prefix import PrefixView, Routing
 from router.replicas import Replica, ReplicaSet, ReplicaSource
 from router.server import OmniServicer
-from services.runtime.stages import Stage
+from services.base.stages import Stage
 from services.serving.prefix_keys import message_keys
 
 

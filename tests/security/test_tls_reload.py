@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from services.runtime.errors import UserError
+from services.base.errors import UserError
 from services.serving.channels import RotatingChannels
 from services.serving.security import TLSFiles
 from tests.needs import need_command

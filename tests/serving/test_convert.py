@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from omni.v1 import common_pb2
-from services.runtime.errors import InvalidArgument
-from services.runtime.finish import FinishReason
-from services.runtime.sampling import SamplingConfig
+from services.base.errors import InvalidArgument
+from services.base.finish import FinishReason
+from services.runtime.lm.sampling import SamplingConfig
 from services.serving.convert import finish_reason_to_proto, sampling_from_proto
 
 

@@ -10,9 +10,9 @@ from typing import ClassVar
 
 import pytest
 
-from services.runtime.engine import EngineDefaults
-from services.runtime.events import EngineEvent, RequestFailed
-from services.runtime.timing import ForwardTimer
+from services.base.engine import EngineDefaults
+from services.base.events import EngineEvent, RequestFailed
+from services.base.timing import ForwardTimer
 from services.serving.engine_loop import EngineLoop, EventSink
 from services.serving.status import EngineFailed, StreamIdle
 

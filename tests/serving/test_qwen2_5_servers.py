@@ -18,7 +18,7 @@ from omni.v1 import stages_pb2, stages_pb2_grpc
 from services.code2wav.config import Code2WavConfig
 from services.code2wav.server import create_server as create_code2wav
 from services.code2wav.token2wav_engine import Token2WavEngine
-from services.runtime.settings import ModelConfig
+from services.runtime.model.settings import ModelConfig
 from services.serving.config import ServingConfig
 from services.talker import server as talker_server
 from services.talker.engine import TalkerEngineConfig
@@ -42,7 +42,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_each_server_has_an_adapter_for_every_family():
-    from services.runtime.families import Family
+    from services.base.families import Family
 
     assert set(thinker_server.ADAPTERS) == set(talker_server.ADAPTERS) == set(Family)
     assert thinker_server.ADAPTERS[Family.QWEN2_5_OMNI].engine is Qwen2_5ThinkerEngine

@@ -15,8 +15,8 @@ from omni.v1 import common_pb2, stages_pb2, stages_pb2_grpc
 from services.code2wav.config import Code2WavConfig
 from services.code2wav.server import create_server as create_code2wav
 from services.code2wav.vocoder import forward_batch
-from services.runtime.checkpoint import Stage, load_stage
-from services.runtime.settings import ModelConfig
+from services.runtime.model.checkpoint import Stage, load_stage
+from services.runtime.model.settings import ModelConfig
 from services.serving.config import ServingConfig
 from services.serving.status import field_violations
 from services.serving.wire import audio_from_proto, frames_to_proto

@@ -9,7 +9,7 @@ import asyncio
 import grpc
 import pytest
 
-from services.runtime.errors import InvalidArgument
+from services.base.errors import InvalidArgument
 from services.serving.config import ServingConfig
 from services.serving.status import (
     DOMAIN,

@@ -11,7 +11,7 @@ import asyncio
 import grpc
 import pytest
 
-from services.runtime.errors import InvalidArgument
+from services.base.errors import InvalidArgument
 from services.serving import streams
 from services.serving.engine_loop import EventSink
 from services.serving.migration import Downstream

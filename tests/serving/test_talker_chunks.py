@@ -15,11 +15,11 @@ import pytest
 from omni.v1 import stages_pb2, stages_pb2_grpc
 from services.code2wav.config import Code2WavConfig
 from services.code2wav.server import create_server as create_code2wav
-from services.runtime.checkpoint import Stage, load_stage
 from services.runtime.chunking import ChunkPolicy
-from services.runtime.prompt import ChatMessage, Part, PromptBuilder, Role
-from services.runtime.sampling import SamplingConfig
-from services.runtime.settings import ModelConfig
+from services.runtime.inputs.prompt import ChatMessage, Part, PromptBuilder, Role
+from services.runtime.lm.sampling import SamplingConfig
+from services.runtime.model.checkpoint import Stage, load_stage
+from services.runtime.model.settings import ModelConfig
 from services.serving.config import ServingConfig
 from services.serving.wire import audio_from_proto, frames_from_proto
 from services.talker.server import TalkerConfig

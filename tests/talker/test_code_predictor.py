@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.runtime.batching import ExactKernels, SlotKVCache, use_rowwise_attention, using_kernels
-from services.runtime.checkpoint import Stage, load_stage
-from services.runtime.invariance import linear_weights, probe_exact_kernels
+from services.runtime.lm.invariance import linear_weights, probe_exact_kernels
+from services.runtime.lm.kernels import ExactKernels, use_rowwise_attention, using_kernels
+from services.runtime.lm.kv_slots import SlotKVCache
+from services.runtime.model.checkpoint import Stage, load_stage
 from services.talker.code_predictor import CodePredictor, predict_frame
 
 pytestmark = pytest.mark.exactness
@@ -66,7 +67,7 @@ def test_batched_greedy_code_selection_equals_select_token_per_row():
     # batch, against select_token row by row (ties, negative scores, penalties 1 and 1.05).
     from types import SimpleNamespace
 
-    from services.runtime.sampling import SamplingConfig, select_token
+    from services.runtime.lm.sampling import SamplingConfig, select_token
     from services.talker.engine import TalkerEngine, _State
 
     g = torch.Generator().manual_seed(0)
@@ -96,7 +97,7 @@ def test_lean_loop_rows_keep_their_logits_bits_through_column_tiles(wide_checkpo
     # On the wide preset the predictor's MLP weights are 3 MB: exact batching multiplies them a
     # column tile at a time (batching.rowwise_matmul). Every step's logits of a batched row must
     # equal, bit for bit, the row's logits alone (batch 1: plain F.linear, the reference's kernel).
-    from services.runtime import batching
+    from services.runtime.lm import kernels as batching
 
     previous = torch.get_num_threads()
     torch.set_num_threads(1)  # tiles are used on one thread only

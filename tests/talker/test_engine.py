@@ -16,13 +16,13 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from services.runtime.batching import KernelPath
-from services.runtime.checkpoint import Stage, load_stage
-from services.runtime.finish import FinishReason
-from services.runtime.prefix_cache import PromptPrefix
-from services.runtime.prompt import ChatMessage, Part, PromptBuilder, Role
-from services.runtime.qwen3_omni import talker_prompt_len
-from services.runtime.sampling import SamplingConfig
+from services.base.finish import FinishReason
+from services.runtime.inputs.prompt import ChatMessage, Part, PromptBuilder, Role
+from services.runtime.lm.kernels import KernelPath
+from services.runtime.lm.prefix_cache import PromptPrefix
+from services.runtime.lm.sampling import SamplingConfig
+from services.runtime.model.checkpoint import Stage, load_stage
+from services.runtime.model.qwen3_omni import talker_prompt_len
 from services.talker.engine import (
     Frame,
     TalkerDone,

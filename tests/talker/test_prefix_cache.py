@@ -1,5 +1,5 @@
 """The talkers' prefix cache (services/talker/engine.py `prefill_from_prefix`, keys from
-services/runtime/prefix_cache.py `row_block_keys`), in `--exact-batching gemm`, where hits are used
+services/runtime/lm/prefix_cache.py `row_block_keys`), in `--exact-batching gemm`, where hits are used
 and exact by construction, engines on the tiny checkpoints (both families), nothing mocked.
 
 Pinned bugs (project issue 48, item 0):
@@ -19,11 +19,11 @@ from collections import defaultdict
 import pytest
 import torch
 
-from services.runtime.checkpoint import Stage, load_stage
-from services.runtime.prefix_cache import BLOCK_TOKENS
-from services.runtime.prompt import ChatMessage, Part, PromptBuilder, Role
-from services.runtime.qwen3_omni import talker_prompt_len
-from services.runtime.sampling import SamplingConfig
+from services.runtime.inputs.prompt import ChatMessage, Part, PromptBuilder, Role
+from services.runtime.lm.prefix_cache import BLOCK_TOKENS
+from services.runtime.lm.sampling import SamplingConfig
+from services.runtime.model.checkpoint import Stage, load_stage
+from services.runtime.model.qwen3_omni import talker_prompt_len
 from services.talker.engine import Frame, TalkerDone, TalkerEngine, TalkerEngineConfig, TalkerJob, TextEnd, TextRow
 from services.talker.qwen2_5 import Qwen2_5TalkerEngine, Qwen2_5TalkerJob, ReplyPart
 from services.thinker.engine import Prefilled, ThinkerEngine, ThinkerEngineConfig, Token

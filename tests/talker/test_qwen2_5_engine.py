@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from omni.v1 import omni_pb2, stages_pb2
-from services.runtime.checkpoint import voice_bos_tokens
-from services.runtime.finish import FinishReason
-from services.runtime.prompt import ChatMessage, Part, PromptBuilder, Role
-from services.runtime.qwen2_5_omni import resolve_voice
-from services.runtime.sampling import SamplingConfig
-from services.runtime.settings import ModelConfig
+from services.base.finish import FinishReason
+from services.runtime.inputs.prompt import ChatMessage, Part, PromptBuilder, Role
+from services.runtime.lm.sampling import SamplingConfig
+from services.runtime.model.checkpoint import voice_bos_tokens
+from services.runtime.model.qwen2_5_omni import resolve_voice
+from services.runtime.model.settings import ModelConfig
 from services.serving.config import ServingConfig
 from services.talker.config import TalkerConfig
 from services.talker.engine import Frame, TalkerDone, TalkerEngineConfig, TextEnd

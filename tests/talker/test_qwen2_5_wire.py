@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from omni.v1 import omni_pb2, stages_pb2
-from services.runtime.errors import InvalidArgument
-from services.runtime.settings import ModelConfig
+from services.base.errors import InvalidArgument
+from services.runtime.model.settings import ModelConfig
 from services.serving.config import ServingConfig
 from services.serving.wire import tensor_to_proto
 from services.talker.config import TalkerConfig

@@ -2,10 +2,10 @@
 
 The tiny checkpoint's weights are kilobytes; here the code predictor's MLP, the talker's codec
 head and the thinker's expert weights are 2-3 MB, so exact batching takes the column-tiled
-products of services/runtime/batching.py (`rowwise_matmul`) on them: the whole batched path at
+products of services/runtime/lm/kernels.py (`rowwise_matmul`) on them: the whole batched path at
 other widths, whose greedy text ids and codec frames must equal the reference for every request.
 Greedy ids are blunt (random weights leave wide margins); the bits of each tiled row are pinned
-by tests/common/test_batching.py and tests/talker/test_code_predictor.py.
+by tests/runtime/lm/test_kernels.py and tests/talker/test_code_predictor.py.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.runtime import batching
-from services.runtime.checkpoint import Stage, load_stage
-from services.runtime.prompt import PromptBuilder
+from services.runtime.inputs.prompt import PromptBuilder
+from services.runtime.lm import kernels as batching
+from services.runtime.model.checkpoint import Stage, load_stage
 from services.tools.reference import messages_from_args
 from tests.talker.pipeline import assert_clean
 from tests.talker.test_engine import Case, Pipeline, assert_equals_reference, reference_results

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from services.runtime.checkpoint import Stage, load_stage
-from services.runtime.finish import FinishReason
-from services.runtime.prompt import PromptBuilder
-from services.runtime.sampling import SamplingConfig
-from services.runtime.scheduler import CacheFull
+from services.base.finish import FinishReason
+from services.runtime.inputs.prompt import PromptBuilder
+from services.runtime.lm.sampling import SamplingConfig
+from services.runtime.lm.scheduler import CacheFull
+from services.runtime.model.checkpoint import Stage, load_stage
 from services.thinker.engine import (
     Finished,
     Prefilled,

@@ -6,7 +6,7 @@ Pinned bugs (project issue 48, item 0):
   `n // BLOCK_TOKENS`: a re-sent prompt whose length is a multiple of 16 then finds every one of
   its blocks, and the prefill is left no position to compute (it crashes);
 - the cut of Qwen3-Omni's deepstack visual embeds one row off (`skipping_prefix` in
-  services/runtime/prefix_cache.py): a hit that ends inside an image's placeholder run hands the
+  services/runtime/lm/prefix_cache.py): a hit that ends inside an image's placeholder run hands the
   decoder stack one visual row more or fewer than the visual positions it runs (it crashes).
 
 Both in `--exact-batching gemm`, where hits are used and exact by construction: the hit's output
@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from omni.v1 import omni_pb2
-from services.runtime.checkpoint import Stage, load_stage
-from services.runtime.families import family_of
-from services.runtime.prefix_cache import BLOCK_TOKENS
-from services.runtime.prompt import PromptBuilder
+from services.base.families import family_of
+from services.runtime.inputs.prompt import PromptBuilder
+from services.runtime.lm.prefix_cache import BLOCK_TOKENS
+from services.runtime.model.checkpoint import Stage, load_stage
 from services.thinker.server import ADAPTERS, messages_from_proto
 from tests.thinker.test_prefix_conversation import Family_, assert_hits_used, assert_same_bits, job, make_engine, run
 from tests.threads import torch_threads

@@ -14,11 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.runtime.checkpoint import voice_bos_tokens
-from services.runtime.finish import FinishReason
-from services.runtime.prompt import PromptBuilder
-from services.runtime.qwen2_5_omni import resolve_voice
-from services.runtime.sampling import SamplingConfig
+from services.base.finish import FinishReason
+from services.runtime.inputs.prompt import PromptBuilder
+from services.runtime.lm.sampling import SamplingConfig
+from services.runtime.model.checkpoint import voice_bos_tokens
+from services.runtime.model.qwen2_5_omni import resolve_voice
 from services.thinker.engine import Finished, ThinkerEngineConfig, Token
 from services.thinker.qwen2_5 import Qwen2_5Prefilled, Qwen2_5ThinkerEngine, Qwen2_5ThinkerJob
 from services.tools.reference import ReferenceRunner

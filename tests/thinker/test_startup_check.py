@@ -1,5 +1,5 @@
 """A thinker serves before exact mode's check ended and adopts its verdict between steps, both
-families (services/runtime/lm_engine.py `start_exact_check`, `adopt_checks`): requests running
+families (services/runtime/lm/engine.py `start_exact_check`, `adopt_checks`): requests running
 across the switch (per-row kernels to the checked batched ones; prefix hits refused, then used)
 get the bits they get from an engine that checked before serving."""
 
@@ -10,10 +10,10 @@ import threading
 
 import pytest
 
-from services.runtime import invariance
-from services.runtime.families import family_of
-from services.runtime.settings import CheckSettings
-from services.runtime.startup_checks import CheckState
+from services.base.families import family_of
+from services.runtime.checks import CheckState
+from services.runtime.lm import invariance
+from services.runtime.model.settings import CheckSettings
 from services.thinker import prefix_probe
 from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig, Token
 from services.thinker.server import ADAPTERS

@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from services.runtime.checkpoint import Stage, load_stage
-from services.runtime.prompt import PromptBuilder
-from services.runtime.sampling import SamplingConfig
+from services.runtime.inputs.prompt import PromptBuilder
+from services.runtime.lm.sampling import SamplingConfig
+from services.runtime.model.checkpoint import Stage, load_stage
 from services.thinker.engine import (
     HoldText,
     ReleaseText,

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from services.runtime.prompt import ChatMessage, Part, Role
-from services.runtime.sampling import SamplingConfig
+from services.runtime.inputs.prompt import ChatMessage, Part, Role
+from services.runtime.lm.sampling import SamplingConfig
 from services.thinker.engine import Finished, Prefilled, ThinkerJob, Token
 from services.thinker.vllm_backend import (
     MEDIA_KEY,
@@ -68,8 +68,8 @@ def test_collapse_placeholders_keeps_one_token_per_run():
 
 
 def test_vllm_prompt_collapses_media_runs_and_carries_the_raw_media(tiny_checkpoint, wav_bytes, png_bytes):
-    from services.runtime.checkpoint import load_config
-    from services.runtime.prompt import PromptBuilder
+    from services.runtime.inputs.prompt import PromptBuilder
+    from services.runtime.model.checkpoint import load_config
 
     config = load_config(tiny_checkpoint)
     messages = user_turn("Describe.", audio=wav_bytes, image=png_bytes)
@@ -99,7 +99,7 @@ def wav(samples: int, rate: int = 16000) -> bytes:
 
 
 def test_pad_audio_appends_silence_up_to_a_whole_hop():
-    from services.runtime.prompt import decode_audio
+    from services.runtime.inputs.prompt import decode_audio
 
     messages = user_turn("hi", audio=wav(16080))
     padded = pad_audio(messages, 160)[1].parts[0]
@@ -117,7 +117,7 @@ def test_hf_overrides_fill_only_the_keys_vllm_needs(tiny_checkpoint):
 
 
 def test_embedding_table_from_safetensors_equals_the_loaded_thinker(tiny_checkpoint):
-    from services.runtime.checkpoint import Stage, load_stage
+    from services.runtime.model.checkpoint import Stage, load_stage
 
     model = load_stage(tiny_checkpoint, Stage.THINKER).model
     table = load_embedding_table(tiny_checkpoint, torch.float32)
@@ -142,8 +142,8 @@ def backends(vllm_checkpoint):
     """(vLLM engine, transformers engine, prompt builder, reference runner) on that checkpoint."""
     import transformers
 
-    from services.runtime.checkpoint import Stage, load_stage
-    from services.runtime.prompt import PromptBuilder
+    from services.runtime.inputs.prompt import PromptBuilder
+    from services.runtime.model.checkpoint import Stage, load_stage
     from services.thinker.engine import ThinkerEngine
     from services.thinker.vllm_backend import VllmThinkerConfig, VllmThinkerEngine
     from services.tools.reference import ReferenceRunner

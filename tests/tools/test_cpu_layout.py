@@ -27,7 +27,7 @@ def test_no_layout_when_the_other_processes_would_be_left_no_cpu(cpus, threads, 
 
 
 def test_light_load_cpus_parse_and_refuse_what_is_not_a_cpu_list():
-    from services.runtime.errors import UserError
+    from services.base.errors import UserError
     from services.serving.placement import parse_cpus
 
     assert parse_cpus("") is None

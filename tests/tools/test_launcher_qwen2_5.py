@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from services.runtime.prompt import ChatMessage, Part, Role
+from services.runtime.inputs.prompt import ChatMessage, Part, Role
 from services.tools import client, launcher
 from services.tools.reference import ReferenceRunner
 from tests.qwen2_5_oracle import CASES, case_messages, media

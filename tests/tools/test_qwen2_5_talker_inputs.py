@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.runtime.prompt import ChatMessage, Part, Role
+from services.runtime.inputs.prompt import ChatMessage, Part, Role
 from services.tools.reference import ReferenceRunner
 
 THINKER_TOKENS = 6

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from services.runtime.checkpoint import Stage, load_stage, load_voices
-from services.runtime.errors import InvalidArgument
-from services.runtime.prompt import ChatMessage, Part, Role
+from services.base.errors import InvalidArgument
+from services.runtime.inputs.prompt import ChatMessage, Part, Role
+from services.runtime.model.checkpoint import Stage, load_stage, load_voices
 from services.tools.reference import TOKEN2WAV_SEED, ReferenceRunner
 
 MAX_NEW_TOKENS = 8

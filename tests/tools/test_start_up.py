@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from services.runtime.errors import UserError
+from services.base.errors import UserError
 from services.tools.launcher import (
     Process,
     Stack,

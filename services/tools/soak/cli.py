@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import grpc
 
-from services.runtime.errors import UserError, run_cli
+from services.base.errors import UserError, run_cli
 from services.serving.grpc_server import channel_options
 from services.tools.launcher import Stack, StackOptions, free_port
 from services.tools.memory import MemoryWatch

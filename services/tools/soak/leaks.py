@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from omni.v1 import common_pb2
-from services.runtime.stages import Stage
+from services.base.stages import Stage
 from services.serving.stage_stubs import stage_stub
 
 STAGES = tuple(Stage)

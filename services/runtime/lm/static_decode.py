@@ -1,0 +1,119 @@
+"""Static-shape decode steps for CUDA graphs: the LM decode step over KV slots, padded to a
+batch bucket and replayed by a `GraphRunner`. Each LM's step function lives with its stage
+(services/thinker/graphs.py, services/talker/graphs.py, with the code predictor's frame graph).
+
+The engines' eager decode (services/runtime/lm/kernels.py) attends row by row over each row's own
+slot length: shapes change every step, so it cannot be captured. Here the same module forward
+runs with
+
+- `StaticSlotView` as `past_key_values`: row i writes its new key/value at `positions[i]` of slot
+  `slots[i]` (index tensors on the device) and attends over the whole slot, `max_len` positions,
+  under a [B, 1, 1, max_len] mask (position <= positions[i]); padded rows write into a scratch
+  slot that no request owns. Attention cost is O(max_len) per row: keep `--max-model-len` tight.
+
+MoE layers use transformers' `grouped_mm` experts (its default; `histc`, no host sync). Prefill
+(one request, variable length) stays eager, as in vLLM.
+
+NOTE: exactness. The static step gives the same greedy tokens as the row-wise step on the tiny
+checkpoint (tests/gpu/test_static_decode.py), but not bit-identical logits (masked SDPA over
+max_len vs SDPA over the row's length). Graphs are a GPU feature and exact batching is off on GPUs
+by default (`--exact-batching auto`); on CPU nothing here runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from services.runtime.lm.cuda_graphs import GraphRunner, pad_rows, plan_padding
+from services.runtime.lm.kernels import batch_invariant
+from services.runtime.lm.kv_slots import SlotKVCache
+from services.runtime.model.settings import GraphSettings
+
+log = logging.getLogger(__name__)
+
+POSITION_ROWS = 4  # text row + 3 multimodal rope rows (thinker and talker position ids)
+
+
+class StaticSlotView:
+    """`past_key_values` for one static decode step of B rows (one token each) over a SlotKVCache."""
+
+    def __init__(self, cache: SlotKVCache, slots: torch.Tensor, positions: torch.Tensor):
+        self.cache = cache
+        self.slots = slots  # [B] long, device: slot of each row
+        self.positions = positions  # [B] long, device: cache position the new token goes to
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs=None):
+        # key_states: [B, kv_heads, 1, head_dim] -> keys [B, kv_heads, max_len, head_dim]
+        k_all, v_all = self.cache.keys[layer_idx], self.cache.values[layer_idx]
+        k_all[self.slots, :, self.positions] = key_states[:, :, 0]
+        v_all[self.slots, :, self.positions] = value_states[:, :, 0]
+        return k_all.index_select(0, self.slots), v_all.index_select(0, self.slots)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # unused: position ids are always passed explicitly
+
+    def mask(self) -> torch.Tensor:
+        """[B, 1, 1, max_len] bool: row i sees cache positions 0..positions[i]."""
+        span = torch.arange(self.cache.max_len, device=self.positions.device)
+        return (span[None, :] <= self.positions[:, None])[:, None, None, :]
+
+
+class SlotDecodeGraphs:
+    """The engine's hook: one LM decode step, padded to a bucket and replayed from a graph.
+
+    `decode` returns None when it does not handle the batch (graphs off or failed, batch above
+    the largest bucket): the engine then runs its own eager step."""
+
+    def __init__(self, step: Callable, cache: SlotKVCache, scratch_slot: int, settings: GraphSettings,
+                 exact: bool, name: str, device):
+        if not 0 <= scratch_slot < len(cache.lengths):
+            raise ValueError("the cache needs a scratch slot for padded rows")
+        self.step = step
+        self.cache = cache
+        self.scratch_slot = scratch_slot  # owned by no request: padded rows write here
+        self.settings = settings
+        self.exact = exact
+        self.device = device
+        self.runner = GraphRunner(self._run, settings.enabled, name)
+
+    def _run(self, x, position_ids, slots, positions):
+        with batch_invariant(self.exact):
+            return self.step(x, position_ids, slots, positions)
+
+    @torch.inference_mode()
+    def capture_all(self, example_row: torch.Tensor) -> None:
+        """Capture every bucket at start-up. example_row: one row of the step's first input
+        ([1, 1] ids or [1, 1, H] embeddings). Every row writes only to the scratch slot."""
+        for bucket in self.settings.buckets:
+            x = example_row.to(self.device).expand(bucket, *example_row.shape[1:]).contiguous()
+            position_ids = torch.zeros((POSITION_ROWS, bucket, 1), dtype=torch.long, device=self.device)
+            slots = torch.full((bucket,), self.scratch_slot, dtype=torch.long, device=self.device)
+            positions = torch.zeros((bucket,), dtype=torch.long, device=self.device)
+            if self.runner.capture((bucket, POSITION_ROWS), x, position_ids, slots, positions) is None:
+                break
+        log.info("%s", self.runner.summary())
+
+    def decode(self, x: torch.Tensor, position_ids: torch.Tensor, slots: list[int]):
+        """x: [B, 1] ids or [B, 1, H] embeddings; position_ids [4, B, 1]. Returns the step's
+        outputs for the B real rows (a tuple), with the new token committed to every slot."""
+        if not self.runner.enabled or plan_padding(len(slots), self.settings.buckets) is None:
+            return None
+        return self.run_padded(x, position_ids, slots)
+
+    def run_padded(self, x: torch.Tensor, position_ids: torch.Tensor, slots: list[int]):
+        """`decode` without the checks: through the runner, eagerly when it is disabled (CPU tests)."""
+        plan = plan_padding(len(slots), self.settings.buckets)
+        starts = [self.cache.lengths[s] for s in slots]
+        for slot, start in zip(slots, starts):
+            if start + 1 > self.cache.max_len:
+                raise ValueError(f"slot {slot} is full ({self.cache.max_len} tokens)")
+        slot_ids = torch.tensor(slots + [self.scratch_slot] * plan.pad, dtype=torch.long).to(self.device)
+        cache_pos = torch.tensor(starts + [0] * plan.pad, dtype=torch.long).to(self.device)
+        outputs = self.runner((plan.bucket, position_ids.shape[0]), pad_rows(x, plan), pad_rows(position_ids, plan, dim=1),
+                              slot_ids, cache_pos)
+        for slot, start in zip(slots, starts):
+            self.cache.lengths[slot] = start + 1
+        return tuple(o[:plan.batch] for o in outputs)

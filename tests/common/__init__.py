@@ -1,1 +1,0 @@
-"""Tests of services/common: checkpoint, reference runner, wire format, protos."""
