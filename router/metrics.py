@@ -52,6 +52,8 @@ class RouterMetrics:
                                 "no place at connect)", ["outcome"], registry=r)
         self.session_turns = Counter("omni_router_session_turns", "Responses of realtime sessions, by status",
                                      ["status"], registry=r)
+        for status in ("completed", "cancelled", "failed"):
+            self.session_turns.labels(status)  # a series from the start (the dashboard's rate by status)
         self.session_barge_ins = Counter("omni_router_session_barge_ins",
                                          "Speech that started while a response was playing (it was cancelled)", registry=r)
         self.session_first_audio = Histogram("omni_router_session_first_audio_seconds",
