@@ -50,6 +50,7 @@ class BenchConfig:
     conversations: int = 0  # --conversations: the conversation mode (bench/conversations.py) instead
     turns: int = 8
     routing_conversations: int = 16
+    realtime: int = 0  # --realtime N: realtime sessions (bench/realtime.py) at 1 and N at once instead
 
     @property
     def gateway(self) -> bool:
@@ -147,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, default=8, help="conversation mode: turns per conversation (default 8)")
     p.add_argument("--routing-conversations", type=int, default=16,
                    help="conversation mode: conversations at once in the routing comparison (default 16)")
+    p.add_argument("--realtime", type=int, default=0,
+                   help="realtime mode (bench/realtime.py) instead of the systems above: 1, then this many voice "
+                        "sessions at once speaking real speech, over gRPC and through the gateway's WebSocket "
+                        "(--turns utterances each)")
     return p
 
 
@@ -209,5 +214,5 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         prebuffer_ms=args.prebuffer_ms, timeout_s=args.timeout, gateway_url=args.gateway_url, preset=preset.name,
         cpu_layout=args.cpu_layout, exact_batching=getattr(args, "exact_batching", "auto"),
         conversations=getattr(args, "conversations", 0), turns=getattr(args, "turns", 8),
-        routing_conversations=getattr(args, "routing_conversations", 16),
+        routing_conversations=getattr(args, "routing_conversations", 16), realtime=getattr(args, "realtime", 0),
     )

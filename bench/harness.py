@@ -18,6 +18,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench import realtime
 from bench.config import BenchConfig, build_parser, config_from_args
 from bench.conversations import render, run_conversations, write
 from bench.floor import FloorMeter, FloorSample, summarize_floor
@@ -302,6 +303,16 @@ def main(argv: list[str] | None = None) -> int:
 
     def go() -> None:
         config = config_from_args(args)
+        if config.realtime:
+            levels = tuple(sorted({1, config.realtime}))
+            results, leaked = realtime.run_realtime(config.checkpoint, levels, config.turns, max_tokens=16,
+                                                    max_frames=200, barge_after_s=0.3)
+            print(realtime.render(results, leaked))
+            path = Path(config.out) / "realtime.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(realtime.as_json(results, leaked))
+            print(f"wrote {path}")
+            return
         if config.conversations:
             report = run_conversations(config)
             print(render(report))
