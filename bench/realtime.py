@@ -172,7 +172,7 @@ def session_settings(max_tokens: int, max_frames: int, rate: int) -> omni_pb2.Se
     settings.talker_sampling.max_new_tokens = max_frames
     # NOTE: the tiny checkpoint's random talker often picks its end code early when greedy; sampled
     # (seeded) it speaks to the frame limit, long enough to be interrupted while it is still made.
-    settings.talker_sampling.temperature = 1.0
+    settings.talker_sampling.temperature = 3.0
     settings.talker_sampling.seed = 1
     return settings
 
@@ -300,22 +300,25 @@ def as_json(results: list[RealtimeResult], leaked: dict[str, int]) -> str:
     return json.dumps({"results": [asdict(r) for r in results], "leaked": leaked}, indent=2)
 
 
-def leaked_slots(stack) -> dict[str, int]:
-    """Requests each stage still holds (queued, running, open streams) after the run, summed
-    per stage, once the cancelled streams had a moment to close."""
+def leaked_slots(stack, settle_s: float = 10.0) -> dict[str, int]:
+    """Requests each stage still holds (queued, running, open streams), summed per stage, once the
+    last sessions' cancelled responses had `settle_s` to wind down (on two busy cores that takes up
+    to about 2 s after 8 sessions close mid-reply)."""
     from omni.v1 import common_pb2
     from services.serving.stage_stubs import stage_stub
 
-    time.sleep(1.0)
-    leaked = {}
-    for stage in ("thinker", "talker", "code2wav"):
-        total = 0
-        for address in stack.addresses(stage):
-            with grpc.insecure_channel(address) as channel:
-                load = stage_stub(stage, channel).GetLoad(common_pb2.LoadRequest(), timeout=5)
-            total += load.queue_depth + load.running + load.in_flight
-        leaked[stage] = total
-    return leaked
+    deadline = time.monotonic() + settle_s
+    while True:
+        held = {}
+        for stage in ("thinker", "talker", "code2wav"):
+            held[stage] = 0
+            for address in stack.addresses(stage):
+                with grpc.insecure_channel(address) as channel:
+                    load = stage_stub(stage, channel).GetLoad(common_pb2.LoadRequest(), timeout=5)
+                held[stage] += load.queue_depth + load.running + load.in_flight
+        if not any(held.values()) or time.monotonic() > deadline:
+            return held
+        time.sleep(0.25)
 
 
 def run_realtime(checkpoint: str, levels: tuple[int, ...], turns: int, max_tokens: int, max_frames: int,

@@ -7,98 +7,16 @@ from __future__ import annotations
 import queue
 import subprocess
 import sys
-import threading
 import time
-import wave
 from array import array
-from pathlib import Path
 
 import grpc
 import pytest
 
 from omni.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 from router.session_audio import wav_bytes
-from services.serving.stage_stubs import stage_stub
 from services.tools.launcher import free_port
-
-SPEECH = sorted((Path(__file__).parents[2] / "bench" / "speech").glob("*.wav"))
-RATE = 16000
-
-
-def speech(i: int) -> bytes:
-    with wave.open(str(SPEECH[i])) as w:
-        return w.readframes(w.getnframes())
-
-
-def silence(seconds: float) -> bytes:
-    return bytes(2 * int(RATE * seconds))
-
-
-class SessionCall:
-    """A session from a test: `send` messages, `next_event(kind)` waits for the next of a kind
-    (every event is kept in `events`)."""
-
-    def __init__(self, target: str, timeout_s: float = 120):
-        self.channel = grpc.insecure_channel(target)
-        self.requests: queue.Queue = queue.Queue()
-        self.events: list[omni_pb2.SessionEvent] = []
-        self.arrived = threading.Condition()
-        self.status: grpc.RpcError | None = None
-        self.ended = False
-        self.call = omni_pb2_grpc.OmniStub(self.channel).Session(iter(self.requests.get, None), timeout=timeout_s)
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-        self.seen = 0  # events next_event has handed out or skipped
-
-    def _read(self) -> None:
-        try:
-            for event in self.call:
-                with self.arrived:
-                    self.events.append(event)
-                    self.arrived.notify_all()
-        except grpc.RpcError as err:
-            self.status = err
-        with self.arrived:
-            self.ended = True
-            self.arrived.notify_all()
-
-    def send(self, **event) -> None:
-        self.requests.put(omni_pb2.SessionRequest(**event))
-
-    def speak(self, pcm: bytes, chunk_ms: int = 100) -> None:
-        step = RATE * chunk_ms // 1000 * 2
-        for i in range(0, len(pcm), step):
-            self.send(append_audio=omni_pb2.AppendAudio(data=pcm[i:i + step]))
-
-    def next_event(self, *kinds: str, timeout_s: float = 60) -> omni_pb2.SessionEvent:
-        deadline = time.monotonic() + timeout_s
-        with self.arrived:
-            while True:
-                while self.seen < len(self.events):
-                    event = self.events[self.seen]
-                    self.seen += 1
-                    if event.WhichOneof("event") in kinds:
-                        return event
-                if self.ended or time.monotonic() > deadline:
-                    raise AssertionError(f"no {kinds} event (ended: {self.ended}, status: {self.status}); got "
-                                         f"{[e.WhichOneof('event') for e in self.events]}")
-                self.arrived.wait(deadline - time.monotonic())
-
-    def response(self, response_id: str) -> tuple[list[int], list[int], omni_pb2.ResponseDone]:
-        """(text token ids, codec frame ids, its done event) of a response, once it is done."""
-        done = None
-        while done is None:
-            event = self.next_event("response_done")
-            if event.response_id == response_id:
-                done = event.response_done
-        mine = [e for e in self.events if e.response_id == response_id]
-        return ([i for e in mine if e.WhichOneof("event") == "text" for i in e.text.token_ids],
-                [i for e in mine if e.WhichOneof("event") == "codec_frames" for i in e.codec_frames.ids], done)
-
-    def close(self) -> None:
-        self.requests.put(None)
-        self.call.cancel()
-        self.channel.close()
+from tests.e2e.session_support import MANUAL, RATE, SessionCall, loads, one_shot, sampling, silence, speech, wait_idle
 
 
 @pytest.fixture
@@ -117,26 +35,6 @@ def session(stack):
     yield open_session
     for call in calls:
         call.close()
-
-
-def sampling(tokens: int) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(max_new_tokens=tokens)
-
-
-MANUAL = omni_pb2.TurnDetection(enabled=False)
-
-
-def one_shot(omni, messages, thinker_tokens: int, talker_frames: int):
-    request = omni_pb2.GenerateRequest(messages=messages, return_codec_frames=True,
-                                       thinker_sampling=sampling(thinker_tokens), talker_sampling=sampling(talker_frames))
-    ids, frames = [], []
-    for response in omni.Generate(request, timeout=120):
-        kind = response.WhichOneof("event")
-        if kind == "text":
-            ids += response.text.token_ids
-        elif kind == "codec_frames":
-            frames += response.codec_frames.ids
-    return ids, frames
 
 
 def test_spoken_turn_is_detected_committed_and_answered_with_text_and_audio(session):
@@ -198,24 +96,6 @@ def test_a_turn_equals_the_one_shot_request_of_its_history_and_a_cancelled_turn_
     assert (ids3, frames3) == one_shot(omni, history, 8, 40)
 
 
-def loads(stack) -> dict[str, int]:
-    held = {}
-    for stage in ("thinker", "talker", "code2wav"):
-        with grpc.insecure_channel(stack.addresses(stage)[0]) as channel:
-            load = stage_stub(stage, channel).GetLoad(common_pb2.LoadRequest(), timeout=5)
-        held[stage] = load.queue_depth + load.running + load.in_flight
-    return held
-
-
-def wait_idle(stack, timeout_s: float = 10) -> dict[str, int]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        held = loads(stack)
-        if not any(held.values()) or time.monotonic() > deadline:
-            return held
-        time.sleep(0.1)
-
-
 def test_speech_over_a_playing_reply_cancels_it_in_every_stage_and_cuts_the_history(session, stack):
     call = session(thinker_sampling=sampling(16), talker_sampling=common_pb2.SamplingParams(
         max_new_tokens=2000, temperature=1.0, seed=3))
@@ -274,7 +154,8 @@ def tight_router(stack):
         routes += [f"--{stage}", ",".join(stack.addresses(stage))]
     popen = subprocess.Popen([sys.executable, "-m", "router.server", "--host", "127.0.0.1", "--port", str(port),
                               "--poll-interval-s", "0.5", "--max-in-flight", "1", "--session-idle-timeout-s", "1",
-                              "--session-max-turns", "1", "--session-max-input-s", "2", *routes],
+                              "--session-max-turns", "1", "--session-max-input-s", "2", "--session-send-timeout-s", "1",
+                              *routes],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     target = f"127.0.0.1:{port}"
     deadline = time.monotonic() + 30
@@ -323,3 +204,56 @@ def test_session_bounds_refuse_at_connect_and_close_with_a_reason(session, tight
             time.sleep(0.2)
     assert idle.next_event("closed", timeout_s=10).closed.reason == omni_pb2.CLOSE_REASON_IDLE_TIMEOUT
     idle.close()
+
+
+def test_a_client_that_stops_reading_is_cut_off_and_its_response_freed_in_every_stage(stack, tight_router):
+    """A reply of 2,000 frames (160 s of audio, far longer to make than the wait below) to a client
+    that reads only the first event: the router cuts it off after --session-send-timeout-s (1 s) of a
+    blocked write, which cancels the response in every stage and gives its place back."""
+    requests: queue.Queue = queue.Queue()
+    channel = grpc.insecure_channel(tight_router)
+    call = omni_pb2_grpc.OmniStub(channel).Session(iter(requests.get, None), timeout=60)
+    try:
+        requests.put(omni_pb2.SessionRequest(update=omni_pb2.SessionSettings(
+            turn_detection=MANUAL, thinker_sampling=sampling(8),
+            talker_sampling=common_pb2.SamplingParams(max_new_tokens=2000, temperature=3.0, seed=1))))
+        requests.put(omni_pb2.SessionRequest(create_item=omni_pb2.CreateItem(message=omni_pb2.Message(
+            role=omni_pb2.ROLE_USER, content=[omni_pb2.Content(text="Tell me a long story.")]))))
+        requests.put(omni_pb2.SessionRequest(create_response=omni_pb2.CreateResponse()))
+        assert next(call).WhichOneof("event") == "created"  # and nothing more is read
+        deadline = time.monotonic() + 20
+        while not loads(stack)["talker"]:
+            assert time.monotonic() < deadline, "the response never reached the talker"
+            time.sleep(0.05)
+        busy = time.monotonic()
+        assert wait_idle(stack, timeout_s=20) == {"thinker": 0, "talker": 0, "code2wav": 0}
+        assert time.monotonic() - busy < 15, "the stages ran the reply on instead of being freed"
+    finally:
+        requests.put(None)
+        call.cancel()
+        channel.close()
+    fresh = SessionCall(tight_router)
+    try:
+        assert fresh.next_event("created", timeout_s=10)  # the cut-off session's place was given back
+    finally:
+        fresh.close()
+
+
+@pytest.mark.slow
+def test_a_hundred_barge_ins_leave_no_slot_held_in_any_stage(session, stack):
+    """Speech over each reply as soon as it starts, 100 times in one session: every cancelled response
+    is freed in every stage (the bench's goal: 0 leaked slots after 100 barge-ins)."""
+    call = session(thinker_sampling=sampling(8), talker_sampling=common_pb2.SamplingParams(
+        max_new_tokens=400, temperature=3.0, seed=2), output_modalities=[omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO])
+    utterance = speech(3) + silence(0.7)
+    cancelled = 0
+    call.speak(utterance)
+    for _ in range(100):
+        call.next_event("response_created")
+        call.speak(utterance)  # over the reply: speech starts, the reply is cancelled, this turn answered next
+        done = call.next_event("response_done").response_done
+        cancelled += done.status == omni_pb2.RESPONSE_STATUS_CANCELLED
+    call.next_event("response_created")
+    call.send(cancel_response=omni_pb2.CancelResponse())
+    assert cancelled >= 90, cancelled  # a reply may end before the speech over it is heard
+    assert wait_idle(stack, timeout_s=20) == {"thinker": 0, "talker": 0, "code2wav": 0}
