@@ -37,7 +37,7 @@ from bench.machine import describe_machine
 from bench.stage_metrics import scrape
 from omni.v1 import common_pb2, omni_pb2
 from services.base.stages import Stage
-from services.runtime.lm.prefix_cache import BLOCK_TOKENS
+from services.runtime.lm.prefix.keys import BLOCK_TOKENS
 from services.serving.stage_stubs import stage_stub
 from services.tools.client import collect, connect
 from services.tools.launcher import Stack, StackOptions, free_port_block

@@ -48,7 +48,7 @@ from services.runtime.lm.sampling import SamplingConfig
 from services.runtime.model.checkpoint import LoadedStage
 from services.runtime.model.settings import ModelConfig
 from services.serving.config import ServingConfig
-from services.talker.engine import Frame, TalkerDone
+from services.talker.engine_base import Frame, TalkerDone
 from services.thinker.engine import Token
 from services.tools.inprocess import Handoff
 from services.tools.reference import ReferenceRunner

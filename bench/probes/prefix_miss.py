@@ -25,8 +25,9 @@ from services.base.families import family_of
 from services.runtime.inputs.prompt import PromptBuilder
 from services.runtime.lm.sampling import SamplingConfig
 from services.runtime.model.checkpoint import Stage, load_stage
+from services.thinker.admission import messages_from_proto, prompt_prefix
 from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig
-from services.thinker.server import ADAPTERS, messages_from_proto, prompt_prefix
+from services.thinker.server import ADAPTERS
 
 WORDS = 10, 40, 150, 280  # words of user text: prompts of about 100, 300, 1000 and 1900 tokens
 REPEATS = 5
@@ -81,7 +82,7 @@ def main() -> None:
         with_cache, without = statistics.median(times["cache"]), statistics.median(times["off"])
         print(f"{tokens:4d} tokens: prefill {without * 1000:6.1f} ms without the cache, {with_cache * 1000:6.1f} ms "
               f"with it (every lookup a miss): {(with_cache / without - 1) * 100:+.1f} %")
-    stats = cached.prefix.stats
+    stats = cached.prefix_pool.stats
     assert stats.hit_tokens == 0, stats
     print(f"cached engine: {stats.lookup_tokens} tokens looked up, {stats.hit_tokens} found")
 

@@ -28,7 +28,8 @@ from services.code2wav.vocoder import measure_geometry
 from services.runtime.chunking import DEFAULT_CHUNKS
 from services.runtime.model.checkpoint import load_stage
 from services.runtime.model.full_size import REAL_LAYOUT, build_random_stage, merge_layout
-from services.talker.engine import TalkerEngine, TalkerEngineConfig
+from services.talker.engine import TalkerEngine
+from services.talker.engine_base import TalkerEngineConfig
 from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig
 from services.tools.tiny_checkpoint import build
 

@@ -21,7 +21,8 @@ import torch
 
 def build_engine(checkpoint: str, batch: int, exact: bool = True):
     from services.runtime.model.checkpoint import Stage, load_stage
-    from services.talker.engine import TalkerEngine, TalkerEngineConfig
+    from services.talker.engine import TalkerEngine
+    from services.talker.engine_base import TalkerEngineConfig
 
     stage = load_stage(checkpoint, Stage.TALKER)
     engine = TalkerEngine(stage.model, stage.config, engine_config=TalkerEngineConfig(

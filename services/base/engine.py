@@ -24,7 +24,7 @@ StepResult = list[tuple[str, EngineEvent]]  # (request_id, event) pairs of one s
 
 
 class KernelReport(Protocol):
-    """What the loop exports of exact mode's plan (services.runtime.lm.invariance.ProbeReport,
+    """What the loop exports of exact mode's plan (services.runtime.lm.invariance.KernelVerdict,
     services.code2wav.plan.BlockPlan). Declared here, not imported: the serving plumbing that
     reads it holds no torch code."""
 

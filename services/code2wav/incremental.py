@@ -30,7 +30,7 @@ treats a vectorised body and a scalar tail differently treats it the same way ea
 kernel, shape, place and inputs: the same bits, with the state after each whole block the same by
 induction. The zero frames that pad an open block never reach an emitted sample: attention is
 causal (they come after every real query), convolutions are causal, and the transposed
-convolutions' outputs that read them are the L held-back samples. The start-up probe (probe.py)
+convolutions' outputs that read them are the L held-back samples. The start-up check (probe.py)
 checks both on the machine, and batching across requests only where rows keep their bits.
 """
 
@@ -53,7 +53,7 @@ State = list[torch.Tensor]  # one request's state after its whole blocks, each t
 class _Carry:
     """One call's state tensors in layer order: each streamed layer takes its history ([G, ...])
     and gives the one after the block (a view: `IncrementalVocoder.decode` clones what it keeps).
-    `rows`: the dense convolutions run one request's row at a time (the probe's choice, probe.py)."""
+    `rows`: the dense convolutions run one request's row at a time (the check's choice, probe.py)."""
 
     def __init__(self, old: list[torch.Tensor], rows: bool):
         self._old: Iterator[torch.Tensor] = iter(old)
@@ -273,7 +273,7 @@ class IncrementalVocoder:
         self._initial: State = [past] * (2 * self.layers) + self._stack.initial(like)  # never written in place
         self._rotary = _RotaryTable(pre.rotary_emb, like)
 
-    rows_alone = False  # `decode(rows=True)` batches all but the dense convolutions: probed
+    rows_alone = False  # `decode(rows=True)` batches all but the dense convolutions: checked
 
     def start(self) -> State:
         return list(self._initial)

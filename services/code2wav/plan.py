@@ -13,7 +13,7 @@ bitwise, adopting only what matched (anything that raises counts as a mismatch):
   for its frames (or its stream's end): the talker's early cuts then bring no audio sooner.
 - a batch: several requests' blocks decoded in one call must each give the bits of that block
   decoded alone, for every shape the vocoder decodes (`shape_classes`) at the batch sizes where
-  kernel heuristics switch (services/runtime/lm/invariance.py's `probe_batches`) that the engine can
+  kernel heuristics switch (services/runtime/lm/invariance.py's `check_batch_sizes`) that the engine can
   run for that shape (a call decodes at most `max_frames` frames: blocks of 25 frames go two a
   call on a CPU, so the larger sizes are never checked there). First all ops batched; where a
   size differs, again with the dense convolutions one row at a time (the ops whose CPU kernels
@@ -41,7 +41,7 @@ import torch
 from services.base.stages import Stage
 from services.code2wav.blocks import Block, BlockGrid, BlockStream, StreamDecoder
 from services.runtime.checks import CheckState, StartupCheck
-from services.runtime.lm.invariance import probe_batches
+from services.runtime.lm.invariance import check_batch_sizes
 from services.runtime.model.settings import CheckSettings
 
 log = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ def batches_keep_their_bits(vocoder, capacity: int, max_frames: int = 0, seed: i
     can hold it (`max_frames`), and used only where it matched at all of them."""
     bound = BlockPlan(vocoder.grid, max_frames=max_frames)
     classes = shape_classes(vocoder)
-    usable = {i: [s for s in probe_batches(capacity) if s <= bound.limit(vocoder.grid.size(i))] for i in classes}
+    usable = {i: [s for s in check_batch_sizes(capacity) if s <= bound.limit(vocoder.grid.size(i))] for i in classes}
     sizes = sorted({s for sizes in usable.values() for s in sizes})
     if not sizes:
         return (1,), False, ("one request a call (--max-batch 1)" if capacity < 2 else

@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "whole block at a fixed place in the stream, so the audio does not depend on how the "
                              "talker cut it (default: the talker's default chunk schedule, 4,8,16,25; set it to the "
                              "talker's schedule when its chunk flags differ; exact mode falls back to 1 where the "
-                             "start-up probe finds an open block changes bits)")
+                             "start-up check finds an open block changes bits)")
     parser.add_argument("--max-batch", type=int, default=env_default("max_batch", 16),
                         help="most requests' blocks decoded in one call (exact mode: the batch sizes the start-up "
                              "probe finds bit-identical to each request alone; default 16, 1 = never batch)")
@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "docs/qwen2_5-omni-token2wav.md has the trade-off table)")
     parser.add_argument("--exact-batching", choices=EXACT_CHOICES, default=env_default("exact_batching", "auto"),
                         help="on: every request's audio is bit-identical whatever else decodes (a migrated "
-                             "request's replay needs it): Qwen3-Omni's block size and batch sizes are probed at "
+                             "request's replay needs it): Qwen3-Omni's block size and batch sizes are checked at "
                              "start-up, Qwen2.5-Omni's Token2Wav decodes every window alone; off batches without a "
                              "probe (auto: on for cpu, off for cuda; gemm: on)")
     return parser

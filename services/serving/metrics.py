@@ -151,7 +151,7 @@ class StageMetrics:
         check.labels(stage=self.stage).state(str(report.check))
 
     def prefix_cache(self, cache) -> None:
-        """The thinker's prefix cache (services/runtime/lm/prefix_cache.py), read at each scrape."""
+        """The thinker's prefix cache (services/runtime/lm/prefix/), read at each scrape."""
         self.registry.register(_PrefixCacheCollector(self.stage, cache))
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int | None:
@@ -172,7 +172,7 @@ class _PrefixCacheCollector(Collector):
         for name, help_text, value in (
                 ("lookup_tokens", "Prompt tokens in whole blocks a lookup asked the cache for", stats.lookup_tokens),
                 ("hit_tokens", "Of those, tokens found and used (not prefilled again)", stats.hit_tokens),
-                ("refused_tokens", "Tokens found but not used: exact mode's start-up probe refused hits",
+                ("refused_tokens", "Tokens found but not used: exact mode's start-up check refused hits",
                  stats.refused_tokens),
                 ("evictions", "Blocks evicted to make room (least recently used, never a pinned one)",
                  stats.evictions)):

@@ -7,7 +7,7 @@ NOTE: why message keys. The router cannot tokenize, and a conversation re-sends 
 message by message, so the unit both sides can name is a message prefix: key j hashes the role and
 content of messages 0..j (text as UTF-8, media as their bytes' digest) and the request's
 use_audio_in_video. A thinker replica reports the keys whose tokens it holds in its prefix cache
-(services/runtime/lm/prefix_cache.py), with how many tokens that is; the router matches the longest
+(services/runtime/lm/prefix/), with how many tokens that is; the router matches the longest
 key of a new request against each replica's report (router/prefix.py).
 """
 

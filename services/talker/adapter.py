@@ -13,7 +13,7 @@ from typing import Protocol
 
 from omni.v1 import stages_pb2
 from services.runtime.chunking import ChunkPolicy
-from services.talker.engine import TextEnd
+from services.talker.engine_base import TextEnd
 
 
 class TalkerAdapter(Protocol):

@@ -21,10 +21,10 @@ registered per step beyond the op results.
 All rows of a frame sit at the same position, so attention can run as one batched SDPA over
 [B, heads, T, head_dim]. Whether that gives each row its B = 1 bits is a property of the CPU's
 SDPA kernel (it did on an Intel host; on AMD hosts at 2 threads it did not), so in exact mode the
-batched call is used only where the start-up probe found it invariant for these shapes
+batched call is used only where the start-up check found it invariant for these shapes
 (services/runtime/lm/invariance.py, `ExactKernels.attention`); otherwise one SDPA per row, with the
 shape `generate`'s predictor gives it. The projections go along the process's exact linear path
-(ROWS, probed BATCHED bmm, or GEMM). `tests/talker` compares every frame with `generate`.
+(ROWS, checked BATCHED bmm, or GEMM). `tests/talker` compares every frame with `generate`.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class CodePredictor:
         self.gqa = self.heads != self.kv_heads
         if any(t != "full_attention" for t in config.layer_types) or config.attention_dropout or config.attention_bias:
             raise ValueError("the lean code predictor covers full attention without dropout or biases only")
-        # Batched SDPA in exact mode: where the process's probe found it invariant (None: decided per
+        # Batched SDPA in exact mode: where the process's check found it invariant (None: decided per
         # call from `exact_kernels()`), or where the caller says (the CUDA graph of a frame has
         # always run one batched SDPA).
         self.batched_attention = batched_attention

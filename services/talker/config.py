@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from services.runtime.chunking import DEFAULT_CHUNKS, ChunkPolicy
 from services.runtime.model.settings import ModelConfig
 from services.serving.config import ServingConfig
-from services.talker.engine import TalkerEngineConfig
+from services.talker.engine_base import TalkerEngineConfig
 
 
 @dataclass(frozen=True)

@@ -20,27 +20,23 @@ decoding (docs/qwen3-omni.md):
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 
 from services.base.engine import StepResult
-from services.base.events import EngineEvent
 from services.base.finish import FinishReason
 from services.base.stages import Stage
 from services.base.timing import ForwardTimer
 from services.runtime.lm.engine import SlotScheduledEngine
 from services.runtime.lm.invariance import experts_modules, linear_weights
-from services.runtime.lm.kernels import batch_invariant, use_capturable_experts, use_invariant_attention, use_rowwise_attention
-from services.runtime.lm.kv_slots import SlotKVCache
-from services.runtime.lm.prefix_cache import BLOCK_TOKENS, PrefixCache, PrefixHit, prefilling_after, row_block_keys
+from services.runtime.lm.kernels import batch_invariant
+from services.runtime.lm.prefix.check import PrefixCase, plain_token_ids
+from services.runtime.lm.prefix.keys import row_block_keys
+from services.runtime.lm.prefix.prefill import Forward, PromptForward, prefill
 from services.runtime.lm.sampling import SamplingConfig, select_token
-from services.runtime.lm.scheduler import LMScheduler
-from services.runtime.lm.static_decode import SlotDecodeGraphs
-from services.runtime.model.settings import CheckSettings, GraphSettings
 from services.talker.code_predictor import CodePredictor
+from services.talker.engine_base import Frame, TalkerDone, TalkerEngineConfig, end_text, refresh_ready
 from services.talker.graphs import PredictorGraphs, talker_step
 
 
@@ -65,37 +61,6 @@ class TextRow:
     embedding: torch.Tensor  # [H_thinker] layer-0 embedding of one generated text token
 
 
-@dataclass(frozen=True)
-class TextEnd:
-    pass
-
-
-@dataclass(frozen=True)
-class Frame(EngineEvent):
-    index: int
-    codes: torch.Tensor  # [num_code_groups] int64
-
-
-@dataclass(frozen=True)
-class TalkerDone(EngineEvent):
-    reason: FinishReason
-    frames: int
-    final: ClassVar[bool] = True
-
-
-@dataclass(frozen=True)
-class TalkerEngineConfig:
-    max_batch_size: int = 32  # requests decoded together in one step
-    num_slots: int = 32  # KV cache slots
-    max_model_len: int = 4096  # cache positions per slot: prompt part + 9 + max_new_tokens must fit
-    exact_batching: bool = True  # batch-invariant kernels (see services/runtime/lm/kernels.py)
-    exact_gemm: bool = False  # exact mode's linear layers through the invariant GEMM (--exact-batching gemm)
-    max_prefills_per_step: int = 1  # waiting requests prefilled in one step beside the decode batch
-    graphs: GraphSettings = GraphSettings()  # CUDA graphs of the decode step and the code predictor
-    prefix_cache_mb: int = 0  # the prefix cache's pool (services/runtime/lm/prefix_cache.py); 0: none
-    checks: CheckSettings = CheckSettings()  # exact mode's start-up check: beside serving or before (services/runtime/checks.py)
-
-
 @dataclass
 class _State:
     job: TalkerJob
@@ -118,53 +83,6 @@ class _State:
         return len(self.rows) > self.frames or self.text_done
 
 
-def end_text(state, payload) -> None:
-    """Either family's talker input that is not a text part: a TextEnd ends the request's text (its
-    state's `text_done`); anything else is a wiring mistake."""
-    if not isinstance(payload, TextEnd):
-        raise TypeError(f"unexpected talker input {type(payload).__name__}")
-    state.text_done = True
-
-
-def refresh_ready(scheduler: LMScheduler, requests: dict, request_ids) -> None:
-    """Mark each request of `request_ids` still held ready or waiting, by its state's `ready`: after
-    an input arrives, and after a step (its next step may have to wait for text not yet streamed)."""
-    for request_id in request_ids:
-        if request_id in requests:
-            scheduler.set_ready(request_id, requests[request_id].ready)
-
-
-def talker_prefix_cache(text_config, engine_config: TalkerEngineConfig, exact_report, dtype,
-                        device) -> tuple[PrefixCache | None, bool]:
-    """A talker's prefix cache, when configured, and whether it uses hits: a conversation's talker
-    prompt repeats the earlier turns' rows (made from the thinker's hidden states), keyed by those
-    rows' bits. Hits are used where the thinker's are: with --exact-batching gemm (exact by
-    construction: the invariant GEMM and attention give each row the same bits for any row count)
-    or off; refused with per-row kernels, whose bits follow the row count, and then the pool is a
-    `ledger` (the bookkeeping alone: what hits would have saved is still counted)."""
-    if engine_config.prefix_cache_mb <= 0:
-        return None, True
-    hits = True
-    if exact_report is not None:
-        hits = engine_config.exact_gemm
-        exact_report.more["prefix_hit"] = "used" if hits else "refused"
-    return PrefixCache.for_model(text_config, engine_config.prefix_cache_mb, 0, dtype, device, holds=hits), hits
-
-
-def prefill_from_prefix(prefix: PrefixCache | None, hits: bool, ids: list[int], rows: torch.Tensor, text_model,
-                        text_config, cache, timer, forward: Callable[[], object]):
-    """`forward()`, a talker's prompt forward into `cache` (a fresh DynamicCache) timed by `timer`,
-    from the blocks `prefix` holds of that prompt (keys over its ids and input rows [P, H]; see
-    `prefilling_after`); then the prompt's new whole blocks stored. The forward's output."""
-    keys = row_block_keys(ids, rows) if prefix is not None else []
-    hit = prefix.lookup(keys, (len(ids) - 1) // BLOCK_TOKENS, need_extras=False, use=hits) if keys else PrefixHit()
-    with prefilling_after(prefix, hit, cache, text_model, text_config), timer:
-        out = forward()
-    if keys:
-        prefix.store(keys, cache, None, None, first=len(hit.blocks))
-    return out
-
-
 class TalkerEngine(SlotScheduledEngine):
     def __init__(self, model, config, device: str = "cpu", engine_config: TalkerEngineConfig = TalkerEngineConfig()):
         self.model = model
@@ -172,7 +90,6 @@ class TalkerEngine(SlotScheduledEngine):
         self.tc = config.talker_config
         self.device = device
         self.engine_config = engine_config
-        self.timer = ForwardTimer()  # seconds in model forwards (services/base/timing.py)
         vocab = self.tc.text_config.vocab_size
         self.eos = int(self.tc.codec_eos_token_id)
         self.suppress = torch.zeros(vocab, dtype=torch.bool)
@@ -188,16 +105,20 @@ class TalkerEngine(SlotScheduledEngine):
         temperature = getattr(predictor_gen, "temperature", None)
         self.predictor_sampling = SamplingConfig(temperature=float(temperature if temperature is not None else 1.0),
                                                  top_k=50, top_p=0.8)
-        use_rowwise_attention(model.config.text_config, predictor.config)
-        if engine_config.exact_gemm:
-            use_invariant_attention(model.config.text_config)  # what makes a prefix hit exact
-        self.dtype = dtype = next(model.parameters()).dtype
-        # With graphs, one extra slot that no request owns takes the padded rows' writes.
-        graph_slots = 1 if engine_config.graphs.enabled else 0
-        self.cache = SlotKVCache.for_config(model.config.text_config, engine_config.num_slots + graph_slots,
-                                            engine_config.max_model_len, dtype, device)
+        dtype = next(model.parameters()).dtype
+        hidden = model.config.text_config.hidden_size
+        self.set_up(Stage.TALKER, model.config.text_config, model.model, engine_config, device, dtype,
+                    rowwise_configs=(predictor.config,), step=lambda cache: talker_step(model, cache),
+                    step_input=torch.zeros((1, 1, hidden), dtype=dtype))
         # The code predictor (lean loop) and its keys and values for one frame of every row of a batch.
         self.predictor_cache = CodePredictor(model, engine_config.max_batch_size, device, dtype)
+        self.predictor_graphs = None
+        if self.graphs is not None:
+            self.predictor_graphs = PredictorGraphs(model, engine_config.graphs, engine_config.exact_batching,
+                                                    device, dtype)
+            self.predictor_graphs.capture_all(hidden, dtype)
+        # (request_id, state, hidden [1, 1, H]) whose layer-0 code is picked, residuals to come (end_step)
+        self._to_predict: list[tuple[str, _State, torch.Tensor]] = []
         if engine_config.exact_batching:  # which kernels exact mode runs here (services/runtime/lm/invariance.py)
             self.start_exact_check(
                 Stage.TALKER, engine_config.checks, gemm=engine_config.exact_gemm,
@@ -205,23 +126,6 @@ class TalkerEngine(SlotScheduledEngine):
                 linear_weights=linear_weights(model.model, model.codec_head, predictor), linear_tokens=(1, 2),
                 experts=experts_modules(model.model), attention=self.predictor_cache.attention_shapes(),
                 dtype=dtype, device=device)
-        self.graphs = self.predictor_graphs = None
-        if engine_config.graphs.enabled:
-            hidden = model.config.text_config.hidden_size
-            use_capturable_experts(model.config.text_config, dtype=dtype)
-            self.graphs = SlotDecodeGraphs(talker_step(model, self.cache), self.cache, engine_config.num_slots,
-                                           engine_config.graphs, engine_config.exact_batching, "talker decode", device)
-            self.graphs.capture_all(torch.zeros((1, 1, hidden), dtype=dtype))
-            self.predictor_graphs = PredictorGraphs(model, engine_config.graphs, engine_config.exact_batching,
-                                                    device, dtype)
-            self.predictor_graphs.capture_all(hidden, dtype)
-        self.scheduler = LMScheduler(engine_config.max_batch_size, engine_config.num_slots,
-                                     engine_config.max_model_len, engine_config.max_prefills_per_step)
-        self._requests: dict[str, _State] = {}  # request_id -> state
-        # (request_id, state, hidden [1, 1, H]) whose layer-0 code is picked, residuals to come (end_step)
-        self._to_predict: list[tuple[str, _State, torch.Tensor]] = []
-        self.prefix, self.prefix_hits = talker_prefix_cache(model.config.text_config, engine_config,
-                                                            self.exact_report, dtype, device)
 
     # The loop's interface.
     def add(self, request_id: str, job: TalkerJob) -> None:
@@ -253,8 +157,6 @@ class TalkerEngine(SlotScheduledEngine):
     # Model work.
     @torch.inference_mode()
     def prefill(self, request_id: str, slot: int) -> StepResult:
-        from transformers import DynamicCache
-
         state = self._requests[request_id]
         if not state.rows:  # the text ended before any token: nothing to say
             return [(request_id, TalkerDone(FinishReason.STOP, 0))]
@@ -270,16 +172,43 @@ class TalkerEngine(SlotScheduledEngine):
         attention_mask = torch.ones_like(talker_ids)
         position_ids = talker._prepare_position_ids_for_generation(
             inputs_embeds, self._position_kwargs(job, attention_mask, talker_ids))
-        cache = DynamicCache(config=self.tc.text_config)
-        out = prefill_from_prefix(
-            self.prefix, self.prefix_hits, talker_ids[0].tolist(), inputs_embeds[0], talker.model,
-            self.tc.text_config, cache, self.timer,
-            lambda: talker(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
-                           past_key_values=cache, use_cache=True, output_hidden_states=True))
+        result, _ = prefill(self.prefix_pool, self._row_keys(talker_ids[0].tolist(), inputs_embeds[0]),
+                            talker_ids.shape[1], self.stack,
+                            self.prompt_forward(inputs_embeds, attention_mask, position_ids, self.timer),
+                            use_hits=self.prefix_hits)
+        out, cache = result.output, result.cache
         self.cache.load(slot, cache)
         state.last_position = position_ids[..., -1:].clone()
         state.started = True
         return self._after_forward([request_id], [state], out.logits[:, -1], out.hidden_states[0][-1][:, -1:])
+
+    def prompt_forward(self, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                       timer) -> Forward:
+        """The talker's prompt forward ([1, P, H] rows) into the cache `prefill` gives it, timed by `timer`."""
+        def forward(cache, _hit) -> PromptForward:
+            with timer:
+                out = self.model(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
+                                 past_key_values=cache, use_cache=True, output_hidden_states=True)
+            return PromptForward(out, cache)
+        return forward
+
+    def _row_keys(self, ids: list[int], rows: torch.Tensor) -> list[bytes]:
+        """The pool's keys of a prompt's rows ([P, H]): a hash chain over their ids and bits."""
+        return row_block_keys(ids, rows) if self.prefix_pool is not None else []
+
+    def prefix_case(self, tokens: int, seed: int) -> PrefixCase:
+        """Random rows of `tokens` text positions, for the prefix-hit check (prefix/check.py)."""
+        thinker = self.config.thinker_config
+        text = getattr(thinker, "text_config", thinker)
+        ids = plain_token_ids((self.config, thinker, self.tc), int(text.vocab_size), tokens, seed).to(self.device)
+        rows = torch.randn(1, tokens, self.tc.text_config.hidden_size,
+                           generator=torch.Generator().manual_seed(seed)).to(self.device, self.dtype)
+        mask = torch.ones_like(ids)
+        positions = self.model._prepare_position_ids_for_generation(rows, {"attention_mask": mask,
+                                                                           "talker_input_ids": ids})
+        timer = ForwardTimer()  # not the engine's, which its own thread reads
+        return PrefixCase(row_block_keys(ids[0].tolist(), rows[0]), tokens,
+                          lambda _pool: self.prompt_forward(rows, mask, positions, timer))
 
     def _user_part(self, job: TalkerJob, ids: torch.Tensor, embeds: torch.Tensor):
         """Every position of every user turn (embeds [1, U, H], ids [1, U]), projected as generate

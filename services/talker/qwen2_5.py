@@ -24,7 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
 from services.base.engine import StepResult
 from services.base.finish import FinishReason
@@ -32,20 +31,13 @@ from services.base.stages import Stage
 from services.base.timing import ForwardTimer
 from services.runtime.lm.engine import SlotScheduledEngine
 from services.runtime.lm.invariance import linear_weights
-from services.runtime.lm.kernels import batch_invariant, use_invariant_attention, use_rowwise_attention
-from services.runtime.lm.kv_slots import SlotKVCache
+from services.runtime.lm.kernels import batch_invariant
+from services.runtime.lm.prefix.check import PrefixCase
+from services.runtime.lm.prefix.keys import row_block_keys
+from services.runtime.lm.prefix.prefill import Forward, PromptForward, prefill
 from services.runtime.lm.sampling import SamplingConfig, select_token
-from services.runtime.lm.scheduler import LMScheduler
 from services.runtime.model.qwen2_5_omni import TALKER_EOS_IDS, talker_prompt_len
-from services.talker.engine import (
-    Frame,
-    TalkerDone,
-    TalkerEngineConfig,
-    end_text,
-    prefill_from_prefix,
-    refresh_ready,
-    talker_prefix_cache,
-)
+from services.talker.engine_base import Frame, TalkerDone, TalkerEngineConfig, end_text, refresh_ready
 
 
 @dataclass(frozen=True)
@@ -94,31 +86,22 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
         tc = config.talker_config
         self.device = device
         self.engine_config = engine_config
-        self.timer = ForwardTimer()  # seconds in model forwards (services/base/timing.py)
         self.vocab = int(tc.vocab_size)
         self.codec_bos, self.codec_pad, self.codec_mask = (int(tc.tts_codec_start_token_id),
                                                            int(tc.tts_codec_pad_token_id),
                                                            int(tc.tts_codec_mask_token_id))
         self.suppress = torch.zeros(self.vocab, dtype=torch.bool)  # generate's suppress_tokens=[codec_bos]
         self.suppress[self.codec_bos] = True
-        use_rowwise_attention(model.config)
-        if engine_config.exact_gemm:
-            use_invariant_attention(model.config)  # what makes a prefix hit exact (the reference runs it too)
-        self.dtype = next(model.parameters()).dtype
-        if engine_config.exact_batching:  # which kernels exact mode runs here (services/runtime/lm/invariance.py)
-            self.start_exact_check(Stage.TALKER, engine_config.checks, gemm=engine_config.exact_gemm,
-                                   capacity=engine_config.max_batch_size, linear_weights=linear_weights(model),
-                                   dtype=self.dtype, device=device)
-        self.embed = model.get_input_embeddings()  # codec id -> [H_thinker]
-        self.cache = SlotKVCache.for_config(model.config, engine_config.num_slots, engine_config.max_model_len,
-                                            self.dtype, device)
-        self.scheduler = LMScheduler(engine_config.max_batch_size, engine_config.num_slots, engine_config.max_model_len)
-        self._requests: dict[str, _State] = {}  # request_id -> state
         # The prompt rows are the thinker's hidden states of the whole history: a conversation's
         # next turn repeats the earlier turns' rows, bit for bit where the thinker's kernels are
         # invariant (gemm), so their blocks are cached like Qwen3-Omni's talker's.
-        self.prefix, self.prefix_hits = talker_prefix_cache(model.config, engine_config, self.exact_report,
-                                                            self.dtype, device)
+        dtype = next(model.parameters()).dtype
+        self.set_up(Stage.TALKER, model.config, model.model, engine_config, device, dtype)
+        self.embed = model.get_input_embeddings()  # codec id -> [H_thinker]
+        if engine_config.exact_batching:  # which kernels exact mode runs here (services/runtime/lm/invariance.py)
+            self.start_exact_check(Stage.TALKER, engine_config.checks, gemm=engine_config.exact_gemm,
+                                   capacity=engine_config.max_batch_size, linear_weights=linear_weights(model),
+                                   dtype=dtype, device=device)
 
     # The loop's interface.
     def add(self, request_id: str, job: Qwen2_5TalkerJob) -> None:
@@ -153,15 +136,31 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
         text = job.text_embeds.to(self.device, self.dtype)
         inputs_embeds = torch.cat((job.prompt_hidden.to(self.device, self.dtype).unsqueeze(0), text[None, :1],
                                    state.replies[0]), dim=1)  # [1, P + 2, H_thinker]
-        cache = DynamicCache(config=self.model.config)
         ids = [self.codec_mask] * job.prompt_hidden.shape[0] + [self.codec_pad, self.codec_bos]  # generate's
-        # No attention mask and no position ids: generate's own path (see the module docstring).
-        out = prefill_from_prefix(
-            self.prefix, self.prefix_hits, ids, inputs_embeds[0], self.model.model, self.model.config, cache, self.timer,
-            lambda: self.model(inputs_embeds=inputs_embeds, past_key_values=cache, use_cache=True))
+        keys = row_block_keys(ids, inputs_embeds[0]) if self.prefix_pool is not None else []
+        result, _ = prefill(self.prefix_pool, keys, len(ids), self.stack, self.prompt_forward(inputs_embeds, self.timer),
+                            use_hits=self.prefix_hits)
+        out, cache = result.output, result.cache
         self.cache.load(slot, cache)
         state.started = True
         return self._after_forward([request_id], [state], out.logits[:, -1])
+
+    def prompt_forward(self, inputs_embeds: torch.Tensor, timer) -> Forward:
+        """The talker's prompt forward ([1, P, H_thinker] rows) into the cache `prefill` gives it; no
+        attention mask and no position ids: generate's own path (see the module docstring)."""
+        def forward(cache, _hit) -> PromptForward:
+            with timer:
+                out = self.model(inputs_embeds=inputs_embeds, past_key_values=cache, use_cache=True)
+            return PromptForward(out, cache)
+        return forward
+
+    def prefix_case(self, tokens: int, seed: int) -> PrefixCase:
+        """Random thinker rows of `tokens` positions, for the prefix-hit check (prefix/check.py)."""
+        hidden = self.embed.weight.shape[1]  # the thinker's width, which the talker's rows have
+        rows = torch.randn(1, tokens, hidden, generator=torch.Generator().manual_seed(seed)).to(self.device, self.dtype)
+        timer = ForwardTimer()  # not the engine's, which its own thread reads
+        return PrefixCase(row_block_keys([self.codec_mask] * tokens, rows[0]), tokens,
+                          lambda _pool: self.prompt_forward(rows, timer))
 
     @torch.inference_mode()
     def decode(self, request_ids: list[str], slots: list[int]) -> StepResult:

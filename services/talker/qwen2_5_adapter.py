@@ -11,7 +11,7 @@ from services.runtime.chunking import ChunkPolicy
 from services.serving.convert import sampling_from_proto
 from services.serving.wire import tensor_from_proto
 from services.talker.config import TalkerConfig
-from services.talker.engine import TextEnd
+from services.talker.engine_base import TextEnd
 from services.talker.qwen2_5 import Qwen2_5TalkerEngine, Qwen2_5TalkerJob, ReplyPart
 
 

@@ -15,7 +15,8 @@ from services.runtime.model.qwen3_omni import seconds_per_frame, talker_prompt_l
 from services.serving.convert import sampling_from_proto
 from services.serving.wire import tensor_from_proto
 from services.talker.config import TalkerConfig
-from services.talker.engine import TalkerEngine, TalkerJob, TextEnd, TextRow
+from services.talker.engine import TalkerEngine, TalkerJob, TextRow
+from services.talker.engine_base import TextEnd
 
 
 def talker_job_from_proto(start: stages_pb2.TalkerStart, model_config, config: TalkerConfig) -> TalkerJob:

@@ -35,7 +35,7 @@ from services.serving.metrics import StageMetrics
 from services.serving.stage_main import serve_stage, start_stage
 from services.talker.adapter import TalkerAdapter
 from services.talker.config import TalkerConfig
-from services.talker.engine import TalkerEngineConfig
+from services.talker.engine_base import TalkerEngineConfig
 from services.talker.qwen2_5_adapter import Qwen2_5TalkerAdapter
 from services.talker.qwen3_adapter import Qwen3TalkerAdapter
 from services.talker.stream import TalkerStream
@@ -87,8 +87,8 @@ async def create_server(config: TalkerConfig) -> tuple[ServerHandle, EngineLoop]
     handle, loop = start_stage(Stage.TALKER, engine, config.serving, SERVICE, cache_slots=config.engine.num_slots)
     servicer = TalkerServicer(loop, engine, config, adapter_cls(loaded.config, config), handle)
     stages_pb2_grpc.add_TalkerServicer_to_server(servicer, handle.server)
-    if engine.prefix is not None and loop.metrics is not None:
-        loop.metrics.prefix_cache(engine.prefix)
+    if engine.prefix_pool is not None and loop.metrics is not None:
+        loop.metrics.prefix_cache(engine.prefix_pool)
     return handle, loop
 
 

@@ -33,7 +33,8 @@ from services.serving.tracing import RequestTrace, now_ns
 from services.serving.wire import frames_to_proto
 from services.talker.adapter import TalkerAdapter
 from services.talker.config import TalkerConfig
-from services.talker.engine import Frame, TalkerDone, TalkerJob, TextEnd
+from services.talker.engine import TalkerJob
+from services.talker.engine_base import Frame, TalkerDone, TextEnd
 
 Responses = list[stages_pb2.TalkerOutput]
 

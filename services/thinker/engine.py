@@ -35,24 +35,15 @@ from services.base.stages import Stage
 from services.base.timing import ForwardTimer
 from services.runtime.inputs.prompt import PromptInputs
 from services.runtime.lm.engine import SlotScheduledEngine
-from services.runtime.lm.invariance import ProbeReport, experts_modules, linear_weights
-from services.runtime.lm.kernels import batch_invariant, use_capturable_experts, use_invariant_attention, use_rowwise_attention
-from services.runtime.lm.kv_slots import SlotKVCache
-from services.runtime.lm.prefix_cache import (
-    BLOCK_TOKENS,
-    PrefixCache,
-    PrefixHit,
-    PromptPrefix,
-    block_keys,
-    forward_pre_hook,
-    prefilling_after,
-)
+from services.runtime.lm.invariance import experts_modules, linear_weights
+from services.runtime.lm.kernels import batch_invariant
+from services.runtime.lm.prefix.check import PrefixCase, plain_token_ids
+from services.runtime.lm.prefix.keys import PromptPrefix, block_keys
+from services.runtime.lm.prefix.pool import PrefixHit, PrefixPool
+from services.runtime.lm.prefix.prefill import Forward, PromptForward, forward_pre_hook, prefill
 from services.runtime.lm.sampling import SamplingConfig, select_token
-from services.runtime.lm.scheduler import LMScheduler
-from services.runtime.lm.static_decode import SlotDecodeGraphs
 from services.runtime.model.settings import CheckSettings, GraphSettings
 from services.thinker.graphs import thinker_step
-from services.thinker.prefix_probe import refused_hits
 
 
 @dataclass(frozen=True)
@@ -64,7 +55,7 @@ class ThinkerJob:
     # Each is fed through the model exactly as a sampled one would be (same cache, positions and
     # embeddings), so everything downstream sees what `generate` gives had it produced these ids.
     forced_ids: tuple[int, ...] = ()
-    # Its messages as the prefix cache keys them (services/runtime/lm/prefix_cache.py); None: not cached.
+    # Its messages as the prefix cache keys them (services/runtime/lm/prefix/); None: not cached.
     prefix: PromptPrefix | None = None
 
 
@@ -128,7 +119,7 @@ class ThinkerEngineConfig:
     exact_gemm: bool = False  # exact mode's linear layers through the invariant GEMM (--exact-batching gemm)
     max_prefills_per_step: int = 1  # waiting requests prefilled in one step beside the decode batch
     graphs: GraphSettings = GraphSettings()  # CUDA graphs of the decode step (services/runtime/lm/static_decode.py)
-    prefix_cache_mb: int = 0  # the prefix cache's pool (services/runtime/lm/prefix_cache.py); 0: none
+    prefix_cache_mb: int = 0  # the prefix cache's pool (services/runtime/lm/prefix/); 0: none
     checks: CheckSettings = CheckSettings()  # exact mode's start-up check: beside serving or before (services/runtime/checks.py)
 
 
@@ -151,38 +142,18 @@ class ThinkerEngine(SlotScheduledEngine):
         self._init_runtime()
 
     def _init_runtime(self) -> None:
-        """What every family's thinker engine sets up alike: cache slots, graphs, scheduler."""
-        model, engine_config, device = self.model, self.engine_config, self.device
+        """Every family's thinker set up alike (SlotScheduledEngine.set_up), then exact mode's check."""
+        model, engine_config = self.model, self.engine_config
         self.embed = model.get_input_embeddings()
-        self.timer = ForwardTimer()  # seconds in model forwards (services/base/timing.py)
-        text_config = model.config.text_config
-        use_rowwise_attention(text_config)
-        if engine_config.exact_gemm:
-            use_invariant_attention(text_config)  # what makes a prefix hit exact (batching.invariant_attention)
-        self.dtype = dtype = next(model.parameters()).dtype
-        # With graphs, one extra slot that no request owns takes the padded rows' writes.
-        graph_slots = 1 if engine_config.graphs.enabled else 0
-        self.cache = SlotKVCache.for_config(text_config, engine_config.num_slots + graph_slots,
-                                            engine_config.max_model_len, dtype, device)
-        self.graphs = None
-        if engine_config.graphs.enabled:
-            use_capturable_experts(text_config, dtype=dtype)
-            self.graphs = SlotDecodeGraphs(thinker_step(model, self.cache), self.cache, engine_config.num_slots,
-                                           engine_config.graphs, engine_config.exact_batching, "thinker decode", device)
-            self.graphs.capture_all(torch.zeros((1, 1), dtype=torch.long))
-        self.scheduler = LMScheduler(engine_config.max_batch_size, engine_config.num_slots,
-                                     engine_config.max_model_len, engine_config.max_prefills_per_step)
-        self._requests: dict[str, _Request] = {}  # request_id -> decoding state
-        self._init_prefix_cache()
+        dtype = next(model.parameters()).dtype
+        self.set_up(Stage.THINKER, model.config.text_config, model.model, engine_config, self.device, dtype,
+                    step=lambda cache: thinker_step(model, cache), step_input=torch.zeros((1, 1), dtype=torch.long),
+                    extra_layers=len(self.prefix_layers))
         if engine_config.exact_batching:  # which kernels exact mode runs here (services/runtime/lm/invariance.py)
             decoder = [model.model, model.lm_head]
-            prefix = {"then": self._prefix_hit_verdict, "then_shapes": {"prefix": text_config.to_dict()}} \
-                if self.prefix is not None else {}
             self.start_exact_check(Stage.THINKER, engine_config.checks, gemm=engine_config.exact_gemm,
                                    capacity=engine_config.max_batch_size, linear_weights=linear_weights(*decoder),
-                                   experts=experts_modules(*decoder), dtype=dtype, device=device, **prefix)
-            if self.prefix is not None:
-                self.exact_report.more.setdefault("prefix_hit", "refused")
+                                   experts=experts_modules(*decoder), dtype=dtype, device=self.device)
 
     @property
     def prefix_layers(self) -> tuple[int, ...]:
@@ -190,30 +161,18 @@ class ThinkerEngine(SlotScheduledEngine):
         from at prefill: kept per prefix-cache block, so a hit gives the same `Prefilled`."""
         return 0, self.accept_layer
 
-    def _init_prefix_cache(self) -> None:
-        """The prefix cache, when configured. Exact mode uses hits only with the invariant GEMM
-        (--exact-batching gemm), where they are bit-identical to the cold prefill by construction,
-        once its start-up check confirmed it (services/thinker/prefix_probe.py); with per-row
-        kernels it refuses them (ROWS_REFUSE) and keeps the bookkeeping alone."""
-        self.prefix: PrefixCache | None = None
-        config = self.engine_config
-        self.prefix_hits = not config.exact_batching  # exact mode: once the check confirms them (adopt_verdict)
-        if config.prefix_cache_mb <= 0:
-            return
-        self.prefix = PrefixCache.for_model(self.model.config.text_config, config.prefix_cache_mb,
-                                            len(self.prefix_layers), self.dtype, self.device,
-                                            holds=not config.exact_batching or config.exact_gemm)
-
-    def _prefix_hit_verdict(self, report: ProbeReport) -> None:
-        """The exact-mode check's word on prefix-cache hits (on the check's thread)."""
-        why = refused_hits(self, report.kernels)
-        report.more["prefix_hit"] = "refused" if why else "used"
-        report.reasons["prefix_hit"] = why or "a prefill from cached blocks matched one without, bitwise"
-
-    def adopt_verdict(self, report: ProbeReport) -> None:
-        self.prefix_hits = report.more.get("prefix_hit") == "used"
-        if self.prefix is not None and not self.prefix_hits:
-            self.prefix.keep_no_tensors()
+    def prefix_case(self, tokens: int, seed: int) -> PrefixCase:
+        """A text prompt of `tokens` plain ids, for the prefix-hit check (prefix/check.py)."""
+        vocab = int(self.model.config.text_config.vocab_size)
+        configs = (self.config, getattr(self.config, "thinker_config", None), self.model.config.text_config)
+        ids = plain_token_ids(configs, vocab, tokens, seed).to(self.device)
+        kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        positions = self.model._prepare_position_ids_for_generation(ids, dict(kwargs))
+        if self.prefill_drops_attention_mask:
+            kwargs.pop("attention_mask")
+        timer = ForwardTimer()  # not the engine's, which its own thread reads
+        return PrefixCase(block_keys(ids[0].tolist(), {}), tokens,
+                          lambda pool: self.prompt_forward(kwargs, positions, True, pool, timer))
 
     # The loop's interface.
     def add(self, request_id: str, job: ThinkerJob) -> None:
@@ -290,52 +249,45 @@ class ThinkerEngine(SlotScheduledEngine):
         if self.prefill_drops_attention_mask:
             kwargs.pop("attention_mask")
         keys = self._block_keys(job)
-        hit = self.prefix.lookup(keys, (job.prompt.num_tokens - 1) // BLOCK_TOKENS, job.want_talker_inputs,
-                                 use=self.prefix_hits) if keys else PrefixHit()
-        out, cache, hidden, finals = self.forward_prompt(kwargs, position_ids, hit, job.want_talker_inputs)
-        if keys:
-            self.prefix.store(keys, cache, finals, hidden, first=len(hit.blocks))
-            self.prefix.held(job.prefix, keys)
+        result, _ = prefill(self.prefix_pool, keys, job.prompt.num_tokens, self.stack,
+                            self.prompt_forward(kwargs, position_ids, job.want_talker_inputs, self.prefix_pool, self.timer),
+                            use_hits=self.prefix_hits, need_extras=job.want_talker_inputs, publish=job.prefix)
+        out, cache = result.output, result.cache
         self.cache.load(slot, cache)
         request.last_position = position_ids[..., -1:].clone()
         return out, kwargs
 
     def _block_keys(self, job: ThinkerJob) -> list[bytes]:
-        if self.prefix is None or job.prefix is None:
+        if self.prefix_pool is None or job.prefix is None:
             return []
         return block_keys(job.prompt.input_ids[0].tolist(), job.prefix.media_at)
 
-    def forward_prompt(self, kwargs: dict, position_ids: torch.Tensor, hit: PrefixHit, want_hidden: bool,
-                       pool: PrefixCache | None = None, timer=None):
-        """The prompt's forward through the module's own path into a fresh cache, from the hit's
-        cached blocks on in `pool` (default the engine's: their keys and values preloaded, the
-        decoder stack run from there, the LM head over every row: `_lm_head_rows`), timed by `timer`
-        (default the engine's). Returns (the output, its hidden states completed with the hit's
-        `prefix_layers`; the cache of the whole prompt; [extra, P, hidden] of those layers, or None
-        without `want_hidden`; [P, hidden] the LM head's input, or None without a cache)."""
-        from transformers import DynamicCache
-
-        pool = pool or self.prefix
-        cache = DynamicCache(config=self.model.config.text_config)
-        finals: list[torch.Tensor] = []
-        with (prefilling_after(pool, hit, cache, self.model.model, self.model.config.text_config),
-              timer or self.timer, self._lm_head_rows(pool, hit, finals)):
-            out = self.model(**kwargs, position_ids=position_ids, past_key_values=cache, use_cache=True,
-                             output_hidden_states=want_hidden)
-        final = finals[0] if finals else None
-        if not want_hidden:
-            return out, cache, None, final
-        states = list(out.hidden_states)
-        layers = [layer % len(states) for layer in self.prefix_layers]
-        if hit.blocks:
-            cached = pool.hidden_of(hit)  # [extra, hit tokens, hidden]
-            for i, layer in enumerate(layers):
-                states[layer] = torch.cat([cached[i].unsqueeze(0), states[layer]], dim=1)
-            out.hidden_states = tuple(states)
-        return out, cache, torch.stack([states[layer][0] for layer in layers]), final
+    def prompt_forward(self, kwargs: dict, position_ids: torch.Tensor, want_hidden: bool, pool: PrefixPool | None,
+                       timer) -> Forward:
+        """The prompt's forward through the module's own path into the cache `prefill` gives it, the LM
+        head over every row (`_lm_head_rows`), timed by `timer`; its hidden states completed with the
+        hit's `prefix_layers` from `pool`, and [extra, P, hidden] of those layers kept with
+        `want_hidden`."""
+        def forward(cache, hit: PrefixHit) -> PromptForward:
+            finals: list[torch.Tensor] = []
+            with timer, self._lm_head_rows(pool, hit, finals):
+                out = self.model(**kwargs, position_ids=position_ids, past_key_values=cache, use_cache=True,
+                                 output_hidden_states=want_hidden)
+            final = finals[0] if finals else None
+            if not want_hidden:
+                return PromptForward(out, cache, final)
+            states = list(out.hidden_states)
+            layers = [layer % len(states) for layer in self.prefix_layers]
+            if hit.blocks:
+                cached = pool.hidden_of(hit)  # [extra, hit tokens, hidden]
+                for i, layer in enumerate(layers):
+                    states[layer] = torch.cat([cached[i].unsqueeze(0), states[layer]], dim=1)
+                out.hidden_states = tuple(states)
+            return PromptForward(out, cache, final, torch.stack([states[layer][0] for layer in layers]))
+        return forward
 
     @contextlib.contextmanager
-    def _lm_head_rows(self, pool: PrefixCache | None, hit: PrefixHit, finals: list):
+    def _lm_head_rows(self, pool: PrefixPool | None, hit: PrefixHit, finals: list):
         """With a prefix cache, the LM head's input is recorded into `finals` (the blocks keep it),
         and after a hit it gets the cached rows before the computed ones: the LM head then runs
         over the whole prompt's rows, the cold prefill's call, so the last row's logits cannot

@@ -11,19 +11,15 @@ from contextlib import aclosing
 
 import grpc
 
-from omni.v1 import common_pb2, omni_pb2, stages_pb2, stages_pb2_grpc
+from omni.v1 import common_pb2, stages_pb2, stages_pb2_grpc
 from services.base.env import env_default
-from services.base.errors import InvalidArgument, run_cli
+from services.base.errors import run_cli
 from services.base.families import Family, family_of
 from services.runtime.inputs.prompt import (
-    ChatMessage,
-    Part,
     PromptBuilder,
     PromptLimits,
-    Role,
 )
 from services.runtime.inputs.video import VideoLimits
-from services.runtime.lm.prefix_cache import PromptPrefix
 from services.runtime.model.checkpoint import Stage, load_for_serving
 from services.runtime.model.settings import (
     GraphSettings,
@@ -41,7 +37,6 @@ from services.serving.config import (
     add_serving_flags,
     serving_config_from_args,
 )
-from services.serving.convert import sampling_from_proto
 from services.serving.engine_loop import (
     EngineLoop,
 )
@@ -49,9 +44,9 @@ from services.serving.grpc_server import ServerHandle
 from services.serving.metrics import StageMetrics
 from services.serving.open_streams import LIGHT_LOAD_STREAMS
 from services.serving.peer_limits import PeerLimits
-from services.serving.prefix_keys import media_digests, message_keys
 from services.serving.stage_main import serve_stage, start_stage
 from services.thinker.adapter import ThinkerAdapter
+from services.thinker.admission import Admission
 from services.thinker.config import Backend, ThinkerConfig
 from services.thinker.engine import (
     HoldText,
@@ -60,12 +55,11 @@ from services.thinker.engine import (
 )
 from services.thinker.qwen2_5_adapter import Qwen2_5ThinkerAdapter
 from services.thinker.qwen3_adapter import Qwen3ThinkerAdapter
-from services.thinker.stream import Prepared, ThinkerStream, wants_audio
+from services.thinker.stream import ThinkerStream
 
 log = logging.getLogger(Stage.THINKER)
 SERVICE = stages_pb2.DESCRIPTOR.services_by_name["Thinker"].full_name
 
-_ROLES = {omni_pb2.ROLE_SYSTEM: Role.SYSTEM, omni_pb2.ROLE_USER: Role.USER, omni_pb2.ROLE_ASSISTANT: Role.ASSISTANT}
 
 
 # Audio first (ThinkerConfig.audio_first): a spoken request's text is held at the talker's first
@@ -76,40 +70,8 @@ AUDIO_FIRST_MARGIN = 4
 AUDIO_FIRST_HOLD_S = 1.0
 
 
-def messages_from_proto(request: omni_pb2.GenerateRequest) -> list[ChatMessage]:
-    messages = []
-    for i, message in enumerate(request.messages):
-        if message.role not in _ROLES:
-            raise InvalidArgument(f"messages[{i}].role", "must be ROLE_SYSTEM, ROLE_USER or ROLE_ASSISTANT")
-        parts = []
-        for j, content in enumerate(message.content):
-            kind = content.WhichOneof("part")
-            if kind is None:
-                raise InvalidArgument(f"messages[{i}].content[{j}]", "empty content part")
-            if kind == "video":
-                parts.append(Part(video=content.video, use_audio_in_video=request.use_audio_in_video))
-            elif kind == "video_frames":
-                parts.append(Part(video_frames=tuple(content.video_frames.frames), video_fps=content.video_frames.fps,
-                                  use_audio_in_video=request.use_audio_in_video))
-            else:
-                parts.append(Part(**{kind: getattr(content, kind)}))
-        messages.append(ChatMessage(_ROLES[message.role], tuple(parts)))
-    return messages
-
-
 # family -> its adapter (adapter.py), picked once at start by the checkpoint's model_type
 ADAPTERS = {Family.QWEN3_OMNI: Qwen3ThinkerAdapter, Family.QWEN2_5_OMNI: Qwen2_5ThinkerAdapter}
-
-
-def prompt_prefix(request: omni_pb2.GenerateRequest, input_ids, im_start: int) -> PromptPrefix | None:
-    """What the prefix cache keys of a request's prompt: where each message starts in its tokens
-    (each opens with <|im_start|>, the generation prompt after them), each message's media digest
-    and the message keys the router matches. None when the template rendered another number of
-    turns than the request has messages: that prompt is not cached."""
-    starts = (input_ids == im_start).nonzero().flatten().tolist()
-    if len(starts) != len(request.messages) + 1:
-        return None
-    return PromptPrefix(tuple(starts), tuple(media_digests(request)), tuple(message_keys(request)))
 
 
 class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
@@ -117,7 +79,6 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
                  handle: ServerHandle, adapter: ThinkerAdapter, build_prompt=PromptBuilder.build):
         self.loop = loop
         self.adapter = adapter  # the family's: voices, job, talker prompt length, talker-bound messages
-        self.build_prompt = build_prompt  # (PromptBuilder, messages) -> PromptInputs, per backend
         self.handle = handle
         self.engine = engine
         self.prompts = prompts
@@ -125,58 +86,8 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
         self.channels = ChannelPool(config.serving.max_message_bytes, config.serving.tls)
         self.talker_limits = PeerLimits(Stage.TALKER, self.channels)
         self.metrics: StageMetrics = loop.metrics
-        self.prefix_cache = getattr(engine, "prefix", None)  # the transformers engine's, when on
-        self.im_start = prompts.tokenizer.convert_tokens_to_ids("<|im_start|>")
-
-    def prepare(self, request: omni_pb2.GenerateRequest, talker: common_pb2.StageLimits | None) -> Prepared:
-        """Validate and convert a request; runs in a worker thread (decodes audio and images).
-        `talker`: the limits of the talker replica in the route (None: text only)."""
-        audio = wants_audio(request)
-        talker_sampling = None
-        voice = None  # what the family's job takes of the voice (adapter.resolve_voice)
-        if audio:
-            voice = self.adapter.resolve_voice(request.voice if request.HasField("voice") else None)
-            # The talker's own limits, checked here so that a bad talker setting fails before any output.
-            talker_sampling = sampling_from_proto(request.talker_sampling, "talker_sampling", 1,
-                                                  talker.max_new_tokens_limit)
-        forced: tuple[int, ...] = ()
-        if request.HasField("forced_text"):
-            forced = self._forced_ids(request)
-            sampling = sampling_from_proto(common_pb2.SamplingParams(), "thinker_sampling", len(forced), len(forced))
-        else:
-            sampling = sampling_from_proto(request.thinker_sampling, "thinker_sampling",
-                                           self.config.default_max_new_tokens, self.config.max_new_tokens_limit)
-        prompt = self.build_prompt(self.prompts, messages_from_proto(request))
-        capacity = self.config.engine.max_model_len
-        if prompt.num_tokens + sampling.max_new_tokens > capacity:
-            raise InvalidArgument("thinker_sampling.max_new_tokens",
-                                  f"prompt ({prompt.num_tokens} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
-                                  f"exceeds the thinker's per-request cache ({capacity})")
-        if talker_sampling is not None and request.talker_sampling.HasField("max_new_tokens"):
-            needed = talker_sampling.max_new_tokens + self.adapter.talker_prompt_len(prompt)
-            if needed > talker.max_model_len:
-                raise InvalidArgument("talker_sampling.max_new_tokens",
-                                      f"talker prompt + max_new_tokens ({needed}) exceeds the talker's per-request "
-                                      f"cache ({talker.max_model_len})")
-        job = self.adapter.job(prompt, sampling, audio, forced, voice)
-        if self.prefix_cache is not None:
-            job = dataclasses.replace(job, prefix=prompt_prefix(request, prompt.input_ids[0], self.im_start))
-        return Prepared(job, audio)
-
-    def _forced_ids(self, request: omni_pb2.GenerateRequest) -> tuple[int, ...]:
-        """The reply's ids for `forced_text`: the text's tokens as the assistant turn holds them
-        (the prompt ends with the generation prompt's newline), then the end token."""
-        if self.config.backend is not Backend.TRANSFORMERS:
-            raise InvalidArgument("forced_text", f"not supported by the {self.config.backend} thinker backend")
-        if not request.forced_text:
-            raise InvalidArgument("forced_text", "must not be empty when set")
-        if request.thinker_sampling.ListFields():
-            raise InvalidArgument("thinker_sampling", "must be unset with forced_text: nothing is sampled")
-        ids = tuple(self.prompts.encode_text(request.forced_text)) + (self.adapter.end_token_id(),)
-        if len(ids) > self.config.max_new_tokens_limit:
-            raise InvalidArgument("forced_text", f"is {len(ids)} tokens with the end token, more than the limit of "
-                                                 f"{self.config.max_new_tokens_limit}")
-        return ids
+        self.prefix_pool = getattr(engine, "prefix_pool", None)  # the transformers engine's, when on
+        self.admission = Admission(adapter, prompts, config, build_prompt, caches_prefixes=self.prefix_pool is not None)
 
     async def Generate(self, request: stages_pb2.ThinkerRequest, context: grpc.aio.ServicerContext):
         async with aclosing(ThinkerStream(self, request, context).run()) as responses:
@@ -197,8 +108,8 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
     async def GetLoad(self, request, context):
         report = self.loop.load_report(Stage.THINKER, self.config.engine.num_slots, self.handle.draining,
                                        reset_peak=request.reset_peak)
-        if self.prefix_cache is not None:
-            epoch, seq, full, held = self.prefix_cache.index.report(request.prefix_epoch, request.prefix_since)
+        if self.prefix_pool is not None:
+            epoch, seq, full, held = self.prefix_pool.index.report(request.prefix_epoch, request.prefix_since)
             report.prefix.CopyFrom(common_pb2.PrefixReport(
                 epoch=epoch, seq=seq, full=full, held=[common_pb2.PrefixHeld(key=k, tokens=t) for k, t in held]))
         return report
@@ -229,8 +140,8 @@ async def create_server(config: ThinkerConfig) -> tuple[ServerHandle, EngineLoop
     adapter = ADAPTERS[Family(model_config.model_type)](config.model.checkpoint, model_config, prompts)
     handle, loop = start_stage(Stage.THINKER, engine, config.serving, SERVICE, cache_slots=config.engine.num_slots)
     servicer = ThinkerServicer(loop, engine, prompts, config, handle, adapter, build_prompt)
-    if servicer.prefix_cache is not None and loop.metrics is not None:
-        loop.metrics.prefix_cache(servicer.prefix_cache)
+    if servicer.prefix_pool is not None and loop.metrics is not None:
+        loop.metrics.prefix_cache(servicer.prefix_pool)
     stages_pb2_grpc.add_ThinkerServicer_to_server(servicer, handle.server)
     return handle, loop
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
@@ -31,27 +30,11 @@ from services.serving.peer_limits import PeerLimits
 from services.serving.status import ReplayDiverged, StageUnavailable, abort_for
 from services.serving.tracing import RequestTrace, now_ns
 from services.thinker.adapter import ThinkerAdapter
+from services.thinker.admission import Admission, Prepared, wants_audio
 from services.thinker.config import ThinkerConfig
-from services.thinker.engine import Finished, ReleaseText, ThinkerJob, Token
+from services.thinker.engine import Finished, ReleaseText, Token
 
 Responses = list[omni_pb2.GenerateResponse]
-
-
-def wants_audio(request: omni_pb2.GenerateRequest) -> bool:
-    modalities = set(request.output_modalities)
-    if not modalities:
-        return True
-    if modalities - {omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO}:
-        raise InvalidArgument("output_modalities", "only MODALITY_TEXT and MODALITY_AUDIO exist")
-    if omni_pb2.MODALITY_TEXT not in modalities:
-        raise InvalidArgument("output_modalities", "text is always produced: use [TEXT] or [TEXT, AUDIO]")
-    return omni_pb2.MODALITY_AUDIO in modalities
-
-
-@dataclass(frozen=True)
-class Prepared:
-    job: ThinkerJob
-    audio: bool
 
 
 class ThinkerStage(Protocol):
@@ -64,8 +47,8 @@ class ThinkerStage(Protocol):
     channels: ChannelPool
     metrics: StageMetrics
     talker_limits: PeerLimits
+    admission: Admission
 
-    def prepare(self, request: omni_pb2.GenerateRequest, talker: common_pb2.StageLimits | None) -> Prepared: ...
     def hold_text(self, key: str, talker: common_pb2.StageLimits) -> bool: ...
 
 
@@ -125,7 +108,7 @@ class ThinkerStream:
                     raise InvalidArgument("route.talker", "audio output needs a talker replica in the route")
                 self.talker_limits = await self.servicer.talker_limits.first_of(
                     [self.route.talker, *self.route.talker_fallbacks])
-            self.prepared = await asyncio.to_thread(self.servicer.prepare, self.req, self.talker_limits)
+            self.prepared = await asyncio.to_thread(self.servicer.admission.prepare, self.req, self.talker_limits)
         except (InvalidArgument, StageUnavailable) as exc:
             self.spans.finish("invalid_argument" if isinstance(exc, InvalidArgument) else "unavailable")
             await abort_for(self.context, exc)

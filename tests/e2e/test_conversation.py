@@ -16,7 +16,7 @@ import pytest
 
 from bench.stage_metrics import scrape
 from omni.v1 import omni_pb2
-from services.thinker.server import messages_from_proto
+from services.thinker.admission import messages_from_proto
 from services.tools.client import collect, connect
 from services.tools.launcher import free_port_block
 from services.tools.reference import ReferenceRunner

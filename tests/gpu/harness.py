@@ -11,12 +11,8 @@ from services.runtime.lm.kv_slots import SlotKVCache
 from services.runtime.lm.sampling import SamplingConfig
 from services.runtime.lm.static_decode import SlotDecodeGraphs
 from services.runtime.model.settings import GraphSettings
-from services.talker.engine import (
-    Frame,
-    TalkerDone,
-    TalkerEngine,
-    TalkerEngineConfig,
-)
+from services.talker.engine import TalkerEngine
+from services.talker.engine_base import Frame, TalkerDone, TalkerEngineConfig
 from services.talker.graphs import PredictorGraphs, talker_step
 from services.thinker.engine import (
     Finished,

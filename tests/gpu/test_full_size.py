@@ -24,7 +24,8 @@ from services.runtime.model.checkpoint import (
 )
 from services.runtime.model.full_size import REAL_LAYOUT, check_layout
 from services.runtime.model.settings import ModelConfig
-from services.talker.engine import TalkerEngine, TalkerEngineConfig
+from services.talker.engine import TalkerEngine
+from services.talker.engine_base import TalkerEngineConfig
 from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig
 from services.tools.reference import messages_from_args
 from services.tools.tiny_checkpoint import build_config, build_tokenizer, main

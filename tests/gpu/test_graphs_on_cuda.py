@@ -16,7 +16,8 @@ from services.code2wav.vocoder import forward_batch
 from services.runtime.inputs.prompt import PromptBuilder
 from services.runtime.model.checkpoint import Stage, load_stage
 from services.runtime.model.settings import GraphSettings
-from services.talker.engine import TalkerEngine, TalkerEngineConfig
+from services.talker.engine import TalkerEngine
+from services.talker.engine_base import TalkerEngineConfig
 from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig
 from services.tools.reference import messages_from_args
 from tests.gpu.harness import run_pipeline, static_engines

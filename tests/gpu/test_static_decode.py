@@ -23,7 +23,8 @@ from services.runtime.lm.kv_slots import SlotKVCache
 from services.runtime.model.checkpoint import Stage, _stage_classes, load_stage
 from services.runtime.model.full_size import REAL_LAYOUT
 from services.runtime.model.settings import GraphSettings
-from services.talker.engine import TalkerEngine, TalkerEngineConfig
+from services.talker.engine import TalkerEngine
+from services.talker.engine_base import TalkerEngineConfig
 from services.talker.graphs import PredictorGraphs, talker_step
 from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig
 from services.thinker.graphs import thinker_step

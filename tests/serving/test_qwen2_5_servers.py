@@ -21,7 +21,7 @@ from services.code2wav.token2wav_engine import Token2WavEngine
 from services.runtime.model.settings import ModelConfig
 from services.serving.config import ServingConfig
 from services.talker import server as talker_server
-from services.talker.engine import TalkerEngineConfig
+from services.talker.engine_base import TalkerEngineConfig
 from services.talker.qwen2_5 import Qwen2_5TalkerEngine
 from services.thinker import server as thinker_server
 from services.thinker.engine import ThinkerEngineConfig

@@ -20,7 +20,7 @@ from services.runtime.model.settings import ModelConfig
 from services.serving.config import ServingConfig
 from services.serving.status import field_violations
 from services.serving.wire import audio_from_proto, frames_to_proto
-from services.talker.engine import TalkerEngineConfig
+from services.talker.engine_base import TalkerEngineConfig
 from services.talker.server import TalkerConfig
 from services.talker.server import create_server as create_talker
 from services.thinker.server import ThinkerConfig

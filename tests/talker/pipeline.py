@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 
-from services.talker.engine import Frame, TalkerDone
+from services.talker.engine_base import Frame, TalkerDone
 
 
 class TwoStagePipeline:

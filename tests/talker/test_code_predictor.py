@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.runtime.lm.invariance import linear_weights, probe_exact_kernels
+from services.runtime.lm.invariance import check_exact_kernels, linear_weights
 from services.runtime.lm.kernels import ExactKernels, use_rowwise_attention, using_kernels
 from services.runtime.lm.kv_slots import SlotKVCache
 from services.runtime.model.checkpoint import Stage, load_stage
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.exactness
 def probed(talker, capacity: int) -> ExactKernels:
     """The paths a talker engine's start-up probe picks on this machine for the predictor."""
     lean = CodePredictor(talker, capacity, "cpu", torch.float32)
-    return probe_exact_kernels(gemm=False, capacity=capacity, linear_weights=linear_weights(talker.code_predictor),
+    return check_exact_kernels(gemm=False, capacity=capacity, linear_weights=linear_weights(talker.code_predictor),
                                linear_tokens=(1, 2), attention=lean.attention_shapes()).kernels
 
 

@@ -19,19 +19,12 @@ import torch
 from services.base.finish import FinishReason
 from services.runtime.inputs.prompt import ChatMessage, Part, PromptBuilder, Role
 from services.runtime.lm.kernels import KernelPath
-from services.runtime.lm.prefix_cache import PromptPrefix
+from services.runtime.lm.prefix.keys import PromptPrefix
 from services.runtime.lm.sampling import SamplingConfig
 from services.runtime.model.checkpoint import Stage, load_stage
 from services.runtime.model.qwen3_omni import talker_prompt_len
-from services.talker.engine import (
-    Frame,
-    TalkerDone,
-    TalkerEngine,
-    TalkerEngineConfig,
-    TalkerJob,
-    TextEnd,
-    TextRow,
-)
+from services.talker.engine import TalkerEngine, TalkerJob, TextRow
+from services.talker.engine_base import Frame, TalkerDone, TalkerEngineConfig, TextEnd
 from services.thinker.engine import (
     Finished,
     Prefilled,
@@ -165,7 +158,7 @@ class Pipeline(TwoStagePipeline):
         self.cases[case.request_id] = case
         prompt = self.builder.build(messages)
         prefix = None
-        if self.thinker.prefix is not None:  # where each message starts (the thinker server's prompt_prefix)
+        if self.thinker.prefix_pool is not None:  # where each message starts (the thinker server's prompt_prefix)
             starts = (prompt.input_ids[0] == self.config.im_start_token_id).nonzero().flatten().tolist()
             prefix = PromptPrefix(tuple(starts), (None,) * len(messages), tuple(bytes([i]) * 16 for i in range(len(messages))))
         self.jobs[case.request_id] = job = ThinkerJob(prompt, SamplingConfig(max_new_tokens=case.max_new_tokens), True,
@@ -383,6 +376,6 @@ def test_a_conversation_s_turns_from_both_prefix_caches_equal_generate_on_the_hi
         assert_equals_reference(pipe, {case.request_id: Expected(want.thinker_token_ids, want.codec_frames)},
                                 [case.request_id])
         history.append(ChatMessage(Role.ASSISTANT, (Part(text=want.text),)))
-    assert pipe.thinker.prefix.stats.hit_tokens > 0 and pipe.talker.prefix.stats.hit_tokens > 0
+    assert pipe.thinker.prefix_pool.stats.hit_tokens > 0 and pipe.talker.prefix_pool.stats.hit_tokens > 0
     assert pipe.talker.exact_report.paths()["prefix_hit"] == "used"
     assert_clean(pipe)

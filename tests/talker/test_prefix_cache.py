@@ -1,5 +1,5 @@
 """The talkers' prefix cache (services/talker/engine.py `prefill_from_prefix`, keys from
-services/runtime/lm/prefix_cache.py `row_block_keys`), in `--exact-batching gemm`, where hits are used
+services/runtime/lm/prefix/ `row_block_keys`), in `--exact-batching gemm`, where hits are used
 and exact by construction, engines on the tiny checkpoints (both families), nothing mocked.
 
 Pinned bugs (project issue 48, item 0):
@@ -20,11 +20,12 @@ import pytest
 import torch
 
 from services.runtime.inputs.prompt import ChatMessage, Part, PromptBuilder, Role
-from services.runtime.lm.prefix_cache import BLOCK_TOKENS
+from services.runtime.lm.prefix.keys import BLOCK_TOKENS
 from services.runtime.lm.sampling import SamplingConfig
 from services.runtime.model.checkpoint import Stage, load_stage
 from services.runtime.model.qwen3_omni import talker_prompt_len
-from services.talker.engine import Frame, TalkerDone, TalkerEngine, TalkerEngineConfig, TalkerJob, TextEnd, TextRow
+from services.talker.engine import TalkerEngine, TalkerJob, TextRow
+from services.talker.engine_base import Frame, TalkerDone, TalkerEngineConfig, TextEnd
 from services.talker.qwen2_5 import Qwen2_5TalkerEngine, Qwen2_5TalkerJob, ReplyPart
 from services.thinker.engine import Prefilled, ThinkerEngine, ThinkerEngineConfig, Token
 from services.tools.inprocess import Handoff
@@ -107,10 +108,10 @@ def test_a_qwen3_talker_prompt_of_whole_blocks_sent_twice_gives_the_same_bits(qw
     engine = TalkerEngine(qwen3_talker.model, qwen3_talker.config, engine_config=engine_config(8))
     job, inputs = qwen3_whole_blocks_job(qwen3_talker.config)
     first = speak(engine, "first", job, inputs)
-    assert engine.prefix.stats.hit_tokens == 0 and len(first[0]) == TALKER_FRAMES
+    assert engine.prefix_pool.stats.hit_tokens == 0 and len(first[0]) == TALKER_FRAMES
     again = speak(engine, "again", job, inputs)
     assert_same_bits(again, first, "the re-sent talker prompt")
-    assert engine.prefix.stats.hit_tokens == BLOCK_TOKENS  # all but the last block, whose last row is computed
+    assert engine.prefix_pool.stats.hit_tokens == BLOCK_TOKENS  # all but the last block, whose last row is computed
     assert engine.exact_report.paths()["prefix_hit"] == "used"
 
 
@@ -128,10 +129,10 @@ def test_a_qwen2_5_talker_prompt_of_whole_blocks_sent_twice_gives_the_same_bits(
     assert job.prompt_len == 2 * BLOCK_TOKENS
     inputs = [ReplyPart(torch.randn(hidden, generator=gen)) for _ in range(3)] + [TextEnd()]
     first = speak(engine, "first", job, inputs)
-    assert engine.prefix.stats.hit_tokens == 0 and len(first[1]) == TALKER_FRAMES
+    assert engine.prefix_pool.stats.hit_tokens == 0 and len(first[1]) == TALKER_FRAMES
     again = speak(engine, "again", job, inputs)
     assert_same_bits(again, first, "the re-sent talker prompt")
-    assert engine.prefix.stats.hit_tokens == BLOCK_TOKENS
+    assert engine.prefix_pool.stats.hit_tokens == BLOCK_TOKENS
     assert engine.exact_report.paths()["prefix_hit"] == "used"
 
 
@@ -190,9 +191,9 @@ def test_the_same_talker_ids_with_another_image_s_rows_share_no_block(tiny_check
     heard["cached"]["first"] = speak(cached, "first", *works["first"])
     heard["cached"]["other"] = speak(cached, "other", *works["other"])
     heard["cold"]["other"] = speak(cold, "other", *works["other"])
-    assert cached.prefix.stats.lookup_tokens > 0 and cached.prefix.stats.hit_tokens == 0, "no block shared"
+    assert cached.prefix_pool.stats.lookup_tokens > 0 and cached.prefix_pool.stats.hit_tokens == 0, "no block shared"
     assert_same_bits(heard["cached"]["other"], heard["cold"]["other"], "the other image's request")
     # The check has teeth: the same request re-sent does hit.
     again = speak(cached, "again", *works["other"])
-    assert cached.prefix.stats.hit_tokens > 0
+    assert cached.prefix_pool.stats.hit_tokens > 0
     assert_same_bits(again, heard["cold"]["other"], "the other image's request re-sent")

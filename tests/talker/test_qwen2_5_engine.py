@@ -26,7 +26,7 @@ from services.runtime.model.qwen2_5_omni import resolve_voice
 from services.runtime.model.settings import ModelConfig
 from services.serving.config import ServingConfig
 from services.talker.config import TalkerConfig
-from services.talker.engine import Frame, TalkerDone, TalkerEngineConfig, TextEnd
+from services.talker.engine_base import Frame, TalkerDone, TalkerEngineConfig, TextEnd
 from services.talker.qwen2_5 import Qwen2_5TalkerEngine, Qwen2_5TalkerJob, ReplyPart
 from services.talker.qwen2_5_adapter import qwen2_5_input_from_proto, qwen2_5_job_from_proto
 from services.thinker.engine import Finished, ThinkerEngineConfig, Token
@@ -379,10 +379,10 @@ def test_a_conversation_s_turns_from_the_talker_s_prefix_cache_equal_generate_on
         assert_equals_reference(pipe, [case.request_id], {case.request_id: want})
         reply = setup.builder.tokenizer.decode(want.token_ids, skip_special_tokens=True)
         history.append(ChatMessage(Role.ASSISTANT, (Part(text=reply),)))
-    stats = pipe.talker.prefix.stats
+    stats = pipe.talker.prefix_pool.stats
     assert stats.hit_tokens > 0 and stats.refused_tokens == 0, stats
     assert pipe.talker.exact_report.paths()["prefix_hit"] == "used"
     assert_clean(pipe)
     rows = Qwen2_5TalkerEngine(setup.talker, setup.config, engine_config=TalkerEngineConfig(
         max_model_len=MAX_MODEL_LEN, prefix_cache_mb=8))
-    assert not rows.prefix.holds and rows.exact_report.paths()["prefix_hit"] == "refused"
+    assert not rows.prefix_pool.keeps_tensors and rows.exact_report.paths()["prefix_hit"] == "refused"

@@ -14,7 +14,7 @@ from services.runtime.model.settings import ModelConfig
 from services.serving.config import ServingConfig
 from services.serving.wire import tensor_to_proto
 from services.talker.config import TalkerConfig
-from services.talker.engine import TalkerEngineConfig, TextEnd
+from services.talker.engine_base import TalkerEngineConfig, TextEnd
 from services.talker.qwen2_5 import ReplyPart
 from services.talker.qwen2_5_adapter import qwen2_5_input_from_proto, qwen2_5_job_from_proto
 from services.thinker.engine import Token

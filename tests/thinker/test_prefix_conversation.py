@@ -25,8 +25,9 @@ from services.base.families import family_of
 from services.runtime.inputs.prompt import PromptBuilder
 from services.runtime.lm.sampling import SamplingConfig
 from services.runtime.model.checkpoint import Stage, load_stage
+from services.thinker.admission import messages_from_proto, prompt_prefix
 from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig, Token
-from services.thinker.server import ADAPTERS, messages_from_proto, prompt_prefix
+from services.thinker.server import ADAPTERS
 from services.tools.reference import ReferenceRunner
 from tests.threads import torch_threads
 
@@ -141,7 +142,7 @@ def assert_same_bits(cached: Out, cold: Out, where: str) -> None:
 
 def assert_hits_used(engine: ThinkerEngine, used: bool) -> None:
     """Hits used (gemm), or refused (per-row kernels: said once, exported, counted)."""
-    stats = engine.prefix.stats
+    stats = engine.prefix_pool.stats
     assert engine.prefix_hits is used, engine.exact_report.reasons.get("prefix_hit")
     assert engine.exact_report.paths()["prefix_hit"] == ("used" if used else "refused")
     if used:
@@ -164,7 +165,7 @@ def test_each_turn_from_cached_blocks_equals_the_cold_prefill_and_generate(famil
         assert got.tokens == oracle.thinker_token_ids, f"turn {turn}"
     assert_hits_used(cached, used=mode == "gemm")
     # The index names what is held; refusing hits, the engine holds nothing for the router to route to.
-    assert cached.running == 0 and bool(cached.prefix.index.report(0, 0)[3]) is (mode == "gemm")
+    assert cached.running == 0 and bool(cached.prefix_pool.index.report(0, 0)[3]) is (mode == "gemm")
 
 
 @pytest.mark.exactness
@@ -200,7 +201,7 @@ def test_another_image_under_the_same_text_is_a_miss(family, wav_bytes, png_byte
     run(engine, {"a": job(family, first)})
     image_at = job(family, first).prefix.starts[3]  # the second user turn, which holds the image
     other_png = another_image(png_bytes)
-    stats = engine.prefix.stats
+    stats = engine.prefix_pool.stats
     before = stats.hit_tokens + stats.refused_tokens
     run(engine, {"b": job(family, conversation(2, wav_bytes, other_png))})
     found = stats.hit_tokens + stats.refused_tokens - before

@@ -6,7 +6,7 @@ Pinned bugs (project issue 48, item 0):
   `n // BLOCK_TOKENS`: a re-sent prompt whose length is a multiple of 16 then finds every one of
   its blocks, and the prefill is left no position to compute (it crashes);
 - the cut of Qwen3-Omni's deepstack visual embeds one row off (`skipping_prefix` in
-  services/runtime/lm/prefix_cache.py): a hit that ends inside an image's placeholder run hands the
+  services/runtime/lm/prefix/): a hit that ends inside an image's placeholder run hands the
   decoder stack one visual row more or fewer than the visual positions it runs (it crashes).
 
 Both in `--exact-batching gemm`, where hits are used and exact by construction: the hit's output
@@ -21,9 +21,10 @@ import torch
 from omni.v1 import omni_pb2
 from services.base.families import family_of
 from services.runtime.inputs.prompt import PromptBuilder
-from services.runtime.lm.prefix_cache import BLOCK_TOKENS
+from services.runtime.lm.prefix.keys import BLOCK_TOKENS
 from services.runtime.model.checkpoint import Stage, load_stage
-from services.thinker.server import ADAPTERS, messages_from_proto
+from services.thinker.admission import messages_from_proto
+from services.thinker.server import ADAPTERS
 from tests.thinker.test_prefix_conversation import Family_, assert_hits_used, assert_same_bits, job, make_engine, run
 from tests.threads import torch_threads
 
@@ -86,11 +87,11 @@ def test_a_prompt_of_whole_blocks_sent_twice_gives_the_same_bits_from_all_but_it
     assert tokens % BLOCK_TOKENS == 0 and tokens >= 2 * BLOCK_TOKENS
     engine = make_engine(family, "gemm", cache_mb=16)
     first = run(engine, {"first": job(family, request)})["first"]
-    assert engine.prefix.stats.hit_tokens == 0
+    assert engine.prefix_pool.stats.hit_tokens == 0
     again = run(engine, {"again": job(family, request)})["again"]
     assert_same_bits(again, first, "the re-sent prompt")
     # Every block but the last came from the cache: its last position is always computed.
-    assert engine.prefix.stats.hit_tokens == tokens - BLOCK_TOKENS
+    assert engine.prefix_pool.stats.hit_tokens == tokens - BLOCK_TOKENS
     assert_hits_used(engine, used=True)
     assert engine.running == 0 and not engine.has_work()
 
@@ -130,10 +131,10 @@ def test_a_hit_that_ends_inside_an_image_gives_the_cold_prefill_s_bits(qwen3, pn
     first, second, hit_tokens = mid_image_pair(qwen3, png_bytes)
     cached, cold = make_engine(qwen3, "gemm", cache_mb=16), make_engine(qwen3, "gemm", cache_mb=0)
     run(cached, {"first": job(qwen3, first)})
-    before = cached.prefix.stats.hit_tokens
+    before = cached.prefix_pool.stats.hit_tokens
     got = run(cached, {"second": job(qwen3, second)})["second"]
     want = run(cold, {"second": job(qwen3, second)})["second"]
-    assert cached.prefix.stats.hit_tokens - before == hit_tokens, "the hit ends where the two prompts part, mid-image"
+    assert cached.prefix_pool.stats.hit_tokens - before == hit_tokens, "the hit ends where the two prompts part, mid-image"
     assert_same_bits(got, want, "the edited question after the same image")
     assert_hits_used(cached, used=True)
 

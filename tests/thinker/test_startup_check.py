@@ -13,8 +13,8 @@ import pytest
 from services.base.families import family_of
 from services.runtime.checks import CheckState
 from services.runtime.lm import invariance
+from services.runtime.lm.prefix import check as prefix_check
 from services.runtime.model.settings import CheckSettings
-from services.thinker import prefix_probe
 from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig, Token
 from services.thinker.server import ADAPTERS
 from tests.thinker.test_prefix_conversation import (  # noqa: F401 - fixtures
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 def gate(monkeypatch) -> threading.Event:
     """From now on a check waits for this before it runs its probes (the kernels' and the prefix hits')."""
     event = threading.Event()
-    for module, name in ((invariance, "probe_exact_kernels"), (prefix_probe, "probe_prefix_hits")):
+    for module, name in ((invariance, "check_exact_kernels"), (prefix_check, "hits_differ")):
         original = getattr(module, name)
 
         def gated(*args, _original=original, **kwargs):
@@ -84,4 +84,4 @@ def test_requests_across_the_switch_to_the_checked_plan_get_the_bits_of_a_checke
     # The next turn (turn 2's history): from cached blocks in gemm mode, with the cold bits.
     third = {"t3": job(family, conversation(3, wav_bytes, png_bytes))}
     assert_same_bits(run(engine, third)["t3"], run(checked, third)["t3"], "turn 3")
-    assert (engine.prefix.stats.hit_tokens > 0) is (mode == "gemm")
+    assert (engine.prefix_pool.stats.hit_tokens > 0) is (mode == "gemm")

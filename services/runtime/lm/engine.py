@@ -1,4 +1,11 @@
-"""What the thinker and talker engines share: the loop-facing half of a slot-scheduled LM.
+"""What the thinker and talker engines share: their one set-up and the loop-facing half of a
+slot-scheduled LM.
+
+`set_up` is every LM engine's start, in one order: the attention implementations exact mode runs,
+the KV slots, the decode step's CUDA graphs, the scheduler, the prefix pool and its hit policy;
+`start_exact_check` (last, once the engine can run a prompt) its exact-mode plan, checked beside
+serving (services/runtime/checks.py) with the prefix-hit check for every stage alike
+(services/runtime/lm/prefix/check.py).
 
 A subclass owns the model work (`prefill(request_id, slot)`, `decode(request_ids, slots)`, each
 returning (request_id, EngineEvent) pairs; a `final` event ends its request) and keeps its
@@ -11,26 +18,81 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
+
+import torch
 
 from services.base.engine import EngineDefaults, StepResult
+from services.base.timing import ForwardTimer
 from services.runtime.checks import CheckState, StartupCheck
-from services.runtime.lm.invariance import ProbeReport, by_construction, exact_check, log_report
-from services.runtime.lm.kernels import using_kernels
+from services.runtime.lm.invariance import KernelVerdict, by_construction, exact_check, log_report
+from services.runtime.lm.kernels import (
+    use_capturable_experts,
+    use_invariant_attention,
+    use_rowwise_attention,
+    using_kernels,
+)
+from services.runtime.lm.kv_slots import SlotKVCache
+from services.runtime.lm.prefix.check import PrefixCase, refused_hits
+from services.runtime.lm.prefix.pool import PrefixPool
+from services.runtime.lm.prefix.prefill import DecoderStack
 from services.runtime.lm.scheduler import LMScheduler, StepPlan
+from services.runtime.lm.static_decode import SlotDecodeGraphs
 
 
 class SlotScheduledEngine(EngineDefaults):
     scheduler: LMScheduler
     _requests: dict  # request_id -> the subclass's per-request state
-    exact_report: ProbeReport | None = None  # exact mode's kernel paths here (services/runtime/lm/invariance.py)
+    exact_report: KernelVerdict | None = None  # exact mode's kernel paths here (services/runtime/lm/invariance.py)
     exact_check: StartupCheck | None = None  # the check whose verdict replaces them, beside serving
+    prefix_pool: PrefixPool | None = None  # prompt blocks kept across requests (services/runtime/lm/prefix/)
+    prefix_hits: bool = True  # whether a prefill takes the pool's blocks (exact mode: once checked)
 
-    def start_exact_check(self, stage: str, settings, **probe) -> None:
+    def set_up(self, name: str, text_config, decoder, engine_config, device, dtype, *,
+               rowwise_configs: tuple = (), step: Callable[[SlotKVCache], Callable] | None = None,
+               step_input: torch.Tensor | None = None, extra_layers: int = 0) -> None:
+        """Every LM engine's set-up. `text_config`: the decoder stack's config (KV layout, attention);
+        `decoder`: the stack a prefill from cached blocks cuts; `rowwise_configs`: more configs whose
+        attention exact mode runs per row (the code predictor's); `step`: cache -> the decode step
+        its CUDA graphs capture (None: no graphs), `step_input` its captured input; `extra_layers`:
+        hidden-state layers the prefix pool keeps per block (the thinker's, for the talker)."""
+        self.name = name
+        self.device, self.dtype = device, dtype
+        self.timer = ForwardTimer()  # seconds in model forwards (services/base/timing.py)
+        use_rowwise_attention(text_config, *rowwise_configs)
+        if engine_config.exact_gemm:
+            use_invariant_attention(text_config)  # what makes a prefix hit exact (kernels.invariant_attention)
+        graphs = engine_config.graphs.enabled and step is not None
+        # With graphs, one extra slot that no request owns takes the padded rows' writes.
+        self.cache = SlotKVCache.for_config(text_config, engine_config.num_slots + int(graphs),
+                                            engine_config.max_model_len, dtype, device)
+        self.graphs = None
+        if graphs:
+            use_capturable_experts(text_config, dtype=dtype)
+            self.graphs = SlotDecodeGraphs(step(self.cache), self.cache, engine_config.num_slots, engine_config.graphs,
+                                           engine_config.exact_batching, f"{name} decode", device)
+            self.graphs.capture_all(step_input)
+        self.scheduler = LMScheduler(engine_config.max_batch_size, engine_config.num_slots,
+                                     engine_config.max_model_len, engine_config.max_prefills_per_step)
+        self._requests = {}
+        self.stack = DecoderStack(decoder, text_config)
+        # Hits: used without exact mode; with it, once the check found them exact (gemm), or never (per-row
+        # kernels: the pool keeps its bookkeeping alone, what hits would have saved still counted).
+        self.prefix_hits = not engine_config.exact_batching
+        if engine_config.prefix_cache_mb > 0:
+            self.prefix_pool = PrefixPool.for_model(
+                text_config, engine_config.prefix_cache_mb, extra_layers, dtype, device,
+                keeps_tensors=not engine_config.exact_batching or engine_config.exact_gemm)
+
+    def start_exact_check(self, stage: str, settings, **check) -> None:
         """Exact mode's plan: a verdict kept on disk or checked now (before serving), else the paths
         invariant by construction while the check runs beside serving (`adopt_checks` takes its
-        verdict). `probe`: invariance.exact_check's."""
-        safe = by_construction(probe["gemm"])
-        self.exact_check = exact_check(stage, settings, **probe)
+        verdict); with a prefix pool, the hit check too. `check`: invariance.exact_check's."""
+        safe = by_construction(check["gemm"])
+        if self.prefix_pool is not None:
+            safe.more["prefix_hit"] = "refused"
+            check |= {"then": self._prefix_hit_verdict, "then_shapes": {"prefix": self.stack.config.to_dict()}}
+        self.exact_check = exact_check(stage, settings, **check)
         verdict = self.exact_check.start()
         self.exact_report = dataclasses.replace(verdict or safe, check=self.exact_check.state)
         if verdict is not None:
@@ -38,22 +100,36 @@ class SlotScheduledEngine(EngineDefaults):
         if self.exact_check.state is not CheckState.RUNNING:
             log_report(self.exact_report, self.exact_check)
 
+    def _prefix_hit_verdict(self, report: KernelVerdict) -> None:
+        """The check's word on prefix-cache hits (on the check's thread)."""
+        why = refused_hits(self, report.kernels)
+        report.more["prefix_hit"] = "refused" if why else "used"
+        report.reasons["prefix_hit"] = why or "a prefill from cached blocks matched one without, bitwise"
+
+    def prefix_case(self, tokens: int, seed: int) -> PrefixCase:
+        """A prompt of `tokens` of the engine's own for the prefix-hit check (prefix/check.py)."""
+        raise NotImplementedError
+
     def adopt_checks(self) -> None:
         """The check's verdict, once it ended beside serving, between steps: every path it adopts
         gives each row the bits the per-row path gives it."""
         check = self.exact_check
         if check is None or not check.ended():
             return
-        verdict = check.verdict or self.exact_report
-        # The engine's own entries (a talker's prefix-hit policy, by mode) stay unless the check decided them.
-        report = dataclasses.replace(verdict, check=check.state, more={**self.exact_report.more, **verdict.more})
+        report = dataclasses.replace(check.verdict or self.exact_report, check=check.state)
         if check.verdict is not None:
             self.adopt_verdict(report)
         self.exact_report = report
         log_report(report, check)
 
-    def adopt_verdict(self, report: ProbeReport) -> None:
-        """Hook: what the engine takes from a verdict besides the kernel paths (the thinker's prefix hits)."""
+    def adopt_verdict(self, report: KernelVerdict) -> None:
+        """What the engine takes from a verdict besides the kernel paths: its prefix hits (refused:
+        the pool lets its tensors go and keeps the bookkeeping)."""
+        if self.prefix_pool is None:
+            return
+        self.prefix_hits = report.more.get("prefix_hit") == "used"
+        if not self.prefix_hits:
+            self.prefix_pool.drop_tensors()
 
     def kernels(self):
         """The engine's exact-mode kernel paths on this thread, for a block of its model work."""

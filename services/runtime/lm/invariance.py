@@ -5,15 +5,15 @@ equal length) is invariant or not depending on the CPU's ISA, torch's kernel cho
 and the thread count: batched SDPA matched every row on an Intel host and not on AMD EPYC hosts at
 2 threads. So each engine, once its model is loaded and its thread count set, runs every batched
 kernel it would use on the shapes it will use (its own weights, random inputs, the batch sizes in
-`probe_batches`), rows together against each row alone along the ROWS path, bitwise, and uses a
+`check_batch_sizes`), rows together against each row alone along the ROWS path, bitwise, and uses a
 batched kernel only if every case matched. Anything that raises counts as a mismatch: a failed
-probe costs speed, never a request. An engine serves on the per-row paths (invariant by
-construction; `by_construction`) while the probe runs beside serving, and adopts its report
+check costs speed, never a request. An engine serves on the per-row paths (invariant by
+construction; `by_construction`) while the check runs beside serving, and adopts its report
 between steps (`exact_check`, services/runtime/checks.py). The choice is logged once and
 exported (`omni_exact_kernel_info`, services/serving/metrics.py); the engine enters it around its
 model work (`SlotScheduledEngine.kernels`).
 
-What the probe cannot see (why the ROWS path is the default, not the batched one): a case it did
+What the check cannot see (why the ROWS path is the default, not the batched one): a case it did
 not run. It runs the engine's exact weight shapes and token counts at the batch sizes where kernel
 heuristics switch (small, powers of two and their neighbours, the capacity), at the thread count
 the process keeps for its life (stages set it once at load, services/runtime/model/checkpoint.py).
@@ -48,11 +48,11 @@ log = logging.getLogger(__name__)
 # Batch sizes at which kernel heuristics typically switch; the capacity is added.
 _BATCHES = (2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64)
 # Past this many multiply-adds per (weight, batch) case, fewer batch sizes (a real-width lm head
-# is 300 M per row): the probe stays a few seconds at start-up.
+# is 300 M per row): the check stays a few seconds at start-up.
 _FULL_PROBE_MACS = 64 << 20
 
 
-def probe_batches(capacity: int, macs_per_row: int = 0) -> list[int]:
+def check_batch_sizes(capacity: int, macs_per_row: int = 0) -> list[int]:
     sizes = sorted({b for b in _BATCHES if b <= capacity} | ({capacity} if capacity >= 2 else set()))
     if macs_per_row * capacity > _FULL_PROBE_MACS:
         sizes = sorted({b for b in sizes if b in (2, 3, 8, 16)} | {sizes[-1]}) if sizes else []
@@ -74,7 +74,7 @@ class AttentionShape:
 
 
 @dataclass
-class ProbeReport:
+class KernelVerdict:
     kernels: ExactKernels
     reasons: dict[str, str] = field(default_factory=dict)  # op -> why it took its path
     seconds: float = 0.0
@@ -98,7 +98,7 @@ class ProbeReport:
                 "linear_shapes": shapes, "reasons": dict(self.reasons), "more": dict(self.more)}
 
     @classmethod
-    def from_json(cls, data: dict, check: CheckState = CheckState.CACHED) -> ProbeReport:
+    def from_json(cls, data: dict, check: CheckState = CheckState.CACHED) -> KernelVerdict:
         shapes = data["linear_shapes"]
         kernels = ExactKernels(KernelPath(data["linear"]), KernelPath(data["experts"]), KernelPath(data["attention"]),
                                None if shapes is None else frozenset(tuple(int(n) for n in case) for case in shapes))
@@ -106,23 +106,23 @@ class ProbeReport:
                    more={str(k): str(v) for k, v in data["more"].items()}, check=check)
 
 
-def by_construction(gemm: bool) -> ProbeReport:
+def by_construction(gemm: bool) -> KernelVerdict:
     """What exact mode runs before its check passed: per-row paths (or the invariant GEMM), each
     invariant on any machine; exact mode's prefix-cache hits refused."""
     if gemm and (unavailable := invariant_gemm.unavailable_reason()) is not None:
         raise RuntimeError(f"--exact-batching gemm: the invariant GEMM is unavailable here: {unavailable}")
     kernels = GEMM_KERNELS if gemm else ExactKernels()
     why = f"invariant GEMM, {invariant_gemm.isa()} kernel" if gemm else "one call per row until the check passes"
-    return ProbeReport(kernels, {"linear": why, "experts": why, "attention": "per-row SDPA until the check passes"})
+    return KernelVerdict(kernels, {"linear": why, "experts": why, "attention": "per-row SDPA until the check passes"})
 
 
 def _generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def probe_linear(weights: Iterable[torch.Tensor], capacity: int, tokens: Iterable[int] = (1,)
+def check_linear(weights: Iterable[torch.Tensor], capacity: int, tokens: Iterable[int] = (1,)
                  ) -> tuple[frozenset[tuple[int, int, int]], str | None]:
-    """The (out, in, tokens) cases where `rowwise_matmul` gives every row of every probed batch its
+    """The (out, in, tokens) cases where `rowwise_matmul` gives every row of every checked batch its
     `linear_rows` bits, and the first case that differed (None if none did)."""
     shapes = {}
     for w in weights:
@@ -131,7 +131,7 @@ def probe_linear(weights: Iterable[torch.Tensor], capacity: int, tokens: Iterabl
     for (shape, dtype, device), w in shapes.items():
         n_out, k = shape
         for t in tokens:
-            batches = probe_batches(capacity, n_out * k * t)
+            batches = check_batch_sizes(capacity, n_out * k * t)
             if not batches:
                 continue
             x = torch.randn(batches[-1], t, k, generator=_generator(n_out * 31 + k)).to(device, dtype)
@@ -144,7 +144,7 @@ def probe_linear(weights: Iterable[torch.Tensor], capacity: int, tokens: Iterabl
     return frozenset(invariant), first_failure
 
 
-def probe_experts(modules: Iterable, capacity: int) -> str | None:
+def check_experts(modules: Iterable, capacity: int) -> str | None:
     """None if `_batched_experts` gives every token its alone-bits for each distinct experts shape."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward
 
@@ -163,7 +163,7 @@ def probe_experts(modules: Iterable, capacity: int) -> str | None:
             return "this experts layout has no batched path"
         top_k = int(getattr(module.config, "num_experts_per_tok", 2))
         experts = module.num_experts
-        batches = probe_batches(capacity, 3 * hidden * module.down_proj.shape[-1] * top_k)
+        batches = check_batch_sizes(capacity, 3 * hidden * module.down_proj.shape[-1] * top_k)
         if not batches:
             continue
         n = batches[-1]
@@ -178,13 +178,13 @@ def probe_experts(modules: Iterable, capacity: int) -> str | None:
     return None
 
 
-def probe_attention(shapes: Iterable[AttentionShape], capacity: int, dtype, device) -> str | None:
+def check_attention(shapes: Iterable[AttentionShape], capacity: int, dtype, device) -> str | None:
     """None if one SDPA over rows of equal length gives each row its alone-bits, for slices of a
     preallocated [capacity, kv_heads, positions, head_dim] buffer as the code predictor holds them."""
     import torch.nn.functional as F
 
     for s in shapes:
-        batches = probe_batches(capacity)
+        batches = check_batch_sizes(capacity)
         if not batches:
             continue
         n = batches[-1]
@@ -203,24 +203,24 @@ def probe_attention(shapes: Iterable[AttentionShape], capacity: int, dtype, devi
     return None
 
 
-def _guarded(probe, *args) -> str | None:
+def _guarded(check, *args) -> str | None:
     try:
-        return probe(*args)
-    except Exception as e:  # noqa: BLE001 - a probe that cannot run means: not invariant here
-        return f"probe failed: {type(e).__name__}: {e}"
+        return check(*args)
+    except Exception as e:  # noqa: BLE001 - a check that cannot run means: not invariant here
+        return f"check failed: {type(e).__name__}: {e}"
 
 
-def probe_exact_kernels(*, gemm: bool, capacity: int, linear_weights: list[torch.Tensor],
+def check_exact_kernels(*, gemm: bool, capacity: int, linear_weights: list[torch.Tensor],
                         linear_tokens: tuple[int, ...] = (1,), experts: list | None = None,
                         attention: list[AttentionShape] | None = None, dtype=torch.float32,
-                        device="cpu") -> ProbeReport:
+                        device="cpu") -> KernelVerdict:
     """Which path each batched op of an engine takes here (nothing adopted: `exact_check` runs it).
     `gemm`: `--exact-batching gemm` (linear layers and experts through the invariant GEMM)."""
     with torch.inference_mode():  # parameters require grad outside it, and bmm's out= refuses them
-        return _probe(gemm, capacity, linear_weights, linear_tokens, experts, attention, dtype, device)
+        return _check(gemm, capacity, linear_weights, linear_tokens, experts, attention, dtype, device)
 
 
-def _probe(gemm, capacity, linear_weights, linear_tokens, experts, attention, dtype, device) -> ProbeReport:
+def _check(gemm, capacity, linear_weights, linear_tokens, experts, attention, dtype, device) -> KernelVerdict:
     started = time.perf_counter()
     linear_shapes: frozenset = frozenset()
     reasons: dict[str, str] = {}
@@ -234,41 +234,41 @@ def _probe(gemm, capacity, linear_weights, linear_tokens, experts, attention, dt
         linear, experts_path = GEMM_KERNELS.linear, GEMM_KERNELS.experts
         reasons["linear"] = reasons["experts"] = f"invariant GEMM, {invariant_gemm.isa()} kernel"
     elif not cpu:
-        reasons["linear"] = reasons["experts"] = "rows (no probe off the CPU)"
+        reasons["linear"] = reasons["experts"] = "rows (no check off the CPU)"
     else:
         try:
-            linear_shapes, why = probe_linear(linear_weights, capacity, linear_tokens)
-        except Exception as e:  # noqa: BLE001 - a probe that cannot run means: not invariant here
-            linear_shapes, why = frozenset(), f"probe failed: {type(e).__name__}: {e}"
+            linear_shapes, why = check_linear(linear_weights, capacity, linear_tokens)
+        except Exception as e:  # noqa: BLE001 - a check that cannot run means: not invariant here
+            linear_shapes, why = frozenset(), f"check failed: {type(e).__name__}: {e}"
         cases = len({(*w.shape, t) for w in linear_weights for t in linear_tokens})
         linear = KernelPath.BATCHED if linear_shapes else KernelPath.ROWS
         reasons["linear"] = (f"bmm matched rows alone on {len(linear_shapes)} of {cases} cases"
                              + (f"; the rest row by row ({why})" if why else ""))
         if experts:
-            why = _guarded(probe_experts, experts, capacity)
+            why = _guarded(check_experts, experts, capacity)
             experts_path = KernelPath.ROWS if why else KernelPath.BATCHED
             reasons["experts"] = why or "per-pair bmm matched tokens alone"
         else:
             reasons["experts"] = "no MoE experts"
     if attention and cpu:
-        why = _guarded(probe_attention, attention, capacity, dtype, device)
+        why = _guarded(check_attention, attention, capacity, dtype, device)
         attention_path = KernelPath.ROWS if why else KernelPath.BATCHED
         reasons["attention"] = why or f"batched SDPA matched rows alone on {len(attention)} shapes"
     else:
         reasons["attention"] = "per-row SDPA over each row's slot"
     kernels = ExactKernels(linear, experts_path, attention_path, linear_shapes if linear is KernelPath.BATCHED
                            else frozenset())
-    return ProbeReport(kernels, reasons, time.perf_counter() - started)
+    return KernelVerdict(kernels, reasons, time.perf_counter() - started)
 
 
-def exact_check(stage: str, settings: CheckSettings, then: Callable[[ProbeReport], None] | None = None,
-                then_shapes: dict | None = None, **probe) -> StartupCheck:
-    """The check of an engine's batched kernels (`probe_exact_kernels`; `then` adds the engine's
+def exact_check(stage: str, settings: CheckSettings, then: Callable[[KernelVerdict], None] | None = None,
+                then_shapes: dict | None = None, **check) -> StartupCheck:
+    """The check of an engine's batched kernels (`check_exact_kernels`; `then` adds the engine's
     other choices to the report, e.g. the thinker's prefix-cache hits, checked on `then_shapes`),
     keyed by every shape it runs. The engine calls `start()` and runs its model work inside
     `using_kernels(report.kernels)`."""
-    def run() -> ProbeReport:
-        report = probe_exact_kernels(**probe)
+    def run() -> KernelVerdict:
+        report = check_exact_kernels(**check)
         if then is not None:
             then(report)
         return report
@@ -276,18 +276,18 @@ def exact_check(stage: str, settings: CheckSettings, then: Callable[[ProbeReport
     def weights(tensors) -> list:
         return sorted({(tuple(w.shape), str(w.dtype)) for w in tensors})
 
-    experts = probe.get("experts") or []
-    shapes = {"gemm": probe["gemm"], "capacity": probe["capacity"], "linear": weights(probe["linear_weights"]),
-              "tokens": list(probe.get("linear_tokens", (1,))),
+    experts = check.get("experts") or []
+    shapes = {"gemm": check["gemm"], "capacity": check["capacity"], "linear": weights(check["linear_weights"]),
+              "tokens": list(check.get("linear_tokens", (1,))),
               "experts": weights([m.gate_up_proj for m in experts] + [m.down_proj for m in experts]),
-              "attention": [dataclasses.asdict(a) for a in probe.get("attention") or []],
-              "dtype": str(probe.get("dtype", torch.float32)), "device": str(probe.get("device", "cpu")),
-              "gemm_kernel": invariant_gemm.isa() if probe["gemm"] else None,
+              "attention": [dataclasses.asdict(a) for a in check.get("attention") or []],
+              "dtype": str(check.get("dtype", torch.float32)), "device": str(check.get("device", "cpu")),
+              "gemm_kernel": invariant_gemm.isa() if check["gemm"] else None,
               "more": then_shapes}
-    return StartupCheck(f"{stage} kernels", shapes, run, ProbeReport.to_json, ProbeReport.from_json, settings)
+    return StartupCheck(f"{stage} kernels", shapes, run, KernelVerdict.to_json, KernelVerdict.from_json, settings)
 
 
-def log_report(report: ProbeReport, check: StartupCheck) -> None:
+def log_report(report: KernelVerdict, check: StartupCheck) -> None:
     how = {CheckState.CACHED: "kept on disk", CheckState.FAILED: "check failed, unchanged"}.get(
         check.state, f"checked in {check.seconds:.2f} s")
     log.info("%s of exact batching on this CPU (%s, %d thread(s)), %s: %s", check.name,

@@ -12,7 +12,7 @@ NOTE: exactness. A GEMM over B rows does not give bit-identical rows to B separa
 whether a batched kernel happens to match is a property of one kernel on one CPU (batched SDPA
 matched on an Intel host and not on AMD ones). Greedy decoding must not depend on who else is in
 the batch, so exact mode (`batch_invariant`) computes every op along one of these paths, chosen
-once per engine (`ExactKernels`, from the start-up probe in services/runtime/lm/invariance.py):
+once per engine (`ExactKernels`, from the start-up check in services/runtime/lm/invariance.py):
 
 Each engine enters its choice (`using_kernels`) around its model work, on the thread that runs it.
 
@@ -20,11 +20,11 @@ Each engine enters its choice (`using_kernels`) around its model work, on the th
   with the shape that row has alone ([1, T, K] for a linear layer, one token for the experts,
   [1, heads, T, L] for attention). Same kernel, same shape, same thread count, same input bits:
   the same output bits, whatever the batch. It costs one kernel launch and one weight read per row.
-- BATCHED, invariant where probed: one bmm with an item per row (`rowwise_matmul`), the experts'
-  per-pair bmm (`_batched_experts`), one SDPA over equal-length rows. Used only where the probe
+- BATCHED, invariant where checked: one bmm with an item per row (`rowwise_matmul`), the experts'
+  per-pair bmm (`_batched_experts`), one SDPA over equal-length rows. Used only where the check
   found it bit-identical to ROWS on this CPU, at this thread count, for the shapes the engine runs.
 - GEMM (`--exact-batching gemm`): omni's own GEMM (services/runtime/lm/invariant_gemm.py), whose
-  per-element operations are fixed in its source, so no probe is needed; it is applied to every
+  per-element operations are fixed in its source, so no check is needed; it is applied to every
   float32 linear layer of the process (prefill, encoders and decode), and exact against
   `generate` run through the same op. It reuses each weight across the batch's rows.
 """
@@ -49,20 +49,20 @@ _local = threading.local()
 
 class KernelPath(enum.StrEnum):
     ROWS = "rows"  # one call per row with the row's own shape: invariant by construction
-    BATCHED = "batched"  # one batched call: invariant where the start-up probe passed
+    BATCHED = "batched"  # one batched call: invariant where the start-up check passed
     GEMM = "gemm"  # omni's invariant GEMM (linear layers and experts only)
 
 
 @dataclass(frozen=True)
 class ExactKernels:
-    """How exact mode computes each batched op (an engine's probed choice, services/runtime/lm/invariance.py)."""
+    """How exact mode computes each batched op (an engine's checked choice, services/runtime/lm/invariance.py)."""
 
     linear: KernelPath = KernelPath.ROWS
     experts: KernelPath = KernelPath.ROWS
     attention: KernelPath = KernelPath.ROWS  # equal-length rows in one SDPA (the code predictor)
-    # With linear BATCHED: the (out, in, tokens per row) cases the probe found invariant; any other
+    # With linear BATCHED: the (out, in, tokens per row) cases the check found invariant; any other
     # linear (a shape it did not run, or one that differed) goes row by row. None: every shape
-    # (only tests that force the batched path use it; the probe always lists its cases).
+    # (only tests that force the batched path use it; the check always lists its cases).
     linear_shapes: frozenset[tuple[int, int, int]] | None = frozenset()
 
     def batched_linear(self, weight: torch.Tensor, tokens: int) -> bool:
@@ -122,7 +122,7 @@ def tile_columns(weight: torch.Tensor, tokens: int) -> int | None:
 
 def rowwise_matmul(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """rows [B, T, K] @ weight[N, K].T (+ bias) with one bmm item per row (the BATCHED linear:
-    bit-identical to each row's own `F.linear` where the probe says so); column-tiled for
+    bit-identical to each row's own `F.linear` where the check says so); column-tiled for
     weights past L2 size."""
     batch, tokens = rows.shape[:2]
     transposed = weight.t()  # [K, N], no copy
@@ -270,7 +270,7 @@ def _rowwise_experts(module, hidden_states, top_k_index, top_k_weights):
     """MoE experts along the process's exact path. transformers groups a batch's tokens by expert
     into one matmul per expert (its `grouped_mm`), whose rounding depends on how many tokens share
     the expert. ROWS: each token through the configured experts alone, as its own request's
-    decode step calls them. BATCHED (where probed): `_batched_experts`, every (token, expert) pair
+    decode step calls them. BATCHED (where checked): `_batched_experts`, every (token, expert) pair
     its own bmm item. GEMM: `_gemm_experts` for any number of tokens, prefill included (the
     reference runs the same)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward

@@ -146,7 +146,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exact-batching", choices=EXACT_CHOICES, default=env_default("exact_batching", "auto"),
                         help="batch-invariant kernels: greedy output independent of the batch "
                              "(auto: on for cpu, off for cuda; on: per-row kernels, batched ones where the "
-                             "start-up probe finds them invariant, bit-exact with generate; gemm: omni's "
+                             "start-up check finds them invariant, bit-exact with generate; gemm: omni's "
                              "invariant GEMM for every linear layer, fast at width, bit-exact with "
                              "generate run through the same op; cpu float32 only)")
 
@@ -172,7 +172,7 @@ DEFAULT_PREFIX_CACHE_MB = 2048
 
 
 def add_prefix_cache_flag(parser: argparse.ArgumentParser, what: str) -> None:
-    """--prefix-cache-mb of an LM stage (services/runtime/lm/prefix_cache.py)."""
+    """--prefix-cache-mb of an LM stage (services/runtime/lm/prefix/)."""
     parser.add_argument("--prefix-cache-mb", type=int, default=env_default("prefix_cache_mb", -1),
                         help=f"prefix cache pool: {what} (default -1: an eighth of the host's memory, at most "
                              f"{DEFAULT_PREFIX_CACHE_MB}; 0 = off)")

@@ -6,10 +6,10 @@ single-row calls (different kernels and blocking), so a request's greedy tokens 
 who shares its batch. `test_plain_batched_linear_is_not_bit_equal_to_single_rows` shows it.
 
 What is asserted on any machine: the ROWS path equals each request alone (by construction), and
-whatever path the start-up probe picks here equals each request alone on the cases it is given
+whatever path the start-up check picks here equals each request alone on the cases it is given
 (a batched kernel only where it is invariant on this CPU, ISA and thread count). Whether a batched
 kernel is invariant is the machine's business: these tests hold either way, and
-`test_probe_rejects_a_kernel_that_is_not_invariant` shows the probe catching one that is not.
+`test_probe_rejects_a_kernel_that_is_not_invariant` shows the check catching one that is not.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from services.runtime.lm import invariance
 from services.runtime.lm import kernels as batching
-from services.runtime.lm.invariance import AttentionShape, probe_attention, probe_exact_kernels, probe_linear
+from services.runtime.lm.invariance import AttentionShape, check_attention, check_exact_kernels, check_linear
 from services.runtime.lm.kernels import ROWWISE_ATTENTION, ExactKernels, KernelPath, RowKV, batch_invariant, using_kernels
 from services.runtime.lm.kv_slots import SlotKVCache
 
@@ -51,8 +51,8 @@ def batched():
 
 
 def adopted(weights, capacity, tokens=(1,)):
-    """The paths an engine with these weights would run here (the probe's choice), as a context."""
-    report = probe_exact_kernels(gemm=False, capacity=capacity, linear_weights=list(weights), linear_tokens=tokens)
+    """The paths an engine with these weights would run here (the check's choice), as a context."""
+    report = check_exact_kernels(gemm=False, capacity=capacity, linear_weights=list(weights), linear_tokens=tokens)
     return using_kernels(report.kernels)
 
 
@@ -95,7 +95,7 @@ def test_batch_invariant_linear_equals_single_request_linear_bit_for_bit(shape, 
     x, w, b = make(shape, n_out=160)
     bias = b if with_bias else None
     tokens = (shape[1],) if len(shape) == 3 else (1,)
-    for kernels in (ExactKernels(), None):  # the ROWS path, then whatever the probe picks here
+    for kernels in (ExactKernels(), None):  # the ROWS path, then whatever the check picks here
         with adopted([w], x.shape[0], tokens) if kernels is None else using_kernels(kernels), batch_invariant():
             out = F.linear(x, w, bias)
         assert out.shape == original_linear(x, w, bias).shape
@@ -351,7 +351,7 @@ def test_use_rowwise_attention_switches_the_configs():
 def test_batched_sdpa_is_used_only_where_it_gives_each_row_its_alone_bits(heads, kv_heads, head_dim, tokens, length,
                                                                            threads):
     # One SDPA over [B, heads, T, head_dim] gives every row its alone-bits on some CPUs and not on
-    # others (AMD EPYC at 2 threads: not). The probe must say which, for slices of a preallocated
+    # others (AMD EPYC at 2 threads: not). The check must say which, for slices of a preallocated
     # buffer as services/talker/code_predictor.py holds them.
     g = torch.Generator().manual_seed(0)
     keys = torch.randn(16, kv_heads, 18, head_dim, generator=g)
@@ -366,14 +366,14 @@ def test_batched_sdpa_is_used_only_where_it_gives_each_row_its_alone_bits(heads,
                                                    values[i:i + 1, :, :length].contiguous(), **kwargs)
             invariant &= torch.equal(together[i:i + 1], alone)
     shape = AttentionShape(heads, kv_heads, head_dim, tokens, length, causal=tokens > 1)
-    verdict = probe_attention([shape], 16, torch.float32, "cpu")
-    # A mismatch seen here must be one the probe sees too (it runs these batch sizes and more).
+    verdict = check_attention([shape], 16, torch.float32, "cpu")
+    # A mismatch seen here must be one the check sees too (it runs these batch sizes and more).
     assert invariant or verdict is not None
 
 
 def test_probe_rejects_a_kernel_that_is_not_invariant(monkeypatch):
     # A batched kernel that changes one row's last bit once the batch passes 8 (as a kernel whose
-    # blocking switches at a size would): the probe must refuse it and the engine keep ROWS.
+    # blocking switches at a size would): the check must refuse it and the engine keep ROWS.
     real_bmm = torch.bmm
 
     def drifting_bmm(a, b, **kwargs):
@@ -383,15 +383,15 @@ def test_probe_rejects_a_kernel_that_is_not_invariant(monkeypatch):
         return out
 
     w, other = make((1, 64), n_out=96)[1], make((1, 48), n_out=40)[1]
-    assert probe_linear([w], capacity=8) == (frozenset({(96, 64, 1)}), None)  # below the drift: invariant
+    assert check_linear([w], capacity=8) == (frozenset({(96, 64, 1)}), None)  # below the drift: invariant
     monkeypatch.setattr(torch, "bmm", drifting_bmm)
-    shapes, why = probe_linear([w], capacity=32)
+    shapes, why = check_linear([w], capacity=32)
     assert shapes == frozenset() and "96x64" in why and "batch 9" in why
-    report = probe_exact_kernels(gemm=False, capacity=32, linear_weights=[w])
+    report = check_exact_kernels(gemm=False, capacity=32, linear_weights=[w])
     assert report.kernels.linear is KernelPath.ROWS and "batch 9" in report.reasons["linear"]
     # One shape that drifts leaves the others batched, and it goes row by row.
     monkeypatch.setattr(torch, "bmm", lambda a, b, **kw: drifting_bmm(a, b, **kw) if b.shape[1] == 64 else real_bmm(a, b, **kw))
-    kernels = probe_exact_kernels(gemm=False, capacity=32, linear_weights=[w, other]).kernels
+    kernels = check_exact_kernels(gemm=False, capacity=32, linear_weights=[w, other]).kernels
     assert kernels.linear is KernelPath.BATCHED and kernels.linear_shapes == {(40, 48, 1)}
     assert not kernels.batched_linear(w, 1) and kernels.batched_linear(other, 1) and not kernels.batched_linear(other, 2)
 
@@ -401,17 +401,17 @@ def test_probe_that_raises_counts_as_not_invariant(monkeypatch):
         raise RuntimeError("no kernel for this shape")
 
     monkeypatch.setattr(invariance, "rowwise_matmul", broken)
-    report = probe_exact_kernels(gemm=False, capacity=4, linear_weights=[make((1, 64), n_out=32)[1]])
+    report = check_exact_kernels(gemm=False, capacity=4, linear_weights=[make((1, 64), n_out=32)[1]])
     assert report.kernels.linear is KernelPath.ROWS
     assert "RuntimeError: no kernel for this shape" in report.reasons["linear"]
 
 
 def test_probe_batches_cover_the_switch_points_and_the_capacity():
-    assert invariance.probe_batches(1) == []
-    assert invariance.probe_batches(6) == [2, 3, 4, 5, 6]
-    assert invariance.probe_batches(32)[-3:] == [17, 31, 32]
-    assert invariance.probe_batches(48)[-1] == 48
-    assert invariance.probe_batches(32, macs_per_row=300 << 20) == [2, 3, 8, 16, 32]  # a real-width lm head
+    assert invariance.check_batch_sizes(1) == []
+    assert invariance.check_batch_sizes(6) == [2, 3, 4, 5, 6]
+    assert invariance.check_batch_sizes(32)[-3:] == [17, 31, 32]
+    assert invariance.check_batch_sizes(48)[-1] == 48
+    assert invariance.check_batch_sizes(32, macs_per_row=300 << 20) == [2, 3, 8, 16, 32]  # a real-width lm head
 
 
 # Batched MoE experts.
@@ -431,13 +431,13 @@ def experts_module(num_experts: int, hidden: int, inter: int, seed: int = 0):
                                                     (4, 512, 1024, 2)],
                          ids=["tiny_talker", "small", "real_talker_width", "column_tiled"])
 def test_exact_experts_equal_grouped_mm_of_each_row_alone(experts, hidden, inter, top_k, threads):
-    # ROWS (by construction) and whatever the probe picks here (the per-pair bmm where it matched).
+    # ROWS (by construction) and whatever the check picks here (the per-pair bmm where it matched).
     from transformers.integrations.moe import grouped_mm_experts_forward
 
     module = experts_module(experts, hidden, inter)
     module.config = SimpleNamespace(_omni_base_experts="grouped_mm", num_experts_per_tok=top_k)
     assert batching._batched_experts_cover(module, torch.zeros(2, hidden))
-    why = invariance.probe_experts([module], 16)
+    why = invariance.check_experts([module], 16)
     g = torch.Generator().manual_seed(1)
     for tokens in (2, 5, 16):
         states = torch.randn(tokens, hidden, generator=g)

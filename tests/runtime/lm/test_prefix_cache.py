@@ -8,14 +8,15 @@ from transformers import DynamicCache
 from omni.v1 import common_pb2, omni_pb2
 from router.prefix import PrefixView, Routing
 from router.replicas import Replica, ReplicaSet, ReplicaSource
-from services.runtime.lm.prefix_cache import BLOCK_TOKENS, PrefixCache, PromptPrefix, block_keys
+from services.runtime.lm.prefix.keys import BLOCK_TOKENS, PromptPrefix, block_keys
+from services.runtime.lm.prefix.pool import PrefixPool
 from services.serving.prefix_keys import media_digests, message_keys
 
 LAYERS, KV_HEADS, HEAD_DIM, HIDDEN = 2, 1, 4, 8
 
 
-def pool(blocks: int) -> PrefixCache:
-    return PrefixCache(layers=LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, hidden=HIDDEN, extra_layers=2,
+def pool(blocks: int) -> PrefixPool:
+    return PrefixPool(layers=LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, hidden=HIDDEN, extra_layers=2,
                        dtype=torch.float32, device="cpu", capacity_blocks=blocks)
 
 
@@ -87,7 +88,7 @@ def test_a_ledger_counts_what_a_refused_lookup_would_have_found_and_copies_nothi
     ids = [6] * (2 * BLOCK_TOKENS + 1)
     keys = block_keys(ids, {})
     ledger.store(keys, *prefilled(len(ids), 1), first=0)
-    ledger.held(PromptPrefix(starts=(0, len(ids)), media=(None,), keys=(b"m0",)), keys)
+    ledger.publish(PromptPrefix(starts=(0, len(ids)), media=(None,), keys=(b"m0",)), keys)
     assert ledger.blocks == 2 and ledger.index.report(0, 0)[3] == []  # nothing the router should route to
     assert ledger.lookup(keys, 2, need_extras=True, use=False).tokens == 0
     assert ledger.stats.refused_tokens == 2 * BLOCK_TOKENS and ledger.stats.hit_tokens == 0
@@ -100,7 +101,7 @@ def test_the_index_reports_changes_since_a_poll_and_everything_to_a_new_reader()
     prefix = PromptPrefix(starts=(0, BLOCK_TOKENS + 1, 2 * BLOCK_TOKENS + 3), media=(None, None),
                           keys=(b"m0", b"m1"))
     c.store(keys, *prefilled(len(ids), 1), first=0)
-    c.held(prefix, keys)
+    c.publish(prefix, keys)
     epoch, seq, full, held = c.index.report(0, 0)
     assert full and dict(held) == {b"m0": BLOCK_TOKENS, b"m1": 2 * BLOCK_TOKENS}
     other = block_keys([8] * BLOCK_TOKENS, {})

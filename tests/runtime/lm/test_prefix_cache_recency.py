@@ -1,29 +1,30 @@
 """A full prefix-cache pool keeps a growing conversation's history: a lookup's hit counts as a use
-(services/runtime/lm/prefix_cache.py, PrefixCache.lookup's `move_to_end`), so the blocks a turn just
+(services/runtime/lm/prefix/, PrefixPool.lookup's `move_to_end`), so the blocks a turn just
 found are the last to go when that same turn's new blocks need room.
 
 Pinned bug (project issue 48, item 0): `lookup` not refreshing the recency of the blocks it hits.
 Every engine test's pool never fills, and the pool test evicts with hits held pinned, so nothing
 saw that in a full pool a conversation's turn then evicts the blocks of its own history it had
-just found (they are released before the store, as the engines do: `prefilling_after` releases
+just found (they are released before the store, as the engines do: `from_cached_blocks` releases
 the hit when the forward ends, `store` comes after), and its next turn hits only part of it.
 """
 
 from __future__ import annotations
 
-from services.runtime.lm.prefix_cache import BLOCK_TOKENS, PrefixCache, block_keys
+from services.runtime.lm.prefix.keys import BLOCK_TOKENS, block_keys
+from services.runtime.lm.prefix.pool import PrefixPool
 from tests.runtime.lm.test_prefix_cache import pool, prefilled
 
 TAIL = 5  # tokens after a prompt's last whole block
 
 
-def prefill(cache: PrefixCache, ids: list[int], seed: int) -> int:
+def prefill(cache: PrefixPool, ids: list[int], seed: int) -> int:
     """What a thinker prefill does with the cache (ThinkerEngine._prefill_forward): look up the
     prompt's blocks, run the forward (the hit pinned), release, store the new blocks. Returns the
     tokens the hit covered."""
     keys = block_keys(ids, {})
     hit = cache.lookup(keys, (len(ids) - 1) // BLOCK_TOKENS, need_extras=False)
-    cache.release(hit)  # the forward ended: prefilling_after releases before the store
+    cache.release(hit)  # the forward ended: from_cached_blocks releases before the store
     cache.store(keys, *prefilled(len(ids), seed), first=len(hit.blocks))
     return hit.tokens
 

@@ -1,0 +1,62 @@
+"""What both families' talker engines share (engine.py for Qwen3-Omni, qwen2_5.py): their config,
+the end of the text as input, the frame and done events, and how a request's readiness follows
+its input (a step waits for the text row it needs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from services.base.events import EngineEvent
+from services.base.finish import FinishReason
+from services.runtime.lm.scheduler import LMScheduler
+from services.runtime.model.settings import CheckSettings, GraphSettings
+
+
+@dataclass(frozen=True)
+class TalkerEngineConfig:
+    max_batch_size: int = 32  # requests decoded together in one step
+    num_slots: int = 32  # KV cache slots
+    max_model_len: int = 4096  # cache positions per slot: prompt part + 9 + max_new_tokens must fit
+    exact_batching: bool = True  # batch-invariant kernels (see services/runtime/lm/kernels.py)
+    exact_gemm: bool = False  # exact mode's linear layers through the invariant GEMM (--exact-batching gemm)
+    max_prefills_per_step: int = 1  # waiting requests prefilled in one step beside the decode batch
+    graphs: GraphSettings = GraphSettings()  # CUDA graphs of the decode step and the code predictor
+    prefix_cache_mb: int = 0  # the prefix cache's pool (services/runtime/lm/prefix/); 0: none
+    checks: CheckSettings = CheckSettings()  # exact mode's start-up check: beside serving or before (services/runtime/checks.py)
+
+
+@dataclass(frozen=True)
+class TextEnd:
+    pass
+
+
+@dataclass(frozen=True)
+class Frame(EngineEvent):
+    index: int
+    codes: torch.Tensor  # [num_code_groups] int64
+
+
+@dataclass(frozen=True)
+class TalkerDone(EngineEvent):
+    reason: FinishReason
+    frames: int
+    final: ClassVar[bool] = True
+
+
+def end_text(state, payload) -> None:
+    """Either family's talker input that is not a text part: a TextEnd ends the request's text (its
+    state's `text_done`); anything else is a wiring mistake."""
+    if not isinstance(payload, TextEnd):
+        raise TypeError(f"unexpected talker input {type(payload).__name__}")
+    state.text_done = True
+
+
+def refresh_ready(scheduler: LMScheduler, requests: dict, request_ids) -> None:
+    """Mark each request of `request_ids` still held ready or waiting, by its state's `ready`: after
+    an input arrives, and after a step (its next step may have to wait for text not yet streamed)."""
+    for request_id in request_ids:
+        if request_id in requests:
+            scheduler.set_ready(request_id, requests[request_id].ready)
