@@ -134,7 +134,6 @@ class RealtimeSession:
         self.outbox_ready = asyncio.Event()
         self.writing_since: float | None = None  # monotonic start of the write in progress
         self.closed: omni_pb2.SessionClosed | None = None
-        self.client_done = False
         self.last_activity = time.monotonic()
         self.turns = 0
         self.response: Response | None = None
@@ -167,18 +166,23 @@ class RealtimeSession:
                     message = await asyncio.wait_for(self.inbox.get(), TICK_S)
                 except TimeoutError:
                     message = None
+                if isinstance(message, _End) or self.context.cancelled():
+                    # NOTE: the client closing its side ends the session, its response cancelled (below):
+                    # a call the client cancels reads as that same end here, and grpc does not always
+                    # cancel this handler or say cancelled() (a gateway's cancel, seen 1 time in 3).
+                    break
                 if message is None:
                     self.check_timeouts()
-                elif isinstance(message, _End):
-                    self.client_done = True
                 else:
                     self.last_activity = time.monotonic()
                     self.handle(message)
-                if self.client_done and (self.response is None or self.response.ended):
-                    break
-            outcome = omni_pb2.CloseReason.Name(self.closed.reason).removeprefix("CLOSE_REASON_").lower() \
-                if self.closed is not None else "ended"
-            await self.flush()
+            if self.response is not None and not self.response.ended:
+                self.cancel_response(omni_pb2.CANCEL_REASON_CLIENT, cut=False)
+            if self.closed is None:
+                outcome = "ended"
+            else:
+                outcome = omni_pb2.CloseReason.Name(self.closed.reason).removeprefix("CLOSE_REASON_").lower()
+                await self.flush()  # the closing event, for at most the send timeout
         finally:
             if self.response is not None and not self.response.ended:
                 self.cancel_response(omni_pb2.CANCEL_REASON_CLIENT, cut=False)

@@ -257,3 +257,16 @@ def test_a_hundred_barge_ins_leave_no_slot_held_in_any_stage(session, stack):
     call.send(cancel_response=omni_pb2.CancelResponse())
     assert cancelled >= 90, cancelled  # a reply may end before the speech over it is heard
     assert wait_idle(stack, timeout_s=20) == {"thinker": 0, "talker": 0, "code2wav": 0}
+
+
+def test_a_client_that_cancels_its_call_mid_reply_frees_the_response_in_every_stage(session, stack):
+    call = session(turn_detection=MANUAL, thinker_sampling=sampling(8), talker_sampling=common_pb2.SamplingParams(
+        max_new_tokens=2000, temperature=3.0, seed=1))
+    call.send(create_item=omni_pb2.CreateItem(message=omni_pb2.Message(
+        role=omni_pb2.ROLE_USER, content=[omni_pb2.Content(text="Tell me a long story.")])))
+    call.send(create_response=omni_pb2.CreateResponse())
+    call.next_event("audio")
+    call.call.cancel()
+    cancelled = time.monotonic()
+    assert wait_idle(stack, timeout_s=20) == {"thinker": 0, "talker": 0, "code2wav": 0}
+    assert time.monotonic() - cancelled < 5, "the reply ran on after its session's call was cancelled"

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
+import time
 import wave
 from pathlib import Path
 
 import numpy as np
 import pytest
+import websockets.sync.client
+from gateway_procs import start_gateway, start_router
+from websockets.exceptions import InvalidStatus
 
 from services.base.resample import resample
 
@@ -109,19 +114,93 @@ def test_the_sdks_async_client_cancels_a_response_with_response_cancel(async_cli
         assert response.status_details.reason == "client_cancelled"
 
 
-@pytest.mark.parametrize("path", ["/v1/realtime?model=x"])
-def test_a_refused_bearer_token_is_a_401_in_the_handshake(gateway, tiny_checkpoint, tmp_path, path):
-    import websockets.sync.client
-    from gateway_procs import start_gateway
-    from websockets.exceptions import InvalidStatus
-
+def test_a_refused_bearer_token_is_a_401_in_the_handshake(gateway, tmp_path):
     tokens = tmp_path / "tokens"
     tokens.write_text("secret\n")
     guarded = start_gateway("127.0.0.1:1", tmp_path, "--auth-token-file", str(tokens))
     try:
         with pytest.raises(InvalidStatus) as refused:
-            websockets.sync.client.connect(f"ws://127.0.0.1:{guarded.port}{path}",
+            websockets.sync.client.connect(f"ws://127.0.0.1:{guarded.port}/v1/realtime?model=x",
                                            additional_headers={"Authorization": "Bearer wrong"})
         assert refused.value.response.status_code == 401
     finally:
         guarded.stop()
+
+
+@pytest.fixture(scope="module")
+def one_place_gateway(gw_stack, tmp_path_factory):
+    """A gateway in front of a second router with one place in flight."""
+    router, port = start_router(gw_stack, "--max-in-flight", "1")
+    gateway = start_gateway(f"127.0.0.1:{port}", tmp_path_factory.mktemp("gw1"))
+    yield gateway
+    gateway.stop()
+    router.terminate()
+    router.wait(timeout=10)
+
+
+def test_a_session_over_the_routers_capacity_is_a_429_with_retry_after_in_the_handshake(one_place_gateway):
+    url = f"ws://127.0.0.1:{one_place_gateway.port}/v1/realtime?model=x"
+    deadline = time.monotonic() + 30
+    while True:  # the second router connects to its stages
+        try:
+            holder = websockets.sync.client.connect(url)
+            break
+        except (InvalidStatus, OSError):
+            assert time.monotonic() < deadline, "the one-place gateway never took a session"
+            time.sleep(0.2)
+    try:
+        assert json.loads(holder.recv(timeout=10))["type"] == "session.created"
+        with pytest.raises(InvalidStatus) as refused:
+            websockets.sync.client.connect(url)
+        response = refused.value.response
+        assert response.status_code == 429 and int(response.headers["Retry-After"]) >= 1
+        assert json.loads(response.body)["error"]["type"] == "rate_limit_error"
+    finally:
+        holder.close()
+
+
+@pytest.fixture(scope="module")
+def long_reply_stack(tiny_checkpoint):
+    """A stack whose talker speaks up to 1,500 frames a reply (two minutes of audio: seconds of work)."""
+    from services.tools.launcher import Stack, StackOptions
+    from tests.threads import torch_threads
+
+    options = StackOptions(checkpoint=str(tiny_checkpoint), port=0, threads=torch_threads(1), log_prefix=False,
+                           thinker_args=("--default-max-new-tokens", "8"),
+                           talker_args=("--default-max-new-tokens", "1500"), http_port=0)
+    with Stack(options) as stack:
+        yield stack
+
+
+@pytest.mark.slow
+def test_a_client_that_closes_its_socket_mid_reply_frees_the_response_in_every_stage(long_reply_stack):
+    """The socket closed at the reply's first audio: the gateway cancels the router's session call, and
+    the router the response everywhere (it ran on to its end when the router took the cancel for a
+    half-close)."""
+    import grpc
+
+    from omni.v1 import common_pb2
+    from services.serving.stage_stubs import stage_stub
+
+    def held() -> int:
+        total = 0
+        for stage in ("thinker", "talker", "code2wav"):
+            with grpc.insecure_channel(long_reply_stack.addresses(stage)[0]) as channel:
+                load = stage_stub(stage, channel).GetLoad(common_pb2.LoadRequest(), timeout=5)
+            total += load.queue_depth + load.running + load.in_flight
+        return total
+
+    url = long_reply_stack.http_url.replace("http://", "ws://") + "/v1/realtime?model=x"
+    for _ in range(4):  # the router missed the gateway's cancel 1 time in 3 before it took any end as the end
+        with websockets.sync.client.connect(url, max_size=None) as ws:
+            ws.send(json.dumps({"type": "session.update", "session": {
+                "type": "realtime", "audio": {"input": {"turn_detection": None}}}}))
+            ws.send(json.dumps({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+                                "content": [{"type": "input_text", "text": "Tell me a long story."}]}}))
+            ws.send(json.dumps({"type": "response.create"}))
+            while json.loads(ws.recv(timeout=30))["type"] != "response.output_audio.delta":
+                pass
+        closed = time.monotonic()
+        while held():
+            assert time.monotonic() - closed < 5, "the reply ran on after its socket closed"
+            time.sleep(0.1)
