@@ -47,7 +47,7 @@ from services.base.events import EngineEvent
 from services.base.timing import ForwardTimer
 from services.code2wav.blocks import BlockStream
 from services.code2wav.plan import BlockPlan, adopt
-from services.code2wav.vocoder import VocoderGeometry
+from services.code2wav.vocoder import VocoderGeometry, model_device
 from services.runtime.checks import StartupCheck
 
 
@@ -110,7 +110,8 @@ class Code2WavEngine(EngineDefaults):
         self.codebook_size = int(config.code2wav_config.codebook_size)
         self.num_quantizers = int(config.code2wav_config.num_quantizers)
         self.delivery_s = delivery_ms / 1000  # audio's way from here to its listener (the module note)
-        self.timer = ForwardTimer()  # seconds in vocoder forwards (services/base/timing.py)
+        # Seconds in vocoder forwards (services/base/timing.py), waiting for the GPU's kernels on cuda.
+        self.timer = ForwardTimer(sync=torch.cuda.synchronize if model_device(vocoder.model).type == "cuda" else None)
         self._requests: dict[str, _Request] = {}  # request_id -> its frames and state
 
     def add(self, request_id: str, _payload=None) -> None:
