@@ -8,6 +8,8 @@ the launcher is the deployment, so it supervises as Kubernetes would: a process 
 restarted on its port with backoff while the rest keep serving (the router takes a replica back
 once it is SERVING); only Ctrl-C / SIGTERM or a crash loop stops the stack. `omni-serve demo`
 starts the stack (no gateway), turns one prompt into a .wav through the router, and stops.
+`--gpu-sharing mps` runs the stages' kernels side by side on their one GPU through CUDA MPS
+(services/tools/gpu_sharing.py), or says in one line why it cannot and runs without.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from services.serving.placement import cpu_list
 from services.serving.security import TLSConfig, secure_or_insecure_channel, tls_from_args
 from services.serving.stage_stubs import stage_stub
 from services.tools.client import build_request, collect, connect
+from services.tools.gpu_sharing import GpuSharing, MpsDaemon, MpsPercent, start_mps
 from services.tools.reference import write_wav
 
 STAGE_MODULES = {
@@ -131,6 +134,8 @@ class StackOptions:
     log_prefix: bool = True
     device: str = "cpu"  # where the stages run (their --device is in the per-stage args); for cpu_layout's auto
     cpu_layout: str = "auto"  # auto|on|off: the talker on CPUs of its own (`cpu_layout`); auto = on unless CUDA
+    gpu_sharing: GpuSharing = GpuSharing.NONE  # mps: the stages' kernels side by side (services/tools/gpu_sharing.py)
+    mps_percent: MpsPercent = MpsPercent()  # each stage process's share of the SMs under MPS
 
 
 @dataclass
@@ -143,6 +148,7 @@ class Stack:
     options: StackOptions
     processes: dict[str, Process] = field(default_factory=dict)  # name -> process, in start order
     layout: tuple[list[frozenset[int]], frozenset[int]] | None = None  # (talker replicas' CPUs, the rest's)
+    mps: MpsDaemon | None = None  # the MPS daemon the stage processes use (--gpu-sharing mps), while the stack runs
 
     @property
     def target(self) -> str:
@@ -160,8 +166,17 @@ class Stack:
     def addresses(self, stage: str) -> list[str]:
         return [f"{self.options.host}:{p.port}" for p in self.processes.values() if p.stage == stage]
 
+    def process_env(self, stage: str) -> dict[str, str]:
+        """What a process of `stage` gets on top of the launcher's environment: under MPS a stage
+        process its daemon's pipe and its active-thread percentage; the router and the gateway,
+        which never touch the GPU, nothing of MPS."""
+        env = {"PYTHONUNBUFFERED": "1"}
+        if self.mps is not None and stage in tuple(Stage):
+            env |= self.mps.client_env(self.options.mps_percent.of(stage))
+        return env
+
     def _launch(self, process: Process) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, **self.process_env(process.stage))
         process.popen = subprocess.Popen(
             [sys.executable, "-m", STAGE_MODULES[process.stage], *process.args, *self.options.extra_args,
              "--port", str(process.port)],
@@ -197,6 +212,8 @@ class Stack:
         if on_unless_cuda(o.cpu_layout, o.device):
             self.layout = cpu_layout(sorted(os.sched_getaffinity(0)), threads, o.talker_replicas)
         try:
+            if o.gpu_sharing is GpuSharing.MPS:
+                self.mps = start_mps(o.device, log=lambda message: print(f"omni-serve: {message}", file=sys.stderr))
             for stage, count, extra in ((Stage.CODE2WAV, o.code2wav_replicas, o.code2wav_args),
                                         (Stage.TALKER, o.talker_replicas, o.talker_args),
                                         (Stage.THINKER, o.thinker_replicas, o.thinker_args)):
@@ -361,6 +378,9 @@ class Stack:
             except subprocess.TimeoutExpired:
                 process.popen.kill()
                 process.popen.wait()
+        if self.mps is not None:  # after its clients: a daemon the launcher started is quit, a joined one kept
+            self.mps.stop()
+            self.mps = None
 
     def __enter__(self) -> Stack:
         return self.start()
@@ -443,6 +463,16 @@ def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
                              "runs on CPUs of its own (its --threads' worth, the last ones) and the other processes on "
                              "the rest (--light-load-cpus); anywhere above that. Skipped when it leaves them none. "
                              "auto (default): on unless --device is cuda")
+    parser.add_argument("--gpu-sharing", choices=list(GpuSharing), default=GpuSharing.NONE.value,
+                        help="mps: the stage processes on one GPU run their kernels side by side through CUDA MPS "
+                             "(the launcher starts nvidia-cuda-mps-control -d in a folder of its own, or joins the daemon "
+                             "CUDA_MPS_PIPE_DIRECTORY names, and quits a daemon it started on exit); where MPS cannot "
+                             "start, one log line and the stack runs without it. none (default): each stage its own "
+                             "CUDA context, time-sliced (docs/gpu.md, \"Stages sharing a GPU\")")
+    for stage in Stage:
+        parser.add_argument(f"--mps-{stage}-percent", type=int, default=getattr(MpsPercent(), stage.value),
+                            help=f"with --gpu-sharing mps: the {stage}'s CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, the share of "
+                                 f"the SMs its kernels may take (default %(default)s, a guess to be measured)")
     parser.add_argument("--startup-timeout-s", type=float, default=180.0,
                         help="how long each process may take to report SERVING, at start and after a restart "
                              "(default 180: a stage serves once its weights are loaded; exact mode's start-up checks "
@@ -472,7 +502,9 @@ def _options(args) -> StackOptions:
                         talker_args=every + talker + more["talker"], code2wav_args=every + more["code2wav"],
                         router_args=more["router"], extra_args=tls_flags, tls=tls,
                         metrics_base_port=args.metrics_base_port, device=args.device or "cpu",
-                        cpu_layout=args.cpu_layout, startup_timeout_s=args.startup_timeout_s)
+                        cpu_layout=args.cpu_layout, startup_timeout_s=args.startup_timeout_s,
+                        gpu_sharing=GpuSharing(args.gpu_sharing),
+                        mps_percent=MpsPercent(**{stage.value: getattr(args, f"mps_{stage}_percent") for stage in Stage}))
 
 
 def up(args) -> None:
