@@ -5,15 +5,16 @@ gateway's /v1/realtime WebSocket; the figures of a voice agent:
 - end of speech -> first audio: from the moment the last sample of an utterance was sent to the
   first audio of the reply the server's turn detection started (it includes the detector's
   silence setting, which the report names);
-- barge-in: from the moment the first sample of an utterance spoken over a playing reply was sent
-  to the last audio chunk of that reply the client received;
+- barge-in: from the moment the first sample of an utterance spoken over a reply still being made
+  was sent to the last audio chunk of that reply the client received (0: none came after it), and
+  to its `response.done` (cancelled);
 - underruns: a client that plays each reply from its first chunk in real time, and a chunk that
   came after the audio before it had played out;
 - leaked slots: after the run, requests each stage replica still holds (GetLoad), and the router's
   places in flight.
 
-Each session speaks `turns` utterances; every other turn is interrupted: the next utterance starts
-`barge_after_s` after the reply's first audio.
+Each session speaks `turns` utterances; each reply but the last is interrupted: the next utterance
+starts `barge_after_s` after the reply's first audio.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from services.base.resample import resample
 SPEECH_DIR = Path(__file__).parent / "speech"
 CHUNK_MS = 20  # what a client sends at once, as a microphone callback would
 SILENCE_MS = 500  # the turn detector's silence setting the sessions ask for
-GAP_S = 1.5  # silence after an utterance that is not interrupted (the reply plays meanwhile)
 
 
 def load_speech(rate: int) -> list[bytes]:
@@ -55,6 +55,7 @@ def load_speech(rate: int) -> list[bytes]:
 class SessionFigures:
     first_audio_s: list[float] = field(default_factory=list)  # end of speech -> first audio, per answered turn
     barge_in_s: list[float] = field(default_factory=list)  # speech over a reply -> its last audio chunk
+    cancel_s: list[float] = field(default_factory=list)  # speech over a reply -> its response.done (cancelled)
     underruns: int = 0
     replies: int = 0
     cancelled: int = 0
@@ -92,9 +93,10 @@ class Speaker:
         self.barge_sent: dict[str, float] = {}  # response id -> when speech over it started
 
     async def speak(self, send) -> None:
+        """Each utterance, then silence until the reply's first audio, `barge_after_s` of it, and the
+        next utterance over it; after the last, the last reply to its end."""
         chunk = self.rate * CHUNK_MS // 1000 * 2
-        start = time.perf_counter()
-        sent = 0.0  # seconds of audio sent
+        start, sent = time.perf_counter(), 0.0  # the real-time clock of what was sent
 
         async def audio(pcm: bytes, on_first=None) -> None:
             nonlocal sent
@@ -106,24 +108,25 @@ class Speaker:
                 sent += len(pcm[i:i + chunk]) / 2 / self.rate
 
         for turn in range(self.turns):
-            utterance = self.utterances[turn % len(self.utterances)]
-            interrupting = self.current if turn % 2 == 1 else None
-
-            def mark(target=interrupting):
-                if target is not None and target in self.replies and not self._done(target):
-                    self.barge_sent[target] = time.perf_counter()
+            target = self.current
             self.reply_started.clear()
-            await audio(utterance, mark)
+            await audio(self.utterances[turn % len(self.utterances)], lambda target=target: self.mark_barge(target))
             self.speech_ended = time.perf_counter()
-            if turn % 2 == 0 and turn + 1 < self.turns:
-                # Let the reply start, then speak over it `barge_after_s` later.
-                await audio(bytes(2 * int(self.rate * SILENCE_MS / 1000)))
-                await self._wait_reply(5.0)
-                await asyncio.sleep(self.barge_after_s)
-                start, sent = time.perf_counter(), 0.0
-            else:
-                await audio(bytes(2 * int(self.rate * GAP_S)))
-        await asyncio.sleep(2.0)
+            # Silence while the detector waits out its setting and the reply starts (the client keeps
+            # sending, as a microphone does).
+            waiting = asyncio.ensure_future(self._wait_reply(10.0))
+            while not waiting.done():
+                await audio(bytes(chunk))
+            await asyncio.sleep(self.barge_after_s if turn + 1 < self.turns else 0)
+            start, sent = time.perf_counter(), 0.0
+        deadline = time.perf_counter() + 30
+        while self.current is not None and not self._done(self.current) and time.perf_counter() < deadline:
+            await asyncio.sleep(0.05)
+
+    def mark_barge(self, target: str | None) -> None:
+        """Speech starts over `target`'s reply (when it is still being made)."""
+        if target is not None and target in self.replies and not self._done(target):
+            self.barge_sent[target] = time.perf_counter()
 
     async def _wait_reply(self, timeout: float) -> None:
         try:
@@ -156,12 +159,14 @@ class Speaker:
             return
         reply.done = True
         self.figures.replies += 1
+        self.figures.underruns += reply.underruns
         if cancelled:
             self.figures.cancelled += 1
-            if rid in self.barge_sent and reply.last_audio is not None:
-                self.figures.barge_in_s.append(max(0.0, reply.last_audio - self.barge_sent[rid]))
-        else:
-            self.figures.underruns += reply.underruns
+            if rid in self.barge_sent:
+                # No chunk after the speech started: the server sent nothing over it (0).
+                last = reply.last_audio if reply.last_audio is not None else 0.0
+                self.figures.barge_in_s.append(max(0.0, last - self.barge_sent[rid]))
+                self.figures.cancel_s.append(time.perf_counter() - self.barge_sent[rid])
 
 
 def session_settings(max_tokens: int, max_frames: int, rate: int) -> omni_pb2.SessionSettings:
@@ -170,10 +175,8 @@ def session_settings(max_tokens: int, max_frames: int, rate: int) -> omni_pb2.Se
         turn_detection=omni_pb2.TurnDetection(enabled=True, silence_duration_ms=SILENCE_MS))
     settings.thinker_sampling.max_new_tokens = max_tokens
     settings.talker_sampling.max_new_tokens = max_frames
-    # NOTE: the tiny checkpoint's random talker often picks its end code early when greedy; sampled
-    # (seeded) it speaks to the frame limit, long enough to be interrupted while it is still made.
-    settings.talker_sampling.temperature = 3.0
-    settings.talker_sampling.seed = 1
+    # NOTE: greedy: on the recordings the tiny checkpoint's talker speaks to its frame limit (sampled,
+    # it picked its end code within 40-50 frames), so a reply is still being made when it is interrupted.
     return settings
 
 
@@ -245,6 +248,7 @@ class RealtimeResult:
     first_audio_ms_p90: float | None
     barge_in_ms_p50: float | None
     barge_in_ms_p90: float | None
+    cancel_ms_p50: float | None  # speech over a reply -> its cancelled response's done event
     barge_ins: int
     underruns: int
     replies: int
@@ -274,17 +278,19 @@ async def run_sessions(path: str, sessions: int, turns: int, target: str, ws_url
         path=path, sessions=sessions, turns=turns, silence_ms=SILENCE_MS,
         first_audio_ms_p50=_pct(first, 0.5), first_audio_ms_p90=_pct(first, 0.9),
         barge_in_ms_p50=_pct(barge, 0.5), barge_in_ms_p90=_pct(barge, 0.9), barge_ins=len(barge),
+        cancel_ms_p50=_pct([v for s in speakers for v in s.figures.cancel_s], 0.5),
         underruns=sum(s.figures.underruns for s in speakers), replies=sum(s.figures.replies for s in speakers),
         errors=sorted({e for s in speakers for e in s.figures.errors}))
 
 
 def render(results: list[RealtimeResult], leaked: dict[str, int]) -> str:
     lines = [f"realtime sessions (turn detection silence {SILENCE_MS} ms; end of speech -> first audio includes it)",
-             f"{'path':<10}{'N':>4}{'first audio p50':>17}{'p90':>8}{'barge-in p50':>14}{'p90':>8}{'barge-ins':>11}"
-             f"{'underruns':>11}{'replies':>9}"]
+             f"{'path':<10}{'N':>4}{'first audio p50':>17}{'p90':>8}{'barge-in p50':>14}{'p90':>8}{'cancel p50':>12}"
+             f"{'barge-ins':>11}{'underruns':>11}{'replies':>9}"]
     for r in results:
         lines.append(f"{r.path:<10}{r.sessions:>4}{_ms(r.first_audio_ms_p50):>17}{_ms(r.first_audio_ms_p90):>8}"
-                     f"{_ms(r.barge_in_ms_p50):>14}{_ms(r.barge_in_ms_p90):>8}{r.barge_ins:>11}{r.underruns:>11}"
+                     f"{_ms(r.barge_in_ms_p50):>14}{_ms(r.barge_in_ms_p90):>8}{_ms(r.cancel_ms_p50):>12}"
+                     f"{r.barge_ins:>11}{r.underruns:>11}"
                      f"{r.replies:>9}")
         for error in r.errors:
             lines.append(f"  error: {error}")
@@ -350,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", default="1,8", help="levels: sessions at once (default 1,8)")
     parser.add_argument("--turns", type=int, default=6, help="utterances each session speaks (default 6)")
     parser.add_argument("--max-tokens", type=int, default=16, help="the thinker's tokens a reply (default 16)")
-    parser.add_argument("--max-frames", type=int, default=200, help="the talker's frames a reply (default 200)")
+    parser.add_argument("--max-frames", type=int, default=300,
+                        help="the talker's frames a reply (default 300: 24 s of audio, made in about 4 s at N=1)")
     parser.add_argument("--barge-after-s", type=float, default=0.3,
                         help="speak over a reply this long after its first audio (default 0.3)")
     parser.add_argument("--out", default=None, help="also write the figures as JSON here")

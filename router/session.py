@@ -19,7 +19,6 @@ import asyncio
 import logging
 import time
 import uuid
-from array import array
 from collections import deque
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -28,10 +27,11 @@ import grpc
 
 from omni.v1 import omni_pb2
 from router.conversation import Conversation, Item, Reply
-from router.session_audio import Resampler, decode, wav_bytes
+from router.session_audio import decode, wav_bytes
+from router.session_input import InputAudio
 from router.session_settings import AUDIO, SessionConfig, Settings
 from router.stream import RouterStage, RouterStream
-from router.turn_detection import SpeechStart, SpeechStop, TurnDetector
+from router.turn_detection import SpeechStart
 from services.base.errors import InvalidArgument
 from services.serving.status import Overloaded, abort_for, field_violations, status_for
 from services.serving.streams import let_end
@@ -125,7 +125,6 @@ class RealtimeSession:
         self.requests = requests
         self.context = context
         self.config = config
-        self.vad_factory = vad_factory  # () -> a fresh detector: 512 16 kHz samples -> speech probability
         self.session_id = new_id("sess")
         self.settings = Settings()
         self.conversation = Conversation()
@@ -138,12 +137,10 @@ class RealtimeSession:
         self.turns = 0
         self.response: Response | None = None
         self.playback: Playback | None = None
-        # Input audio at the input rate, from absolute sample `input_start` on (`input_total` received).
-        self.input = array("h")
-        self.input_start = self.input_total = 0
+        self.input = InputAudio(vad_factory)
+        self.input.configure(self.settings.input_format, self.settings.turn_detection)
         self.speech_item: str | None = None  # the item id of the speech in progress
         self.speech_stopped_at: float | None = None  # monotonic time of the last stop: end of speech -> first audio
-        self.reset_detection()
 
     # ---- the call ----
 
@@ -279,14 +276,14 @@ class RealtimeSession:
 
     def on_update(self, update: omni_pb2.SessionSettings) -> None:
         settings = self.settings.updated(update)
-        if settings.input_format != self.settings.input_format and len(self.input):
+        if settings.input_format != self.settings.input_format and len(self.input.samples):
             raise MessageError("invalid_argument", "the input buffer holds audio: commit or clear it before changing "
                                                    "the input format", "update.input_format")
         changed_detection = settings.turn_detection != self.settings.turn_detection
         format_changed = settings.input_format != self.settings.input_format
         self.settings = settings
         if changed_detection or format_changed:
-            self.reset_detection()
+            self.input.configure(settings.input_format, settings.turn_detection)
         self.emit(omni_pb2.SessionEvent(updated=self.info()))
 
     def on_append_audio(self, append: omni_pb2.AppendAudio) -> None:
@@ -295,34 +292,24 @@ class RealtimeSession:
                                                   f"{self.config.max_append_bytes}-byte bound", "append_audio.data")
         fmt = self.settings.input_format
         samples = decode(append.data, fmt, "append_audio.data")
-        if (len(self.input) + len(samples)) / fmt.sample_rate > self.config.max_input_s:
+        if self.input.seconds + len(samples) / fmt.sample_rate > self.config.max_input_s:
             raise MessageError("input_buffer_full", f"the input buffer would hold over {self.config.max_input_s:g} s "
                                                     "of audio: commit or clear it", "append_audio.data")
-        self.input.extend(samples)
-        self.input_total += len(samples)
-        if self.detector is None:
-            return
-        for event in self.detector.feed(self.resampler.feed(samples)):
+        for event, sample in self.input.append(samples):
             if isinstance(event, SpeechStart):
-                self.speech_started(event)
+                self.speech_started(sample)
             else:
-                self.speech_stopped(event)
-        if not self.detector.speaking:
-            self.trim_input()
+                self.speech_stopped(sample)
+        self.input.trim()
 
     def on_commit(self, _: omni_pb2.CommitInput) -> None:
-        if not len(self.input):
+        if not len(self.input.samples):
             raise MessageError("no_input", "the input buffer is empty", "commit")
         self.commit_input(self.speech_item or new_id("item"))
-        if self.detector is not None:
-            self.detector.reset()
 
     def on_clear(self, _: omni_pb2.ClearInput) -> None:
-        self.input_start = self.input_total
-        del self.input[:]
+        self.input.clear()
         self.speech_item = None
-        if self.detector is not None:
-            self.detector.reset()
         self.emit(omni_pb2.SessionEvent(cleared=omni_pb2.InputCleared()))
 
     def on_create_item(self, create: omni_pb2.CreateItem) -> None:
@@ -367,47 +354,18 @@ class RealtimeSession:
 
     # ---- input audio and turn detection ----
 
-    def reset_detection(self) -> None:
-        settings = self.settings
-        self.resampler = Resampler(settings.input_format.sample_rate)
-        if not settings.turn_detection.enabled:
-            self.detector = None
-            return
-        self.detector = TurnDetector(settings.turn_detection, self.vad_factory())
-        # The detector's clock starts at the next sample: its milliseconds are offset by what came before.
-        self.detector_origin = self.input_total
-
-    def input_ms(self, detector_ms: int) -> tuple[int, int]:
-        """(milliseconds in the session's input, absolute input sample) of a detector position."""
-        rate = self.settings.input_format.sample_rate
-        sample = self.detector_origin + detector_ms * rate // 1000
-        return sample * 1000 // rate, sample
-
-    def trim_input(self) -> None:
-        """Outside speech, keep only the prefix padding of the input."""
-        rate = self.settings.input_format.sample_rate
-        keep = self.settings.turn_detection.prefix_padding_ms * rate // 1000
-        if len(self.input) > keep:
-            drop = len(self.input) - keep
-            del self.input[:drop]
-            self.input_start += drop
-
-    def speech_started(self, event: SpeechStart) -> None:
-        ms, sample = self.input_ms(event.at_ms)
-        rate = self.settings.input_format.sample_rate
-        # The item starts `prefix_padding_ms` before the speech.
-        start = max(sample - self.settings.turn_detection.prefix_padding_ms * rate // 1000, self.input_start)
-        del self.input[:start - self.input_start]
-        self.input_start = start
+    def speech_started(self, sample: int) -> None:
+        self.input.keep_from(sample - self.input.padding)  # the item starts `prefix_padding_ms` before the speech
         self.speech_item = new_id("item")
-        self.emit(omni_pb2.SessionEvent(speech_started=omni_pb2.SpeechStarted(audio_start_ms=ms, item_id=self.speech_item)))
+        self.emit(omni_pb2.SessionEvent(speech_started=omni_pb2.SpeechStarted(
+            audio_start_ms=self.input.ms(sample), item_id=self.speech_item)))
         if self.settings.turn_detection.interrupt_response:
             self.barge_in()
 
-    def speech_stopped(self, event: SpeechStop) -> None:
-        ms, _ = self.input_ms(event.at_ms)
+    def speech_stopped(self, sample: int) -> None:
         item_id = self.speech_item or new_id("item")
-        self.emit(omni_pb2.SessionEvent(speech_stopped=omni_pb2.SpeechStopped(audio_end_ms=ms, item_id=item_id)))
+        self.emit(omni_pb2.SessionEvent(speech_stopped=omni_pb2.SpeechStopped(
+            audio_end_ms=self.input.ms(sample), item_id=item_id)))
         self.speech_stopped_at = time.monotonic()
         self.commit_input(item_id)
         # With barge-in off, speech during a response adds its item; the next response hears it.
@@ -416,12 +374,10 @@ class RealtimeSession:
 
     def commit_input(self, item_id: str) -> None:
         """The input buffer becomes a user item (its audio as a wav at the input rate); the buffer empties."""
-        rate = self.settings.input_format.sample_rate
-        audio_ms = len(self.input) * 1000 // rate
-        item = Item(item_id, omni_pb2.ROLE_USER, [omni_pb2.Content(audio=wav_bytes(self.input, rate))])
+        samples = self.input.take()
+        item = Item(item_id, omni_pb2.ROLE_USER, [omni_pb2.Content(audio=wav_bytes(samples, self.input.rate))])
+        audio_ms = len(samples) * 1000 // self.input.rate
         previous = self.conversation.add(item)
-        self.input = array("h")
-        self.input_start = self.input_total
         self.speech_item = None
         self.emit(omni_pb2.SessionEvent(committed=omni_pb2.InputCommitted(
             item_id=item_id, previous_item_id=previous, audio_ms=audio_ms)))

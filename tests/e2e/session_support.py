@@ -8,11 +8,13 @@ import queue
 import threading
 import time
 import wave
+from array import array
 from pathlib import Path
 
 import grpc
 
 from omni.v1 import common_pb2, omni_pb2, omni_pb2_grpc
+from router.session_audio import wav_bytes
 from services.serving.stage_stubs import stage_stub
 
 SPEECH = sorted((Path(__file__).parents[2] / "bench" / "speech").glob("*.wav"))  # 16 kHz pcm16
@@ -100,6 +102,17 @@ def sampling(tokens: int) -> common_pb2.SamplingParams:
 
 
 MANUAL = omni_pb2.TurnDetection(enabled=False)
+# NOTE: a reply that runs long: on the recordings the tiny checkpoint's greedy talker speaks to its frame
+# limit (2,000 frames, 160 s of audio: 30-60 s of work on two cores; sampled, it ended within 50 frames).
+LONG_REPLY = omni_pb2.SessionSettings(turn_detection=MANUAL, thinker_sampling=common_pb2.SamplingParams(max_new_tokens=8),
+                                      talker_sampling=common_pb2.SamplingParams(max_new_tokens=2000))
+
+
+def ask_for_a_long_reply(send) -> None:
+    """A user turn of recorded speech and a response, through `send(**SessionRequest fields)`."""
+    send(create_item=omni_pb2.CreateItem(message=omni_pb2.Message(role=omni_pb2.ROLE_USER, content=[
+        omni_pb2.Content(audio=wav_bytes(array("h", speech(0)), RATE))])))
+    send(create_response=omni_pb2.CreateResponse())
 
 
 def one_shot(omni, messages, thinker_tokens: int, talker_frames: int):

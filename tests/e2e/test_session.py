@@ -16,7 +16,19 @@ import pytest
 from omni.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 from router.session_audio import wav_bytes
 from services.tools.launcher import free_port
-from tests.e2e.session_support import MANUAL, RATE, SessionCall, loads, one_shot, sampling, silence, speech, wait_idle
+from tests.e2e.session_support import (
+    LONG_REPLY,
+    MANUAL,
+    RATE,
+    SessionCall,
+    ask_for_a_long_reply,
+    loads,
+    one_shot,
+    sampling,
+    silence,
+    speech,
+    wait_idle,
+)
 
 
 @pytest.fixture
@@ -206,28 +218,25 @@ def test_session_bounds_refuse_at_connect_and_close_with_a_reason(session, tight
     idle.close()
 
 
+@pytest.mark.slow  # 8 s: the flow-control windows fill first
 def test_a_client_that_stops_reading_is_cut_off_and_its_response_freed_in_every_stage(stack, tight_router):
-    """A reply of 2,000 frames (160 s of audio, far longer to make than the wait below) to a client
-    that reads only the first event: the router cuts it off after --session-send-timeout-s (1 s) of a
-    blocked write, which cancels the response in every stage and gives its place back."""
+    """A reply of 2,000 frames (30-60 s of work) to a client that reads only the first event: the router
+    cuts it off after --session-send-timeout-s (1 s) of a blocked write once the flow-control windows
+    are full, which cancels the response in every stage and gives its place back."""
     requests: queue.Queue = queue.Queue()
     channel = grpc.insecure_channel(tight_router)
     call = omni_pb2_grpc.OmniStub(channel).Session(iter(requests.get, None), timeout=60)
     try:
-        requests.put(omni_pb2.SessionRequest(update=omni_pb2.SessionSettings(
-            turn_detection=MANUAL, thinker_sampling=sampling(8),
-            talker_sampling=common_pb2.SamplingParams(max_new_tokens=2000, temperature=3.0, seed=1))))
-        requests.put(omni_pb2.SessionRequest(create_item=omni_pb2.CreateItem(message=omni_pb2.Message(
-            role=omni_pb2.ROLE_USER, content=[omni_pb2.Content(text="Tell me a long story.")]))))
-        requests.put(omni_pb2.SessionRequest(create_response=omni_pb2.CreateResponse()))
+        requests.put(omni_pb2.SessionRequest(update=LONG_REPLY))
+        ask_for_a_long_reply(lambda **event: requests.put(omni_pb2.SessionRequest(**event)))
         assert next(call).WhichOneof("event") == "created"  # and nothing more is read
         deadline = time.monotonic() + 20
         while not loads(stack)["talker"]:
             assert time.monotonic() < deadline, "the response never reached the talker"
             time.sleep(0.05)
         busy = time.monotonic()
-        assert wait_idle(stack, timeout_s=20) == {"thinker": 0, "talker": 0, "code2wav": 0}
-        assert time.monotonic() - busy < 15, "the stages ran the reply on instead of being freed"
+        assert wait_idle(stack, timeout_s=25) == {"thinker": 0, "talker": 0, "code2wav": 0}
+        assert time.monotonic() - busy < 20, "the stages ran the reply on instead of being freed"
     finally:
         requests.put(None)
         call.cancel()
@@ -260,11 +269,10 @@ def test_a_hundred_barge_ins_leave_no_slot_held_in_any_stage(session, stack):
 
 
 def test_a_client_that_cancels_its_call_mid_reply_frees_the_response_in_every_stage(session, stack):
-    call = session(turn_detection=MANUAL, thinker_sampling=sampling(8), talker_sampling=common_pb2.SamplingParams(
-        max_new_tokens=2000, temperature=3.0, seed=1))
-    call.send(create_item=omni_pb2.CreateItem(message=omni_pb2.Message(
-        role=omni_pb2.ROLE_USER, content=[omni_pb2.Content(text="Tell me a long story.")])))
-    call.send(create_response=omni_pb2.CreateResponse())
+    call = session()
+    call.send(update=LONG_REPLY)
+    call.next_event("updated")
+    ask_for_a_long_reply(call.send)
     call.next_event("audio")
     call.call.cancel()
     cancelled = time.monotonic()

@@ -1,0 +1,37 @@
+"""A session's input buffer (router/session_input.py): what a detected turn keeps of the audio."""
+
+from __future__ import annotations
+
+from array import array
+
+from router.session_audio import PCM16, InputFormat
+from router.session_input import InputAudio
+from router.turn_detection import WINDOW, SpeechStart, SpeechStop, TurnDetectionSettings
+
+
+def scripted(probabilities):
+    it = iter(probabilities)
+    return lambda: (lambda window: next(it))
+
+
+def test_a_detected_turn_keeps_the_prefix_padding_before_the_speech_and_nothing_earlier():
+    # 16 kHz: one sample a detector sample; windows of 512 = 32 ms; padding 64 ms = 2 windows.
+    settings = TurnDetectionSettings(prefix_padding_ms=64, silence_duration_ms=128)
+    probabilities = [0.0] * 5 + [0.9] * 3 + [0.0] * 4
+    audio = InputAudio(scripted(probabilities))
+    audio.configure(InputFormat(PCM16, 16000), settings)
+    samples = array("h", range(len(probabilities) * WINDOW))
+    events = audio.append(samples)
+    assert [(type(e), at) for e, at in events] == [(SpeechStart, 5 * WINDOW), (SpeechStop, 8 * WINDOW)]
+    audio.keep_from(events[0][1] - audio.padding)
+    kept = audio.take()
+    assert kept[0] == 3 * WINDOW and kept[-1] == samples[-1]  # from 64 ms before the start to what came
+    assert not len(audio.samples) and audio.start == audio.total
+
+
+def test_outside_speech_only_the_prefix_padding_is_held():
+    audio = InputAudio(scripted([0.0] * 10))
+    audio.configure(InputFormat(PCM16, 16000), TurnDetectionSettings(prefix_padding_ms=64))
+    audio.append(array("h", bytes(2 * 10 * WINDOW)))
+    audio.trim()
+    assert len(audio.samples) == 2 * WINDOW
