@@ -137,6 +137,11 @@ class Code2WavEngine(EngineDefaults):
         if (plan := adopt(self.plan, self.check)) is not None:
             self.plan = self.exact_report = plan
 
+    def close(self) -> None:
+        """A check still running beside serving stops with the engine (checks.StartupCheck.stop)."""
+        if self.check is not None:
+            self.check.stop()
+
     def has_work(self) -> bool:
         now = time.monotonic()
         return any(r.stream.done or self._decodable(r, now) for r in self._requests.values())

@@ -29,6 +29,7 @@ ignored and the check runs again; a folder that cannot be written costs only the
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import hashlib
 import json
@@ -49,6 +50,11 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1  # a verdict file's layout; a file of another format is checked again
 V = TypeVar("V")
+
+
+class CheckStopped(BaseException):
+    """Raised in a check's thread when its engine closes (a BaseException: the checks' guards,
+    which turn any Exception into "not invariant here", let it through)."""
 
 
 class CheckState(enum.StrEnum):
@@ -187,6 +193,21 @@ class StartupCheck(Generic[V]):
         """Until the check ended (tests and tools that want the faster plan before they measure)."""
         return self._done.wait(timeout)
 
+    def stop(self, timeout: float = 60.0) -> bool:
+        """Stop a check still running beside serving (the engine is closing) and wait for its thread;
+        True once no check thread runs. The check's thread gets CheckStopped at its next Python line,
+        i.e. after the kernel it is in returns: a process must not exit with that thread inside
+        torch (the C++ runtime aborts: "terminate called without an active exception")."""
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            return True
+        if not self._done.is_set():
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(CheckStopped))
+        thread.join(timeout)
+        if thread.is_alive():
+            log.warning("%s: the check did not stop within %.0f s of the engine closing", self.name, timeout)
+        return not thread.is_alive()
+
     def _kept(self) -> V | None:
         if self.cache is None or (data := self.cache.get(self.key)) is None:
             return None
@@ -205,6 +226,8 @@ class StartupCheck(Generic[V]):
             with torch.inference_mode():
                 verdict = self._run()
             encoded = self._encode(verdict)
+        except CheckStopped:
+            log.info("%s: the check stopped as the engine closed; nothing kept", self.name)
         except Exception:  # noqa: BLE001 - a check that cannot run leaves the by-construction plan
             log.exception("%s: the check failed; the plan invariant by construction stays", self.name)
             self.state = CheckState.FAILED

@@ -122,3 +122,26 @@ def test_a_folder_that_cannot_be_written_costs_only_the_reuse(tmp_path, caplog):
         assert check(run, blocked).start() == {"batches": [1, 2]}
     assert "could not keep the verdict" in caplog.text
     assert check(run, None).start() is not None and run.calls == 2  # no folder: every start checks
+
+
+def test_a_check_still_running_when_its_engine_closes_stops_between_kernels_and_keeps_nothing(tmp_path):
+    """A stage drained by SIGTERM while its check runs: the check's thread leaves torch before the
+    process exits (it aborted there: "terminate called without an active exception")."""
+    started = threading.Event()
+
+    def endless():  # torch kernels in a loop that a guard catching Exception would not end
+        import torch
+        x = torch.randn(256, 256)
+        started.set()
+        while True:
+            try:
+                x = torch.tanh(x @ x)
+            except Exception:  # noqa: BLE001 - like the checks' guards
+                pass
+
+    beside = check(endless, tmp_path, background=True)
+    assert beside.start() is None and started.wait(30)
+    assert beside.stop(timeout=30)
+    assert beside.wait(0) and beside.verdict is None and beside.state is CheckState.RUNNING
+    assert not list(tmp_path.iterdir())  # nothing kept: the next start checks again
+    assert check(Counted(), tmp_path).stop()  # a check that never ran a thread has nothing to stop

@@ -122,6 +122,11 @@ class SlotScheduledEngine(EngineDefaults):
         self.exact_report = report
         log_report(report, check)
 
+    def close(self) -> None:
+        """A check still running beside serving stops with the engine (checks.StartupCheck.stop)."""
+        if self.exact_check is not None:
+            self.exact_check.stop()
+
     def adopt_verdict(self, report: KernelVerdict) -> None:
         """What the engine takes from a verdict besides the kernel paths: its prefix hits (refused:
         the pool lets its tensors go and keeps the bookkeeping)."""
