@@ -5,6 +5,9 @@ made-up timelines.
 
 - TTFT: request sent -> first text delta. TTFP: request sent -> first audio chunk.
 - RTF: (last audio chunk - request sent) / seconds of audio returned.
+- Streaming RTF: the same from the first audio chunk on: (last chunk - first chunk) / the seconds
+  of audio after the first chunk. Below 1, a player that started at the first chunk never runs
+  dry; it leaves the wait for the first chunk (TTFP) out, so it is the steady state's figure.
 - Throughput: completed requests per wall second of a block at fixed concurrency, and seconds
   of audio per wall second.
 - Percentiles: linear interpolation between closest ranks (numpy's default), p50 / p90 / p99.
@@ -51,6 +54,14 @@ class RequestTiming:
     def rtf(self) -> float | None:
         seconds = self.audio_seconds
         return self.audio_times[-1] / seconds if seconds > 0 else None
+
+    @property
+    def streaming_rtf(self) -> float | None:
+        """None with fewer than two chunks (nothing streamed after the first)."""
+        after_first = self.audio_seconds - (self.audio_durations[0] if self.audio_durations else 0.0)
+        if len(self.audio_times) < 2 or after_first <= 0:
+            return None
+        return (self.audio_times[-1] - self.audio_times[0]) / after_first
 
 
 def whole_response(wall_s: float, audio_seconds: float, wait_s: float = 0.0) -> RequestTiming:

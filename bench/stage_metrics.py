@@ -18,10 +18,14 @@ PHASES = ("forward", "engine", "commands", "idle")
 
 def scrape(url: str, timeout_s: float = 5.0) -> dict[tuple[str, tuple], float]:
     """(sample name, sorted labels) -> value of every sample at `url`."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        return parse(response.read().decode())
+
+
+def parse(text: str) -> dict[tuple[str, tuple], float]:
+    """(sample name, sorted labels) -> value of every sample in Prometheus text exposition."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(url, timeout=timeout_s) as response:
-        text = response.read().decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 

@@ -36,6 +36,16 @@ def test_percentiles_skip_missing_values_and_count_the_rest():
     assert (empty.p50, empty.p90, empty.p99, empty.mean, empty.n) == (None, None, None, None, 0)
 
 
+def test_streaming_rtf_runs_from_the_first_chunk_over_the_audio_after_it():
+    # Chunks at 0.5, 1.0, 1.5 s of 1 s each: 1 s to make the 2 s after the first chunk.
+    assert streamed().streaming_rtf == pytest.approx(0.5)
+    assert streamed().rtf == pytest.approx(0.5)  # 1.5 s for 3 s, TTFP included
+    slow_start = streamed(audio=(3.0, 3.5, 4.0))
+    assert slow_start.streaming_rtf == pytest.approx(0.5) and slow_start.rtf == pytest.approx(4 / 3)
+    assert streamed(audio=(0.5,), durations=(1.0,)).streaming_rtf is None  # one chunk: nothing streamed after it
+    assert streamed(audio=(), durations=()).streaming_rtf is None
+
+
 def test_ttft_and_ttfp_are_the_first_text_and_audio_arrivals():
     t = streamed()
     assert t.ttft_s == 0.05
