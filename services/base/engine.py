@@ -40,6 +40,7 @@ class Engine(Protocol):
 
     timer: ForwardTimer | None
     exact_report: KernelReport | None
+    step_prefills: int
 
     def add(self, request_id: str, payload: Any) -> None: ...  # payload: the stage's job type
     def add_input(self, request_id: str, payload: Any) -> None: ...  # payload: the stage's input type
@@ -62,6 +63,7 @@ class EngineDefaults:
 
     timer: ForwardTimer | None = None
     exact_report: KernelReport | None = None
+    step_prefills: int = 0  # prompts (or prompt chunks) the last step prefilled (omni_stage_prefills_per_step)
 
     def wake_in(self) -> float | None:
         return None

@@ -18,7 +18,9 @@ class EngineEvent:
 
 @dataclass(frozen=True)
 class RequestFailed(EngineEvent):
-    """The engine could not serve this request (its own fault, not the input's)."""
+    """The engine could not serve this request: its own fault, or, with `field`, the input's (found
+    only when the model ran: a media part its encoder refused). The other requests go on."""
 
     message: str
+    field: str | None = None  # the request field at fault: INVALID_ARGUMENT naming it
     final: ClassVar[bool] = True

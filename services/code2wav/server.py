@@ -97,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the block grid, sizes in frames, the last repeating: every vocoder call decodes a "
                              "whole block at a fixed place in the stream, so the audio does not depend on how the "
                              "talker cut it (default: the talker's default chunk schedule, 4,8,16,25; set it to the "
-                             "talker's schedule when its chunk flags differ; exact mode falls back to 1 where the "
-                             "start-up check finds an open block changes bits)")
+                             "talker's schedule when its chunk flags differ; exact mode decodes a block only once whole "
+                             "until its start-up check finds an open block keeps its frames' bits)")
     parser.add_argument("--max-batch", type=int, default=env_default("max_batch", 16),
                         help="most requests' blocks decoded in one call (exact mode: the batch sizes the start-up "
                              "probe finds bit-identical to each request alone; default 16, 1 = never batch)")

@@ -20,6 +20,7 @@ from typing import Any
 
 from omni.v1 import common_pb2
 from services.base.engine import Engine
+from services.base.errors import InvalidArgument
 from services.base.events import EngineEvent, RequestFailed
 from services.serving.status import EngineFailed, StreamIdle
 
@@ -190,6 +191,8 @@ class EngineLoop:
         m.step_seconds.observe(elapsed_ms / 1000)
         if batch:
             m.batch_size.observe(batch)
+        if prefills := self.engine.step_prefills:
+            m.prefills.observe(prefills)
 
     def _export_plan(self) -> None:
         """Exact mode's plan, on the metrics when it changed (a check beside serving ended)."""
@@ -318,7 +321,9 @@ class EngineLoop:
                 del self._sinks[request_id]
             if sink.first_step_ns is None:
                 sink.first_step_ns = start_ns
-            sink.deliver(EngineFailed(self.name, event.message) if isinstance(event, RequestFailed) else event)
+            if isinstance(event, RequestFailed):
+                event = InvalidArgument(event.field, event.message) if event.field else EngineFailed(self.name, event.message)
+            sink.deliver(event)
         # The rest of the step and the hand-off of its events: scheduling, sampling, bookkeeping.
         self._account("engine", time.perf_counter() - start - forward)
         self._set_gauges()

@@ -90,6 +90,9 @@ class StageMetrics:
                              registry=r).labels(**labels)
         self.batch_size = Histogram("omni_stage_batch_size", "Requests per engine step", ["stage"], registry=r,
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128)).labels(**labels)
+        self.prefills = Histogram("omni_stage_prefills_per_step", "Prompts (or prompt chunks) prefilled per "
+                                  "engine step that prefilled any", ["stage"], registry=r,
+                                  buckets=(1, 2, 4, 8, 16, 32, 64)).labels(**labels)
         self.step_seconds = Histogram("omni_stage_step_seconds", "Engine step time", ["stage"], registry=r,
                                       buckets=STEP_BUCKETS).labels(**labels)
         self.cache_used = Gauge("omni_stage_cache_slots_used", "KV cache slots in use", ["stage"],

@@ -31,9 +31,10 @@ from services.base.timing import ForwardTimer
 from services.runtime.lm.engine import SlotScheduledEngine
 from services.runtime.lm.invariance import experts_modules, linear_weights
 from services.runtime.lm.kernels import batch_invariant
+from services.runtime.lm.packing import CacheRows, Packing
 from services.runtime.lm.prefix.check import PrefixCase, plain_token_ids
 from services.runtime.lm.prefix.keys import row_block_keys
-from services.runtime.lm.prefix.prefill import Forward, PromptForward, prefill
+from services.runtime.lm.prefix.prefill import Forward, Partial, PromptForward, prefill, usable_blocks
 from services.runtime.lm.sampling import SamplingConfig, select_token
 from services.talker.code_predictor import CodePredictor
 from services.talker.engine_base import Frame, TalkerDone, TalkerEngineConfig, end_text, refresh_ready
@@ -74,6 +75,7 @@ class _State:
     tts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # projected bos, eos, pad, [1, 1, H]
     generator: torch.Generator | None = None
     seen: torch.Tensor | None = None  # [vocab] bool: the layer-0 codes generated so far (the penalty's history)
+    partial: Partial | None = None  # a prompt prefilled a chunk a step: what the chunks so far gave
 
     @property
     def ready(self) -> bool:
@@ -156,10 +158,75 @@ class TalkerEngine(SlotScheduledEngine):
 
     # Model work.
     @torch.inference_mode()
-    def prefill(self, request_id: str, slot: int) -> StepResult:
+    def prefill(self, request_id: str, slot: int, chunk: tuple[int, int] | None = None) -> StepResult:
         state = self._requests[request_id]
         if not state.rows:  # the text ended before any token: nothing to say
             return [(request_id, TalkerDone(FinishReason.STOP, 0))]
+        inputs_embeds, talker_ids, attention_mask, position_ids = self._prompt_inputs(state)
+        stop = chunk[1] if chunk is not None else talker_ids.shape[1]
+        result, _ = prefill(self.prefix_pool, self._row_keys(talker_ids[0].tolist(), inputs_embeds[0]),
+                            talker_ids.shape[1], self.stack,
+                            self.prompt_forward(inputs_embeds, attention_mask, position_ids, self.timer),
+                            use_hits=self.prefix_hits, partial=state.partial, stop=stop)
+        if stop < talker_ids.shape[1]:
+            state.partial = Partial(stop, result)
+            return []
+        state.partial = None
+        out = result.output
+        self.cache.load(slot, result.cache)
+        state.last_position = position_ids[..., -1:].clone()
+        state.started = True
+        return self._after_forward([request_id], [state], out.logits[:, -1], out.hidden_states[0][-1][:, -1:])
+
+    @torch.inference_mode()
+    def prefill_packed(self, request_ids: list[str], slots: list[int]) -> StepResult:
+        """Whole prompts the prefix pool holds nothing of, end to end through one forward
+        (services/runtime/lm/packing.py), each then into its slot; the others alone."""
+
+        events: StepResult = []
+        packed = []  # (request_id, slot, state, inputs, keys)
+        for request_id, slot in zip(request_ids, slots):
+            state = self._requests[request_id]
+            if not state.rows:
+                events += self.prefill_alone(request_id, slot)
+                continue
+            inputs = self._prompt_inputs(state)
+            keys = self._row_keys(inputs[1][0].tolist(), inputs[0][0])
+            if keys and self.prefix_hits and self.prefix_pool.peek(keys, usable_blocks(inputs[1].shape[1]), False):
+                events += self.prefill_alone(request_id, slot)
+            else:
+                packed.append((request_id, slot, state, inputs, keys))
+        if len(packed) < 2:
+            return events + [e for request_id, slot, *_ in packed for e in self.prefill_alone(request_id, slot)]
+        return events + self.packed(packed, self._packed_forward)
+
+    def _packed_forward(self, packed: list) -> StepResult:
+        from transformers import DynamicCache
+
+        packing = Packing(tuple(inputs[1].shape[1] for *_, inputs, _ in packed))
+        cache = DynamicCache(config=self.stack.config)
+        with self.timer:
+            out = self.model(inputs_embeds=torch.cat([inputs[0] for *_, inputs, _ in packed], dim=1),
+                             attention_mask=packing.mask(self.device),
+                             position_ids=torch.cat([inputs[3] for *_, inputs, _ in packed], dim=-1),
+                             past_key_values=cache, use_cache=True, output_hidden_states=True)
+        states, last = [], []
+        for i, (_, slot, state, inputs, keys) in enumerate(packed):
+            span, rows = packing.span(i), CacheRows(cache, packing.span(i))
+            self.cache.load(slot, rows)
+            if keys:  # kept as a prefill alone keeps them (the pool held none of it)
+                self.prefix_pool.lookup(keys, usable_blocks(span.stop - span.start), False, use=self.prefix_hits)
+                self.prefix_pool.store(keys, rows, None, None, first=0)
+            state.last_position = inputs[3][..., -1:].clone()
+            state.started = True
+            states.append(state)
+            last.append(span.stop - 1)
+        return self._after_forward([r for r, *_ in packed], states, out.logits[0, last],
+                                            out.hidden_states[0][-1][0, last].unsqueeze(1))
+
+    def _prompt_inputs(self, state: _State):
+        """The prompt's rows [1, P, H], ids [1, P], mask [1, P] and positions [3, 1, P] (as generate
+        builds them: the user part, then the 9 assistant positions)."""
         job, talker = state.job, self.model
         ids = torch.tensor([job.prompt_token_ids], device=self.device)  # [1, P]
         # The thinker's tensors arrive in its dtype: cast to the talker's own.
@@ -172,20 +239,12 @@ class TalkerEngine(SlotScheduledEngine):
         attention_mask = torch.ones_like(talker_ids)
         position_ids = talker._prepare_position_ids_for_generation(
             inputs_embeds, self._position_kwargs(job, attention_mask, talker_ids))
-        result, _ = prefill(self.prefix_pool, self._row_keys(talker_ids[0].tolist(), inputs_embeds[0]),
-                            talker_ids.shape[1], self.stack,
-                            self.prompt_forward(inputs_embeds, attention_mask, position_ids, self.timer),
-                            use_hits=self.prefix_hits)
-        out, cache = result.output, result.cache
-        self.cache.load(slot, cache)
-        state.last_position = position_ids[..., -1:].clone()
-        state.started = True
-        return self._after_forward([request_id], [state], out.logits[:, -1], out.hidden_states[0][-1][:, -1:])
+        return inputs_embeds, talker_ids, attention_mask, position_ids
 
     def prompt_forward(self, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                        timer) -> Forward:
         """The talker's prompt forward ([1, P, H] rows) into the cache `prefill` gives it, timed by `timer`."""
-        def forward(cache, _hit) -> PromptForward:
+        def forward(cache, _prior) -> PromptForward:
             with timer:
                 out = self.model(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
                                  past_key_values=cache, use_cache=True, output_hidden_states=True)

@@ -22,7 +22,8 @@ class TalkerEngineConfig:
     max_model_len: int = 4096  # cache positions per slot: prompt part + 9 + max_new_tokens must fit
     exact_batching: bool = True  # batch-invariant kernels (see services/runtime/lm/kernels.py)
     exact_gemm: bool = False  # exact mode's linear layers through the invariant GEMM (--exact-batching gemm)
-    max_prefills_per_step: int = 1  # waiting requests prefilled in one step beside the decode batch
+    max_prefills_per_step: int = -1  # waiting requests prefilled a step (0: all that fit; -1: 0 packed, else 1)
+    max_prefill_tokens: int = 0  # prompt tokens prefilled in one step (chunks past it where exact allows; 0: no bound)
     graphs: GraphSettings = GraphSettings()  # CUDA graphs of the decode step and the code predictor
     prefix_cache_mb: int = 0  # the prefix cache's pool (services/runtime/lm/prefix/); 0: none
     checks: CheckSettings = CheckSettings()  # exact mode's start-up check: beside serving or before (services/runtime/checks.py)

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from transformers import DynamicCache
 
 from services.base.engine import StepResult
 from services.base.finish import FinishReason
@@ -32,9 +33,10 @@ from services.base.timing import ForwardTimer
 from services.runtime.lm.engine import SlotScheduledEngine
 from services.runtime.lm.invariance import linear_weights
 from services.runtime.lm.kernels import batch_invariant
+from services.runtime.lm.packing import CacheRows, Packing
 from services.runtime.lm.prefix.check import PrefixCase
 from services.runtime.lm.prefix.keys import row_block_keys
-from services.runtime.lm.prefix.prefill import Forward, PromptForward, prefill
+from services.runtime.lm.prefix.prefill import Forward, Partial, PromptForward, prefill, usable_blocks
 from services.runtime.lm.sampling import SamplingConfig, select_token
 from services.runtime.model.qwen2_5_omni import TALKER_EOS_IDS, talker_prompt_len
 from services.talker.engine_base import Frame, TalkerDone, TalkerEngineConfig, end_text, refresh_ready
@@ -68,6 +70,7 @@ class _State:
     frames: int = 0
     seen: torch.Tensor | None = None  # [vocab] bool: the ids the repetition penalty applies to
     generator: torch.Generator | None = None
+    partial: Partial | None = None  # a prompt prefilled a chunk a step: what the chunks so far gave
 
     @property
     def ready(self) -> bool:
@@ -128,27 +131,76 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
 
     # Model work.
     @torch.inference_mode()
-    def prefill(self, request_id: str, slot: int) -> StepResult:
+    def prefill(self, request_id: str, slot: int, chunk: tuple[int, int] | None = None) -> StepResult:
         state = self._requests[request_id]
         if not state.replies:  # the text ended after one token: generate has no reply part to start from
             return [(request_id, TalkerDone(FinishReason.STOP, 0))]
+        inputs_embeds, ids = self._prompt_inputs(state)
+        keys = row_block_keys(ids, inputs_embeds[0]) if self.prefix_pool is not None else []
+        stop = chunk[1] if chunk is not None else len(ids)
+        result, _ = prefill(self.prefix_pool, keys, len(ids), self.stack, self.prompt_forward(inputs_embeds, self.timer),
+                            use_hits=self.prefix_hits, partial=state.partial, stop=stop)
+        if stop < len(ids):
+            state.partial = Partial(stop, result)
+            return []
+        state.partial = None
+        self.cache.load(slot, result.cache)
+        state.started = True
+        return self._after_forward([request_id], [state], result.output.logits[:, -1])
+
+    @torch.inference_mode()
+    def prefill_packed(self, request_ids: list[str], slots: list[int]) -> StepResult:
+        """Whole prompts the prefix pool holds nothing of, end to end through one forward
+        (services/runtime/lm/packing.py; positions as generate's own path counts them, from 0 in
+        each prompt), each then into its slot; the others alone."""
+        events: StepResult = []
+        packed = []  # (request_id, slot, state, rows [1, P, H], ids, keys)
+        for request_id, slot in zip(request_ids, slots):
+            state = self._requests[request_id]
+            if not state.replies:
+                events += self.prefill_alone(request_id, slot)
+                continue
+            rows, ids = self._prompt_inputs(state)
+            keys = row_block_keys(ids, rows[0]) if self.prefix_pool is not None else []
+            if keys and self.prefix_hits and self.prefix_pool.peek(keys, usable_blocks(len(ids)), False):
+                events += self.prefill_alone(request_id, slot)
+            else:
+                packed.append((request_id, slot, state, rows, ids, keys))
+        if len(packed) < 2:
+            return events + [e for request_id, slot, *_ in packed for e in self.prefill_alone(request_id, slot)]
+        return events + self.packed(packed, self._packed_forward)
+
+    def _packed_forward(self, packed: list) -> StepResult:
+        packing = Packing(tuple(len(ids) for *_, ids, _ in packed))
+        positions = torch.cat([torch.arange(n, device=self.device) for n in packing.lengths]).view(1, 1, -1).expand(3, 1, -1)
+        cache = DynamicCache(config=self.stack.config)
+        with self.timer:
+            out = self.model(inputs_embeds=torch.cat([rows for *_, rows, _, _ in packed], dim=1),
+                             attention_mask=packing.mask(self.device), position_ids=positions, past_key_values=cache,
+                             use_cache=True)
+        for i, (_, slot, state, _, ids, keys) in enumerate(packed):
+            rows = CacheRows(cache, packing.span(i))
+            self.cache.load(slot, rows)
+            if keys:  # kept as a prefill alone keeps them (the pool held none of it)
+                self.prefix_pool.lookup(keys, usable_blocks(len(ids)), False, use=self.prefix_hits)
+                self.prefix_pool.store(keys, rows, None, None, first=0)
+            state.started = True
+        last = [packing.span(i).stop - 1 for i in range(len(packed))]
+        return self._after_forward([r for r, *_ in packed], [p[2] for p in packed], out.logits[0, last])
+
+    def _prompt_inputs(self, state: _State) -> tuple[torch.Tensor, list[int]]:
+        """The prompt's rows [1, P + 2, H_thinker] (the thinker's hidden states, the voice's bos, reply
+        part 0) and generate's talker ids for them."""
         job = state.job
         text = job.text_embeds.to(self.device, self.dtype)
         inputs_embeds = torch.cat((job.prompt_hidden.to(self.device, self.dtype).unsqueeze(0), text[None, :1],
                                    state.replies[0]), dim=1)  # [1, P + 2, H_thinker]
-        ids = [self.codec_mask] * job.prompt_hidden.shape[0] + [self.codec_pad, self.codec_bos]  # generate's
-        keys = row_block_keys(ids, inputs_embeds[0]) if self.prefix_pool is not None else []
-        result, _ = prefill(self.prefix_pool, keys, len(ids), self.stack, self.prompt_forward(inputs_embeds, self.timer),
-                            use_hits=self.prefix_hits)
-        out, cache = result.output, result.cache
-        self.cache.load(slot, cache)
-        state.started = True
-        return self._after_forward([request_id], [state], out.logits[:, -1])
+        return inputs_embeds, [self.codec_mask] * job.prompt_hidden.shape[0] + [self.codec_pad, self.codec_bos]
 
     def prompt_forward(self, inputs_embeds: torch.Tensor, timer) -> Forward:
         """The talker's prompt forward ([1, P, H_thinker] rows) into the cache `prefill` gives it; no
         attention mask and no position ids: generate's own path (see the module docstring)."""
-        def forward(cache, _hit) -> PromptForward:
+        def forward(cache, _prior) -> PromptForward:
             with timer:
                 out = self.model(inputs_embeds=inputs_embeds, past_key_values=cache, use_cache=True)
             return PromptForward(out, cache)

@@ -22,6 +22,7 @@ from services.runtime.model.settings import (
     add_engine_flags,
     add_model_flags,
     add_prefix_cache_flag,
+    check_engine_flags,
     exact_batching,
     exact_gemm,
     model_config_from_args,
@@ -119,9 +120,10 @@ def main(argv: list[str] | None = None) -> int:
             chunks = ChunkPolicy(args.first_chunk_frames, args.chunk_frames, args.chunk_growth, args.delivery_ms)
         except ValueError as exc:
             raise UserError(f"--first-chunk-frames, --chunk-frames, --chunk-growth, --delivery-ms: {exc}") from None
+        check_engine_flags(args)
         model = model_config_from_args(args)
         engine = TalkerEngineConfig(max_batch_size=args.max_batch_size, num_slots=args.num_slots,
-                                    max_prefills_per_step=args.max_prefills_per_step,
+                                    max_prefills_per_step=args.max_prefills_per_step, max_prefill_tokens=args.max_prefill_tokens,
                                     max_model_len=args.max_model_len, exact_batching=exact_batching(args),
                                     exact_gemm=exact_gemm(args), graphs=model.graphs,
                                     prefix_cache_mb=prefix_cache_mb(args.prefix_cache_mb), checks=model.checks)

@@ -37,10 +37,19 @@ from services.runtime.inputs.prompt import PromptInputs
 from services.runtime.lm.engine import SlotScheduledEngine
 from services.runtime.lm.invariance import experts_modules, linear_weights
 from services.runtime.lm.kernels import batch_invariant
+from services.runtime.lm.packing import CacheRows, Packing
 from services.runtime.lm.prefix.check import PrefixCase, plain_token_ids
 from services.runtime.lm.prefix.keys import PromptPrefix, block_keys
-from services.runtime.lm.prefix.pool import PrefixHit, PrefixPool
-from services.runtime.lm.prefix.prefill import Forward, PromptForward, forward_pre_hook, prefill
+from services.runtime.lm.prefix.pool import PrefixPool
+from services.runtime.lm.prefix.prefill import (
+    Forward,
+    Partial,
+    Prior,
+    PromptForward,
+    forward_pre_hook,
+    prefill,
+    usable_blocks,
+)
 from services.runtime.lm.sampling import SamplingConfig, select_token
 from services.runtime.model.settings import CheckSettings, GraphSettings
 from services.thinker.graphs import thinker_step
@@ -108,6 +117,8 @@ class _Request:
     generated: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     hold: tuple[int, float] | None = None  # HoldText's (lead, monotonic deadline) until released
+    partial: Partial | None = None  # a prompt prefilled a chunk a step: what the chunks so far gave
+    inputs: tuple[dict, torch.Tensor] | None = None  # and its model inputs and positions, made for its first chunk
 
 
 @dataclass(frozen=True)
@@ -117,7 +128,8 @@ class ThinkerEngineConfig:
     max_model_len: int = 4096  # cache positions per slot: prompt + max_new_tokens must fit
     exact_batching: bool = True  # batch-invariant kernels (see services/runtime/lm/kernels.py)
     exact_gemm: bool = False  # exact mode's linear layers through the invariant GEMM (--exact-batching gemm)
-    max_prefills_per_step: int = 1  # waiting requests prefilled in one step beside the decode batch
+    max_prefills_per_step: int = -1  # waiting requests prefilled a step (0: all that fit; -1: 0 packed, else 1)
+    max_prefill_tokens: int = 0  # prompt tokens prefilled in one step (chunks past it where exact allows; 0: no bound)
     graphs: GraphSettings = GraphSettings()  # CUDA graphs of the decode step (services/runtime/lm/static_decode.py)
     prefix_cache_mb: int = 0  # the prefix cache's pool (services/runtime/lm/prefix/); 0: none
     checks: CheckSettings = CheckSettings()  # exact mode's start-up check: beside serving or before (services/runtime/checks.py)
@@ -223,23 +235,29 @@ class ThinkerEngine(SlotScheduledEngine):
 
     # Model work.
     @torch.inference_mode()
-    def prefill(self, request_id: str, slot: int) -> StepResult:
-        """One request through the module's own path (as generate runs it), then into its slot."""
+    def prefill(self, request_id: str, slot: int, chunk: tuple[int, int] | None = None) -> StepResult:
+        """One request through the module's own path (as generate runs it), then into its slot; with
+        `chunk`, the prompt positions [start, stop) only (no events before the last chunk)."""
         request = self._requests[request_id]
-        out, kwargs = self._prefill_forward(request, slot)
+        done = self._prefill_forward(request, slot, chunk)
+        if done is None:
+            return []
+        out, kwargs = done
+        return self.prefilled(request_id, request, kwargs, out.hidden_states, out.logits[0, -1])
+
+    def prefilled(self, request_id: str, request: _Request, kwargs: dict, hidden_states, logits: torch.Tensor
+                  ) -> StepResult:
+        """A finished prefill's events: what the talker needs of the prompt (hidden_states: the whole
+        prompt's, [1, P, H] each), then the first token from the last row's `logits` [vocab]."""
         events: StepResult = []
         if request.job.want_talker_inputs:
-            events.append((request_id, self._prefilled(kwargs["input_ids"][0], out.hidden_states)))
-        return events + self._sample(request_id, request, out.logits[0, -1].cpu())
+            events.append((request_id, self._prefilled(kwargs["input_ids"][0], hidden_states)))
+        return events + self._sample(request_id, request, logits.cpu())
 
-    def _prefill_forward(self, request: _Request, slot: int):
-        """The prompt's forward as every family's prefill runs it: positions from the model's own
-        `_prepare_position_ids_for_generation` (which reads the attention mask), the forward into a
-        fresh cache that then goes into `slot`, all hidden states where the talker needs them, from
-        the prefix cache's blocks where it holds the prompt's first ones.
-        `prefill_drops_attention_mask`: the forward gets no mask (the positions are still made with it).
-        Returns the forward's output and the inputs it got."""
-        job = request.job
+    def _model_inputs(self, job: ThinkerJob) -> tuple[dict, torch.Tensor]:
+        """The prompt's model inputs on the device and its [4, 1, P] positions, made by the model's own
+        `_prepare_position_ids_for_generation` (which reads the attention mask).
+        `prefill_drops_attention_mask`: the forward gets no mask (the positions are still made with it)."""
         # Prompt tensors arrive as float32 on the CPU: floating inputs take the model's dtype (not
         # video_second_per_grid, float32 in generate too); use_audio_in_video is a plain flag.
         kwargs = {k: v if not isinstance(v, torch.Tensor) else v.to(self.device) if k == "video_second_per_grid"
@@ -248,14 +266,83 @@ class ThinkerEngine(SlotScheduledEngine):
         position_ids = self.model._prepare_position_ids_for_generation(kwargs["input_ids"], dict(kwargs))
         if self.prefill_drops_attention_mask:
             kwargs.pop("attention_mask")
-        keys = self._block_keys(job)
-        result, _ = prefill(self.prefix_pool, keys, job.prompt.num_tokens, self.stack,
-                            self.prompt_forward(kwargs, position_ids, job.want_talker_inputs, self.prefix_pool, self.timer),
-                            use_hits=self.prefix_hits, need_extras=job.want_talker_inputs, publish=job.prefix)
-        out, cache = result.output, result.cache
-        self.cache.load(slot, cache)
+        return kwargs, position_ids
+
+    def _prefill_forward(self, request: _Request, slot: int, chunk: tuple[int, int] | None = None):
+        """The prompt's forward as every family's prefill runs it (`_model_inputs`), into a fresh cache
+        that then goes into `slot`, all hidden states where the talker needs them, from the prefix
+        cache's blocks where it holds the prompt's first ones; a chunk at a time with `chunk`.
+        Returns the forward's output and the inputs it got, None after a chunk that is not the last."""
+        job, partial = request.job, request.partial
+        kwargs, position_ids = self._model_inputs(job) if partial is None else request.inputs
+        forward_kwargs = kwargs
+        if partial is not None:  # the stack takes the first chunk's inputs (`cutting`): no media encoder runs again
+            forward_kwargs = {k: v for k, v in kwargs.items() if k in ("input_ids", "attention_mask")}
+        stop = chunk[1] if chunk is not None else job.prompt.num_tokens
+        inputs = partial.inputs if partial is not None else {} if stop < job.prompt.num_tokens else None
+        result, _ = prefill(self.prefix_pool, self._block_keys(job), job.prompt.num_tokens, self.stack,
+                            self.prompt_forward(forward_kwargs, position_ids, job.want_talker_inputs, self.prefix_pool,
+                                                self.timer),
+                            use_hits=self.prefix_hits, need_extras=job.want_talker_inputs,
+                            need_finals=self.prefix_pool is not None, publish=job.prefix, partial=partial,
+                            stop=stop, stack_inputs=inputs)
+        if stop < job.prompt.num_tokens:
+            request.partial, request.inputs = Partial(stop, result, inputs), (kwargs, position_ids)
+            return None
+        request.partial = request.inputs = None
+        self.cache.load(slot, result.cache)
         request.last_position = position_ids[..., -1:].clone()
-        return out, kwargs
+        return result.output, kwargs
+
+    @torch.inference_mode()
+    def prefill_packed(self, request_ids: list[str], slots: list[int]) -> StepResult:
+        """Whole text prompts that the prefix pool holds nothing of, end to end through one forward
+        (services/runtime/lm/packing.py), each then into its slot; the others (media, a hit) alone."""
+        events: StepResult = []
+        packed = []  # (request_id, slot, request, kwargs, positions, keys)
+        for request_id, slot in zip(request_ids, slots):
+            request = self._requests[request_id]
+            job, keys = request.job, self._block_keys(request.job)
+            kwargs, positions = self._model_inputs(job)
+            media = any(isinstance(v, torch.Tensor) for k, v in kwargs.items() if k not in ("input_ids", "attention_mask"))
+            held = keys and self.prefix_hits and self.prefix_pool.peek(
+                keys, usable_blocks(job.prompt.num_tokens), job.want_talker_inputs)
+            if media or held:
+                events += self.prefill_alone(request_id, slot)
+            else:
+                packed.append((request_id, slot, request, kwargs, positions, keys))
+        if len(packed) == 1:
+            return events + self.prefill_alone(packed[0][0], packed[0][1])
+        return events + (self.packed(packed, self._packed_forward) if packed else [])
+
+    def _packed_forward(self, packed: list) -> StepResult:
+        from transformers import DynamicCache
+
+        packing = Packing(tuple(kwargs["input_ids"].shape[1] for _, _, _, kwargs, _, _ in packed))
+        ids = torch.cat([kwargs["input_ids"] for _, _, _, kwargs, _, _ in packed], dim=1)  # [1, T]
+        positions = torch.cat([p for _, _, _, _, p, _ in packed], dim=-1)  # [4, 1, T]
+        want_hidden = any(request.job.want_talker_inputs for _, _, request, _, _, _ in packed)
+        cache = DynamicCache(config=self.stack.config)
+        finals: list[torch.Tensor] = []
+        with self.timer, self._lm_head_rows(self.prefix_pool, Prior(), finals):
+            out = self.model(input_ids=ids, attention_mask=packing.mask(self.device), position_ids=positions,
+                             past_key_values=cache, use_cache=True, output_hidden_states=want_hidden)
+        events: StepResult = []
+        for i, (request_id, slot, request, kwargs, prompt_positions, keys) in enumerate(packed):
+            span, rows = packing.span(i), CacheRows(cache, packing.span(i))
+            self.cache.load(slot, rows)
+            request.last_position = prompt_positions[..., -1:].clone()
+            hidden = tuple(h[:, span] for h in out.hidden_states) if want_hidden else None
+            if keys:  # the pool held none of it (prefill_packed): its blocks kept as a prefill alone keeps them
+                job = request.job
+                self.prefix_pool.lookup(keys, usable_blocks(job.prompt.num_tokens), job.want_talker_inputs,
+                                        use=self.prefix_hits)
+                extra = torch.stack([hidden[layer % len(hidden)][0] for layer in self.prefix_layers]) \
+                    if job.want_talker_inputs else None
+                self.prefix_pool.store(keys, rows, finals[0][span] if finals else None, extra, first=0)
+                self.prefix_pool.publish(job.prefix, keys)
+            events += self.prefilled(request_id, request, kwargs, hidden, out.logits[0, span.stop - 1])
+        return events
 
     def _block_keys(self, job: ThinkerJob) -> list[bytes]:
         if self.prefix_pool is None or job.prefix is None:
@@ -266,11 +353,11 @@ class ThinkerEngine(SlotScheduledEngine):
                        timer) -> Forward:
         """The prompt's forward through the module's own path into the cache `prefill` gives it, the LM
         head over every row (`_lm_head_rows`), timed by `timer`; its hidden states completed with the
-        hit's `prefix_layers` from `pool`, and [extra, P, hidden] of those layers kept with
-        `want_hidden`."""
-        def forward(cache, hit: PrefixHit) -> PromptForward:
+        prior rows' `prefix_layers` (a hit's, from `pool`, or earlier chunks'), and [extra, P, hidden]
+        of those layers kept with `want_hidden`."""
+        def forward(cache, prior: Prior) -> PromptForward:
             finals: list[torch.Tensor] = []
-            with timer, self._lm_head_rows(pool, hit, finals):
+            with timer, self._lm_head_rows(pool, prior, finals):
                 out = self.model(**kwargs, position_ids=position_ids, past_key_values=cache, use_cache=True,
                                  output_hidden_states=want_hidden)
             final = finals[0] if finals else None
@@ -278,28 +365,28 @@ class ThinkerEngine(SlotScheduledEngine):
                 return PromptForward(out, cache, final)
             states = list(out.hidden_states)
             layers = [layer % len(states) for layer in self.prefix_layers]
-            if hit.blocks:
-                cached = pool.hidden_of(hit)  # [extra, hit tokens, hidden]
-                for i, layer in enumerate(layers):
-                    states[layer] = torch.cat([cached[i].unsqueeze(0), states[layer]], dim=1)
+            if prior.tokens:
+                for i, layer in enumerate(layers):  # prior.hidden: [extra, prior tokens, hidden]
+                    states[layer] = torch.cat([prior.hidden[i].unsqueeze(0), states[layer]], dim=1)
                 out.hidden_states = tuple(states)
             return PromptForward(out, cache, final, torch.stack([states[layer][0] for layer in layers]))
         return forward
 
     @contextlib.contextmanager
-    def _lm_head_rows(self, pool: PrefixPool | None, hit: PrefixHit, finals: list):
+    def _lm_head_rows(self, pool: PrefixPool | None, prior: Prior, finals: list):
         """With a prefix cache, the LM head's input is recorded into `finals` (the blocks keep it),
-        and after a hit it gets the cached rows before the computed ones: the LM head then runs
-        over the whole prompt's rows, the cold prefill's call, so the last row's logits cannot
-        depend on how many rows were computed (a matmul's row can: fewer rows, other blocking)."""
+        and after prior rows (a hit, earlier chunks) it gets theirs before the computed ones: the LM
+        head then runs over the whole prompt's rows, the cold prefill's call, so the last row's
+        logits cannot depend on how many rows were computed (a matmul's row can: fewer rows, other
+        blocking)."""
         if pool is None:
             yield
             return
 
         def whole_prompt(_module, args):
             rows = args[0]
-            if hit.blocks:
-                rows = torch.cat([pool.finals_of(hit).unsqueeze(0), rows], dim=1)
+            if prior.tokens:
+                rows = torch.cat([prior.finals.unsqueeze(0), rows], dim=1)
             finals.append(rows[0])
             return (rows, *args[1:])
 

@@ -81,17 +81,13 @@ class Qwen2_5ThinkerEngine(ThinkerEngine):
             raise ValueError("a talker-fed Qwen2.5-Omni thinker job needs voice_bos_token")
         super().add(request_id, job)
 
-    @torch.inference_mode()
-    def prefill(self, request_id: str, slot: int) -> StepResult:
-        request = self._requests[request_id]
-        job = request.job
+    def prefilled(self, request_id: str, request, kwargs: dict, hidden_states, logits: torch.Tensor) -> StepResult:
         # NOTE: generate drops the attention mask once it is all ones (a prompt's always is), after the
         # 4-row positions ([4, 1, P]) are made from it, so the forward runs without one.
-        out, kwargs = self._prefill_forward(request, slot)
         events: StepResult = []
-        if job.want_talker_inputs:
-            events.append((request_id, self._prefilled(job, kwargs, out.hidden_states)))
-        return events + self._sample(request_id, request, out.logits[0, -1].cpu())
+        if request.job.want_talker_inputs:
+            events.append((request_id, self._prefilled(request.job, kwargs, hidden_states)))
+        return events + self._sample(request_id, request, logits.cpu())
 
     @torch.inference_mode()
     def decode(self, request_ids: list[str], slots: list[int]) -> StepResult:

@@ -26,6 +26,7 @@ from services.runtime.model.settings import (
     add_engine_flags,
     add_model_flags,
     add_prefix_cache_flag,
+    check_engine_flags,
     exact_batching,
     exact_gemm,
     model_config_from_args,
@@ -192,9 +193,11 @@ def add_input_limit_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> ThinkerConfig:
+    check_engine_flags(args)
     model = model_config_from_args(args)
     engine = ThinkerEngineConfig(max_batch_size=args.max_batch_size, num_slots=args.num_slots,
-                                 max_prefills_per_step=args.max_prefills_per_step, max_model_len=args.max_model_len,
+                                 max_prefills_per_step=args.max_prefills_per_step,
+                                 max_prefill_tokens=args.max_prefill_tokens, max_model_len=args.max_model_len,
                                  exact_batching=exact_batching(args), exact_gemm=exact_gemm(args), graphs=model.graphs,
                                  prefix_cache_mb=prefix_cache_mb(args.prefix_cache_mb), checks=model.checks)
     limits = PromptLimits(args.max_prompt_tokens or None, args.max_audio_seconds, args.max_image_pixels,

@@ -22,13 +22,12 @@ import torch
 
 from omni.v1 import omni_pb2
 from services.base.families import family_of
-from services.runtime.inputs.prompt import PromptBuilder
 from services.runtime.lm.sampling import SamplingConfig
-from services.runtime.model.checkpoint import Stage, load_stage
 from services.thinker.admission import messages_from_proto, prompt_prefix
 from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig, Token
 from services.thinker.server import ADAPTERS
 from services.tools.reference import ReferenceRunner
+from tests.thinker.conftest import Family_
 from tests.threads import torch_threads
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -67,25 +66,6 @@ def conversation(turn: int, wav: bytes, png: bytes, salt: str = "") -> omni_pb2.
         if t < turn - 1:
             request.messages.add(role=omni_pb2.ROLE_ASSISTANT).content.add(text=REPLIES[t])
     return request
-
-
-@dataclasses.dataclass
-class Family_:
-    checkpoint: str
-    thinker: object
-    builder: PromptBuilder
-    adapter: object
-    im_start: int
-
-
-@pytest.fixture(scope="module", params=["qwen3", "qwen2_5"])
-def family(request) -> Family_:
-    checkpoint = str(request.getfixturevalue("tiny_checkpoint" if request.param == "qwen3"
-                                             else "tiny_qwen2_5_checkpoint"))
-    thinker = load_stage(checkpoint, Stage.THINKER)
-    builder = PromptBuilder(checkpoint, thinker.config)
-    adapter = ADAPTERS[family_of(checkpoint)](checkpoint, thinker.config, builder)
-    return Family_(checkpoint, thinker, builder, adapter, builder.tokenizer.convert_tokens_to_ids("<|im_start|>"))
 
 
 def make_engine(family: Family_, mode: str, cache_mb: int) -> ThinkerEngine:

@@ -25,7 +25,8 @@ from services.runtime.lm.prefix.keys import BLOCK_TOKENS
 from services.runtime.model.checkpoint import Stage, load_stage
 from services.thinker.admission import messages_from_proto
 from services.thinker.server import ADAPTERS
-from tests.thinker.test_prefix_conversation import Family_, assert_hits_used, assert_same_bits, job, make_engine, run
+from tests.thinker.conftest import Family_
+from tests.thinker.test_prefix_conversation import assert_hits_used, assert_same_bits, job, make_engine, run
 from tests.threads import torch_threads
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -21,7 +21,6 @@ from tests.thinker.test_prefix_conversation import (  # noqa: F401 - fixtures
     MAX_MODEL_LEN,
     assert_same_bits,
     conversation,
-    family,
     job,
     make_engine,
     one_thread,
@@ -56,7 +55,7 @@ def beside(family_, mode: str, cache_mb: int) -> ThinkerEngine:
 @pytest.mark.exactness
 @pytest.mark.parametrize("mode", ["rows", "gemm"])
 def test_requests_across_the_switch_to_the_checked_plan_get_the_bits_of_a_checked_engine(
-        family, mode, monkeypatch, wav_bytes, png_bytes):  # noqa: F811 - the fixture
+        family, mode, monkeypatch, wav_bytes, png_bytes):
     checked = make_engine(family, mode, cache_mb=16)
     opened = gate(monkeypatch)
     engine = beside(family, mode, cache_mb=16)

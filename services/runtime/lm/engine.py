@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Callable
 
 import torch
 
 from services.base.engine import EngineDefaults, StepResult
+from services.base.errors import InvalidArgument
+from services.base.events import RequestFailed
 from services.base.timing import ForwardTimer
 from services.runtime.checks import CheckState, StartupCheck
 from services.runtime.lm.invariance import KernelVerdict, by_construction, exact_check, log_report
@@ -38,6 +41,8 @@ from services.runtime.lm.prefix.pool import PrefixPool
 from services.runtime.lm.prefix.prefill import DecoderStack
 from services.runtime.lm.scheduler import LMScheduler, StepPlan
 from services.runtime.lm.static_decode import SlotDecodeGraphs
+
+log = logging.getLogger(__name__)
 
 
 class SlotScheduledEngine(EngineDefaults):
@@ -58,7 +63,8 @@ class SlotScheduledEngine(EngineDefaults):
         hidden-state layers the prefix pool keeps per block (the thinker's, for the talker)."""
         self.name = name
         self.device, self.dtype = device, dtype
-        self.timer = ForwardTimer()  # seconds in model forwards (services/base/timing.py)
+        # Seconds in model forwards (services/base/timing.py), waiting for the GPU's kernels on cuda.
+        self.timer = ForwardTimer(sync=torch.cuda.synchronize if torch.device(device).type == "cuda" else None)
         use_rowwise_attention(text_config, *rowwise_configs)
         if engine_config.exact_gemm:
             use_invariant_attention(text_config)  # what makes a prefix hit exact (kernels.invariant_attention)
@@ -72,8 +78,17 @@ class SlotScheduledEngine(EngineDefaults):
             self.graphs = SlotDecodeGraphs(step(self.cache), self.cache, engine_config.num_slots, engine_config.graphs,
                                            engine_config.exact_batching, f"{name} decode", device)
             self.graphs.capture_all(step_input)
+        # Admission: packed prompts where exact mode is off (their rows are not each prompt's alone
+        # bits); chunks where their rows are exact or not asked to be (off; gemm: the invariant GEMM and
+        # attention make a chunk after cached keys the whole prefill's bits, as a prefix hit).
+        self.packs_prefills = not engine_config.exact_batching
+        prefills = engine_config.max_prefills_per_step
+        if prefills < 0:  # auto: every one that fits where one forward takes them all; on CPU, where each
+            prefills = 0 if self.packs_prefills else 1  # is its own forward, a step of 16 only moved a burst's wait
         self.scheduler = LMScheduler(engine_config.max_batch_size, engine_config.num_slots,
-                                     engine_config.max_model_len, engine_config.max_prefills_per_step)
+                                     engine_config.max_model_len, prefills,
+                                     engine_config.max_prefill_tokens,
+                                     chunking=not engine_config.exact_batching or engine_config.exact_gemm)
         self._requests = {}
         self.stack = DecoderStack(decoder, text_config)
         # Hits: used without exact mode; with it, once the check found them exact (gemm), or never (per-row
@@ -162,9 +177,8 @@ class SlotScheduledEngine(EngineDefaults):
 
     def _step(self) -> StepResult:
         plan = self.scheduler.schedule()
-        events: StepResult = []
-        for request_id in plan.prefill:
-            events += self.prefill(request_id, plan.slots[request_id])
+        self.step_prefills = len(plan.prefill)
+        events = self.admit(plan)
         if plan.decode:
             events += self.decode(list(plan.decode), [plan.slots[r] for r in plan.decode])
         events += self.end_step()
@@ -175,6 +189,52 @@ class SlotScheduledEngine(EngineDefaults):
         self.after_step(plan)
         return events
 
+    def admit(self, plan: StepPlan) -> StepResult:
+        """This step's prefills: chunks of longer prompts one by one, whole prompts packed into one
+        forward where the engine packs (`prefill_packed`), else one by one."""
+        events: StepResult = []
+        whole = []
+        for request_id in plan.prefill:
+            start, stop = plan.chunks[request_id]
+            if start == 0 and stop == self.scheduler.seqs[request_id].prompt_len:
+                whole.append(request_id)
+            else:
+                events += self.prefill_alone(request_id, plan.slots[request_id], (start, stop))
+        if len(whole) > 1 and self.packs_prefills:
+            return events + self.prefill_packed(whole, [plan.slots[r] for r in whole])
+        for request_id in whole:
+            events += self.prefill_alone(request_id, plan.slots[request_id])
+        return events
+
+    def prefill_alone(self, request_id: str, slot: int, chunk: tuple[int, int] | None = None) -> StepResult:
+        """`prefill`, a failure ending this request alone: the others of the step go on (a media part
+        the model refuses is the request's fault, INVALID_ARGUMENT naming the field)."""
+        try:
+            return self.prefill(request_id, slot, chunk)
+        except (InvalidArgument, ValueError) as exc:
+            log.warning("%s: request %s's prefill refused its input: %s", self.name, request_id, exc)
+            return [(request_id, RequestFailed(str(exc), getattr(exc, "field", None) or "messages"))]
+        except Exception as exc:  # noqa: BLE001 - one request's failure, not the step's
+            log.exception("%s: request %s's prefill failed", self.name, request_id)
+            return [(request_id, RequestFailed(f"{type(exc).__name__}: {exc}"))]
+
+    def packed(self, prompts: list[tuple], forward) -> StepResult:
+        """`forward(prompts)`: prompts (request id, slot, ...) laid end to end in one forward; where it
+        raises, each prompt alone, so the one at fault fails alone."""
+        try:
+            return forward(prompts)
+        except Exception:  # noqa: BLE001 - which prompt failed is the alone prefills' to tell
+            log.exception("%s: a packed prefill failed; prefilling its prompts one by one", self.name)
+            return [event for request_id, slot, *_ in prompts for event in self.prefill_alone(request_id, slot)]
+
+    def prefill_packed(self, request_ids: list[str], slots: list[int]) -> StepResult:
+        """Hook: whole prompts in one forward (services/runtime/lm/packing.py), never raising (`packed`);
+        one by one here."""
+        events: StepResult = []
+        for request_id, slot in zip(request_ids, slots):
+            events += self.prefill_alone(request_id, slot)
+        return events
+
     def end_step(self) -> StepResult:
         """Hook: work this step's prefills and decode left to be done together (the talker's code
         predictor over all their rows); its events."""
@@ -183,7 +243,9 @@ class SlotScheduledEngine(EngineDefaults):
     def after_step(self, plan: StepPlan) -> None:
         """Hook: e.g. mark requests whose next step must wait for input."""
 
-    def prefill(self, request_id: str, slot: int) -> StepResult:
+    def prefill(self, request_id: str, slot: int, chunk: tuple[int, int] | None = None) -> StepResult:
+        """A request's prompt into its slot, its first events; with `chunk` only its positions
+        [start, stop), no events before the last chunk."""
         raise NotImplementedError
 
     def decode(self, request_ids: list[str], slots: list[int]) -> StepResult:

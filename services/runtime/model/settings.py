@@ -135,10 +135,15 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """Batching and KV cache capacity of an LM stage (thinker, talker)."""
     parser.add_argument("--max-batch-size", type=int, default=env_default("max_batch_size", 32),
                         help="requests decoded together in one step (default 32)")
-    parser.add_argument("--max-prefills-per-step", type=int, default=env_default("max_prefills_per_step", 1),
-                        help="waiting requests prefilled in one step beside the decode batch: more cuts the "
-                             "first-token wait of a burst, at the cost of one longer step for the running "
-                             "requests (default 1)")
+    parser.add_argument("--max-prefills-per-step", type=int, default=env_default("max_prefills_per_step", -1),
+                        help="waiting requests prefilled in one step beside the decode batch (0: every one that "
+                             "fits the slots, the batch and --max-prefill-tokens; default -1: 0 where exact "
+                             "batching is off, which packs them into one forward, 1 where it is on, which "
+                             "prefills each alone)")
+    parser.add_argument("--max-prefill-tokens", type=int, default=env_default("max_prefill_tokens", 2048),
+                        help="prompt tokens prefilled in one step: bounds how long the running requests wait; a "
+                             "longer prompt is prefilled a chunk a step (exact batching on: whole, in a step of its "
+                             "own) (default 2048; 0 = no bound)")
     parser.add_argument("--num-slots", type=int, default=env_default("num_slots", 32),
                         help="KV cache slots allocated at start-up: requests holding cache at once (default 32)")
     parser.add_argument("--max-model-len", type=int, default=env_default("max_model_len", 4096),
@@ -149,6 +154,17 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                              "start-up check finds them invariant, bit-exact with generate; gemm: omni's "
                              "invariant GEMM for every linear layer, fast at width, bit-exact with "
                              "generate run through the same op; cpu float32 only)")
+
+
+def check_engine_flags(args: argparse.Namespace) -> None:
+    """add_engine_flags' values, refused with the flag named."""
+    for flag in ("max_batch_size", "num_slots", "max_model_len"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.max_prefills_per_step < -1:
+        raise UserError(f"--max-prefills-per-step must be -1 (auto), 0 (no cap) or more, got {args.max_prefills_per_step}")
+    if args.max_prefill_tokens < 0:
+        raise UserError(f"--max-prefill-tokens must be 0 (no bound) or more, got {args.max_prefill_tokens}")
 
 
 def on_unless_cuda(choice: str, device: str) -> bool:

@@ -412,3 +412,52 @@ def test_decode_stays_capped_when_waiting_requests_let_running_exceed_max_batch_
     while "a" in s.seqs:
         assert step(s).decode == ("a",)
     assert step(s).decode == ("b",)
+
+
+# Admission in one step: a token budget, chunks of longer prompts.
+
+def test_every_waiting_request_that_fits_the_budget_is_admitted_in_one_step():
+    s = LMScheduler(max_batch_size=8, num_slots=8, slot_len=256, max_prefills_per_step=0, max_prefill_tokens=40)
+    for i, n in enumerate((10, 12, 15, 20)):
+        s.add(f"r{i}", n, 4)
+    plan = s.schedule()
+    assert plan.prefill == ("r0", "r1", "r2") and plan.chunks == {"r0": (0, 10), "r1": (0, 12), "r2": (0, 15)}
+    s.update(plan, set())
+    assert s.schedule().prefill == ("r3",)  # over what was left: first in the next step, beside the decodes
+
+
+def test_a_prompt_over_the_budget_is_chunked_and_the_running_ones_decode_between_its_chunks():
+    s = LMScheduler(max_batch_size=8, num_slots=8, slot_len=256, max_prefills_per_step=0, max_prefill_tokens=16,
+                    chunking=True)
+    s.add("short", 6, 10)
+    s.update(s.schedule(), set())
+    s.add("long", 40, 4)
+    chunks = []
+    for _ in range(3):
+        plan = s.schedule()
+        assert plan.decode == ("short",)  # a decode step every step
+        chunks.append(plan.chunks["long"])
+        s.update(plan, set())
+    assert chunks == [(0, 16), (16, 32), (32, 40)]  # 16 prompt tokens a step, the decodes beside them
+    assert "long" in s.schedule().decode and not s.partial
+
+
+def test_a_request_aborted_or_finished_mid_chunk_frees_its_slot():
+    s = LMScheduler(max_batch_size=4, num_slots=2, slot_len=256, max_prefills_per_step=0, max_prefill_tokens=8,
+                    chunking=True)
+    s.add("a", 30, 4)
+    s.update(s.schedule(), set())
+    assert list(s.partial) == ["a"] and len(s.free_slots) == 1
+    s.abort("a")
+    assert not s.partial and len(s.free_slots) == 2
+    s.add("b", 30, 4)
+    s.update(s.schedule(), {"b"})  # the engine ended it during a chunk (a talker whose text ended early)
+    assert "b" not in s.seqs and not s.partial and len(s.free_slots) == 2
+
+
+def test_without_chunking_a_prompt_over_the_budget_goes_whole_in_a_step_it_starts():
+    s = LMScheduler(max_batch_size=8, num_slots=8, slot_len=256, max_prefills_per_step=0, max_prefill_tokens=16)
+    s.add("small", 10, 4)
+    s.add("big", 100, 4)
+    assert s.schedule().chunks == {"small": (0, 10)}
+    assert s.schedule().chunks == {"big": (0, 100)}  # never refused for its length

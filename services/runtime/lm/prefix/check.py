@@ -48,7 +48,7 @@ class PrefixCase:
 
     keys: list[bytes]
     tokens: int
-    forward: Callable[[PrefixPool], Forward]
+    forward: Callable[[PrefixPool], Forward]  # the pool a hit reads from -> the prompt's forward
 
 
 def plain_token_ids(configs, vocab: int, n: int, seed: int) -> torch.Tensor:
@@ -91,7 +91,7 @@ def _differs(engine, case: PrefixCase, cached_blocks: int, scratch: PrefixPool) 
     cold, _ = prefill(None, [], case.tokens, engine.stack, case.forward(scratch), use_hits=False)
     scratch.store(case.keys[:cached_blocks], cold.cache, cold.finals, cold.hidden, first=0)
     warm, hit = prefill(scratch, case.keys, case.tokens, engine.stack, case.forward(scratch), use_hits=True,
-                        need_extras=cold.hidden is not None)
+                        need_extras=cold.hidden is not None, need_finals=cold.finals is not None)
     where = f"a {case.tokens}-token prompt from {hit.tokens} cached tokens"
     if len(hit.blocks) < cached_blocks:
         return f"{where}: {cached_blocks} blocks were stored, {len(hit.blocks)} found"

@@ -124,6 +124,16 @@ class PrefixPool:
         self.stats.hit_tokens += hit.tokens
         return hit
 
+    def peek(self, keys: list[bytes], usable: int, need_extras: bool) -> int:
+        """Blocks `lookup` would find, with nothing pinned, counted or refreshed."""
+        found = 0
+        for key in keys[:usable]:
+            block = self._blocks.get(key)
+            if block is None or (need_extras and not block.extras):
+                break
+            found += 1
+        return found
+
     def release(self, hit: PrefixHit) -> None:
         for block in hit.blocks:
             block.pins -= 1

@@ -33,15 +33,45 @@ class DecoderStack:
 
 @dataclass
 class PromptForward:
-    """A prompt's forward into a fresh cache, and what the pool keeps of it."""
+    """A prompt's forward (or a chunk's) into its cache, and what the pool keeps of it."""
 
-    output: Any  # the model's output: logits [1, P, vocab], hidden states where asked
-    cache: Any  # transformers' DynamicCache: every prompt position's keys and values
-    finals: torch.Tensor | None = None  # [P, hidden] the LM head's input (the thinker keeps it per block)
-    hidden: torch.Tensor | None = None  # [extra, P, hidden] the layers the talker reads (the thinker)
+    output: Any  # the model's output: logits [1, rows computed, vocab], hidden states where asked
+    cache: Any  # transformers' DynamicCache: the keys and values of every prompt position so far
+    finals: torch.Tensor | None = None  # [P, hidden] the LM head's input so far (the thinker keeps it per block)
+    hidden: torch.Tensor | None = None  # [extra, P, hidden] the layers the talker reads so far (the thinker)
 
 
-Forward = Callable[[Any, PrefixHit], PromptForward]  # (fresh cache, the hit) -> the forward's result
+@dataclass(frozen=True)
+class Prior:
+    """The prompt positions before the rows a forward computes (a hit's cached blocks, or the chunks
+    prefilled in earlier steps): how many, and the rows the forward completes its outputs with."""
+
+    tokens: int = 0
+    finals: torch.Tensor | None = None  # [tokens, hidden]: the LM head's input there, where kept
+    hidden: torch.Tensor | None = None  # [extra, tokens, hidden]: the extra layers there, where kept
+
+
+# The decoder stack's inputs over the whole prompt that a chunked prefill's first chunk keeps
+# (`cutting`): later chunks take them instead of building them again (a long audio prompt's
+# encoder ran once, not once a chunk).
+STACK_INPUTS = ("inputs_embeds", "position_ids", "visual_pos_masks", "deepstack_visual_embeds")
+
+
+@dataclass
+class Partial:
+    """A prompt prefilled a chunk a step: its cache and outputs so far (`PromptForward`), `done` tokens,
+    and, where the engine keeps them, the decoder stack's whole-prompt inputs (`STACK_INPUTS`)."""
+
+    done: int
+    result: PromptForward
+    inputs: dict | None = None
+
+    @property
+    def prior(self) -> Prior:
+        return Prior(self.done, self.result.finals, self.result.hidden)
+
+
+Forward = Callable[[Any, Prior], PromptForward]  # (the cache, what comes before the rows) -> the result
 
 
 def usable_blocks(tokens: int) -> int:
@@ -51,19 +81,34 @@ def usable_blocks(tokens: int) -> int:
 
 
 def prefill(pool: PrefixPool | None, keys: list[bytes], tokens: int, stack: DecoderStack, forward: Forward, *,
-            use_hits: bool, need_extras: bool = False, publish: PromptPrefix | None = None
+            use_hits: bool, need_extras: bool = False, need_finals: bool = False, publish: PromptPrefix | None = None,
+            partial: Partial | None = None, stop: int | None = None, stack_inputs: dict | None = None
             ) -> tuple[PromptForward, PrefixHit]:
     """`forward` of a prompt of `tokens` whose whole blocks have `keys`, from the blocks `pool` holds
     of it (`use_hits` False: looked up and counted, not used; no keys or no pool: a cold prefill),
-    then its new whole blocks stored and, with `publish`, its message prefixes told to the router."""
+    then its new whole blocks stored and, with `publish`, its message prefixes told to the router.
+    `need_extras`, `need_finals`: the forward reads a hit's extra layers, its LM head input.
+    A chunked prefill computes the prompt's positions up to `stop` only, after the `partial` one of
+    earlier steps (its cache and outputs); the pool keeps the prompt once its last chunk is done.
+    `stack_inputs` (a chunked prefill's, where the engine keeps them): empty, the forward fills it
+    with the stack's whole-prompt inputs; filled, the stack takes them (`cutting`)."""
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=stack.config)
-    hit = pool.lookup(keys, usable_blocks(tokens), need_extras, use=use_hits) if pool is not None and keys \
-        else PrefixHit()
-    with from_cached_blocks(pool, hit, cache, stack):
-        result = forward(cache, hit)
-    if pool is not None and keys:
+    stop = tokens if stop is None else stop
+    hit = PrefixHit()
+    if partial is not None:
+        cache, prior = partial.result.cache, partial.prior
+    else:
+        cache = DynamicCache(config=stack.config)
+        if pool is not None and keys:
+            hit = pool.lookup(keys, min(usable_blocks(tokens), (stop - 1) // BLOCK_TOKENS), need_extras, use=use_hits)
+        prior = Prior()
+    with from_cached_blocks(pool, hit, cache, stack, prior.tokens or hit.tokens, stop, tokens, stack_inputs):
+        if hit.blocks:
+            prior = Prior(hit.tokens, pool.finals_of(hit) if need_finals else None,
+                          pool.hidden_of(hit) if need_extras else None)
+        result = forward(cache, prior)
+    if pool is not None and keys and stop == tokens:
         pool.store(keys, result.cache, result.finals, result.hidden, first=len(hit.blocks))
         if publish is not None:
             pool.publish(publish, keys)
@@ -71,33 +116,41 @@ def prefill(pool: PrefixPool | None, keys: list[bytes], tokens: int, stack: Deco
 
 
 @contextlib.contextmanager
-def skipping_prefix(text_model, tokens: int):
-    """Inside the block, `text_model`'s forward (the thinker's decoder stack) runs only the positions
-    from `tokens` on: the thinker's own forward builds the whole prompt's inputs (embeddings, every
-    media encoder's features, positions) as without the cache, and a pre-hook cuts them at the
-    cached prefix, whose keys and values the cache passed in already holds."""
-    if not tokens:
+def cutting(stack_module, start: int, stop: int, tokens: int, inputs: dict | None = None):
+    """Inside the block, the decoder stack's forward runs only the prompt positions [start, stop):
+    the model's own forward builds the whole prompt's inputs (embeddings, every media encoder's
+    features, positions) as for one prefill, and a pre-hook cuts them there; the cache passed in
+    already holds the keys and values of the positions before `start`. With `inputs`, an empty
+    dict keeps the whole prompt's (`STACK_INPUTS`) and a filled one replaces the forward's: a
+    chunk after the first may then build none (its model forward given the token ids alone)."""
+    if start == 0 and stop == tokens:
         yield
         return
 
     def cut(_module, args, kwargs):
         kwargs = dict(kwargs)
-        for name in ("inputs_embeds",):
-            kwargs[name] = kwargs[name][:, tokens:]
+        if inputs:
+            kwargs.update(inputs)
+        elif inputs is not None:
+            inputs.update({name: kwargs[name] for name in STACK_INPUTS if kwargs.get(name) is not None})
+        kwargs["inputs_embeds"] = kwargs["inputs_embeds"][:, start:stop]
+        mask = kwargs.get("attention_mask")
+        if mask is not None and mask.ndim == 2:  # [1, P]: over the cached and the computed positions
+            kwargs["attention_mask"] = mask[:, :stop]
         positions = kwargs.get("position_ids")
         if positions is not None:
-            kwargs["position_ids"] = positions[..., tokens:]
+            kwargs["position_ids"] = positions[..., start:stop]
         if kwargs.get("cache_position") is not None:
-            kwargs["cache_position"] = kwargs["cache_position"][tokens:]
+            kwargs["cache_position"] = kwargs["cache_position"][start:stop]
         visual = kwargs.get("visual_pos_masks")
         if visual is not None:
-            before = int(visual[:, :tokens].sum())
-            kwargs["visual_pos_masks"] = visual[:, tokens:]
+            before, inside = int(visual[:, :start].sum()), int(visual[:, start:stop].sum())
+            kwargs["visual_pos_masks"] = visual[:, start:stop]
             if kwargs.get("deepstack_visual_embeds") is not None:
-                kwargs["deepstack_visual_embeds"] = [e[before:] for e in kwargs["deepstack_visual_embeds"]]
+                kwargs["deepstack_visual_embeds"] = [e[before:before + inside] for e in kwargs["deepstack_visual_embeds"]]
         return args, kwargs
 
-    with forward_pre_hook(text_model, cut, with_kwargs=True):
+    with forward_pre_hook(stack_module, cut, with_kwargs=True):
         yield
 
 
@@ -119,18 +172,17 @@ def forward_pre_hook(module, hook, with_kwargs: bool = False):
 
 
 @contextlib.contextmanager
-def from_cached_blocks(pool: PrefixPool | None, hit: PrefixHit, cache, stack: DecoderStack):
-    """Inside the block, a prompt's forward into `cache` (a fresh transformers Cache) computes only
-    the positions after the hit's: their keys and values preloaded into `cache`, the decoder stack
-    cut there (`skipping_prefix`), its attention the one a prefill after cached keys runs
-    (kernels.attention_after_cached_keys). The hit's blocks stay pinned until the block ends.
-    Without a hit, nothing changes."""
-    if not hit.blocks:
-        yield
-        return
+def from_cached_blocks(pool: PrefixPool | None, hit: PrefixHit, cache, stack: DecoderStack, start: int, stop: int,
+                       tokens: int, stack_inputs: dict | None = None):
+    """Inside the block, a prompt's forward into `cache` computes only its positions [start, stop):
+    a hit's keys and values preloaded into `cache` (the cache of earlier chunks holds them already),
+    the decoder stack cut there (`cutting`), its attention the one a prefill after cached keys runs
+    (kernels.attention_after_cached_keys). The hit's blocks stay pinned until the block ends."""
     try:
-        pool.preload(hit, cache)
-        with skipping_prefix(stack.module, hit.tokens), attention_after_cached_keys(stack.config, True):
+        if hit.blocks:
+            pool.preload(hit, cache)
+        with cutting(stack.module, start, stop, tokens, stack_inputs), attention_after_cached_keys(stack.config, start > 0):
             yield
     finally:
-        pool.release(hit)
+        if hit.blocks:
+            pool.release(hit)
