@@ -1,5 +1,10 @@
 """`POST /v1/chat/completions`: text, or text and audio, as one chat.completion or streamed as SSE
-chunks (docs/gateway.md)."""
+chunks (docs/gateway.md).
+
+With tools, the reply's text is parsed for Qwen's tool calls (services/base/tool_calls.py): its
+content is the message's content (or audio transcript), each call a `tool_calls` entry, streamed
+as two deltas once the call is whole (its id and name, then its arguments), and the finish reason
+"tool_calls". The pipeline speaks none of a call (services/thinker/stream.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +25,9 @@ from gateway.convert import chat_to_proto, check_size
 from gateway.process import Gateway
 from gateway.router_call import Call
 from gateway.schemas import CHAT_REFUSED, ChatCompletionRequest, check_refused
+from gateway.tools import call_id, openai_call
 from omni.v1 import common_pb2, omni_pb2
+from services.base.tool_calls import ParsedCall, ToolCallParser
 
 AUDIO_TTL_S = 3600  # `expires_at` of a returned audio: the gateway stores nothing, the id is informational
 AUDIO_PLACEHOLDER = "\x00audio\x00"  # where a non-streamed reply's base64 goes into its JSON text
@@ -34,11 +41,12 @@ async def chat_completions(body: ChatCompletionRequest, http: Request) -> Respon
     call = Call(gateway, request, http, "chat")
     await call.start(http)
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+    tools = bool(request.tools) and request.tool_choice.mode != omni_pb2.ToolChoice.MODE_NONE
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return CallStream(call, _chunks(call, gateway.config, completion_id, audio, include_usage),
+        return CallStream(call, _chunks(call, gateway.config, completion_id, audio, include_usage, tools),
                           "text/event-stream", gateway.config.send_timeout_s, {"Cache-Control": "no-cache"})
-    return await _completion(call, http, gateway.config, completion_id, audio, fmt)
+    return await _completion(call, http, gateway.config, completion_id, audio, fmt, tools)
 
 
 async def _to_proto(body: ChatCompletionRequest, config: GatewayConfig) -> tuple[omni_pb2.GenerateRequest, bool, str]:
@@ -56,7 +64,7 @@ async def _to_proto(body: ChatCompletionRequest, config: GatewayConfig) -> tuple
 
 
 async def _completion(call: Call, http: Request, config: GatewayConfig, completion_id: str, audio: bool,
-                      fmt: str) -> Response:
+                      fmt: str, tools: bool) -> Response:
     """The whole reply as one chat.completion."""
     text, chunks = [], []
     try:
@@ -68,15 +76,25 @@ async def _completion(call: Call, http: Request, config: GatewayConfig, completi
                 chunks.append(audio_codec.float_from_bytes(response.audio.pcm))
     finally:
         call.cancel()
-    content = "".join(text)
-    message: dict = {"role": "assistant", "content": content, "refusal": None}
+    content, calls = "".join(text), []
+    if tools:
+        parser = ToolCallParser()
+        pieces = parser.feed(content) + parser.finish()
+        content = "".join(p for p in pieces if isinstance(p, str))
+        calls = [openai_call(p, k, call_id()) for k, p in enumerate(p for p in pieces if isinstance(p, ParsedCall))]
+        for entry in calls:
+            del entry["index"]
+    message: dict = {"role": "assistant", "content": content or (None if calls else ""), "refusal": None}
+    if calls:
+        message["tool_calls"] = calls
+    audio = audio and not (calls and not chunks)  # a reply that is only calls has no audio
     if audio:
         message["content"] = None  # OpenAI: with audio out, the text is the audio's transcript
         message["audio"] = {"id": f"audio_{uuid.uuid4().hex}", "data": AUDIO_PLACEHOLDER,
                             "expires_at": int(time.time()) + AUDIO_TTL_S, "transcript": content}
     payload = {
         "id": completion_id, "object": "chat.completion", "created": int(time.time()), "model": config.model,
-        "choices": [{"index": 0, "message": message, "finish_reason": _finish_reason(call.final, audio),
+        "choices": [{"index": 0, "message": message, "finish_reason": _finish_reason(call.final, audio, bool(calls)),
                      "logprobs": None}],
         "usage": _usage(call.usage), "system_fingerprint": None,
     }
@@ -85,9 +103,12 @@ async def _completion(call: Call, http: Request, config: GatewayConfig, completi
     return Response(rendered, media_type="application/json")
 
 
-async def _chunks(call: Call, config: GatewayConfig, completion_id: str, audio: bool, include_usage: bool):
+async def _chunks(call: Call, config: GatewayConfig, completion_id: str, audio: bool, include_usage: bool,
+                  tools: bool):
     """The reply as chat.completion.chunk events as the pipeline makes it, then `data: [DONE]`."""
     created = int(time.time())
+    parser = ToolCallParser() if tools else None
+    calls = 0
     audio_id = f"audio_{uuid.uuid4().hex}"
     sent_id = False  # OpenAI sends the audio's id and expires_at once: the SDK's stream helper adds them up
     held = b""  # pcm16 bytes held back so that every delta's base64 is unpadded (whole 3-byte groups)
@@ -104,12 +125,30 @@ async def _chunks(call: Call, config: GatewayConfig, completion_id: str, audio: 
             return {"audio": {"id": audio_id, "expires_at": created + AUDIO_TTL_S, **fields}}
         return {"audio": fields}
 
+    def text_chunks(pieces: list) -> list[str]:
+        """Parsed text: content (or transcript) deltas, and each call as two tool_calls deltas."""
+        nonlocal calls
+        out = []
+        for piece in pieces:
+            if isinstance(piece, str):
+                out.append(chunk(audio_delta({"transcript": piece}) if audio else {"content": piece}))
+                continue
+            head = openai_call(piece, calls, call_id())
+            head["function"]["arguments"] = ""
+            out.append(chunk({"tool_calls": [head]}))
+            out.append(chunk({"tool_calls": [{"index": calls, "function": {"arguments": piece.arguments}}]}))
+            calls += 1
+        return out
+
     try:
         yield chunk({"role": "assistant", "content": "" if not audio else None})
         async for response in call.responses():
             kind = response.WhichOneof("event")
             text = reply_text(response.text, config) if kind == "text" else ""
-            if text:
+            if text and parser is not None:
+                for event in text_chunks(parser.feed(text)):
+                    yield event
+            elif text:
                 yield chunk(audio_delta({"transcript": text}) if audio else {"content": text})
             elif kind == "audio":
                 # NOTE: the helper concatenates the deltas' base64 strings; that decodes only if
@@ -119,9 +158,12 @@ async def _chunks(call: Call, config: GatewayConfig, completion_id: str, audio: 
                 pcm, held = pcm[:cut], pcm[cut:]
                 if pcm:
                     yield chunk(audio_delta({"data": base64.b64encode(pcm).decode()}))
+        if parser is not None:
+            for event in text_chunks(parser.finish()):
+                yield event
         if held:
             yield chunk(audio_delta({"data": base64.b64encode(held).decode()}))
-        yield chunk({}, _finish_reason(call.final, audio))
+        yield chunk({}, _finish_reason(call.final, audio, calls > 0))
         if include_usage:
             yield sse({"id": completion_id, "object": "chat.completion.chunk", "created": created,
                        "model": config.model, "choices": [], "usage": _usage(call.usage)})
@@ -139,7 +181,9 @@ def reply_text(delta: omni_pb2.TextDelta, config: GatewayConfig) -> str:
     return delta.text
 
 
-def _finish_reason(final: omni_pb2.Final | None, audio: bool) -> str:
+def _finish_reason(final: omni_pb2.Final | None, audio: bool, called: bool = False) -> str:
+    if called:
+        return "tool_calls"
     if final is None:
         return "stop"
     reasons = [final.text_finish_reason] + ([final.audio_finish_reason] if audio else [])

@@ -9,10 +9,11 @@ import re
 from gateway.audio import AudioTooLong, input_audio_to_wire
 from gateway.errors import APIError, bad_request
 from gateway.schemas import ChatCompletionRequest, SpeechRequest
+from gateway.tools import tool_calls_to_proto, tool_choice_to_proto, tools_to_proto
 from omni.v1 import omni_pb2
 
 _ROLES = {"system": omni_pb2.ROLE_SYSTEM, "developer": omni_pb2.ROLE_SYSTEM, "user": omni_pb2.ROLE_USER,
-          "assistant": omni_pb2.ROLE_ASSISTANT}
+          "assistant": omni_pb2.ROLE_ASSISTANT, "tool": omni_pb2.ROLE_TOOL}
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<data>.*)$", re.DOTALL)
 
 
@@ -26,6 +27,8 @@ def _b64(data: str, param: str) -> bytes:
 def _content(message, i: int, max_audio_seconds: float | None = None) -> list[omni_pb2.Content]:
     where = f"messages[{i}].content"
     if message.content is None or message.content == "" or message.content == []:
+        if message.role == "assistant" and message.tool_calls:
+            return []  # a turn of calls only
         raise bad_request(where, f"{where}: a message needs content")
     if isinstance(message.content, str):
         return [omni_pb2.Content(text=message.content)]
@@ -36,8 +39,8 @@ def _content(message, i: int, max_audio_seconds: float | None = None) -> list[om
             if part.text is None:
                 raise bad_request(f"{at}.text", f"{at}.text is required for a text part")
             parts.append(omni_pb2.Content(text=part.text))
-        elif message.role == "assistant":
-            raise bad_request(at, f"{at}: assistant turns take text parts only")
+        elif message.role in ("assistant", "tool"):
+            raise bad_request(at, f"{at}: {message.role} turns take text parts only")
         elif part.type == "input_audio":
             if part.input_audio is None:
                 raise bad_request(f"{at}.input_audio", f"{at}.input_audio is required for an input_audio part")
@@ -98,8 +101,11 @@ def chat_to_proto(req: ChatCompletionRequest, default_voice: str | None,
         raise bad_request("audio.format", f"audio.format: streamed audio is pcm16 only, got {fmt}",
                           code="unsupported_value")
     out = omni_pb2.GenerateRequest(use_audio_in_video=_use_audio_in_video(req))
+    _tools(req, out)
     for i, message in enumerate(req.messages):
-        out.messages.add(role=_ROLES[message.role]).content.extend(_content(message, i, max_audio_seconds))
+        added = out.messages.add(role=_ROLES[message.role])
+        added.content.extend(_content(message, i, max_audio_seconds))
+        _tool_fields(message, i, added)
     out.output_modalities.append(omni_pb2.MODALITY_TEXT)
     if audio:
         out.output_modalities.append(omni_pb2.MODALITY_AUDIO)
@@ -118,6 +124,30 @@ def chat_to_proto(req: ChatCompletionRequest, default_voice: str | None,
     if req.seed is not None:
         out.thinker_sampling.seed = req.seed % 2**64  # a negative int64 seed as its uint64 bits
     return out, audio, fmt
+
+
+def _tools(req: ChatCompletionRequest, out: omni_pb2.GenerateRequest) -> None:
+    """`tools` and `tool_choice` (checked before anything is decoded)."""
+    if req.parallel_tool_calls is False:
+        raise bad_request("parallel_tool_calls", "parallel_tool_calls: false is not supported (the model may call "
+                                                 "several functions in one reply)", code="unsupported_value")
+    if req.tools is not None:
+        out.tools.extend(tools_to_proto(req.tools, bad_request))
+    if req.tool_choice is not None:
+        out.tool_choice.CopyFrom(tool_choice_to_proto(req.tool_choice, list(out.tools), bad_request))
+
+
+def _tool_fields(message, i: int, out: omni_pb2.Message) -> None:
+    """A message's `tool_calls` (assistant) and `tool_call_id` (tool)."""
+    if message.tool_calls is not None:
+        if message.role != "assistant":
+            raise bad_request(f"messages[{i}].tool_calls", f"messages[{i}].tool_calls: only an assistant turn makes calls")
+        out.tool_calls.extend(tool_calls_to_proto(message.tool_calls, bad_request, f"messages[{i}].tool_calls"))
+    if message.role == "tool":
+        if not isinstance(message.tool_call_id, str) or not message.tool_call_id:
+            raise bad_request(f"messages[{i}].tool_call_id",
+                              f"messages[{i}].tool_call_id: a tool message names the call it answers (a string)")
+        out.tool_call_id = message.tool_call_id
 
 
 def speech_to_proto(req: SpeechRequest) -> omni_pb2.GenerateRequest:

@@ -51,6 +51,9 @@ _PARAMS = (
     (re.compile(r"^messages\[(\d+)\]\.content\[(\d+)\]\.video$"), r"messages[\1].content[\2].video_url"),
     (re.compile(r"^use_audio_in_video$"), "mm_processor_kwargs.use_audio_in_video"),
     (re.compile(r"^forced_text$"), "input"),
+    (re.compile(r"^tools\[(\d+)\]\.(\w+)$"), r"tools[\1].function.\2"),
+    (re.compile(r"^tool_choice\.function$"), "tool_choice.function.name"),
+    (re.compile(r"^messages\[(\d+)\]\.tool_calls\[(\d+)\]\.(name|arguments)$"), r"messages[\1].tool_calls[\2].function.\3"),
 )
 
 

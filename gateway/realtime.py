@@ -145,7 +145,7 @@ async def client_to_router(ws: WebSocket, call, translator: Translator, send: Se
                 await send.events([api_error_event(exc)])
                 continue
             try:
-                request = client_event(event, config, translator.last_item)
+                request = client_event(event, config, translator.last_item, translator.tools)
             except ClientEventError as exc:
                 exc.event_id = event.get("event_id") if isinstance(event.get("event_id"), str) else None
                 await send.events([api_error_event(exc)])

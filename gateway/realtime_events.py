@@ -5,6 +5,11 @@ the settings to show). The shapes are the pinned openai SDK's (openai/types/real
 In: `session.update`, `input_audio_buffer.append/commit/clear`, `conversation.item.create/truncate`,
 `response.create/cancel`. Everything else, and every field we cannot honour, is answered with an
 `error` event naming it (UNSUPPORTED_EVENTS, the checks below); the session goes on.
+
+Function calling: the session's `tools` and `tool_choice` (gateway/tools.py), `function_call` and
+`function_call_output` items in; each call the router parsed out of a reply as a `function_call`
+output item (output_index 1, 2, ... after the reply's message), its arguments in one
+`response.function_call_arguments.delta` and then `.done`.
 """
 
 from __future__ import annotations
@@ -12,12 +17,14 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import json
 import uuid
 import wave
 
 from gateway import audio as audio_codec
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
+from gateway.tools import tool_choice_to_proto, tools_to_proto
 from omni.v1 import omni_pb2
 
 OUTPUT_RATE = 24000  # the pipeline's audio, and the Realtime API's pcm16
@@ -30,9 +37,9 @@ UNSUPPORTED_EVENTS = {
     "output_audio_buffer.clear": "WebRTC only",
     "transcription_session.update": "no transcription sessions",
 }
-# Session fields we refuse unless unset/null (the pipeline has no such feature). Tools belong to
-# function calling, not served yet.
-REFUSED_SESSION_FIELDS = ("tools", "tool_choice", "prompt", "reasoning", "include", "parallel_tool_calls")
+# Session fields we refuse unless unset/null (the pipeline has no such feature).
+REFUSED_SESSION_FIELDS = ("prompt", "reasoning", "include", "parallel_tool_calls")
+_CHOICES = {omni_pb2.ToolChoice.MODE_NONE: "none", omni_pb2.ToolChoice.MODE_REQUIRED: "required"}
 # The router's field names (SessionError.field) -> the Realtime API's.
 _PARAMS = (
     ("update.turn_detection", "session.audio.input.turn_detection"),
@@ -106,17 +113,28 @@ def _object(value, param: str) -> dict:
     return value
 
 
-def session_update(session: dict, config: GatewayConfig) -> omni_pb2.SessionSettings:
-    """`session.update`'s `session` -> SessionSettings; ClientEventError naming what we refuse."""
+def _fail(param: str, message: str) -> ClientEventError:
+    return ClientEventError(message, param)
+
+
+def session_update(session: dict, config: GatewayConfig,
+                   tools: list[omni_pb2.Tool] | None = None) -> omni_pb2.SessionSettings:
+    """`session.update`'s `session` -> SessionSettings; ClientEventError naming what we refuse.
+    `tools`: the session's tools before the update (what a tool_choice may name when the update sets none)."""
     session = _object(session, "session")
     settings = omni_pb2.SessionSettings()
     if session.get("type", "realtime") != "realtime":
         raise ClientEventError("only realtime sessions (no transcription sessions)", "session.type", "unsupported")
     for name in REFUSED_SESSION_FIELDS:
-        if session.get(name) not in (None, [], "auto" if name == "tool_choice" else None):
-            raise ClientEventError(f"session.{name} is not supported"
-                                   + (" (function calling is not served yet)" if name.startswith("tool") else ""),
-                                   f"session.{name}", "unsupported")
+        if session.get(name) not in (None, []):
+            raise ClientEventError(f"session.{name} is not supported", f"session.{name}", "unsupported")
+    if "tools" in session:
+        settings.tools.extend(tools_to_proto(session["tools"] or [], _fail, "session.tools", flat=True))
+        settings.tools_set = True
+        tools = list(settings.tools)
+    if session.get("tool_choice") is not None:
+        settings.tool_choice.CopyFrom(tool_choice_to_proto(session["tool_choice"], tools or [], _fail,
+                                                           "session.tool_choice", flat=True))
     if session.get("truncation") not in (None, "disabled", "auto"):
         raise ClientEventError("only truncation 'disabled' (or 'auto', which never truncates here)",
                                "session.truncation", "unsupported")
@@ -213,9 +231,11 @@ def create_item(event: dict, last_item: str | None) -> omni_pb2.CreateItem:
     if event.get("previous_item_id") not in (None, "root", last_item):
         raise ClientEventError("items go after the last item only", "previous_item_id", "unsupported")
     item = _object(event.get("item"), "item")
+    if item.get("type") in ("function_call", "function_call_output"):
+        return _function_item(item)
     if item.get("type") != "message":
-        raise ClientEventError(f"item.type {item.get('type')!r} is not supported (messages only; function calls are "
-                               "not served yet)", "item.type", "unsupported")
+        raise ClientEventError(f"item.type {item.get('type')!r} is not supported (message, function_call and "
+                               "function_call_output items)", "item.type", "unsupported")
     roles = {"user": omni_pb2.ROLE_USER, "system": omni_pb2.ROLE_SYSTEM, "assistant": omni_pb2.ROLE_ASSISTANT}
     if item.get("role") not in roles:
         raise ClientEventError("item.role must be user, system or assistant", "item.role")
@@ -244,6 +264,23 @@ def create_item(event: dict, last_item: str | None) -> omni_pb2.CreateItem:
     return create
 
 
+def _function_item(item: dict) -> omni_pb2.CreateItem:
+    """A `function_call` item (an assistant's call) or `function_call_output` (a tool's result)."""
+    for name in ("call_id", "name", "arguments") if item["type"] == "function_call" else ("call_id", "output"):
+        if not isinstance(item.get(name), str) or (name != "output" and name != "arguments" and not item[name]):
+            raise ClientEventError(f"item.{name} is required (a string)", f"item.{name}")
+    if item["type"] == "function_call":
+        message = omni_pb2.Message(role=omni_pb2.ROLE_ASSISTANT, tool_calls=[omni_pb2.ToolCall(
+            id=item["call_id"], name=item["name"], arguments=item["arguments"])])
+    else:
+        message = omni_pb2.Message(role=omni_pb2.ROLE_TOOL, tool_call_id=item["call_id"],
+                                   content=[omni_pb2.Content(text=item["output"])])
+    create = omni_pb2.CreateItem(message=message)
+    if isinstance(item.get("id"), str) and item["id"]:
+        create.item_id = item["id"]
+    return create
+
+
 def response_create(event: dict) -> omni_pb2.CreateResponse:
     """`response.create`: a response of the session's settings; per-response overrides are refused."""
     response = _object(event.get("response"), "response")
@@ -254,15 +291,17 @@ def response_create(event: dict) -> omni_pb2.CreateResponse:
     return omni_pb2.CreateResponse()
 
 
-def client_event(event: dict, config: GatewayConfig, last_item: str | None) -> omni_pb2.SessionRequest:
-    """One client event as the router's SessionRequest; ClientEventError for what we refuse."""
+def client_event(event: dict, config: GatewayConfig, last_item: str | None,
+                 tools: list[omni_pb2.Tool] | None = None) -> omni_pb2.SessionRequest:
+    """One client event as the router's SessionRequest; ClientEventError for what we refuse.
+    `tools`: the session's tools as its last settings showed them."""
     kind = event.get("type")
     request = omni_pb2.SessionRequest()
     if isinstance(event.get("event_id"), str):
         request.event_id = event["event_id"]
     match kind:
         case "session.update":
-            request.update.CopyFrom(session_update(event.get("session"), config))
+            request.update.CopyFrom(session_update(event.get("session"), config, tools))
         case "input_audio_buffer.append":
             request.append_audio.data = decode_base64(event.get("audio"), "audio")
         case "input_audio_buffer.commit":
@@ -301,6 +340,8 @@ class Translator:
         self.responses: dict[str, tuple[str, bool]] = {}  # response_id -> (its item id, audio out)
         self.audio_held: dict[str, bytes] = {}  # response_id -> pcm16 bytes held back (whole 3-byte groups go out)
         self.audio_out = True  # the session's output modalities hold audio (from its created/updated events)
+        self.tools: list[omni_pb2.Tool] = []  # the session's tools (from its created/updated events)
+        self.calls: dict[str, list[dict]] = {}  # response_id -> its function_call items
 
     def session(self, info: omni_pb2.SessionInfo) -> dict:
         s = info.settings
@@ -318,7 +359,11 @@ class Translator:
             "audio": {"input": {"format": pcm, "turn_detection": detection, "transcription": None,
                                 "noise_reduction": None},
                       "output": {"format": pcm, "voice": s.voice or self.config.default_voice, "speed": 1.0}},
-            "tools": [], "tool_choice": "auto", "tracing": None, "truncation": "disabled",
+            "tools": [{"type": "function", "name": t.name, "description": t.description,
+                       "parameters": json.loads(t.parameters) if t.parameters else {}} for t in s.tools],
+            "tool_choice": _CHOICES.get(s.tool_choice.mode, "auto") if s.tool_choice.mode != s.tool_choice.MODE_FUNCTION
+            else {"type": "function", "name": s.tool_choice.function},
+            "tracing": None, "truncation": "disabled",
         }
 
     def server_events(self, event: omni_pb2.SessionEvent) -> list[dict]:
@@ -328,6 +373,7 @@ class Translator:
         match kind:
             case "created" | "updated":
                 self.audio_out = AUDIO in body.settings.output_modalities
+                self.tools = list(body.settings.tools)
                 return [{"type": f"session.{kind}", "session": self.session(body)}]
             case "speech_started":
                 return [{"type": "input_audio_buffer.speech_started", "audio_start_ms": body.audio_start_ms,
@@ -342,6 +388,20 @@ class Translator:
                          "previous_item_id": body.previous_item_id or None}, *self.item_events(item, body.previous_item_id)]
             case "cleared":
                 return [{"type": "input_audio_buffer.cleared"}]
+            case "item_added" if body.role == omni_pb2.ROLE_TOOL:
+                item = {"id": body.item_id, "object": "realtime.item", "type": "function_call_output",
+                        "status": "completed", "call_id": body.tool_call_id, "output": body.text}
+                return self.item_events(item, body.previous_item_id)
+            case "item_added" if body.tool_calls:
+                events = []
+                for k, call in enumerate(body.tool_calls):  # the item's id for its first call
+                    item = {"id": body.item_id if k == 0 else f"{body.item_id}_{k}", "object": "realtime.item",
+                            "type": "function_call", "status": "completed", "call_id": call.id, "name": call.name,
+                            "arguments": call.arguments}
+                    events += self.item_events(item, body.previous_item_id if k == 0 else self.last_item)
+                return events
+            case "function_call":
+                return self.function_call(rid, body)
             case "item_added":
                 role = omni_pb2.Role.Name(body.role).removeprefix("ROLE_").lower()
                 part = "output_text" if role == "assistant" else "input_text"
@@ -397,6 +457,25 @@ class Translator:
         return [{"type": kind, "response_id": rid, "item_id": item_id, "output_index": 0, "content_index": 0,
                  "delta": text}]
 
+    def function_call(self, rid: str, call: omni_pb2.FunctionCall) -> list[dict]:
+        """A call the reply made: its output item, its arguments (one delta, then done), the item done."""
+        calls = self.calls.setdefault(rid, [])
+        index = len(calls) + 1  # after the reply's message item
+        item = {"id": call.item_id, "object": "realtime.item", "type": "function_call", "status": "in_progress",
+                "call_id": call.call_id, "name": call.name, "arguments": ""}
+        done = {**item, "status": "completed", "arguments": call.arguments}
+        calls.append(done)
+        previous = self.last_item
+        self.last_item = call.item_id
+        ids = {"response_id": rid, "item_id": call.item_id, "output_index": index, "call_id": call.call_id}
+        return [{"type": "response.output_item.added", "response_id": rid, "output_index": index, "item": item},
+                {"type": "conversation.item.added", "item": item, "previous_item_id": previous},
+                {"type": "response.function_call_arguments.delta", **ids, "delta": call.arguments},
+                {"type": "response.function_call_arguments.done", **ids, "name": call.name,
+                 "arguments": call.arguments},
+                {"type": "response.output_item.done", "response_id": rid, "output_index": index, "item": done},
+                {"type": "conversation.item.done", "item": done, "previous_item_id": previous}]
+
     def audio_delta(self, rid: str, chunk) -> list[dict]:
         item_id, _ = self.responses.get(rid, ("", True))
         # NOTE: base64 of whole 3-byte groups, so clients that join the deltas' strings decode them.
@@ -435,7 +514,7 @@ class Translator:
                      "output_token_details": {"text_tokens": usage.text_tokens, "audio_tokens": usage.codec_frames}}
         events.append({"type": "conversation.item.done", "item": item, "previous_item_id": None})
         events.append({"type": "response.done", "response": self.response(
-            rid, status, [item], audio, status_details=details, usage=usage_out)})
+            rid, status, [item, *self.calls.pop(rid, [])], audio, status_details=details, usage=usage_out)})
         return events
 
 

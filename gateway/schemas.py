@@ -41,9 +41,11 @@ class ContentPart(_Open):
 
 
 class ChatMessage(_Open):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: Any = None  # an assistant's calls (gateway/tools.py checks them)
+    tool_call_id: Any = None  # a tool's result: the call it answers
 
 
 class AudioParams(_Open):
@@ -70,10 +72,13 @@ class ChatCompletionRequest(_Open):
     stream_options: StreamOptions | None = None
     # vLLM's extra parameter; only {"use_audio_in_video": bool} is read.
     mm_processor_kwargs: dict[str, Any] | None = None
-    # Declared to be refused when set (see refused_fields).
+    # Function calling (gateway/tools.py checks them).
     tools: Any = None
-    functions: Any = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    # Declared to be refused when set (see refused_fields).
+    functions: Any = None
+    function_call: Any = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     stop: Any = None
@@ -86,9 +91,8 @@ class ChatCompletionRequest(_Open):
 
 # field -> why it is refused (the 400's message).
 CHAT_REFUSED = {
-    "tools": "tool calling is not supported",
-    "functions": "function calling is not supported",
-    "tool_choice": "tool calling is not supported",
+    "functions": "the deprecated functions are not supported: use tools",
+    "function_call": "the deprecated function_call is not supported: use tool_choice",
     "logprobs": "log probabilities are not returned",
     "top_logprobs": "log probabilities are not returned",
     "stop": "stop sequences are not supported",

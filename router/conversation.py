@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from omni.v1 import common_pb2, omni_pb2
+from services.base.tool_calls import ToolCallParser
 
 END_TEXT = "<|im_end|>"  # both families' end-of-turn token: the chat template writes it, the reply does not keep it
 
@@ -30,6 +31,7 @@ class Reply:
     samples_per_frame: int = 0  # 0: not known (the cut is then proportional)
     kept: int | None = None  # tokens the history keeps (None: every one)
     audio_end_ms: int | None = None  # where it was cut
+    tools: bool = False  # it may hold calls: `text` is the model's own (calls and all), `content` without them
 
     def add_text(self, delta: omni_pb2.TextDelta) -> None:
         if delta.text == END_TEXT:
@@ -50,6 +52,14 @@ class Reply:
     def text(self) -> str:
         return "".join(self.pieces[:self.kept])
 
+    @property
+    def content(self) -> str:
+        """The reply's text without its tool calls (what a transcript shows)."""
+        if not self.tools:
+            return self.text
+        parser = ToolCallParser()
+        return "".join(p for p in parser.feed(self.text) + parser.finish() if isinstance(p, str))
+
     def cut(self, audio_end_ms: int) -> None:
         """Keep what the listener heard of it: its audio up to `audio_end_ms`, and the tokens the
         frames up to there were made from (the module's NOTE). A reply without audio keeps its text."""
@@ -68,13 +78,17 @@ class Reply:
 class Item:
     item_id: str
     role: int  # omni_pb2.Role
-    content: list[omni_pb2.Content] = field(default_factory=list)  # a system or user item's parts
+    content: list[omni_pb2.Content] = field(default_factory=list)  # a client's item's parts
     reply: Reply | None = None  # an assistant reply the pipeline made
+    tool_calls: list[omni_pb2.ToolCall] = field(default_factory=list)  # a client's assistant item's calls
+    tool_call_id: str = ""  # a tool's result (ROLE_TOOL): the call it answers
 
     def message(self) -> omni_pb2.Message | None:
-        """The item as a Generate message (None: a reply of which nothing was heard)."""
+        """The item as a Generate message (None: a reply of which nothing was heard). A reply's
+        calls stay in its text as the model wrote them."""
         if self.reply is None:
-            return omni_pb2.Message(role=self.role, content=self.content)
+            return omni_pb2.Message(role=self.role, content=self.content, tool_calls=self.tool_calls,
+                                    tool_call_id=self.tool_call_id)
         text = self.reply.text
         if not text:
             return None
@@ -83,7 +97,7 @@ class Item:
     @property
     def text(self) -> str:
         if self.reply is not None:
-            return self.reply.text
+            return self.reply.content
         return "".join(part.text for part in self.content if part.WhichOneof("part") == "text")
 
 

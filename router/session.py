@@ -6,6 +6,11 @@ detection on it, and runs each response as an ordinary request through the route
 (`RouterStream` on the session's place), whose messages are the conversation so far: prefix
 caching and prefix routing carry a session's turns as they carry any conversation.
 
+With tools in the settings, each reply's text is parsed for Qwen's tool calls as it streams
+(services/base/tool_calls.py): its content goes out as text events, each call as a
+`function_call` event once whole; the history keeps the reply's text as the model wrote it, calls
+and all, so the next turn's prompt holds the call the tool's result (a ROLE_TOOL item) answers.
+
 Three tasks: the reader (the client's messages into the inbox; never cancelled, see
 services/serving/streams.py), the writer (the outbox to the client, one event at a time), and
 the session's own loop (`run`), which handles each message and owns every state change; a
@@ -26,13 +31,14 @@ from dataclasses import dataclass
 import grpc
 
 from omni.v1 import omni_pb2
-from router.conversation import Conversation, Item, Reply
+from router.conversation import END_TEXT, Conversation, Item, Reply
 from router.session_audio import decode, wav_bytes
 from router.session_input import InputAudio
 from router.session_settings import AUDIO, SessionConfig, Settings
 from router.stream import RouterStage, RouterStream
 from router.turn_detection import SpeechStart
 from services.base.errors import InvalidArgument
+from services.base.tool_calls import ParsedCall, ToolCallParser
 from services.serving.status import Overloaded, abort_for, field_violations, status_for
 from services.serving.streams import let_end
 
@@ -40,7 +46,7 @@ log = logging.getLogger("router")
 TICK_S = 0.25  # how often the loop checks the idle and send timeouts
 COMPLETED, CANCELLED, FAILED = (omni_pb2.RESPONSE_STATUS_COMPLETED, omni_pb2.RESPONSE_STATUS_CANCELLED,
                                 omni_pb2.RESPONSE_STATUS_FAILED)
-RESPONSE_OUTPUT = ("text", "audio", "codec_frames")  # events dropped unsent when their response is cancelled
+RESPONSE_OUTPUT = ("text", "audio", "codec_frames", "function_call")  # events dropped unsent when their response is cancelled
 
 
 def new_id(prefix: str) -> str:
@@ -314,22 +320,34 @@ class RealtimeSession:
 
     def on_create_item(self, create: omni_pb2.CreateItem) -> None:
         message = create.message
-        if message.role not in (omni_pb2.ROLE_SYSTEM, omni_pb2.ROLE_USER, omni_pb2.ROLE_ASSISTANT):
-            raise MessageError("invalid_argument", "role must be system, user or assistant", "create_item.message.role")
+        if message.role not in (omni_pb2.ROLE_SYSTEM, omni_pb2.ROLE_USER, omni_pb2.ROLE_ASSISTANT, omni_pb2.ROLE_TOOL):
+            raise MessageError("invalid_argument", "role must be system, user, assistant or tool",
+                               "create_item.message.role")
         for i, part in enumerate(message.content):
             kind = part.WhichOneof("part")
             if kind != "text" and not (kind == "audio" and message.role == omni_pb2.ROLE_USER):
                 raise MessageError("unsupported", f"a {kind or 'empty'} part (an item holds text parts, and a user "
                                                   "item audio parts)", f"create_item.message.content[{i}]")
-        if not message.content:
+        if message.tool_calls and message.role != omni_pb2.ROLE_ASSISTANT:
+            raise MessageError("invalid_argument", "only an assistant item makes calls", "create_item.message.tool_calls")
+        for k, call in enumerate(message.tool_calls):
+            if not call.name:
+                raise MessageError("invalid_argument", "a call names its function",
+                                   f"create_item.message.tool_calls[{k}].name")
+        if (message.role == omni_pb2.ROLE_TOOL) != bool(message.tool_call_id):
+            raise MessageError("invalid_argument", "a tool's result (and only it) names the call it answers",
+                               "create_item.message.tool_call_id")
+        if not message.content and not message.tool_calls:
             raise MessageError("invalid_argument", "the item has no content", "create_item.message.content")
         item_id = create.item_id if create.HasField("item_id") and create.item_id else new_id("item")
         if self.conversation.find(item_id) is not None:
             raise MessageError("invalid_argument", f"item {item_id} exists", "create_item.item_id")
-        item = Item(item_id, message.role, list(message.content))
+        item = Item(item_id, message.role, list(message.content), tool_calls=list(message.tool_calls),
+                    tool_call_id=message.tool_call_id)
         previous = self.conversation.add(item)
         self.emit(omni_pb2.SessionEvent(item_added=omni_pb2.ItemAdded(
-            item_id=item_id, previous_item_id=previous, role=message.role, text=item.text)))
+            item_id=item_id, previous_item_id=previous, role=message.role, text=item.text,
+            tool_calls=message.tool_calls, tool_call_id=message.tool_call_id)))
 
     def on_create_response(self, _: omni_pb2.CreateResponse) -> None:
         if self.response is not None and not self.response.ended:
@@ -391,7 +409,7 @@ class RealtimeSession:
         self.turns += 1
         response_id = new_id("resp")
         request = self.settings.request(response_id, self.conversation.messages())
-        item = Item(new_id("item"), omni_pb2.ROLE_ASSISTANT, reply=Reply())
+        item = Item(new_id("item"), omni_pb2.ROLE_ASSISTANT, reply=Reply(tools=self.settings.calls_tools))
         self.conversation.add(item)
         self.response = response = Response(response_id, item)
         if AUDIO in self.settings.output_modalities:
@@ -404,11 +422,17 @@ class RealtimeSession:
         """The turn's request through the router's path, its output into the outbox."""
         stream = RouterStream(self.servicer, request, TurnContext(), admitted=True)
         reply, final = response.item.reply, None
+        calls = ToolCallParser() if reply.tools else None
         try:
             async with aclosing(stream.run()) as outputs:
                 async for output in outputs:
                     kind = output.WhichOneof("event")
                     event = omni_pb2.SessionEvent(response_id=response.response_id)
+                    if kind == "text" and calls is not None:
+                        reply.add_text(output.text)
+                        if output.text.text != END_TEXT:  # the end token's text: not the reply's
+                            self.emit_parsed(response, calls.feed(output.text.text), output.text)
+                        continue
                     if kind == "text":
                         reply.add_text(output.text)
                         event.text.CopyFrom(output.text)
@@ -429,7 +453,23 @@ class RealtimeSession:
             status, _ = status_for(exc)
             self.end_response(response, FAILED, error=omni_pb2.SessionError(code="internal", message=status.message))
             return
+        if calls is not None:
+            self.emit_parsed(response, calls.finish(), None)
         self.end_response(response, COMPLETED, final=final)
+
+    def emit_parsed(self, response: Response, parsed: list, delta: omni_pb2.TextDelta | None) -> None:
+        """A reply's parsed text out: content as text events (the delta's ids on the first), each
+        call as a function_call event."""
+        ids = list(delta.token_ids) if delta is not None else []
+        for piece in parsed:
+            event = omni_pb2.SessionEvent(response_id=response.response_id)
+            if isinstance(piece, ParsedCall):
+                event.function_call.CopyFrom(omni_pb2.FunctionCall(
+                    item_id=new_id("item"), call_id=new_id("call"), name=piece.name, arguments=piece.arguments))
+            else:
+                event.text.CopyFrom(omni_pb2.TextDelta(text=piece, token_ids=ids))
+                ids = []
+            self.emit(event)
 
     def end_response(self, response: Response, status: int, final: omni_pb2.Final | None = None,
                      error: omni_pb2.SessionError | None = None, reason: int = 0) -> None:
@@ -439,7 +479,7 @@ class RealtimeSession:
         reply = response.item.reply
         self.metrics.session_turns.labels(omni_pb2.ResponseStatus.Name(status).removeprefix("RESPONSE_STATUS_").lower()).inc()
         done = omni_pb2.ResponseDone(item_id=response.item.item_id, status=status, cancel_reason=reason,
-                                     transcript=reply.text, audio_ms=reply.audio_ms)
+                                     transcript=reply.content, audio_ms=reply.audio_ms)
         if final is not None:
             done.final.CopyFrom(final)
         if error is not None:
@@ -483,4 +523,4 @@ class RealtimeSession:
         if self.playback is not None and self.playback.item is item:
             self.playback = None
         self.emit(omni_pb2.SessionEvent(truncated=omni_pb2.ItemTruncated(
-            item_id=item.item_id, audio_end_ms=item.reply.audio_end_ms, text=item.reply.text)))
+            item_id=item.item_id, audio_end_ms=item.reply.audio_end_ms, text=item.reply.content)))

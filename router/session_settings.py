@@ -9,6 +9,9 @@ from omni.v1 import common_pb2, omni_pb2
 from router.session_audio import DEFAULT_FORMAT, InputFormat, input_format
 from router.turn_detection import TurnDetectionSettings
 from services.base.errors import InvalidArgument
+from services.base.tool_calls import check_tools
+
+_MODES = omni_pb2.ToolChoice
 
 TEXT, AUDIO = omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO
 
@@ -35,6 +38,14 @@ class Settings:
     turn_detection: TurnDetectionSettings = field(default_factory=TurnDetectionSettings)
     input_format: InputFormat = DEFAULT_FORMAT
     return_codec_frames: bool = False
+    # Serialized omni.v1.Tool each, and omni.v1.ToolChoice (b"": auto).
+    tools: tuple[bytes, ...] = ()
+    tool_choice: bytes = b""
+
+    @property
+    def calls_tools(self) -> bool:
+        """A reply may call a tool: its text is parsed for calls."""
+        return bool(self.tools) and omni_pb2.ToolChoice.FromString(self.tool_choice).mode != _MODES.MODE_NONE
 
     def updated(self, proto: omni_pb2.SessionSettings, field_: str = "update") -> Settings:
         """These settings with what `proto` sets, each checked (InvalidArgument names the field)."""
@@ -57,7 +68,26 @@ class Settings:
             changes["input_format"] = input_format(proto.input_format, f"{field_}.input_format")
         if proto.HasField("return_codec_frames"):
             changes["return_codec_frames"] = proto.return_codec_frames
-        return replace(self, **changes)
+        if proto.tools_set:
+            check_tools([(t.name, t.description, t.parameters) for t in proto.tools], f"{field_}.tools")
+            changes["tools"] = tuple(t.SerializeToString(deterministic=True) for t in proto.tools)
+        elif proto.tools:
+            raise InvalidArgument(f"{field_}.tools_set", "must be true to set the tools")
+        if proto.HasField("tool_choice"):
+            changes["tool_choice"] = proto.tool_choice.SerializeToString(deterministic=True)
+        settings = replace(self, **changes)
+        settings.check_tool_choice(f"{field_}.tool_choice")
+        return settings
+
+    def check_tool_choice(self, where: str) -> None:
+        choice = omni_pb2.ToolChoice.FromString(self.tool_choice)
+        names = {omni_pb2.Tool.FromString(t).name for t in self.tools}
+        if choice.mode not in _MODES.Mode.values():
+            raise InvalidArgument(f"{where}.mode", f"unknown mode {choice.mode}")
+        if choice.mode in (_MODES.MODE_REQUIRED, _MODES.MODE_FUNCTION) and not names:
+            raise InvalidArgument(where, "asks for a call, and the session has no tools")
+        if choice.mode == _MODES.MODE_FUNCTION and choice.function not in names:
+            raise InvalidArgument(f"{where}.function", f"{choice.function!r} is not one of the session's tools")
 
     def to_proto(self) -> omni_pb2.SessionSettings:
         settings = omni_pb2.SessionSettings(
@@ -65,7 +95,9 @@ class Settings:
             turn_detection=self.turn_detection.to_proto(), input_format=self.input_format.to_proto(),
             return_codec_frames=self.return_codec_frames,
             thinker_sampling=common_pb2.SamplingParams.FromString(self.thinker_sampling),
-            talker_sampling=common_pb2.SamplingParams.FromString(self.talker_sampling))
+            talker_sampling=common_pb2.SamplingParams.FromString(self.talker_sampling),
+            tools=[omni_pb2.Tool.FromString(t) for t in self.tools], tools_set=True,
+            tool_choice=omni_pb2.ToolChoice.FromString(self.tool_choice))
         if self.voice is not None:
             settings.voice = self.voice
         return settings
@@ -77,7 +109,9 @@ class Settings:
             request_id=request_id, messages=(system if self.instructions else []) + messages,
             output_modalities=self.output_modalities, return_codec_frames=self.return_codec_frames,
             thinker_sampling=common_pb2.SamplingParams.FromString(self.thinker_sampling),
-            talker_sampling=common_pb2.SamplingParams.FromString(self.talker_sampling))
+            talker_sampling=common_pb2.SamplingParams.FromString(self.talker_sampling),
+            tools=[omni_pb2.Tool.FromString(t) for t in self.tools],
+            tool_choice=omni_pb2.ToolChoice.FromString(self.tool_choice))
         if self.voice is not None:
             request.voice = self.voice
         return request

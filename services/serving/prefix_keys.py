@@ -49,10 +49,18 @@ def media_digest(message: omni_pb2.Message) -> bytes | None:
 
 
 def message_keys(request: omni_pb2.GenerateRequest) -> list[bytes]:
-    """Key j names messages 0..j of the request (with its use_audio_in_video)."""
-    keys, key = [], _digest(b"omni-prefix-v1", b"1" if request.use_audio_in_video else b"0")
+    """Key j names messages 0..j of the request (with its use_audio_in_video, and its tools and
+    tool choice when it has tools: they are rendered before the first message)."""
+    key = _digest(b"omni-prefix-v1", b"1" if request.use_audio_in_video else b"0")
+    if request.tools:
+        key = _digest(key, *(t.SerializeToString(deterministic=True) for t in request.tools),
+                      request.tool_choice.SerializeToString(deterministic=True))
+    keys = []
     for message in request.messages:
-        key = _digest(key, str(int(message.role)).encode(), *(b for c in message.content for b in _content_parts(c)))
+        calls = [c.SerializeToString(deterministic=True) for c in message.tool_calls]
+        answers = [message.tool_call_id.encode()] if message.tool_call_id else []
+        key = _digest(key, str(int(message.role)).encode(), *(b for c in message.content for b in _content_parts(c)),
+                      *calls, *answers)
         keys.append(key)
     return keys
 

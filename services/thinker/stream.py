@@ -4,11 +4,17 @@ down and the audio up, move the talker stream to a fallback replica if its repli
 
 `ThinkerStream.run` is the request's whole path; each event the stream's sink hands out goes to
 one `on_*` method, which returns the responses it makes for the caller.
+
+With tools (services/base/tool_calls.py) the talker speaks the reply's text up to its first
+<tool_call> only: the tokens pass a `SpeechGate`, the talker's text ends where the call shows
+(its stream is cancelled when nothing came before: a reply that is only a call makes no audio),
+and the caller still gets every token's text.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Protocol
 
@@ -17,6 +23,7 @@ import grpc
 from omni.v1 import common_pb2, omni_pb2, stages_pb2, stages_pb2_grpc
 from services.base.errors import InvalidArgument
 from services.base.stages import SPEECH_SAMPLE_RATE, Stage
+from services.base.tool_calls import SpeechGate
 from services.runtime.inputs.detokenizer import IncrementalDetokenizer
 from services.runtime.inputs.prompt import PromptBuilder
 from services.serving import tracing
@@ -76,7 +83,9 @@ class ThinkerStream:
         self.text_done: Finished | None = None
         self.talker_done: stages_pb2.TalkerFinal | None = None
         self.ttft = self.ttfp = None  # ms from receipt
-        self.previous_id: int | None = None  # the last text id (Qwen2.5-Omni's TextToken for it comes one token later)
+        self.previous_id: int | None = None  # the last id fed (Qwen2.5-Omni's TextToken for it comes one token later)
+        self.gate: SpeechGate | None = None  # with tools: which tokens the talker may speak
+        self.fed = 0  # tokens the talker was given
 
     async def run(self):
         await self.admit()
@@ -113,6 +122,8 @@ class ThinkerStream:
             self.spans.finish("invalid_argument" if isinstance(exc, InvalidArgument) else "unavailable")
             await abort_for(self.context, exc)
         self.spans.phase("prepare", self.received_ns, audio=self.prepared.audio)
+        if self.prepared.tools and self.prepared.audio:
+            self.gate = SpeechGate()
 
     def start(self) -> None:
         self.added_ns = now_ns()
@@ -187,22 +198,47 @@ class ThinkerStream:
             self.spans.event("first_token")
             self.ttft = (time.perf_counter() - self.received) * 1000
         self.spans.count("text_tokens")
+        text = self.detok.add(token.token_id, last=token.last)
         # The talker first: its next frame waits on this row (and a client slow to read the text
         # then does not hold the row back).
         if self.speak is not None and self.talker_done is None:
-            await self.feed_talker(token)
-        self.previous_id = token.token_id
+            await self.feed_talker(token, text)
+        if token.index == 0:
+            text = self.prepared.reply_prefix + text  # the reply's start, from the prompt
         return [omni_pb2.GenerateResponse(request_id=self.request_id, text=omni_pb2.TextDelta(
-            text=self.detok.add(token.token_id, last=token.last), token_ids=[token.token_id]))]
+            text=text, token_ids=[token.token_id]))]
 
-    async def feed_talker(self, token: Token) -> None:
+    async def feed_talker(self, token: Token, text: str) -> None:
+        """The tokens the talker may speak now (all of them without tools; the module docstring)."""
+        if self.gate is None:
+            await self.feed_rows([token])
+            return
+        ready, call = self.gate.add(token, text)
+        if token.last and call is None:
+            ready += self.gate.flush()
+        await self.feed_rows(ready)
+        if call is None:
+            return
+        if self.fed == 0:  # nothing to speak: no audio
+            self.speak.cancel()
+            self.talker_done = stages_pb2.TalkerFinal(finish_reason=common_pb2.FINISH_REASON_STOP)
+            if self.held:
+                self.servicer.loop.add_input(self.key, ReleaseText())
+                self.held = False
+        else:  # the call's first token ends the talker's text, as an end token would
+            await self.feed_rows([dataclasses.replace(call, last=True)])
+
+    async def feed_rows(self, tokens: list[Token]) -> None:
         """One text row per generated token except the last; then the text-finished mark. The
         talker may have ended already (its own max tokens or EOS): the relay says how."""
-        written = True
-        for message in self.servicer.adapter.talker_inputs(token, self.previous_id):
-            written = await self.speak.write(message)
-        if token.last and written:
-            await self.speak.close()
+        for token in tokens:
+            written = True
+            for message in self.servicer.adapter.talker_inputs(token, self.previous_id):
+                written = await self.speak.write(message)
+            self.previous_id = token.token_id
+            self.fed += 1
+            if token.last and written:
+                await self.speak.close()
 
     def on_audio(self, audio: common_pb2.AudioChunk) -> Responses:
         chunk = self.resume.audio_chunk(audio)  # None: a replay repeating audio already passed up

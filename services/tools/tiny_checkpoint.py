@@ -53,18 +53,50 @@ TEXT_HIDDEN = 32
 TALKER_HIDDEN = 32
 
 # Qwen-style chat template: system/user/assistant turns, audio and image parts as placeholders
-# that the prompt builder expands to one pad token per encoder output position.
+# that the prompt builder expands to one pad token per encoder output position. Tools as Qwen3-Omni's
+# own template renders them: a `# Tools` system turn (the system message's text first) listing each
+# function's JSON in <tools></tools>, an assistant's calls as <tool_call>{"name", "arguments"}
+# </tool_call> after its text, and tool results as <tool_response> blocks in one user turn per run.
+# Without tools the turns are as before.
 CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string -%}{{ message['content'] }}"
-    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- macro render(content) -%}"
+    "{%- if content is string -%}{{ content }}"
+    "{%- else -%}{%- for part in content -%}"
     "{%- if part['type'] == 'text' -%}{{ part['text'] }}"
     "{%- elif part['type'] == 'audio' -%}{{ '<|audio_start|><|audio_pad|><|audio_end|>' }}"
     "{%- elif part['type'] == 'image' -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
     "{%- elif part['type'] == 'video' -%}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
     "{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- if tools -%}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' -%}{{ render(messages[0]['content']) + '\\n\\n' }}{%- endif -%}"
+    "{{ '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools -%}{{ '\\n' }}{{ tool | tojson }}{%- endfor -%}"
+    "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' and loop.first and tools -%}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{ '<|im_start|>user' }}{%- endif -%}"
+    "{{ '\\n<tool_response>\\n' + render(message['content']) + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{ '<|im_end|>\\n' }}{%- endif -%}"
+    "{%- else -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}{{ render(message['content']) }}"
+    "{%- if message['tool_calls'] is defined and message['tool_calls'] -%}"
+    "{%- for tool_call in message['tool_calls'] -%}"
+    "{%- if not loop.first or message['content'] -%}{{ '\\n' }}{%- endif -%}"
+    "{%- set call = tool_call['function'] if tool_call['function'] is defined else tool_call -%}"
+    "{{ '<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+    "{%- if call['arguments'] is string -%}{{ call['arguments'] }}{%- else -%}{{ call['arguments'] | tojson }}{%- endif -%}"
+    "{{ '}\\n</tool_call>' }}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
     "{{ '<|im_end|>\\n' }}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )

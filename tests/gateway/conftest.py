@@ -9,7 +9,11 @@ admission limits, a dead router, a tiny deadline) start where a test module need
 
 from __future__ import annotations
 
+import os
+from unittest import mock
+
 import pytest
+import tool_replies
 from gateway_procs import Gateway
 
 from services.tools.client import connect
@@ -22,6 +26,8 @@ TALKER_FRAMES = 24
 
 @pytest.fixture(scope="session")
 def gw_stack(tiny_checkpoint):
+    """The stack, its thinker with the function-calling tests' scripted replies (tool_replies.py:
+    only requests that hold one of their keys are changed)."""
     metrics_port = free_port()
     options = StackOptions(
         checkpoint=str(tiny_checkpoint), port=0, threads=torch_threads(1), log_prefix=False,
@@ -30,7 +36,7 @@ def gw_stack(tiny_checkpoint):
         router_args=("--metrics-port", str(metrics_port)),
         http_port=0, gateway_args=("--model-name", "tiny-qwen3-omni"),  # the launcher starts the gateway too
     )
-    with Stack(options) as stack:
+    with mock.patch.dict(os.environ, tool_replies.ENV), Stack(options) as stack:
         stack.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         yield stack
 

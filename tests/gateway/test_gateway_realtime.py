@@ -69,8 +69,8 @@ def test_unsupported_and_malformed_events_get_error_events_naming_them_and_the_s
         refused = [
             ({"type": "conversation.item.delete", "item_id": "x"}, "unsupported", "type"),
             ({"type": "no.such.event"}, "unknown_event", "type"),
-            ({"type": "session.update", "session": {"type": "realtime", "tools": [{"type": "function", "name": "f"}]}},
-             "unsupported", "session.tools"),
+            ({"type": "session.update", "session": {"type": "realtime", "tools": [{"type": "function", "name": ""}]}},
+             "invalid_value", "session.tools[0].name"),
             ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
                 "format": {"type": "audio/pcmu"}}}}}, "unsupported", "session.audio.input.format.type"),
             ({"type": "input_audio_buffer.append", "audio": "not base64!"}, "invalid_value", "audio"),

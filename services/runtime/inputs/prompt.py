@@ -58,6 +58,7 @@ class Role(enum.Enum):
     SYSTEM = "system"
     USER = "user"
     ASSISTANT = "assistant"
+    TOOL = "tool"  # a tool's result, answering the assistant's call `tool_call_id`
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,10 @@ class Part:
 class ChatMessage:
     role: Role
     parts: tuple[Part, ...]
+    # An assistant turn's calls as the chat template takes them: {"id", "type": "function",
+    # "function": {"name", "arguments"}} (arguments a dict when they are a JSON object).
+    tool_calls: tuple[dict, ...] = ()
+    tool_call_id: str | None = None  # Role.TOOL: the call it answers
 
 
 @dataclass
@@ -277,23 +282,38 @@ class PromptBuilder:
                                               f"{self.limits.max_audio_seconds} s")
         return header
 
-    def build(self, messages: list[ChatMessage], field_prefix: str = "messages") -> PromptInputs:
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template renders a `tools` list (Qwen3-Omni's does, Qwen2.5-Omni's not)."""
+        return self.chat_template is not None and "tools" in self.chat_template
+
+    def build(self, messages: list[ChatMessage], field_prefix: str = "messages", tools: list[dict] | None = None,
+              reply_prefix: str = "") -> PromptInputs:
         """The thinker's inputs for a chat: every declared size checked before anything is
-        decoded, then the media decoded, the chat template applied, the media placeholders
+        decoded, then the media decoded, the chat template applied (with `tools`, the function
+        definitions it renders, as transformers' `apply_chat_template(tools=...)`; then
+        `reply_prefix`, the start of the reply the model goes on from), the media placeholders
         expanded and the text tokenized."""
         import torch
 
         use_audio_in_video = self._check_messages(messages, field_prefix)
         headers = self._check_declared(messages, field_prefix)
         media = Media()
-        chat = [{"role": message.role.value,
-                 "content": [self._decode_part(part, f"{field_prefix}[{i}].content[{j}]", headers.get((i, j)), media,
-                                               use_audio_in_video)
-                             for j, part in enumerate(message.parts)]}
-                for i, message in enumerate(messages)]
+        chat = []
+        for i, message in enumerate(messages):
+            turn = {"role": message.role.value,
+                    "content": [self._decode_part(part, f"{field_prefix}[{i}].content[{j}]", headers.get((i, j)), media,
+                                                  use_audio_in_video)
+                                for j, part in enumerate(message.parts)]}
+            if message.tool_calls:
+                turn["tool_calls"] = list(message.tool_calls)
+            if message.tool_call_id is not None:
+                turn["tool_call_id"] = message.tool_call_id
+            chat.append(turn)
         with self._encode_lock:
-            text = self.tokenizer.apply_chat_template(chat, chat_template=self.chat_template,
+            text = self.tokenizer.apply_chat_template(chat, chat_template=self.chat_template, tools=tools or None,
                                                       add_generation_prompt=True, tokenize=False)
+        text += reply_prefix
         inputs, audio_counts, image_counts = self._media_inputs(media, use_audio_in_video)
         text = self._expand_media(text, audio_counts, image_counts, [v.grid for v in media.videos], use_audio_in_video)
         with self._encode_lock:
@@ -311,7 +331,7 @@ class PromptBuilder:
         if not messages:
             raise InvalidArgument(field_prefix, "at least one message is required")
         for i, message in enumerate(messages):
-            if not message.parts:
+            if not message.parts and not message.tool_calls:
                 raise InvalidArgument(f"{field_prefix}[{i}].content", "a message needs at least one part")
         if not any(m.role is Role.USER for m in messages):
             raise InvalidArgument(field_prefix, "at least one user message is required")
@@ -321,13 +341,18 @@ class PromptBuilder:
             raise InvalidArgument("use_audio_in_video", "applies to every video of a prompt or to none")
         return with_audio == {True}
 
+    def check_text(self, text: str, where: str) -> None:
+        """Text of the prompt holds no media placeholder (it would be expanded, or left, as media
+        positions)."""
+        for token in self.placeholders:
+            if token in text:
+                raise InvalidArgument(where, f"contains the reserved token {token}")
+
     def _decode_part(self, part: Part, where: str, header, media: Media, use_audio_in_video: bool) -> dict:
         """One content part decoded into `media` (header: its declared size, checked already);
         returns its entry in the chat template's content."""
         if part.text is not None:
-            for token in self.placeholders:  # they would be expanded (or left) as media positions
-                if token in part.text:
-                    raise InvalidArgument(f"{where}.text", f"contains the reserved token {token}")
+            self.check_text(part.text, f"{where}.text")
             return {"type": "text", "text": part.text}
         if part.audio is not None:
             media.audios.append(decode_audio(part.audio, f"{where}.audio", self.limits.max_audio_seconds, header))
