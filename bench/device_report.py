@@ -52,6 +52,7 @@ class StageLevel:
     step_ms_mean: float | None
     forward_ms_mean: float | None  # model forwards per step (the timer waits for the GPU on cuda)
     batch_mean: float | None
+    prefills_mean: float | None  # prompts (or chunks) an LM step that prefilled took together
     forward_share: float | None  # forward / (forward + engine Python + commands)
     busy_share: float | None  # the engine thread's busy time / the level's wall time
     queue_depth: Gauge  # sampled through the level
@@ -65,7 +66,8 @@ class StageLevel:
         empty = Gauge(None, None, 0)
         return cls(steps=int(times.steps), step_ms_mean=per(times.step_s, times.steps, 1000),
                    forward_ms_mean=per(times.forward_s, times.steps, 1000),
-                   batch_mean=per(times.batch_sum, times.batch_steps), forward_share=per(times.forward_s, times.busy_s),
+                   batch_mean=per(times.batch_sum, times.batch_steps),
+                   prefills_mean=per(times.prefills, times.prefill_steps), forward_share=per(times.forward_s, times.busy_s),
                    busy_share=per(times.busy_s, wall_s),
                    queue_depth=gauges.queue_depth if gauges else empty, running=gauges.running if gauges else empty)
 
@@ -183,14 +185,16 @@ def write_markdown(report: Report, path: Path) -> None:
                      f"{fmt(r.rtf_p99, 3)} | {fmt(r.req_per_s, 2)} | {fmt(r.audio_s_per_s_per_gpu, 2)} | {util} "
                      f"| {r.errors} |")
     lines += ["", "Per stage (mean step and forward ms, mean batch, forward share of the busy engine thread, "
-              "busy share of the wall time, queue depth mean / max):", "",
-              "| graphs | sharing | load | stage | steps | step ms | forward ms | batch | forward share | busy | queue |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "busy share of the wall time, queue depth mean / max, prompts per prefilling step):", "",
+              "| graphs | sharing | load | stage | steps | step ms | forward ms | batch | forward share | busy | queue "
+              "| prefills |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in report.levels:
         for name, s in r.stages.items():
             lines.append(f"| {r.graphs} | {r.sharing} | {r.label} | {name} | {s.steps} | {fmt(s.step_ms_mean, 2)} | "
                          f"{fmt(s.forward_ms_mean, 2)} | {fmt(s.batch_mean, 1)} | {fmt(s.forward_share, 2)} | "
-                         f"{fmt(s.busy_share, 2)} | {fmt(s.queue_depth.mean, 1)} / {fmt(s.queue_depth.max)} |")
+                         f"{fmt(s.busy_share, 2)} | {fmt(s.queue_depth.mean, 1)} / {fmt(s.queue_depth.max)} | "
+                         f"{fmt(s.prefills_mean, 1)} |")
     for m in report.modes:
         fallback = "" if m.mps or m.sharing == "none" else " (MPS did not start)"
         lines.append(f"\n- graphs {m.graphs}, sharing {m.sharing}{fallback}: "

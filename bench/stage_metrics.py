@@ -45,6 +45,8 @@ class StageTimes:
     step_s: float = 0.0
     batch_sum: float = 0.0  # requests per step, summed over steps
     batch_steps: float = 0.0
+    prefills: float = 0.0  # prompts (or chunks) prefilled, summed over the LM steps that prefilled any
+    prefill_steps: float = 0.0
     forward_s: float = 0.0
     engine_s: float = 0.0
     commands_s: float = 0.0
@@ -61,6 +63,8 @@ class StageTimes:
             step_s=_get(samples, "omni_stage_step_seconds_sum", stage=stage),
             batch_sum=_get(samples, "omni_stage_batch_size_sum", stage=stage),
             batch_steps=_get(samples, "omni_stage_batch_size_count", stage=stage),
+            prefills=_get(samples, "omni_stage_prefills_per_step_sum", stage=stage),
+            prefill_steps=_get(samples, "omni_stage_prefills_per_step_count", stage=stage),
             forward_s=_get(samples, "omni_stage_loop_seconds_total", stage=stage, phase="forward"),
             engine_s=_get(samples, "omni_stage_loop_seconds_total", stage=stage, phase="engine"),
             commands_s=_get(samples, "omni_stage_loop_seconds_total", stage=stage, phase="commands"),
