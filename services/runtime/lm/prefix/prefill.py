@@ -101,7 +101,8 @@ def prefill(pool: PrefixPool | None, keys: list[bytes], tokens: int, stack: Deco
     else:
         cache = DynamicCache(config=stack.config)
         if pool is not None and keys:
-            hit = pool.lookup(keys, min(usable_blocks(tokens), (stop - 1) // BLOCK_TOKENS), need_extras, use=use_hits)
+            # stop <= tokens: a first chunk takes no block past its own last token either
+            hit = pool.lookup(keys, usable_blocks(stop), need_extras, use=use_hits)
         prior = Prior()
     with from_cached_blocks(pool, hit, cache, stack, prior.tokens or hit.tokens, stop, tokens, stack_inputs):
         if hit.blocks:
