@@ -28,6 +28,14 @@ from services.base.engine import StepResult
 from services.base.finish import FinishReason
 from services.base.stages import Stage
 from services.base.timing import ForwardTimer
+from services.runtime.lm.device_sampling import (
+    Draw,
+    HostCopy,
+    Rows,
+    SlotSampler,
+    device_sampling_wanted,
+    draw_key,
+)
 from services.runtime.lm.engine import SlotScheduledEngine
 from services.runtime.lm.invariance import experts_modules, linear_weights
 from services.runtime.lm.kernels import batch_invariant
@@ -76,6 +84,8 @@ class _State:
     generator: torch.Generator | None = None
     seen: torch.Tensor | None = None  # [vocab] bool: the layer-0 codes generated so far (the penalty's history)
     partial: Partial | None = None  # a prompt prefilled a chunk a step: what the chunks so far gave
+    slot: int = -1  # its KV slot, once prefilled (the device sampler's penalty history is per slot)
+    key: int = 0  # the device sampler's noise key (device_sampling.draw_key)
 
     @property
     def ready(self) -> bool:
@@ -119,8 +129,17 @@ class TalkerEngine(SlotScheduledEngine):
             self.predictor_graphs = PredictorGraphs(model, engine_config.graphs, engine_config.exact_batching,
                                                     device, dtype)
             self.predictor_graphs.capture_all(hidden, dtype)
-        # (request_id, state, hidden [1, 1, H]) whose layer-0 code is picked, residuals to come (end_step)
-        self._to_predict: list[tuple[str, _State, torch.Tensor]] = []
+        # Sampling on the device (services/runtime/lm/device_sampling.py): layer-0 codes with the
+        # penalty over each slot's seen codes, the residuals inside the predictor's loop, the step's
+        # [B, 16] codes copied back once, in end_step.
+        self.sampler = self.residual_sampler = self.host_copy = None
+        if device_sampling_wanted(engine_config.device_sampling, device):
+            self.sampler = SlotSampler(engine_config.num_slots, vocab, device, self.suppress)
+            self.residual_sampler = SlotSampler(1, int(self.predictor_cache.lm_heads[0].shape[0]), device)
+            self.host_copy = HostCopy(device)
+        # (request_id, state, hidden [1, 1, H], code [1] on the device or None) whose layer-0 code is
+        # picked (on the host: in state.codes), residuals to come (end_step)
+        self._to_predict: list[tuple[str, _State, torch.Tensor, torch.Tensor | None]] = []
         if engine_config.exact_batching:  # which kernels exact mode runs here (services/runtime/lm/invariance.py)
             self.start_exact_check(
                 Stage.TALKER, engine_config.checks, gemm=engine_config.exact_gemm,
@@ -132,7 +151,10 @@ class TalkerEngine(SlotScheduledEngine):
     # The loop's interface.
     def add(self, request_id: str, job: TalkerJob) -> None:
         self.scheduler.add(request_id, job.prompt_len, job.sampling.max_new_tokens, ready=False)
-        self._requests[request_id] = _State(job=job, generator=job.sampling.generator())
+        if self.sampler is not None:
+            self._requests[request_id] = _State(job=job, key=draw_key(job.sampling))
+        else:
+            self._requests[request_id] = _State(job=job, generator=job.sampling.generator())
 
     def add_input(self, request_id: str, payload) -> None:
         state = self._requests.get(request_id)
@@ -174,6 +196,7 @@ class TalkerEngine(SlotScheduledEngine):
         state.partial = None
         out = result.output
         self.cache.load(slot, result.cache)
+        self._take_slot(state, slot)
         state.last_position = position_ids[..., -1:].clone()
         state.started = True
         return self._after_forward([request_id], [state], out.logits[:, -1], out.hidden_states[0][-1][:, -1:])
@@ -214,6 +237,7 @@ class TalkerEngine(SlotScheduledEngine):
         for i, (_, slot, state, inputs, keys) in enumerate(packed):
             span, rows = packing.span(i), CacheRows(cache, packing.span(i))
             self.cache.load(slot, rows)
+            self._take_slot(state, slot)
             if keys:  # kept as a prefill alone keeps them (the pool held none of it)
                 self.prefix_pool.lookup(keys, usable_blocks(span.stop - span.start), False, use=self.prefix_hits)
                 self.prefix_pool.store(keys, rows, None, None, first=0)
@@ -223,6 +247,12 @@ class TalkerEngine(SlotScheduledEngine):
             last.append(span.stop - 1)
         return self._after_forward([r for r, *_ in packed], states, out.logits[0, last],
                                             out.hidden_states[0][-1][0, last].unsqueeze(1))
+
+    def _take_slot(self, state: _State, slot: int) -> None:
+        """A prefilled request in `slot`: the device sampler's penalty history there starts empty."""
+        state.slot = slot
+        if self.sampler is not None:
+            self.sampler.reset(slot)
 
     def _prompt_inputs(self, state: _State):
         """The prompt's rows [1, P, H], ids [1, P], mask [1, P] and positions [3, 1, P] (as generate
@@ -350,6 +380,11 @@ class TalkerEngine(SlotScheduledEngine):
 
     def _after_forward(self, request_ids, states, logits: torch.Tensor, hidden: torch.Tensor):
         # logits: [B, vocab]; hidden: [B, 1, H] last layer at the last position.
+        if self.sampler is not None:  # drawn on the device; which rows end is known in end_step
+            codes = self.sampler.sample(logits, [Draw(s.slot, s.job.sampling, s.key, 16 * s.frames) for s in states])
+            self._to_predict += [(request_id, state, hidden[row:row + 1], codes[row:row + 1])
+                                 for row, (request_id, state) in enumerate(zip(request_ids, states))]
+            return []
         logits = logits.cpu()  # sampling runs on the host (CPU generators and masks); a no-op on CPU
         picked = self._greedy_codes(states, logits)
         events: StepResult = []
@@ -369,7 +404,7 @@ class TalkerEngine(SlotScheduledEngine):
                 keep.append(row)
         # Their residual codes come at the end of the step, for the prefilled rows and the decoded
         # ones together (end_step).
-        self._to_predict += [(request_ids[row], states[row], hidden[row:row + 1]) for row in keep]
+        self._to_predict += [(request_ids[row], states[row], hidden[row:row + 1], None) for row in keep]
         return events
 
     @torch.inference_mode()
@@ -383,14 +418,38 @@ class TalkerEngine(SlotScheduledEngine):
         if not self._to_predict:
             return []
         rows, self._to_predict = self._to_predict, []
+        states, past_hidden = [state for _, state, *_ in rows], torch.cat([hidden for _, _, hidden, _ in rows])
+        if self.sampler is not None:
+            return self._device_frames(rows, states, past_hidden)
         with self.timer:
-            codes, embeds = self.predict_residuals([state for _, state, _ in rows],
-                                                   torch.cat([hidden for _, _, hidden in rows]))
+            codes, embeds = self.predict_residuals(states, past_hidden)
         events: StepResult = []
-        for i, (request_id, state, _) in enumerate(rows):
+        for i, (request_id, state, *_) in enumerate(rows):
             state.next_codec_embed = embeds[i:i + 1]
             events.append((request_id, Frame(index=state.frames, codes=codes[i])))
             state.frames += 1
+        return events
+
+    def _device_frames(self, rows, states: list[_State], past_hidden: torch.Tensor) -> StepResult:
+        """The device path's end of a step: every row's residuals (a row whose layer-0 code ends it
+        too: which ones do is known once the codes are on the host), then the [R, 16] codes copied
+        back, the step's one host sync; the frames and ends as the host path gives them."""
+        with self.timer:
+            codes, embeds = self.predict_frame(states, past_hidden, torch.cat([code for *_, code in rows])[:, None])
+        self.host_copy.add(codes)
+        codes = self.host_copy.fetch()[0]
+        events: StepResult = []
+        for i, (request_id, state, *_) in enumerate(rows):
+            code = int(codes[i, 0])
+            state.codes.append(code)
+            if code == self.eos:
+                events.append((request_id, TalkerDone(FinishReason.STOP, state.frames)))
+            elif self.scheduler.reaches_length(request_id):
+                events.append((request_id, TalkerDone(FinishReason.LENGTH, state.frames)))
+            else:
+                state.next_codec_embed = embeds[i:i + 1]
+                events.append((request_id, Frame(index=state.frames, codes=codes[i].clone())))
+                state.frames += 1
         return events
 
     def _greedy_codes(self, states: list[_State], logits: torch.Tensor) -> dict[int, int]:
@@ -414,20 +473,36 @@ class TalkerEngine(SlotScheduledEngine):
 
     def predict_residuals(self, states: list[_State], past_hidden: torch.Tensor):
         """Code predictor for a batch of frames: fresh cache, prefill [talker hidden, layer-0 code
-        embedding], then num_code_groups - 2 single steps. Returns (codes [B, 16], embed sums [B, 1, H])."""
-        codes0 = torch.tensor([[s.codes[-1]] for s in states], device=self.device)  # [B, 1]
+        embedding], then num_code_groups - 2 single steps. Returns (codes [B, 16] on the host, embed
+        sums [B, 1, H])."""
+        codes, codec_embed = self.predict_frame(states, past_hidden,
+                                                torch.tensor([[s.codes[-1]] for s in states], device=self.device))
+        return codes.cpu(), codec_embed
+
+    def predict_frame(self, states: list[_State], past_hidden: torch.Tensor, codes0: torch.Tensor):
+        """`predict_residuals` from the layer-0 codes [B, 1] on the device, its codes left there."""
         if self.predictor_graphs is not None and all(s.job.sampling.greedy for s in states):
             replayed = self.predictor_graphs.predict(past_hidden, codes0)
             if replayed is not None:
                 codes, codec_embed = replayed
-                return codes.to(torch.int64).cpu(), codec_embed
+                return codes.to(torch.int64), codec_embed
         if all(s.job.sampling.greedy for s in states):
             pick = _argmax_rows  # argmax is exact: a batch's rows pick what each picks alone
+        elif self.residual_sampler is not None:
+            pick = self._residual_picks(states)
         else:
             pick = lambda logits: torch.tensor(  # noqa: E731  (rows picked on the host: a no-op on CPU)
                 [self._pick_residual(row, s) for row, s in zip(logits.cpu(), states)], device=self.device)
         codes, codec_embed = self.predictor_cache(past_hidden, codes0, pick, self.engine_config.exact_batching)
-        return codes.to(torch.int64).cpu(), codec_embed
+        return codes.to(torch.int64), codec_embed
+
+    def _residual_picks(self, states: list[_State]):
+        """The predictor's picks on the device: sampled rows as generate samples residuals
+        (`predictor_sampling`), greedy ones by argmax; group g of frame f draws with counter 16 f + g."""
+        rows = Rows([Draw(0, self.predictor_sampling if not s.job.sampling.greedy else SamplingConfig(), s.key,
+                          16 * s.frames) for s in states], self.device)
+        groups = iter(range(1, self.num_groups))
+        return lambda logits: self.residual_sampler.sample(logits, rows, remember=False, counter_offset=next(groups))
 
     def _pick_residual(self, logits: torch.Tensor, state: _State) -> int:
         if state.job.sampling.greedy:

@@ -27,6 +27,7 @@ class TalkerEngineConfig:
     graphs: GraphSettings = GraphSettings()  # CUDA graphs of the decode step and the code predictor
     prefix_cache_mb: int = 0  # the prefix cache's pool (services/runtime/lm/prefix/); 0: none
     checks: CheckSettings = CheckSettings()  # exact mode's start-up check: beside serving or before (services/runtime/checks.py)
+    device_sampling: bool | None = None  # codes drawn on the device (services/runtime/lm/device_sampling.py); None: on cuda
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,14 @@ from services.base.finish import FinishReason
 from services.base.stages import Stage
 from services.base.timing import ForwardTimer
 from services.runtime.inputs.prompt import PromptInputs
+from services.runtime.lm.device_sampling import (
+    Draw,
+    HostCopy,
+    SlotSampler,
+    device_sampling_wanted,
+    draw_key,
+    to_device,
+)
 from services.runtime.lm.engine import SlotScheduledEngine
 from services.runtime.lm.invariance import experts_modules, linear_weights
 from services.runtime.lm.kernels import batch_invariant
@@ -119,6 +127,8 @@ class _Request:
     hold: tuple[int, float] | None = None  # HoldText's (lead, monotonic deadline) until released
     partial: Partial | None = None  # a prompt prefilled a chunk a step: what the chunks so far gave
     inputs: tuple[dict, torch.Tensor] | None = None  # and its model inputs and positions, made for its first chunk
+    slot: int = -1  # its KV slot, once prefilled (the device sampler's penalty history is per slot)
+    key: int = 0  # the device sampler's noise key (device_sampling.draw_key)
 
 
 @dataclass(frozen=True)
@@ -133,6 +143,7 @@ class ThinkerEngineConfig:
     graphs: GraphSettings = GraphSettings()  # CUDA graphs of the decode step (services/runtime/lm/static_decode.py)
     prefix_cache_mb: int = 0  # the prefix cache's pool (services/runtime/lm/prefix/); 0: none
     checks: CheckSettings = CheckSettings()  # exact mode's start-up check: beside serving or before (services/runtime/checks.py)
+    device_sampling: bool | None = None  # tokens drawn on the device (services/runtime/lm/device_sampling.py); None: on cuda
 
 
 class ThinkerEngine(SlotScheduledEngine):
@@ -161,6 +172,12 @@ class ThinkerEngine(SlotScheduledEngine):
         self.set_up(Stage.THINKER, model.config.text_config, model.model, engine_config, self.device, dtype,
                     step=lambda cache: thinker_step(model, cache), step_input=torch.zeros((1, 1), dtype=torch.long),
                     extra_layers=len(self.prefix_layers))
+        # Sampling on the device: a step's tokens drawn there and copied back once, in end_step.
+        self.sampler = self.host_copy = None
+        if device_sampling_wanted(engine_config.device_sampling, self.device):
+            self.sampler = SlotSampler(engine_config.num_slots, int(model.lm_head.weight.shape[0]), self.device)
+            self.host_copy = HostCopy(self.device)
+        self._drawn: list[tuple] = []  # (request_ids, requests, ids, embeddings, replies): HostCopy indices
         if engine_config.exact_batching:  # which kernels exact mode runs here (services/runtime/lm/invariance.py)
             decoder = [model.model, model.lm_head]
             self.start_exact_check(Stage.THINKER, engine_config.checks, gemm=engine_config.exact_gemm,
@@ -189,7 +206,10 @@ class ThinkerEngine(SlotScheduledEngine):
     # The loop's interface.
     def add(self, request_id: str, job: ThinkerJob) -> None:
         self.scheduler.add(request_id, job.prompt.num_tokens, job.sampling.max_new_tokens)
-        self._requests[request_id] = _Request(job=job, generator=job.sampling.generator())
+        if self.sampler is not None:
+            self._requests[request_id] = _Request(job=job, key=draw_key(job.sampling))
+        else:
+            self._requests[request_id] = _Request(job=job, generator=job.sampling.generator())
 
     def add_input(self, request_id: str, payload) -> None:
         request = self._requests.get(request_id)
@@ -252,7 +272,17 @@ class ThinkerEngine(SlotScheduledEngine):
         events: StepResult = []
         if request.job.want_talker_inputs:
             events.append((request_id, self._prefilled(kwargs["input_ids"][0], hidden_states)))
-        return events + self._sample(request_id, request, logits.cpu())
+        return events + self.first_token(request_id, request, logits)
+
+    def first_token(self, request_id: str, request: _Request, logits: torch.Tensor) -> StepResult:
+        """The token after the prompt from its last row's `logits` [vocab]: its events, or none yet
+        where the device draws it (they come from end_step)."""
+        if self.sampler is None:
+            return self._sample(request_id, request, logits.cpu())
+        history = request.job.prompt.input_ids[0].tolist() if request.job.sampling.repetition_penalty != 1.0 else ()
+        self.sampler.reset(request.slot, history)
+        self.draw([request_id], [request], logits[None])
+        return []
 
     def _model_inputs(self, job: ThinkerJob) -> tuple[dict, torch.Tensor]:
         """The prompt's model inputs on the device and its [4, 1, P] positions, made by the model's own
@@ -291,6 +321,7 @@ class ThinkerEngine(SlotScheduledEngine):
             return None
         request.partial = request.inputs = None
         self.cache.load(slot, result.cache)
+        request.slot = slot
         request.last_position = position_ids[..., -1:].clone()
         return result.output, kwargs
 
@@ -331,6 +362,7 @@ class ThinkerEngine(SlotScheduledEngine):
         for i, (request_id, slot, request, kwargs, prompt_positions, keys) in enumerate(packed):
             span, rows = packing.span(i), CacheRows(cache, packing.span(i))
             self.cache.load(slot, rows)
+            request.slot = slot
             request.last_position = prompt_positions[..., -1:].clone()
             hidden = tuple(h[:, span] for h in out.hidden_states) if want_hidden else None
             if keys:  # the pool held none of it (prefill_packed): its blocks kept as a prefill alone keeps them
@@ -399,7 +431,7 @@ class ThinkerEngine(SlotScheduledEngine):
         requests = [self._requests[r] for r in request_ids]
         for request in requests:
             request.last_position = request.last_position + 1
-        ids = torch.tensor([[r.generated[-1]] for r in requests], device=self.device)  # [B, 1]
+        ids = to_device([[r.generated[-1]] for r in requests], torch.long, self.device)  # [B, 1]
         positions = torch.cat([r.last_position for r in requests], dim=1)  # [4, B, 1]
         with self.timer:
             replayed = self.graphs.decode(ids, positions, slots) if self.graphs is not None else None
@@ -411,12 +443,55 @@ class ThinkerEngine(SlotScheduledEngine):
                 out = self.model(input_ids=ids, position_ids=positions, past_key_values=view, use_cache=True)
             view.commit()
             logits = out.logits[:, -1]
+        if self.sampler is not None:
+            self.draw(request_ids, requests, logits)
+            return []
         logits = logits.cpu()  # sampling runs on the host (CPU generators and masks); a no-op on CPU
         picked, embeddings = self._greedy_rows(requests, logits)
         events: StepResult = []
         for row, (request_id, request) in enumerate(zip(request_ids, requests)):
             events += self._sample(request_id, request, logits[row], picked.get(row), embeddings.get(row))
         return events
+
+    def draw(self, request_ids: list[str], requests: list[_Request], logits: torch.Tensor,
+             replies: torch.Tensor | None = None) -> None:
+        """Draw the rows' tokens on the device (logits [B, vocab]) and gather what their events carry
+        there (the token embeddings a talker is fed; `replies` [B, H], Qwen2.5-Omni's), for end_step's
+        one copy."""
+        draws = [Draw(r.slot, r.job.sampling, r.key, len(r.generated),
+                      r.job.forced_ids[len(r.generated)] if r.job.forced_ids else -1) for r in requests]
+        ids = self.sampler.sample(logits, draws)
+        fed = [row for row, r in enumerate(requests) if r.job.want_talker_inputs and self.feeds_token_embeddings]
+        embeddings = None
+        if fed:
+            embeddings = self.host_copy.add(self.embed(ids if len(fed) == len(requests)
+                                                       else ids.index_select(0, to_device(fed, torch.long, self.device))))
+        self._drawn.append((request_ids, requests, self.host_copy.add(ids), (fed, embeddings),
+                            None if replies is None else self.host_copy.add(replies)))
+
+    def end_step(self) -> StepResult:
+        """The device path's events: the step's drawn tokens (and what their events carry), copied to
+        the host at once."""
+        if not self._drawn:
+            return []
+        drawn, self._drawn = self._drawn, []
+        host = self.host_copy.fetch()
+        events: StepResult = []
+        for request_ids, requests, ids, (fed, embeddings), replies in drawn:
+            tokens = host[ids].tolist()
+            rows = {row: host[embeddings][i].clone() for i, row in enumerate(fed)}
+            for row, (request_id, request) in enumerate(zip(request_ids, requests)):
+                reply = host[replies][row].clone() if replies is not None and request.job.want_talker_inputs else None
+                events += self._sample(request_id, request, None, tokens[row], rows.get(row), reply)
+        return events
+
+    def abort(self, request_id: str) -> None:
+        super().abort(request_id)
+        # Rows drawn and not copied back outlive a step only when it raised (the loop then fails its
+        # requests): dropped, so the next step's copy holds its own rows alone.
+        self._drawn = []
+        if self.host_copy is not None:
+            self.host_copy.clear()
 
     def _greedy_rows(self, requests, logits: torch.Tensor) -> tuple[dict, dict]:
         """Tokens (row -> id) of the rows that are greedy without a repetition penalty, picked by one
@@ -448,7 +523,7 @@ class ThinkerEngine(SlotScheduledEngine):
             tts_embeds=tts.cpu(),
         )
 
-    def _sample(self, request_id: str, request: _Request, logits: torch.Tensor, token: int | None = None,
+    def _sample(self, request_id: str, request: _Request, logits: torch.Tensor | None, token: int | None = None,
                 embedding: torch.Tensor | None = None, reply: torch.Tensor | None = None) -> StepResult:
         """`token` / `embedding`: already picked / looked up for this row (`_greedy_rows`); `reply`:
         what the event carries for the token before (Qwen2.5-Omni)."""

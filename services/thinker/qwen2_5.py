@@ -33,6 +33,7 @@ from transformers import GenerationConfig
 
 from services.base.engine import StepResult
 from services.base.events import EngineEvent
+from services.runtime.lm.device_sampling import to_device
 from services.runtime.lm.kernels import batch_invariant
 from services.runtime.model.qwen2_5_omni import text_embed_ids
 from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig, ThinkerJob
@@ -87,7 +88,7 @@ class Qwen2_5ThinkerEngine(ThinkerEngine):
         events: StepResult = []
         if request.job.want_talker_inputs:
             events.append((request_id, self._prefilled(request.job, kwargs, hidden_states)))
-        return events + self._sample(request_id, request, logits.cpu())
+        return events + self.first_token(request_id, request, logits)
 
     @torch.inference_mode()
     def decode(self, request_ids: list[str], slots: list[int]) -> StepResult:
@@ -96,7 +97,7 @@ class Qwen2_5ThinkerEngine(ThinkerEngine):
         requests = [self._requests[r] for r in request_ids]
         for request in requests:
             request.last_position = request.last_position + 1
-        ids = torch.tensor([[r.generated[-1]] for r in requests], device=self.device)  # [B, 1]
+        ids = to_device([[r.generated[-1]] for r in requests], torch.long, self.device)  # [B, 1]
         positions = torch.cat([r.last_position for r in requests], dim=1)  # [4, B, 1]
         fed = [r.job.want_talker_inputs for r in requests]
         view = self.cache.batch(slots)
@@ -104,9 +105,13 @@ class Qwen2_5ThinkerEngine(ThinkerEngine):
             out = self.model(input_ids=ids, position_ids=positions, past_key_values=view, use_cache=True,
                              output_hidden_states=any(fed))
         view.commit()
-        logits = out.logits[:, -1].cpu()  # [B, vocab]
         # hidden_states[-1]: the last layer's output after the final norm; [0]: the layer-0 inputs. [B, H]
-        replies = (out.hidden_states[-1][:, -1] + out.hidden_states[0][:, -1]).cpu() if any(fed) else None
+        replies = out.hidden_states[-1][:, -1] + out.hidden_states[0][:, -1] if any(fed) else None
+        if self.sampler is not None:
+            self.draw(request_ids, requests, out.logits[:, -1], replies)
+            return []
+        logits = out.logits[:, -1].cpu()  # [B, vocab]
+        replies = replies.cpu() if replies is not None else None
         picked, _ = self._greedy_rows(requests, logits)
         events: StepResult = []
         for row, (request_id, request) in enumerate(zip(request_ids, requests)):

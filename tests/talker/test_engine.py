@@ -137,10 +137,10 @@ class Pipeline(TwoStagePipeline):
     in-process through the servers' adapters: a TextRow per token, TextEnd for the last."""
 
     def __init__(self, stages, builder, exact: bool = True, slots: int = SLOTS, text_every: dict | None = None,
-                 gemm: bool = False, prefix_cache_mb: int = 0):
+                 gemm: bool = False, prefix_cache_mb: int = 0, device_sampling: bool | None = None):
         thinker, talker = stages
         engine = dict(max_batch_size=slots, num_slots=slots, max_model_len=MAX_MODEL_LEN, exact_batching=exact,
-                      exact_gemm=gemm, prefix_cache_mb=prefix_cache_mb)
+                      exact_gemm=gemm, prefix_cache_mb=prefix_cache_mb, device_sampling=device_sampling)
         super().__init__(
             ThinkerEngine(thinker.model, thinker.config, engine_config=ThinkerEngineConfig(**engine)),
             TalkerEngine(talker.model, talker.config, engine_config=TalkerEngineConfig(**engine)),
@@ -208,6 +208,17 @@ def test_eight_concurrent_requests_equal_the_reference(stages, builder, messages
         for s in steps:
             per_step[s] += 1
     assert max(per_step.values()) >= 5
+
+
+@pytest.mark.exactness
+def test_the_device_samplers_equal_the_reference(stages, builder, messages, expected):
+    # The cuda default (services/runtime/lm/device_sampling.py) on CPU tensors: the thinker's tokens and
+    # the talker's layer-0 codes (generate's repetition penalty 1.05 from each slot's seen mask) drawn in
+    # one batched pass each, copied back once a step; the same ids as generate's.
+    pipe = Pipeline(stages, builder, device_sampling=True).run(CASES, messages)
+    assert pipe.thinker.sampler is not None and pipe.talker.sampler is not None
+    assert_equals_reference(pipe, expected, BY_ID)
+    assert_clean(pipe)
 
 
 @pytest.mark.exactness

@@ -48,9 +48,9 @@ class Setup:
         self.expected = {c.request_id: generate_reference(runner, self.messages[c.request_id], c.voice,
                                                           c.max_new_tokens, c.talker_max_new_tokens) for c in CASES}
 
-    def engine(self, slots: int = SLOTS) -> Qwen2_5ThinkerEngine:
+    def engine(self, slots: int = SLOTS, device_sampling: bool | None = None) -> Qwen2_5ThinkerEngine:
         return Qwen2_5ThinkerEngine(self.thinker, self.config, engine_config=ThinkerEngineConfig(
-            max_batch_size=slots, num_slots=slots, max_model_len=MAX_MODEL_LEN))
+            max_batch_size=slots, num_slots=slots, max_model_len=MAX_MODEL_LEN, device_sampling=device_sampling))
 
     def job(self, case, talker: bool = True) -> Qwen2_5ThinkerJob:
         _, bos = resolve_voice(self.voices, case.voice)
@@ -64,9 +64,9 @@ def setup(request) -> Setup:
     return Setup(request.getfixturevalue(fixture))
 
 
-def run(setup: Setup, cases, slots: int = SLOTS) -> tuple[dict, int]:
+def run(setup: Setup, cases, slots: int = SLOTS, device_sampling: bool | None = None) -> tuple[dict, int]:
     """request_id -> its events in order, and the number of engine steps."""
-    engine = setup.engine(slots)
+    engine = setup.engine(slots, device_sampling)
     events: dict[str, list] = {}
     pending = sorted(cases, key=lambda c: c.join_step)
     steps = 0
@@ -118,6 +118,15 @@ def test_sixteen_concurrent_requests_equal_generate(setup):
         assert_equals_generate(setup, case.request_id, events[case.request_id])
     # They shared decode steps: far fewer steps than the tokens one after the other.
     assert steps < sum(c.max_new_tokens for c in CASES) // 3
+
+
+@pytest.mark.exactness
+def test_the_device_sampler_equals_generate(setup):
+    # The cuda default (services/runtime/lm/device_sampling.py) on CPU tensors: the tokens drawn in one
+    # batched pass and the reply parts copied back with them, once a step.
+    events, _ = run(setup, CASES, device_sampling=True)
+    for case in CASES:
+        assert_equals_generate(setup, case.request_id, events[case.request_id])
 
 
 def test_events_of_one_request(setup):
