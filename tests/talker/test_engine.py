@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from services.base.finish import FinishReason
 from services.runtime.inputs.prompt import ChatMessage, Part, PromptBuilder, Role
@@ -137,7 +138,8 @@ class Pipeline(TwoStagePipeline):
     in-process through the servers' adapters: a TextRow per token, TextEnd for the last."""
 
     def __init__(self, stages, builder, exact: bool = True, slots: int = SLOTS, text_every: dict | None = None,
-                 gemm: bool = False, prefix_cache_mb: int = 0, device_sampling: bool | None = None):
+                 gemm: bool = False, prefix_cache_mb: int = 0, device_sampling: bool | None = None,
+                 sampling: tuple[SamplingConfig, SamplingConfig] | dict | None = None):
         thinker, talker = stages
         engine = dict(max_batch_size=slots, num_slots=slots, max_model_len=MAX_MODEL_LEN, exact_batching=exact,
                       exact_gemm=gemm, prefix_cache_mb=prefix_cache_mb, device_sampling=device_sampling)
@@ -153,6 +155,9 @@ class Pipeline(TwoStagePipeline):
         self.tokens: dict[str, list[int]] = defaultdict(list)  # request_id -> text ids
         self.frames: dict[str, list[list[int]]] = defaultdict(list)  # request_id -> codec frames
         self.finished: dict[str, Finished] = {}  # request_id -> the thinker's end
+        # The thinker's and the talker's sampling (max_new_tokens: each case's), or request_id -> them;
+        # None: greedy, the talker with generate's repetition penalty.
+        self.sampling = sampling or (SamplingConfig(), SamplingConfig(repetition_penalty=TALKER_REPETITION_PENALTY))
 
     def add(self, case: Case, messages) -> None:
         self.cases[case.request_id] = case
@@ -161,9 +166,12 @@ class Pipeline(TwoStagePipeline):
         if self.thinker.prefix_pool is not None:  # where each message starts (the thinker server's prompt_prefix)
             starts = (prompt.input_ids[0] == self.config.im_start_token_id).nonzero().flatten().tolist()
             prefix = PromptPrefix(tuple(starts), (None,) * len(messages), tuple(bytes([i]) * 16 for i in range(len(messages))))
-        self.jobs[case.request_id] = job = ThinkerJob(prompt, SamplingConfig(max_new_tokens=case.max_new_tokens), True,
-                                                      prefix=prefix)
+        sampling = replace(self.sampling_of(case)[0], max_new_tokens=case.max_new_tokens)
+        self.jobs[case.request_id] = job = ThinkerJob(prompt, sampling, True, prefix=prefix)
         self.thinker.add(case.request_id, job)
+
+    def sampling_of(self, case: Case) -> tuple[SamplingConfig, SamplingConfig]:
+        return self.sampling[case.request_id] if isinstance(self.sampling, dict) else self.sampling
 
     def on_frame(self, rid: str, event: Frame) -> None:
         assert event.index == len(self.frames[rid])
@@ -173,8 +181,7 @@ class Pipeline(TwoStagePipeline):
         case = self.cases[rid]
         if isinstance(event, Prefilled):
             self.talker.add(rid, self.handoff.talker_job(
-                event, self.jobs[rid], SamplingConfig(max_new_tokens=case.talker_max_new_tokens,
-                                                      repetition_penalty=TALKER_REPETITION_PENALTY), case.voice))
+                event, self.jobs[rid], replace(self.sampling_of(case)[1], max_new_tokens=case.talker_max_new_tokens), case.voice))
         elif isinstance(event, Token):
             self.tokens[rid].append(event.token_id)
             self.inbox[rid] += self.handoff.talker_inputs(event)
@@ -219,6 +226,92 @@ def test_the_device_samplers_equal_the_reference(stages, builder, messages, expe
     assert pipe.thinker.sampler is not None and pipe.talker.sampler is not None
     assert_equals_reference(pipe, expected, BY_ID)
     assert_clean(pipe)
+
+
+def test_seeded_draws_on_the_device_replay_whatever_shares_the_batch(stages, builder, messages, expected):
+    # Each draw's noise is a hash of the request's seed and the draw's place (device_sampling.py), so a
+    # seeded request's text and frames are the same alone and among others joining at other steps,
+    # and another seed draws others.
+    def sampling(seed: int) -> tuple[SamplingConfig, SamplingConfig]:
+        return (SamplingConfig(temperature=0.9, top_k=40, top_p=0.9, repetition_penalty=1.1, seed=seed),
+                SamplingConfig(temperature=0.9, top_k=50, repetition_penalty=TALKER_REPETITION_PENALTY, seed=seed))
+
+    cases = CASES[:4]
+    together = Pipeline(stages, builder, device_sampling=True, sampling=sampling(5)).run(cases, messages)
+    assert_clean(together)
+    mine = replace(BY_ID["image-aiden"], join_step=0)
+    alone = Pipeline(stages, builder, device_sampling=True, sampling=sampling(5)).run([mine], messages)
+    other = Pipeline(stages, builder, device_sampling=True, sampling=sampling(6)).run([mine], messages)
+    rid = mine.request_id
+    assert together.tokens[rid] == alone.tokens[rid] and together.frames[rid] == alone.frames[rid]
+    assert (other.tokens[rid], other.frames[rid]) != (alone.tokens[rid], alone.frames[rid])
+    assert any(together.frames[c.request_id] != expected[c.request_id].frames for c in cases)  # not greedy
+
+
+class HostSyncs(TorchDispatchMode):
+    """What makes the host wait for the device, as a cuda run would: `.item()` (`_local_scalar_dense`),
+    `nonzero` (its size is data) and copies to the CPU, from another device or asked for explicitly
+    (`to("cpu", copy=True)`: the device path's one copy, counted here on CPU tensors too). Not counted
+    while `paused` (inside the LM's forward, a graph replay on cuda). NOTE: on CPU tensors `.cpu()`,
+    `.tolist()` and `int()` dispatch nothing, so the host path's syncs are not seen here (the meta
+    device's counts in tests/gpu/step_counts.py see them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        aten = torch.ops.aten
+        if self.paused:
+            pass
+        elif func in (aten._local_scalar_dense.default, aten.nonzero.default):
+            self.count += 1
+        elif func is aten._to_copy.default and kwargs.get("device") == torch.device("cpu"):
+            self.count += 1
+        elif func is aten.to.dtype_layout and kwargs.get("device") == torch.device("cpu") \
+                and (kwargs.get("copy") or args[0].device.type != "cpu"):  # `to` kept whole under inference_mode
+            self.count += 1
+        elif func is aten.copy_.default and args[0].device.type == "cpu" and args[1].device.type != "cpu":
+            self.count += 1
+        return func(*args, **kwargs)
+
+
+def test_a_decode_step_on_the_device_path_copies_to_the_host_once(stages, builder, messages):
+    # Both stages, sampled (penalty, top-k, top-p) and greedy rows side by side: around the LM's forward
+    # (on cuda a graph replay; here the eager MoE routing's nonzero would count), every step that only
+    # decodes makes one host transfer (the [B] ids; the talker's [B, 16] codes, its code predictor
+    # loop included), however many rows.
+    greedy = (SamplingConfig(), SamplingConfig(repetition_penalty=TALKER_REPETITION_PENALTY))
+    sampled = (SamplingConfig(temperature=0.9, top_k=40, top_p=0.9, repetition_penalty=1.1, seed=1),
+               SamplingConfig(temperature=0.9, top_k=50, repetition_penalty=TALKER_REPETITION_PENALTY, seed=1))
+    cases = [replace(c, join_step=0) for c in CASES[:4]]
+    pipe = Pipeline(stages, builder, exact=False, device_sampling=True,
+                    sampling={c.request_id: sampled if i % 2 else greedy for i, c in enumerate(cases)})
+    counts: dict[str, list[tuple[int, int]]] = {"thinker": [], "talker": []}  # (rows, syncs) of decode-only steps
+    syncs = HostSyncs()
+    for name in counts:
+        engine = getattr(pipe, name)
+        engine.model.register_forward_pre_hook(lambda *_: setattr(syncs, "paused", True))
+        engine.model.register_forward_hook(lambda *_: setattr(syncs, "paused", False))
+        schedule, step = engine.scheduler.schedule, engine.step
+        plans = []
+        engine.scheduler.schedule = lambda schedule=schedule, plans=plans: plans.append(schedule()) or plans[-1]
+
+        def counted(step=step, plans=plans, name=name):
+            syncs.count = 0
+            with syncs:
+                events = step()
+            if plans[-1].decode and not plans[-1].prefill:
+                counts[name].append((len(plans[-1].decode), syncs.count))
+            return events
+
+        engine.step = counted
+    pipe.run(cases, messages)
+    for name, steps in counts.items():
+        assert max(rows for rows, _ in steps) >= 3, name  # batches of several rows were counted
+        assert {count for _, count in steps} == {1}, (name, steps)
 
 
 @pytest.mark.exactness
