@@ -30,6 +30,14 @@ from services.base.engine import StepResult
 from services.base.finish import FinishReason
 from services.base.stages import Stage
 from services.base.timing import ForwardTimer
+from services.runtime.lm.device_sampling import (
+    Draw,
+    HostCopy,
+    SlotSampler,
+    device_sampling_wanted,
+    draw_key,
+    to_device,
+)
 from services.runtime.lm.engine import SlotScheduledEngine
 from services.runtime.lm.invariance import linear_weights
 from services.runtime.lm.kernels import batch_invariant
@@ -71,6 +79,8 @@ class _State:
     seen: torch.Tensor | None = None  # [vocab] bool: the ids the repetition penalty applies to
     generator: torch.Generator | None = None
     partial: Partial | None = None  # a prompt prefilled a chunk a step: what the chunks so far gave
+    slot: int = -1  # its KV slot, once prefilled (the device sampler's penalty history is per slot)
+    key: int = 0  # the device sampler's noise key (device_sampling.draw_key)
 
     @property
     def ready(self) -> bool:
@@ -101,6 +111,13 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
         dtype = next(model.parameters()).dtype
         self.set_up(Stage.TALKER, model.config, model.model, engine_config, device, dtype)
         self.embed = model.get_input_embeddings()  # codec id -> [H_thinker]
+        # Sampling on the device (services/runtime/lm/device_sampling.py): a step's codes drawn there,
+        # copied back once in end_step.
+        self.sampler = self.host_copy = None
+        if device_sampling_wanted(engine_config.device_sampling, device):
+            self.sampler = SlotSampler(engine_config.num_slots, self.vocab, device, self.suppress)
+            self.host_copy = HostCopy(device)
+        self._drawn: list[tuple[list[str], list[_State], int]] = []  # (request_ids, states, HostCopy index)
         if engine_config.exact_batching:  # which kernels exact mode runs here (services/runtime/lm/invariance.py)
             self.start_exact_check(Stage.TALKER, engine_config.checks, gemm=engine_config.exact_gemm,
                                    capacity=engine_config.max_batch_size, linear_weights=linear_weights(model),
@@ -109,10 +126,22 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
     # The loop's interface.
     def add(self, request_id: str, job: Qwen2_5TalkerJob) -> None:
         self.scheduler.add(request_id, job.prompt_len, job.sampling.max_new_tokens, ready=False)
+        if self.sampler is not None:
+            self._requests[request_id] = _State(job=job, key=draw_key(job.sampling))
+            return
         seen = torch.zeros(self.vocab, dtype=torch.bool)
-        # generate's talker input ids: [codec_mask] * P + [codec_pad, codec_bos], the penalty's history.
-        seen[[self.codec_pad, self.codec_bos] + ([self.codec_mask] if job.prompt_hidden.shape[0] else [])] = True
+        seen[self._start_codes(job)] = True
         self._requests[request_id] = _State(job=job, seen=seen, generator=job.sampling.generator())
+
+    def _start_codes(self, job: Qwen2_5TalkerJob) -> list[int]:
+        """generate's talker input ids: [codec_mask] * P + [codec_pad, codec_bos], the penalty's history."""
+        return [self.codec_pad, self.codec_bos] + ([self.codec_mask] if job.prompt_hidden.shape[0] else [])
+
+    def _take_slot(self, state: _State, slot: int) -> None:
+        """A prefilled request in `slot`: the device sampler's penalty history there is its start codes."""
+        state.slot = slot
+        if self.sampler is not None:
+            self.sampler.reset(slot, self._start_codes(state.job))
 
     def add_input(self, request_id: str, payload) -> None:
         state = self._requests.get(request_id)
@@ -145,6 +174,7 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
             return []
         state.partial = None
         self.cache.load(slot, result.cache)
+        self._take_slot(state, slot)
         state.started = True
         return self._after_forward([request_id], [state], result.output.logits[:, -1])
 
@@ -181,6 +211,7 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
         for i, (_, slot, state, _, ids, keys) in enumerate(packed):
             rows = CacheRows(cache, packing.span(i))
             self.cache.load(slot, rows)
+            self._take_slot(state, slot)
             if keys:  # kept as a prefill alone keeps them (the pool held none of it)
                 self.prefix_pool.lookup(keys, usable_blocks(len(ids)), False, use=self.prefix_hits)
                 self.prefix_pool.store(keys, rows, None, None, first=0)
@@ -218,11 +249,11 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
     def decode(self, request_ids: list[str], slots: list[int]) -> StepResult:
         """One talker step for every ready request: its last code's embedding + its text vector."""
         states = [self._requests[r] for r in request_ids]
-        codes = torch.tensor([[s.codes[-1]] for s in states], device=self.device)  # [B, 1]
+        codes = to_device([[s.codes[-1]] for s in states], torch.long, self.device)  # [B, 1]
         text = torch.cat([self._text_for_step(s) for s in states], dim=0)  # [B, 1, H_thinker]
         inputs_embeds = self.embed(codes) + text
         # Plain positions: the row's cache length, on all 3 rope rows. [3, B, 1]
-        position_ids = torch.tensor([self.cache.lengths[s] for s in slots], device=self.device).view(1, -1, 1).expand(3, -1, -1)
+        position_ids = to_device([self.cache.lengths[s] for s in slots], torch.long, self.device).view(1, -1, 1).expand(3, -1, -1)
         view = self.cache.batch(slots)
         with self.timer, batch_invariant(self.engine_config.exact_batching):
             out = self.model(inputs_embeds=inputs_embeds, position_ids=position_ids, past_key_values=view, use_cache=True)
@@ -238,6 +269,10 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
         return state.job.text_embeds[row].to(self.device, self.dtype).view(1, 1, -1)
 
     def _after_forward(self, request_ids, states, logits: torch.Tensor) -> StepResult:
+        if self.sampler is not None:  # drawn on the device; their events come from end_step
+            codes = self.sampler.sample(logits, [Draw(s.slot, s.job.sampling, s.key, len(s.codes)) for s in states])
+            self._drawn.append((request_ids, states, self.host_copy.add(codes)))
+            return []
         logits = logits.cpu()  # [B, vocab]; sampling runs on the host (CPU generators and masks)
         picked = self._greedy_codes(states, logits)
         events: StepResult = []
@@ -245,15 +280,39 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
             code = picked[row] if row in picked else select_token(
                 logits[row], state.job.sampling, torch.nonzero(state.seen).flatten().tolist(), state.generator,
                 self.suppress)
-            state.codes.append(code)
             state.seen[code] = True
-            if code in state.job.eos_ids:
-                events.append((request_id, TalkerDone(FinishReason.STOP, state.frames)))
-                continue
-            events.append((request_id, Frame(index=state.frames, codes=torch.tensor([code]))))
-            state.frames += 1
-            if self.scheduler.reaches_length(request_id):
-                events.append((request_id, TalkerDone(FinishReason.LENGTH, state.frames)))
+            events += self._code_events(request_id, state, code)
+        return events
+
+    def end_step(self) -> StepResult:
+        """The device path's events: the step's drawn codes, copied to the host at once."""
+        if not self._drawn:
+            return []
+        drawn, self._drawn = self._drawn, []
+        host = self.host_copy.fetch()
+        events: StepResult = []
+        for request_ids, states, codes in drawn:
+            for request_id, state, code in zip(request_ids, states, host[codes].tolist()):
+                events += self._code_events(request_id, state, code)
+        return events
+
+    def abort(self, request_id: str) -> None:
+        super().abort(request_id)
+        # Codes drawn and not copied back outlive a step only when it raised (the loop then fails its
+        # requests): dropped, so the next step's copy holds its own rows alone.
+        self._drawn = []
+        if self.host_copy is not None:
+            self.host_copy.clear()
+
+    def _code_events(self, request_id: str, state: _State, code: int) -> StepResult:
+        """A drawn code's events: the end, or a frame (and the end where it is the last by length)."""
+        state.codes.append(code)
+        if code in state.job.eos_ids:
+            return [(request_id, TalkerDone(FinishReason.STOP, state.frames))]
+        events: StepResult = [(request_id, Frame(index=state.frames, codes=torch.tensor([code])))]
+        state.frames += 1
+        if self.scheduler.reaches_length(request_id):
+            events.append((request_id, TalkerDone(FinishReason.LENGTH, state.frames)))
         return events
 
     def _greedy_codes(self, states: list[_State], logits: torch.Tensor) -> dict[int, int]:

@@ -78,14 +78,15 @@ class Pipeline(TwoStagePipeline):
 
     def __init__(self, setup: Setup, slots: int = SLOTS, text_every: dict | None = None,
                  eos_ids: tuple[int, ...] = TALKER_EOS_IDS, wire: bool = False, gemm: bool = False,
-                 talker_prefix_cache_mb: int = 0):
+                 talker_prefix_cache_mb: int = 0, device_sampling: bool | None = None):
         config = setup.config
         super().__init__(
             Qwen2_5ThinkerEngine(setup.thinker, config, engine_config=ThinkerEngineConfig(
-                max_batch_size=slots, num_slots=slots, max_model_len=MAX_MODEL_LEN, exact_gemm=gemm)),
+                max_batch_size=slots, num_slots=slots, max_model_len=MAX_MODEL_LEN, exact_gemm=gemm,
+                device_sampling=device_sampling)),
             Qwen2_5TalkerEngine(setup.talker, config, engine_config=TalkerEngineConfig(
                 max_batch_size=slots, num_slots=slots, max_model_len=MAX_MODEL_LEN, exact_gemm=gemm,
-                prefix_cache_mb=talker_prefix_cache_mb)),
+                prefix_cache_mb=talker_prefix_cache_mb, device_sampling=device_sampling)),
             text_every)
         self.messages: dict[str, list] = {}  # request_id -> its messages, where not setup.messages
         self.setup = setup
@@ -259,6 +260,18 @@ def test_requests_end_on_the_real_end_ids_as_generate_ends_them(ending):
     assert len(text_stops) >= 8 and len(talker_stops) >= 8, (text_stops, talker_stops)
     for rid in text_stops:
         assert pipe.tokens[rid][-1] == ending.config.thinker_config.eos_token_id
+
+
+@pytest.mark.exactness
+def test_the_device_samplers_equal_generate(ending):
+    # The cuda default (services/runtime/lm/device_sampling.py) on CPU tensors: text ids and codes drawn
+    # in one batched pass a step (the talker's penalty from each slot's seen mask, its start codes
+    # included), copied back once; generate's ids, its end ids ending requests as there.
+    pipe = Pipeline(ending, device_sampling=True).run(CASES)
+    assert pipe.talker.sampler is not None and pipe.thinker.sampler is not None
+    assert_equals_reference(pipe, [c.request_id for c in CASES])
+    assert_clean(pipe)
+    assert any(d.reason is FinishReason.STOP for d in pipe.done.values())
 
 
 @pytest.mark.exactness
