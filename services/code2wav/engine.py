@@ -6,7 +6,8 @@ depend on how the talker cut them; a step decodes one block of each of up to `ba
 through the configured decoder's vocoder (`--decoder`, config.Decoder, chosen once by the family's
 adapter, qwen3_adapter.py):
 - `IncrementalVocoder` (the default, exact for any vocoder: the pre-transformer and every
-  convolution carry their state per request, incremental.py);
+  convolution carry their state per request, in slots on the device, incremental.py; with CUDA
+  graphs its calls replay from a graph per (block shape, batch bucket));
 - `WindowVocoder` (window.py: each block re-decoded with a left context, exact only while the
   context covers the vocoder's reach, the tiny checkpoint's, not the real 8-layer, window-72 one;
   with CUDA graphs, graphs.py, its windows replay from a graph per (length, batch bucket)).

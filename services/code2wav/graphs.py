@@ -3,8 +3,8 @@
 
 Window lengths are few (first chunk, first + context, context + chunk, and the tails), so the
 talker's default chunks' windows are captured at start-up (`Code2WavConfig.graph_windows`) and
-any other length on first use. The incremental engine decodes one request's chunk through
-per-request state (incremental.py), which a graph cannot hold: it runs eagerly.
+any other length on first use. The incremental decoder captures its own calls (incremental.py:
+per (block shape, bucket), its requests' state in slots on the device that the graphs read).
 """
 
 from __future__ import annotations

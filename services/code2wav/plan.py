@@ -136,7 +136,7 @@ def open_blocks_keep_their_bits(vocoder, seed: int = 0) -> str | None:
 @dataclass
 class _Case:
     block: Block
-    state: object
+    state: object  # before the block, decoded only through copies (`fork`): it stays so
     wav: torch.Tensor  # [T]: the block decoded alone
 
 
@@ -153,8 +153,9 @@ class _Stream:
     def case(self, index: int) -> _Case:
         while index not in self.cases:
             block = self.blocks.next_block()
+            before = self.vocoder.fork(self.state)  # the decode advances the state in place
             wav, after = self.vocoder.decode([block], [self.state])
-            self.cases[block.index] = _Case(block, self.state, wav[0])
+            self.cases[block.index] = _Case(block, before, wav[0])
             self.blocks.accept(block, wav[0], self.vocoder.first_sample(block))
             self.state = after[0]
         return self.cases[index]
@@ -176,7 +177,7 @@ class _Cases:
 
 def _batch_matches(vocoder, cases: _Cases, index: int, size: int, rows: bool) -> bool:
     batch = cases.first(index, size)
-    wav, _ = vocoder.decode([c.block for c in batch], [c.state for c in batch], rows=rows)
+    wav, _ = vocoder.decode([c.block for c in batch], [vocoder.fork(c.state) for c in batch], rows=rows)
     return all(torch.equal(wav[i], c.wav) for i, c in enumerate(batch))
 
 

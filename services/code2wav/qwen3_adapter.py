@@ -23,10 +23,18 @@ log = logging.getLogger(__name__)
 
 
 def incremental_vocoder(model, geometry: VocoderGeometry, config: Code2WavConfig):
-    """grid -> the incremental decoder's vocoder for blocks on that grid."""
-    if config.model.graphs.enabled:
-        log.info("the incremental decoder decodes eagerly: CUDA graphs are captured for --decoder window only")
-    return lambda grid: IncrementalVocoder(model, geometry, grid)
+    """grid -> the incremental decoder's vocoder for blocks on that grid, its calls replayed from
+    CUDA graphs where enabled (every block shape at the buckets up to --max-batch captured at
+    start-up, its request slots allocated for twice --max-batch requests before they grow)."""
+    graphs = config.model.graphs if config.model.graphs.enabled else None
+
+    def make(grid: BlockGrid) -> IncrementalVocoder:
+        if graphs is None:
+            return IncrementalVocoder(model, geometry, grid)
+        vocoder = IncrementalVocoder(model, geometry, grid, graphs, slots=2 * config.max_batch)
+        vocoder.capture(config.max_batch)
+        return vocoder
+    return make
 
 
 def window_vocoder(model, geometry: VocoderGeometry, config: Code2WavConfig):

@@ -70,6 +70,9 @@ class WindowVocoder:
     def start(self) -> None:
         return None  # the frames are the whole state
 
+    def fork(self, state: None) -> None:
+        return None
+
     def shape_key(self, index: int) -> int:
         """Blocks of equal key decode windows of equal length."""
         return min(self.grid.first_frame(index), self.context) + self.grid.size(index)
@@ -79,10 +82,11 @@ class WindowVocoder:
 
     @torch.inference_mode()
     def decode(self, blocks: list[Block], states: list[None], rows: bool = False) -> tuple[torch.Tensor, list[None]]:
-        """Blocks of one `shape_key` -> (wav [G, n*U - L], no state). `rows`: one forward per window."""
+        """Blocks of one `shape_key` -> (wav [G, n*U - L] on the host: one copy a call, no state).
+        `rows`: one forward per window."""
         windows = torch.stack([torch.cat([b.context, b.frames]) for b in blocks]).to(self._device)  # [G, n, Q]
         if rows:
             wav = torch.cat([self.forward_windows(windows[i:i + 1]) for i in range(len(blocks))])
         else:
             wav = self.forward_windows(windows)
-        return wav, [None] * len(blocks)
+        return wav.cpu(), [None] * len(blocks)
