@@ -438,9 +438,10 @@ class TalkerEngine(SlotScheduledEngine):
             codes, embeds = self.predict_frame(states, past_hidden, torch.cat([code for *_, code in rows])[:, None])
         self.host_copy.add(codes)
         codes = self.host_copy.fetch()[0]
+        frames, firsts = codes.unbind(0), codes[:, 0].tolist()  # views of the one host copy
         events: StepResult = []
         for i, (request_id, state, *_) in enumerate(rows):
-            code = int(codes[i, 0])
+            code = firsts[i]
             state.codes.append(code)
             if code == self.eos:
                 events.append((request_id, TalkerDone(FinishReason.STOP, state.frames)))
@@ -448,7 +449,7 @@ class TalkerEngine(SlotScheduledEngine):
                 events.append((request_id, TalkerDone(FinishReason.LENGTH, state.frames)))
             else:
                 state.next_codec_embed = embeds[i:i + 1]
-                events.append((request_id, Frame(index=state.frames, codes=codes[i].clone())))
+                events.append((request_id, Frame(index=state.frames, codes=frames[i])))
                 state.frames += 1
         return events
 
