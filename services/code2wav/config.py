@@ -29,7 +29,7 @@ class Code2WavConfig:
     # Where blocks start: every vocoder call decodes a whole block (blocks.py); the talker's chunk
     # schedule (4, 8, 16, 25, 25, ...), so a talker that keeps to it sends whole blocks.
     blocks: BlockGrid = BlockGrid(DEFAULT_CHUNKS.schedule())
-    max_batch: int = 16  # requests' blocks decoded in one call at most (where exact mode's check allows, plan.py)
+    max_batch: int = 16  # requests' blocks decoded in one call at most (where exact mode's check allows, plan.py; 64 on cuda)
     max_batch_frames: int = 64  # frames one call decodes at most over its batch (0: no bound; the cuda default)
     delivery_ms: float = 100.0  # a running request's block is due this long before its listener runs dry
     # Decoder.WINDOW: window lengths captured as CUDA graphs at start-up (others on first use); empty:

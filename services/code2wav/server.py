@@ -99,9 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "talker cut it (default: the talker's default chunk schedule, 4,8,16,25; set it to the "
                              "talker's schedule when its chunk flags differ; exact mode decodes a block only once whole "
                              "until its start-up check finds an open block keeps its frames' bits)")
-    parser.add_argument("--max-batch", type=int, default=env_default("max_batch", 16),
+    parser.add_argument("--max-batch", type=int, default=env_default("max_batch", -1),
                         help="most requests' blocks decoded in one call (exact mode: the batch sizes the start-up "
-                             "probe finds bit-identical to each request alone; default 16, 1 = never batch)")
+                             "probe finds bit-identical to each request alone; default 64 on cuda, where a call is "
+                             "a replayed CUDA graph, 16 elsewhere; 1 = never batch)")
     parser.add_argument("--max-batch-frames", type=int, default=env_default("max_batch_frames", -1),
                         help="most frames one call decodes over its whole batch (default: 64 on cpu, where larger "
                              "calls are slower a frame; no bound on cuda; 0 = no bound)")
@@ -133,10 +134,11 @@ def config_from_args(args: argparse.Namespace) -> Code2WavConfig:
         raise UserError(f"--token2wav-context: {exc}") from None
     if args.delivery_ms < 0:
         raise UserError(f"--delivery-ms must be >= 0, got {args.delivery_ms}")
-    if args.max_batch < 1:
+    if args.max_batch < 1 and args.max_batch != -1:
         raise UserError(f"--max-batch must be at least 1, got {args.max_batch}")
-    max_batch_frames = args.max_batch_frames if args.max_batch_frames >= 0 else (
-        0 if str(args.device).startswith("cuda") else 64)
+    cuda = str(args.device).startswith("cuda")
+    max_batch = args.max_batch if args.max_batch != -1 else (64 if cuda else 16)
+    max_batch_frames = args.max_batch_frames if args.max_batch_frames >= 0 else (0 if cuda else 64)
     try:
         blocks = BlockGrid(tuple(int(x) for x in args.block_frames.split(","))) if args.block_frames else BlockGrid(
             DEFAULT_CHUNKS.schedule())
@@ -146,7 +148,7 @@ def config_from_args(args: argparse.Namespace) -> Code2WavConfig:
     windows = parse_buckets(args.graph_windows, "--graph-windows") if args.graph_windows else ()
     return Code2WavConfig(serving=serving_config_from_args(args), model=model_config_from_args(args),
                           left_context=args.left_context, decoder=Decoder(args.decoder), blocks=blocks,
-                          max_batch=args.max_batch, max_batch_frames=max_batch_frames, graph_windows=windows,
+                          max_batch=max_batch, max_batch_frames=max_batch_frames, graph_windows=windows,
                           delivery_ms=args.delivery_ms, token2wav_context=context, exact=exact_batching(args))
 
 

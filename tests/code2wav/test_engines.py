@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from services.base.errors import UserError
 from services.code2wav.config import Code2WavConfig, Decoder
 from services.code2wav.engine import Audio, CodecChunk, CodecEnd, Decoded
 from services.code2wav.incremental import IncrementalVocoder
@@ -70,3 +71,12 @@ def test_interleaved_streams_each_equal_one_vocoder_forward(loaded, tiny_checkpo
         assert decoded[request_id] == Decoded(wav.size, codes.shape[0])
         # The window decoder rotates by window-relative positions: 2 dB of margin (test_window.py).
         check_streamed_audio(loaded.model, codes, wav, margin_db=2.0 if decoder is Decoder.WINDOW else 1.0)
+
+
+def test_max_batch_is_64_on_cuda_and_16_elsewhere_unless_set():
+    def max_batch(*argv: str) -> int:
+        return config_from_args(build_parser().parse_args(["--checkpoint", "unused", *argv])).max_batch
+
+    assert (max_batch(), max_batch("--device", "cuda"), max_batch("--device", "cuda", "--max-batch", "8")) == (16, 64, 8)
+    with pytest.raises(UserError, match="--max-batch must be at least 1"):
+        max_batch("--max-batch", "0")
