@@ -25,13 +25,13 @@ log = logging.getLogger(__name__)
 
 
 def talker_step(model, cache: SlotKVCache) -> Callable:
-    """(embeds [B, 1, H], position_ids [4, B, 1], slots [B], positions [B])
+    """(embeds [B, 1, H], position_ids [4, B, 1], slots [B], positions [B], span [L])
     -> (logits [B, vocab], last hidden [B, 1, H])."""
 
-    def step(embeds, position_ids, slots, positions):
-        view = StaticSlotView(cache, slots, positions)
-        out = model(inputs_embeds=embeds, position_ids=position_ids, attention_mask=view.mask(),
-                    past_key_values=view, use_cache=True, output_hidden_states=True, generation_step=0)
+    def step(embeds, position_ids, slots, positions, span):
+        view = StaticSlotView(cache, slots, positions, span)
+        out = model(inputs_embeds=embeds, position_ids=position_ids, past_key_values=view, use_cache=True,
+                    output_hidden_states=True, generation_step=0)
         return out.logits[:, -1], out.hidden_states[0][-1][:, -1:]
 
     return step

@@ -27,6 +27,7 @@ from services.tools.inprocess import Handoff
 
 BUCKETS = (1, 2, 4, 8)  # 3 requests run padded to 4
 SLOTS = 4
+SPAN = 20  # the shortest decode span (then 40, 80, 96: --max-model-len): the tests' rows cross 40
 
 
 def run_pipeline(thinker, talker, builder, config, requests: dict, voice: str = "chelsie",
@@ -90,6 +91,6 @@ def static_engines(thinker_stage, talker_stage, device: str = "cpu"):
         text_config = engine.model.config.text_config
         engine.cache = SlotKVCache.for_config(text_config, SLOTS + 1, 96, engine.dtype, device)
         engine.graphs = EagerStatic(SlotDecodeGraphs(step(engine.model, engine.cache), engine.cache, SLOTS,
-                                                     settings, False, "test", device))
+                                                     settings, False, "test", device, shortest_span=SPAN))
     talker.predictor_graphs = EagerStatic(PredictorGraphs(talker.model, settings, False, device, talker.dtype))
     return thinker, talker

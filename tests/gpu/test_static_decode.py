@@ -1,7 +1,8 @@
 """The static-shape steps that CUDA graphs capture (services/runtime/lm/static_decode.py), checked on CPU.
 
 1. Run eagerly on CPU, padded to buckets, the static thinker step, talker step and code-predictor
-   frame give the same greedy text ids and codec frames as the engines' row-wise steps.
+   frame give the same greedy text ids and codec frames as the engines' row-wise steps, the
+   decode steps attending over spans of 40, then 80 positions as their rows grow.
 2. Capture safety: at the real Qwen3-Omni layout on the meta device, with transformers told that a
    CUDA stream is capturing (so it skips its own checks, as it does under capture), each step runs
    without a host sync (.item(), .tolist(), nonzero, bool(tensor)): meta tensors have no data, so
@@ -48,6 +49,9 @@ def test_static_steps_give_the_row_wise_steps_greedy_output(tiny_checkpoint, wav
                 TalkerEngine(stages[1].model, config, engine_config=TalkerEngineConfig(**cfg)))
     want = run_pipeline(*row_wise, builder, config, requests)
     thinker, talker = static_engines(*stages)
+    spans = []  # the span each static step attended over
+    for runner in (thinker.graphs.graphs.runner, talker.graphs.graphs.runner):
+        runner.fn = lambda *inputs, step=runner.fn: spans.append(inputs[-1].shape[0]) or step(*inputs)
     got = run_pipeline(thinker, talker, builder, config, requests)
     for rid in requests:
         assert got[0][rid] == want[0][rid], f"{rid}: text ids"
@@ -56,6 +60,7 @@ def test_static_steps_give_the_row_wise_steps_greedy_output(tiny_checkpoint, wav
     # The static path really ran (padded rows wrote only the scratch slot, never a request's).
     assert thinker.cache.lengths[SLOTS] == 0 and talker.cache.lengths[SLOTS] == 0
     assert thinker.graphs.graphs.runner.stats.eager_calls > 0
+    assert set(spans) == {40, 80}  # steps crossed spans (tests/gpu/harness.SPAN) as their rows grew
     assert talker.predictor_graphs.graphs.runner.stats.eager_calls > 0
 
 
@@ -100,11 +105,11 @@ def test_thinker_and_talker_steps_have_no_host_sync_at_full_size(meta_stages, ba
     assert getattr(text_config, "_omni_base_experts", text_config._experts_implementation) == "grouped_mm"
     with torch.inference_mode(), capturing():
         cache = SlotKVCache.for_config(thinker.config.text_config, 3, 32, torch.bfloat16, "meta")
-        logits = thinker_step(thinker, cache)(meta(batch, 1), meta(4, batch, 1), meta(batch), meta(batch))
+        logits = thinker_step(thinker, cache)(meta(batch, 1), meta(4, batch, 1), meta(batch), meta(batch), meta(32))
         assert logits.shape == (batch, 152064)
         cache = SlotKVCache.for_config(talker.config.text_config, 3, 32, torch.bfloat16, "meta")
         logits, hidden = talker_step(talker, cache)(meta(batch, 1, 1024, dtype=torch.bfloat16), meta(4, batch, 1),
-                                                    meta(batch), meta(batch))
+                                                    meta(batch), meta(batch), meta(32))
         assert logits.shape == (batch, 3072) and hidden.shape == (batch, 1, 1024)
 
 

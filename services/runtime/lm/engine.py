@@ -72,6 +72,8 @@ class SlotScheduledEngine(EngineDefaults):
         # With graphs, one extra slot that no request owns takes the padded rows' writes.
         self.cache = SlotKVCache.for_config(text_config, engine_config.num_slots + int(graphs),
                                             engine_config.max_model_len, dtype, device)
+        # Exact mode attends row by row (each row's bits as alone); otherwise a decode batch in one SDPA.
+        self.cache.batched_attention = not engine_config.exact_batching
         self.graphs = None
         if graphs:
             use_capturable_experts(text_config, dtype=dtype)

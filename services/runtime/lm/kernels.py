@@ -5,7 +5,8 @@ as `generate` does; its keys and values are then copied into the request's slot 
 allocated once at start-up. Decode steps of many requests run as one batch: the projections,
 MLPs and MoE experts see [batch, ...] inputs, while attention runs per row over that row's own
 slot (a custom attention function registered with transformers), so requests of different
-lengths share a step without padding.
+lengths share a step without padding; where exact batching is off (the GPU default), one batched
+SDPA over the positions the batch's rows use (`SlotSpan`, `span_attention`).
 
 NOTE: exactness. A GEMM over B rows does not give bit-identical rows to B separate GEMVs
 (different CPU kernels and blocking; measured up to 1e-4 absolute on 2048-wide layers), and
@@ -208,9 +209,41 @@ class RowKV(list):
     """Per-row key (or value) tensors of a batch, each [1, kv_heads, length_i, head_dim]."""
 
 
+@dataclass(frozen=True)
+class SlotSpan:
+    """Keys (or values) of a decode batch in one tensor, [B, kv_heads, L, head_dim]: the first L positions
+    of each row's slot, and which of them each query row sees (`visible` [B, T, L] bool: a row's own
+    positions up to its query's). What the batched attention takes where exact batching is off."""
+    states: torch.Tensor
+    visible: torch.Tensor
+
+
+def span_attention(query: torch.Tensor, key: SlotSpan, value: SlotSpan, scaling: float | None) -> torch.Tensor:
+    """query [B, heads, T, head_dim] over each row's visible positions -> [B, T, heads, head_dim], in one
+    SDPA over the batch.
+
+    NOTE: GQA without copies. transformers' SDPA path expands keys and values to every query head
+    (`repeat_kv`, 8x at the full-size thinker) whenever a mask is passed, because cuda's SDPA takes
+    `enable_gqa` only without one (flash). Here the query heads that share a kv head are folded into
+    the query rows instead ([B, kv_heads, groups * T, head_dim]: head kv * groups + g, token t is row
+    g * T + t), so every kernel, masked or not, reads each key and value once. Same math: each query
+    head attends over its own kv head's keys, as with the expansion."""
+    batch, heads, tokens, dim = query.shape
+    kv_heads = key.states.shape[1]
+    groups = heads // kv_heads
+    rows = query.reshape(batch, kv_heads, groups * tokens, dim)
+    visible = key.visible[:, None]  # [B, 1, T, L]
+    if groups > 1 and tokens > 1:
+        visible = visible.repeat(1, 1, groups, 1)  # row g * T + t sees what token t sees
+    out = F.scaled_dot_product_attention(rows, key.states, value.states, attn_mask=visible, scale=scaling)
+    return out.view(batch, heads, tokens, dim).transpose(1, 2)
+
+
 def _rowwise_attention(module, query, key, value, attention_mask, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if isinstance(key, SlotSpan):  # a decode batch in one call (exact batching off; the CUDA graphs' step)
+        return span_attention(query, key, value, kwargs.get("scaling")), None
     if not isinstance(key, RowKV):  # a single request (prefill): plain SDPA, as transformers runs it
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     # query: [B, heads, T, head_dim]; each row attends only to its own slot.
@@ -363,7 +396,9 @@ def _gemm_experts(module, hidden_states, top_k_index, top_k_weights):
 
 def use_rowwise_attention(*configs) -> None:
     """Switch these (text) configs to the row-wise attention and experts; with one request both
-    are exactly what transformers runs (SDPA; its configured experts implementation)."""
+    are exactly what transformers runs (SDPA; its configured experts implementation). A decode
+    batch whose cache gives one `SlotSpan` (exact batching off) attends in one call
+    (`span_attention`); one that gives `RowKV` (exact mode), row by row."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ROWWISE_ATTENTION, _rowwise_attention)

@@ -1,7 +1,8 @@
 """KV cache slots of an LM engine: one fixed-size buffer per layer for every slot, allocated at
 start-up (`SlotKVCache`), and the view a batched decode step reads and writes (`BatchView`):
 each row's keys and values over its own slot (`RowKV`, for the per-row attention of exact mode,
-services/runtime/lm/kernels.py)."""
+services/runtime/lm/kernels.py), or, where exact batching is off, the batch's rows over the
+positions the longest of them uses, in one tensor (`SlotSpan`, one SDPA for the batch)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.runtime.lm.kernels import RowKV
+from services.runtime.lm.kernels import RowKV, SlotSpan
 
 
 class SlotKVCache:
@@ -23,6 +24,7 @@ class SlotKVCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths = [0] * slots  # tokens stored per slot
         self.max_len = max_len
+        self.batched_attention = False  # a decode batch attends in one call (exact batching off: the engine's set-up)
 
     @classmethod
     def for_config(cls, text_config, slots: int, max_len: int, dtype, device) -> SlotKVCache:
@@ -61,7 +63,8 @@ class BatchView:
     def __post_init__(self):
         self.starts = [self.cache.lengths[s] for s in self.slots]  # lengths when the step began
         self.new_tokens = 0
-        self._index = None  # (slots, starts) as index tensors, for one-token steps
+        self._index = None  # (slots, starts) as index tensors, made once a step
+        self._visible = None  # [B, T, L] the positions each query sees, for `SlotSpan` (batched attention)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs=None):
         # key_states: [B, kv_heads, T, head_dim] for this step's T new tokens per row.
@@ -73,21 +76,38 @@ class BatchView:
         k_all, v_all = self.cache.keys[layer_idx], self.cache.values[layer_idx]
         if tokens == 1 and len(self.slots) > 1:
             # Every row's one new position in two indexed copies (the same values as row-by-row writes).
-            if self._index is None:
-                device = k_all.device
-                self._index = (torch.tensor(self.slots, device=device), torch.tensor(self.starts, device=device))
-            slots, starts = self._index
+            slots, starts = self._indices(k_all.device)
             k_all[slots, :, starts] = key_states[:, :, 0]
             v_all[slots, :, starts] = value_states[:, :, 0]
         else:
             for row, (slot, start) in enumerate(zip(self.slots, self.starts)):
                 k_all[slot, :, start:start + tokens] = key_states[row]
                 v_all[slot, :, start:start + tokens] = value_states[row]
+        if self.cache.batched_attention and len(self.slots) > 1:
+            return self._span(k_all, v_all, tokens)
         keys, values = RowKV(), RowKV()
         for slot, start in zip(self.slots, self.starts):
             keys.append(k_all[slot:slot + 1, :, :start + tokens])
             values.append(v_all[slot:slot + 1, :, :start + tokens])
         return keys, values
+
+    def _indices(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots, starts) as index tensors on the device, made once a step (every layer's the same)."""
+        if self._index is None:
+            self._index = (torch.tensor(self.slots, device=device), torch.tensor(self.starts, device=device))
+        return self._index
+
+    def _span(self, k_all: torch.Tensor, v_all: torch.Tensor, tokens: int) -> tuple[SlotSpan, SlotSpan]:
+        """The batch's keys and values over the first L positions of each slot (L: the longest row's
+        length after this step), each row's query t seeing its own positions up to start + t."""
+        if self._visible is None:
+            _, starts = self._indices(k_all.device)
+            length = max(self.starts) + tokens
+            ends = starts[:, None] + torch.arange(1, tokens + 1, device=k_all.device)  # [B, T]
+            self._visible = torch.arange(length, device=k_all.device) < ends[:, :, None]  # [B, T, L]
+        slots, length = self._index[0], self._visible.shape[-1]
+        return (SlotSpan(k_all[:, :, :length].index_select(0, slots), self._visible),
+                SlotSpan(v_all[:, :, :length].index_select(0, slots), self._visible))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self.starts, default=0)
@@ -96,6 +116,6 @@ class BatchView:
         """After the forward: the step's tokens are now part of each slot (the view can serve
         the next step of the same rows)."""
         self.starts = [start + self.new_tokens for start in self.starts]
-        self._index = None
+        self._index = self._visible = None
         for slot, start in zip(self.slots, self.starts):
             self.cache.lengths[slot] = start

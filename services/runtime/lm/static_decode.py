@@ -7,16 +7,19 @@ slot length: shapes change every step, so it cannot be captured. Here the same m
 runs with
 
 - `StaticSlotView` as `past_key_values`: row i writes its new key/value at `positions[i]` of slot
-  `slots[i]` (index tensors on the device) and attends over the whole slot, `max_len` positions,
-  under a [B, 1, 1, max_len] mask (position <= positions[i]); padded rows write into a scratch
-  slot that no request owns. Attention cost is O(max_len) per row: keep `--max-model-len` tight.
+  `slots[i]` (index tensors on the device) and attends over the first L positions of its slot,
+  those up to positions[i] visible (a [B, 1, L] mask made on the device); padded rows write into
+  a scratch slot that no request owns. L is the step's span: the smallest of `spans` (256, 512,
+  ... up to `--max-model-len`) that holds the batch's longest row, so a graph is captured per
+  (batch bucket, span) and a step reads about what its rows use, not `--max-model-len` positions
+  a row. One SDPA for the batch with GQA and no copy of the keys (`kernels.span_attention`).
 
 MoE layers use transformers' `grouped_mm` experts (its default; `histc`, no host sync). Prefill
 (one request, variable length) stays eager, as in vLLM.
 
 NOTE: exactness. The static step gives the same greedy tokens as the row-wise step on the tiny
 checkpoint (tests/gpu/test_static_decode.py), but not bit-identical logits (masked SDPA over
-max_len vs SDPA over the row's length). Graphs are a GPU feature and exact batching is off on GPUs
+the span vs SDPA over the row's length). Graphs are a GPU feature and exact batching is off on GPUs
 by default (`--exact-batching auto`); on CPU nothing here runs.
 """
 
@@ -28,37 +31,47 @@ from collections.abc import Callable
 import torch
 
 from services.runtime.lm.cuda_graphs import GraphRunner, pad_rows, plan_padding
-from services.runtime.lm.kernels import batch_invariant
+from services.runtime.lm.kernels import SlotSpan, batch_invariant
 from services.runtime.lm.kv_slots import SlotKVCache
 from services.runtime.model.settings import GraphSettings
 
 log = logging.getLogger(__name__)
 
 POSITION_ROWS = 4  # text row + 3 multimodal rope rows (thinker and talker position ids)
+MIN_SPAN = 256  # the shortest span a decode step attends over (positions of each row's slot)
+
+
+def spans_for(max_len: int, shortest: int = MIN_SPAN) -> tuple[int, ...]:
+    """The spans a step may attend over: `shortest`, doubling, up to `max_len` (always the last), so
+    a step reads at most twice the positions its longest row uses (or `shortest`)."""
+    spans, span = [], shortest
+    while span < max_len:
+        spans.append(span)
+        span *= 2
+    return (*spans, max_len)
 
 
 class StaticSlotView:
-    """`past_key_values` for one static decode step of B rows (one token each) over a SlotKVCache."""
+    """`past_key_values` for one static decode step of B rows (one token each) over a SlotKVCache,
+    attending over the first `span.shape[0]` positions of each row's slot."""
 
-    def __init__(self, cache: SlotKVCache, slots: torch.Tensor, positions: torch.Tensor):
+    def __init__(self, cache: SlotKVCache, slots: torch.Tensor, positions: torch.Tensor, span: torch.Tensor):
         self.cache = cache
         self.slots = slots  # [B] long, device: slot of each row
         self.positions = positions  # [B] long, device: cache position the new token goes to
+        self.length = span.shape[0]  # span: [L] long, device, 0..L-1
+        self.visible = (span[None, :] <= positions[:, None])[:, None]  # [B, 1, L]: row i sees 0..positions[i]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, cache_kwargs=None):
-        # key_states: [B, kv_heads, 1, head_dim] -> keys [B, kv_heads, max_len, head_dim]
+        # key_states: [B, kv_heads, 1, head_dim] -> keys [B, kv_heads, L, head_dim]
         k_all, v_all = self.cache.keys[layer_idx], self.cache.values[layer_idx]
         k_all[self.slots, :, self.positions] = key_states[:, :, 0]
         v_all[self.slots, :, self.positions] = value_states[:, :, 0]
-        return k_all.index_select(0, self.slots), v_all.index_select(0, self.slots)
+        return (SlotSpan(k_all[:, :, :self.length].index_select(0, self.slots), self.visible),
+                SlotSpan(v_all[:, :, :self.length].index_select(0, self.slots), self.visible))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # unused: position ids are always passed explicitly
-
-    def mask(self) -> torch.Tensor:
-        """[B, 1, 1, max_len] bool: row i sees cache positions 0..positions[i]."""
-        span = torch.arange(self.cache.max_len, device=self.positions.device)
-        return (span[None, :] <= self.positions[:, None])[:, None, None, :]
 
 
 class SlotDecodeGraphs:
@@ -68,7 +81,7 @@ class SlotDecodeGraphs:
     the largest bucket): the engine then runs its own eager step."""
 
     def __init__(self, step: Callable, cache: SlotKVCache, scratch_slot: int, settings: GraphSettings,
-                 exact: bool, name: str, device):
+                 exact: bool, name: str, device, shortest_span: int = MIN_SPAN):
         if not 0 <= scratch_slot < len(cache.lengths):
             raise ValueError("the cache needs a scratch slot for padded rows")
         self.step = step
@@ -77,22 +90,27 @@ class SlotDecodeGraphs:
         self.settings = settings
         self.exact = exact
         self.device = device
+        self.spans = spans_for(cache.max_len, shortest_span)
+        # Each span's positions 0..L-1 on the device, made once: a step's input whose shape is its span.
+        self.span_ids = {span: torch.arange(span, device=device) for span in self.spans}
+        # A graph per (bucket, span): at most 64 (7 buckets x 9 spans: --max-model-len 65536).
         self.runner = GraphRunner(self._run, settings.enabled, name)
 
-    def _run(self, x, position_ids, slots, positions):
+    def _run(self, x, position_ids, slots, positions, span):
         with batch_invariant(self.exact):
-            return self.step(x, position_ids, slots, positions)
+            return self.step(x, position_ids, slots, positions, span)
 
     @torch.inference_mode()
     def capture_all(self, example_row: torch.Tensor) -> None:
-        """Capture every bucket at start-up. example_row: one row of the step's first input
+        """Capture every (bucket, span) at start-up. example_row: one row of the step's first input
         ([1, 1] ids or [1, 1, H] embeddings). Every row writes only to the scratch slot."""
         for bucket in self.settings.buckets:
             x = example_row.to(self.device).expand(bucket, *example_row.shape[1:]).contiguous()
             position_ids = torch.zeros((POSITION_ROWS, bucket, 1), dtype=torch.long, device=self.device)
             slots = torch.full((bucket,), self.scratch_slot, dtype=torch.long, device=self.device)
             positions = torch.zeros((bucket,), dtype=torch.long, device=self.device)
-            if self.runner.capture((bucket, POSITION_ROWS), x, position_ids, slots, positions) is None:
+            if any(self.runner.capture((bucket, span), x, position_ids, slots, positions, self.span_ids[span]) is None
+                   for span in self.spans):  # stops at the first that fails (the runner is then eager)
                 break
         log.info("%s", self.runner.summary())
 
@@ -110,10 +128,11 @@ class SlotDecodeGraphs:
         for slot, start in zip(slots, starts):
             if start + 1 > self.cache.max_len:
                 raise ValueError(f"slot {slot} is full ({self.cache.max_len} tokens)")
+        span = next(span for span in self.spans if span > max(starts))
         slot_ids = torch.tensor(slots + [self.scratch_slot] * plan.pad, dtype=torch.long).to(self.device)
         cache_pos = torch.tensor(starts + [0] * plan.pad, dtype=torch.long).to(self.device)
-        outputs = self.runner((plan.bucket, position_ids.shape[0]), pad_rows(x, plan), pad_rows(position_ids, plan, dim=1),
-                              slot_ids, cache_pos)
+        outputs = self.runner((plan.bucket, span), pad_rows(x, plan), pad_rows(position_ids, plan, dim=1),
+                              slot_ids, cache_pos, self.span_ids[span])
         for slot, start in zip(slots, starts):
             self.cache.lengths[slot] = start + 1
         return tuple(o[:plan.batch] for o in outputs)

@@ -1,0 +1,50 @@
+"""The LM decode steps' counts at the full-size layout on the meta device (tests/gpu/step_counts.py) stay
+at or below today's: graph nodes a replay launches, device ops outside the graphs per batch size,
+host syncs a step, and the bytes a replay moves at the default --max-model-len against 256. Counts
+are deterministic, so these are upper bounds, not timings; docs/gpu.md ("LM steps, counted") has the
+table. A change that lowers a count lowers its bound here; one that raises it says why."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.runtime.model.checkpoint import Stage
+from tests.gpu.step_counts import BATCHES, meta_models, stage_counts
+
+pytestmark = pytest.mark.slow  # about 30 s on 2 cores
+
+# stage -> (graph nodes, syncs a step, {batch: eager device ops}), graphs on, --max-model-len 4096.
+BOUNDS = {
+    Stage.THINKER: (3673, 5, {1: 20, 16: 35, 64: 83}),
+    Stage.TALKER: (5199, 4, {1: 36, 16: 66, 64: 162}),
+}
+# stage -> device ops of an eager step (graphs off) at batch 64: attention batched, not one SDPA a row.
+EAGER_AT_64 = {Stage.THINKER: 3755, Stage.TALKER: 5355}
+
+
+@pytest.fixture(scope="module")
+def models():
+    return meta_models()
+
+
+@pytest.mark.parametrize("stage", [Stage.THINKER, Stage.TALKER])
+def test_decode_step_counts_stay_within_todays(models, stage):
+    config, stage_models = models
+    nodes, syncs, eager = BOUNDS[stage]
+    for batch in BATCHES:
+        counts = stage_counts(config, stage_models, stage, batch)
+        assert counts.graph_nodes <= nodes, f"{stage} B={batch}: {counts.row()}"
+        assert counts.syncs <= syncs, f"{stage} B={batch}: {counts.row()}"
+        assert counts.eager_ops <= eager[batch], f"{stage} B={batch}: {counts.row()}"
+
+
+@pytest.mark.parametrize("stage", [Stage.THINKER, Stage.TALKER])
+def test_the_default_max_model_len_costs_a_replay_what_256_does(models, stage):
+    """Rows of 100 tokens attend over the 256-position span whatever --max-model-len is (at most 10 %
+    more bytes allowed; today the same), and the eager batched step attends in one call a layer."""
+    config, stage_models = models
+    long, short = (stage_counts(config, stage_models, stage, 64, max_model_len) for max_model_len in (4096, 256))
+    assert long.graph_nodes == short.graph_nodes
+    assert long.graph_bytes <= 1.10 * short.graph_bytes, (long.row(), short.row())
+    eager = stage_counts(config, stage_models, stage, 64, graphs=False)
+    assert eager.eager_ops <= EAGER_AT_64[stage], eager.row()
