@@ -261,8 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=256)
     p.add_argument("--buckets", default="1,2,4,8,16,32,64")
     p.add_argument("--code2wav-decoder", choices=list(Decoder), default=Decoder.INCREMENTAL.value,
-                   help="code2wav's --decoder (default: the service's, incremental, which captures no graphs; "
-                        "window: its chunk windows are captured and replayed in the graphs-on mode)")
+                   help="code2wav's --decoder (default: the service's, incremental, its calls replayed from graphs "
+                        "per block shape and batch bucket in the graphs-on mode; window: its chunk windows captured)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per stage (0: cores / 3)")
     p.add_argument("--sample-interval-s", type=float, default=0.5, help="stage gauges and GPU samples (default 0.5)")
     p.add_argument("--startup-timeout-s", type=float, default=180.0)
