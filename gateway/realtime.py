@@ -36,10 +36,11 @@ async def realtime(ws: WebSocket) -> None:
     auth = ws.headers.get("authorization")
     call = gateway.stub().Session(metadata=(("authorization", auth),) if auth else None)
     translator = Translator(config, config.model)
-    # The Realtime API's audio is pcm16 at 24 kHz: the session's input from the start.
-    await call.write(omni_pb2.SessionRequest(update=omni_pb2.SessionSettings(input_format=omni_pb2.AudioFormat(
-        encoding=omni_pb2.AUDIO_ENCODING_PCM16, sample_rate=24000))))
     try:
+        # The Realtime API's audio is pcm16 at 24 kHz: the session's input from the start. The write
+        # raises the router's refusal where it came first (over capacity: RESOURCE_EXHAUSTED, a 429).
+        await call.write(omni_pb2.SessionRequest(update=omni_pb2.SessionSettings(input_format=omni_pb2.AudioFormat(
+            encoding=omni_pb2.AUDIO_ENCODING_PCM16, sample_rate=24000))))
         created, updated = await read(call), await read(call)
     except grpc.RpcError as err:
         gateway.metrics.requests.labels("realtime", str(from_rpc(err).status)).inc()

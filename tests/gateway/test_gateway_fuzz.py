@@ -111,7 +111,8 @@ CHAT_FIELDS = {
     "stream": st.one_of(st.integers(min_value=2), st.lists(st.integers(), max_size=2), st.floats(min_value=1.5)),
     "audio": st.one_of(st.integers(), st.text(max_size=4), st.fixed_dictionaries({"format": unknown_word.filter(
         lambda w: w not in ("wav", "mp3", "flac", "opus", "pcm16"))})),
-    "tools": st.just([{"type": "function", "function": {"name": "f"}}]),
+    "tools": st.one_of(st.just("f"), st.just([{"type": "function"}]), st.just([{"type": "retrieval"}]),
+                       st.just([{"type": "function", "function": {"name": "f", "parameters": 3}}])),
     "stop": st.one_of(st.just("\n"), st.just(["end"])),
     "logprobs": st.just(True),
     "frequency_penalty": st.floats(min_value=0.1, max_value=2.0),
