@@ -9,9 +9,9 @@ device, bfloat16, CUDA graphs on, exact batching off as on cuda), then freed bef
   time of the engine steps until every one has prefilled, and how many steps that took (admission
   as the service's defaults have it: --max-prefills-per-step and --max-prefill-tokens unset);
 - decode at batch 1, 16 and 64 (the prefilled requests): per step the wall time, the engine's
-  forward time (its ForwardTimer, made to wait for the GPU: the LM engines' own timer does not yet,
-  see `timed_forwards`), the GPU time of every CUDA graph replay (CUDA events around each replay)
-  and the host syncs torch's sync debug mode reports (the timer's own waits left out);
+  forward time (its ForwardTimer: on cuda the device time between events recorded as each forward
+  starts and ends), the GPU time of every CUDA graph replay (CUDA events around each replay)
+  and the host syncs torch's sync debug mode reports;
 - a torch.profiler run of a few steps at batch 16: the top ops by device and by host time, saved as
   text (gpu_steps_<stage>_profile.txt), and host vs device milliseconds per step in the JSON.
 The thinker's requests are 25 random text tokens; the talker's a 25-position prompt (the thinker
@@ -29,7 +29,6 @@ import sys
 import time
 import traceback
 import warnings
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -247,39 +246,9 @@ def find_runners(engine) -> list:
     return found
 
 
-@contextmanager
-def timed_forwards(engine, cuda: bool):
-    """On cuda, the engine's ForwardTimer waits for the GPU as each forward starts and ends, with the
-    sync debug mode off for those waits, so its forward time counts the kernels and the syncs
-    counted are the engine's own. The LM engines' timer does not wait (services/runtime/lm/engine.py
-    makes a ForwardTimer() without `sync`), so without this their forward time is the launches only."""
-    if not cuda:
-        yield
-        return
-    import torch
-
-    def wait() -> None:
-        mode = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("default")
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode(mode)
-
-    timer = engine.timer
-    saved, timer.sync = timer.sync, wait
-    try:
-        yield
-    finally:
-        timer.sync = saved
-
-
 def timed_steps(engine, steps: int, cuda: bool, feed=None) -> tuple[list[float], list[float], list[int], list[int], list]:
     """Per step: wall ms, forward ms, rows, syncs and (replays, GPU ms). `feed(engine)` before each
     step gives it its inputs (code2wav's frames)."""
-    with timed_forwards(engine, cuda):
-        return _timed_steps(engine, steps, cuda, feed)
-
-
-def _timed_steps(engine, steps: int, cuda: bool, feed) -> tuple[list[float], list[float], list[int], list[int], list]:
     import torch
 
     replays = GraphReplays(engine) if cuda else None

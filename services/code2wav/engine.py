@@ -50,6 +50,7 @@ from services.code2wav.blocks import BlockStream
 from services.code2wav.plan import BlockPlan, adopt
 from services.code2wav.vocoder import VocoderGeometry, model_device
 from services.runtime.checks import StartupCheck
+from services.runtime.model.device import device_clock
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ class Code2WavEngine(EngineDefaults):
         self.num_quantizers = int(config.code2wav_config.num_quantizers)
         self.delivery_s = delivery_ms / 1000  # audio's way from here to its listener (the module note)
         # Seconds in vocoder forwards (services/base/timing.py), waiting for the GPU's kernels on cuda.
-        self.timer = ForwardTimer(sync=torch.cuda.synchronize if model_device(vocoder.model).type == "cuda" else None)
+        self.timer = ForwardTimer(clock=device_clock(model_device(vocoder.model)))
         self._requests: dict[str, _Request] = {}  # request_id -> its frames and state
 
     def add(self, request_id: str, _payload=None) -> None:

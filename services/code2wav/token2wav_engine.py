@@ -27,8 +27,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
 from services.base.engine import EngineDefaults, StepResult
 from services.base.timing import ForwardTimer
 from services.code2wav.engine import Audio, CodecChunk, CodecEnd, Decoded, check_frames
@@ -41,6 +39,7 @@ from services.code2wav.token2wav import (
     VocoderWindow,
     Voice,
 )
+from services.runtime.model.device import device_clock
 
 
 @dataclass(frozen=True)
@@ -77,7 +76,7 @@ class Token2WavEngine(EngineDefaults):
         self.max_batch = 1 if exact else max_batch  # exact: every window alone (the module's docstring)
         self.num_quantizers = 1
         # Seconds in DiT and BigVGAN forwards (services/base/timing.py), waiting for the GPU's kernels on cuda.
-        self.timer = ForwardTimer(sync=torch.cuda.synchronize if self.runner.device.type == "cuda" else None)
+        self.timer = ForwardTimer(clock=device_clock(self.runner.device))
         self._requests: dict[str, _Request] = {}  # request_id -> its stream
 
     def add(self, request_id: str, payload: Token2WavStart | None = None) -> None:

@@ -29,12 +29,15 @@ from services.base.finish import FinishReason
 from services.base.stages import Stage
 from services.base.timing import ForwardTimer
 from services.runtime.lm.device_sampling import (
+    NONFINITE,
     Draw,
     HostCopy,
     Rows,
     SlotSampler,
     device_sampling_wanted,
     draw_key,
+    mark_nonfinite,
+    to_device,
 )
 from services.runtime.lm.engine import SlotScheduledEngine
 from services.runtime.lm.invariance import experts_modules, linear_weights
@@ -76,7 +79,6 @@ class _State:
     rows: list[torch.Tensor] = field(default_factory=list)  # projected text rows, [1, 1, H]
     text_done: bool = False
     started: bool = False  # prefilled
-    last_position: torch.Tensor | None = None  # [4, 1, 1]
     codes: list[int] = field(default_factory=list)  # generated layer-0 codes
     frames: int = 0
     next_codec_embed: torch.Tensor | None = None  # [1, 1, H] sum of the last frame's code embeddings
@@ -196,8 +198,7 @@ class TalkerEngine(SlotScheduledEngine):
         state.partial = None
         out = result.output
         self.cache.load(slot, result.cache)
-        self._take_slot(state, slot)
-        state.last_position = position_ids[..., -1:].clone()
+        self._take_slot(state, slot, position_ids)
         state.started = True
         return self._after_forward([request_id], [state], out.logits[:, -1], out.hidden_states[0][-1][:, -1:])
 
@@ -237,20 +238,21 @@ class TalkerEngine(SlotScheduledEngine):
         for i, (_, slot, state, inputs, keys) in enumerate(packed):
             span, rows = packing.span(i), CacheRows(cache, packing.span(i))
             self.cache.load(slot, rows)
-            self._take_slot(state, slot)
+            self._take_slot(state, slot, inputs[3])
             if keys:  # kept as a prefill alone keeps them (the pool held none of it)
                 self.prefix_pool.lookup(keys, usable_blocks(span.stop - span.start), False, use=self.prefix_hits)
                 self.prefix_pool.store(keys, rows, None, None, first=0)
-            state.last_position = inputs[3][..., -1:].clone()
             state.started = True
             states.append(state)
             last.append(span.stop - 1)
         return self._after_forward([r for r, *_ in packed], states, out.logits[0, last],
                                             out.hidden_states[0][-1][0, last].unsqueeze(1))
 
-    def _take_slot(self, state: _State, slot: int) -> None:
-        """A prefilled request in `slot`: the device sampler's penalty history there starts empty."""
+    def _take_slot(self, state: _State, slot: int, position_ids: torch.Tensor) -> None:
+        """A prefilled request in `slot` (its prompt's position ids [4, 1, P]): the decode steps go on
+        from its last position; the device sampler's penalty history there starts empty."""
         state.slot = slot
+        self.positions.set(slot, position_ids[..., -1:])
         if self.sampler is not None:
             self.sampler.reset(slot)
 
@@ -351,11 +353,11 @@ class TalkerEngine(SlotScheduledEngine):
     def decode(self, request_ids: list[str], slots: list[int]) -> StepResult:
         """One talker step for every ready request: frame f's codec embeddings + text row f + 1."""
         states = [self._requests[r] for r in request_ids]
-        inputs = []
-        for state in states:
-            state.last_position = state.last_position + 1
-            inputs.append(state.next_codec_embed + self._text_for_next_step(state))
-        inputs_embeds, position_ids = torch.cat(inputs, dim=0), torch.cat([s.last_position for s in states], dim=1)
+        # Each row's codec embeddings plus its text row, in one add (the same sums as row by row), and
+        # the rows' position ids from their slots: ops that do not grow with the batch.
+        inputs_embeds = (torch.cat([s.next_codec_embed for s in states])
+                         + torch.cat([self._text_for_next_step(s) for s in states]))
+        position_ids = self.positions.advance(to_device(slots, torch.long, self.device))
         with self.timer:
             replayed = self.graphs.decode(inputs_embeds, position_ids, slots) if self.graphs is not None else None
         if replayed is not None:
@@ -382,7 +384,8 @@ class TalkerEngine(SlotScheduledEngine):
         # logits: [B, vocab]; hidden: [B, 1, H] last layer at the last position.
         if self.sampler is not None:  # drawn on the device; which rows end is known in end_step
             codes = self.sampler.sample(logits, [Draw(s.slot, s.job.sampling, s.key, 16 * s.frames) for s in states])
-            self._to_predict += [(request_id, state, hidden[row:row + 1], codes[row:row + 1])
+            marked = mark_nonfinite(codes, logits)  # what the host reads of the layer-0 codes
+            self._to_predict += [(request_id, state, hidden[row:row + 1], (codes[row:row + 1], marked[row:row + 1]))
                                  for row, (request_id, state) in enumerate(zip(request_ids, states))]
             return []
         logits = logits.cpu()  # sampling runs on the host (CPU generators and masks); a no-op on CPU
@@ -390,6 +393,9 @@ class TalkerEngine(SlotScheduledEngine):
         events: StepResult = []
         keep: list[int] = []  # rows that go on to make a frame
         for row, (request_id, state) in enumerate(zip(request_ids, states)):
+            if not bool(torch.isfinite(logits[row]).all()):
+                events += self.nonfinite(request_id, state.slot)
+                continue
             code = picked[row] if row in picked else select_token(logits[row], state.job.sampling, state.codes,
                                                                   state.generator, self.suppress)
             state.codes.append(code)
@@ -435,13 +441,17 @@ class TalkerEngine(SlotScheduledEngine):
         too: which ones do is known once the codes are on the host), then the [R, 16] codes copied
         back, the step's one host sync; the frames and ends as the host path gives them."""
         with self.timer:
-            codes, embeds = self.predict_frame(states, past_hidden, torch.cat([code for *_, code in rows])[:, None])
+            codes, embeds = self.predict_frame(states, past_hidden, torch.cat([code for *_, (code, _) in rows])[:, None])
         self.host_copy.add(codes)
-        codes = self.host_copy.fetch()[0]
-        frames, firsts = codes.unbind(0), codes[:, 0].tolist()  # views of the one host copy
+        self.host_copy.add(torch.cat([marked for *_, (_, marked) in rows]))
+        codes, marked = self.host_copy.fetch()
+        frames, firsts = codes.unbind(0), marked.tolist()  # views of the one host copy
         events: StepResult = []
         for i, (request_id, state, *_) in enumerate(rows):
             code = firsts[i]
+            if code == NONFINITE:
+                events += self.nonfinite(request_id, state.slot)
+                continue
             state.codes.append(code)
             if code == self.eos:
                 events.append((request_id, TalkerDone(FinishReason.STOP, state.frames)))

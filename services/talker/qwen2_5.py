@@ -31,11 +31,13 @@ from services.base.finish import FinishReason
 from services.base.stages import Stage
 from services.base.timing import ForwardTimer
 from services.runtime.lm.device_sampling import (
+    NONFINITE,
     Draw,
     HostCopy,
     SlotSampler,
     device_sampling_wanted,
     draw_key,
+    mark_nonfinite,
     to_device,
 )
 from services.runtime.lm.engine import SlotScheduledEngine
@@ -271,12 +273,15 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
     def _after_forward(self, request_ids, states, logits: torch.Tensor) -> StepResult:
         if self.sampler is not None:  # drawn on the device; their events come from end_step
             codes = self.sampler.sample(logits, [Draw(s.slot, s.job.sampling, s.key, len(s.codes)) for s in states])
-            self._drawn.append((request_ids, states, self.host_copy.add(codes)))
+            self._drawn.append((request_ids, states, self.host_copy.add(mark_nonfinite(codes, logits))))
             return []
         logits = logits.cpu()  # [B, vocab]; sampling runs on the host (CPU generators and masks)
         picked = self._greedy_codes(states, logits)
         events: StepResult = []
         for row, (request_id, state) in enumerate(zip(request_ids, states)):
+            if not bool(torch.isfinite(logits[row]).all()):
+                events += self.nonfinite(request_id, state.slot)
+                continue
             code = picked[row] if row in picked else select_token(
                 logits[row], state.job.sampling, torch.nonzero(state.seen).flatten().tolist(), state.generator,
                 self.suppress)
@@ -306,6 +311,8 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
 
     def _code_events(self, request_id: str, state: _State, code: int) -> StepResult:
         """A drawn code's events: the end, or a frame (and the end where it is the last by length)."""
+        if code == NONFINITE:
+            return self.nonfinite(request_id, state.slot)
         state.codes.append(code)
         if code in state.job.eos_ids:
             return [(request_id, TalkerDone(FinishReason.STOP, state.frames))]

@@ -23,6 +23,7 @@ from services.runtime.model.settings import (
     add_model_flags,
     add_prefix_cache_flag,
     check_engine_flags,
+    device_sampling,
     exact_batching,
     exact_gemm,
     model_config_from_args,
@@ -126,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                                     max_prefills_per_step=args.max_prefills_per_step, max_prefill_tokens=args.max_prefill_tokens,
                                     max_model_len=args.max_model_len, exact_batching=exact_batching(args),
                                     exact_gemm=exact_gemm(args), graphs=model.graphs,
-                                    prefix_cache_mb=prefix_cache_mb(args.prefix_cache_mb), checks=model.checks)
+                                    prefix_cache_mb=prefix_cache_mb(args.prefix_cache_mb), checks=model.checks,
+                                    device_sampling=device_sampling(args))
         config = TalkerConfig(
             serving=serving_config_from_args(args), model=model, engine=engine,
             chunks=chunks,

@@ -35,11 +35,13 @@ from services.base.stages import Stage
 from services.base.timing import ForwardTimer
 from services.runtime.inputs.prompt import PromptInputs
 from services.runtime.lm.device_sampling import (
+    NONFINITE,
     Draw,
     HostCopy,
     SlotSampler,
     device_sampling_wanted,
     draw_key,
+    mark_nonfinite,
     to_device,
 )
 from services.runtime.lm.engine import SlotScheduledEngine
@@ -121,7 +123,6 @@ class ReleaseText:
 @dataclass
 class _Request:
     job: ThinkerJob
-    last_position: torch.Tensor | None = None  # [4, 1, 1] position ids of the last fed token
     generated: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     hold: tuple[int, float] | None = None  # HoldText's (lead, monotonic deadline) until released
@@ -322,7 +323,7 @@ class ThinkerEngine(SlotScheduledEngine):
         request.partial = request.inputs = None
         self.cache.load(slot, result.cache)
         request.slot = slot
-        request.last_position = position_ids[..., -1:].clone()
+        self.positions.set(slot, position_ids[..., -1:])
         return result.output, kwargs
 
     @torch.inference_mode()
@@ -363,7 +364,7 @@ class ThinkerEngine(SlotScheduledEngine):
             span, rows = packing.span(i), CacheRows(cache, packing.span(i))
             self.cache.load(slot, rows)
             request.slot = slot
-            request.last_position = prompt_positions[..., -1:].clone()
+            self.positions.set(slot, prompt_positions[..., -1:])
             hidden = tuple(h[:, span] for h in out.hidden_states) if want_hidden else None
             if keys:  # the pool held none of it (prefill_packed): its blocks kept as a prefill alone keeps them
                 job = request.job
@@ -429,10 +430,7 @@ class ThinkerEngine(SlotScheduledEngine):
     def decode(self, request_ids: list[str], slots: list[int]) -> StepResult:
         """One decode step for every request in the batch, each over its own slot."""
         requests = [self._requests[r] for r in request_ids]
-        for request in requests:
-            request.last_position = request.last_position + 1
-        ids = to_device([[r.generated[-1]] for r in requests], torch.long, self.device)  # [B, 1]
-        positions = torch.cat([r.last_position for r in requests], dim=1)  # [4, B, 1]
+        ids, positions = self.step_inputs(requests, slots)
         with self.timer:
             replayed = self.graphs.decode(ids, positions, slots) if self.graphs is not None else None
         if replayed is not None:
@@ -453,6 +451,12 @@ class ThinkerEngine(SlotScheduledEngine):
             events += self._sample(request_id, request, logits[row], picked.get(row), embeddings.get(row))
         return events
 
+    def step_inputs(self, requests: list[_Request], slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step's ids [B, 1] and position ids [4, B, 1] on the device: one upload (each row's
+        last token and slot, queued without waiting) and the slots' positions advanced in place."""
+        ids, slot_ids = to_device([[r.generated[-1] for r in requests], slots], torch.long, self.device)
+        return ids[:, None], self.positions.advance(slot_ids)
+
     def draw(self, request_ids: list[str], requests: list[_Request], logits: torch.Tensor,
              replies: torch.Tensor | None = None) -> None:
         """Draw the rows' tokens on the device (logits [B, vocab]) and gather what their events carry
@@ -466,7 +470,7 @@ class ThinkerEngine(SlotScheduledEngine):
         if fed:
             embeddings = self.host_copy.add(self.embed(ids if len(fed) == len(requests)
                                                        else ids.index_select(0, to_device(fed, torch.long, self.device))))
-        self._drawn.append((request_ids, requests, self.host_copy.add(ids), (fed, embeddings),
+        self._drawn.append((request_ids, requests, self.host_copy.add(mark_nonfinite(ids, logits)), (fed, embeddings),
                             None if replies is None else self.host_copy.add(replies)))
 
     def end_step(self) -> StepResult:
@@ -481,6 +485,9 @@ class ThinkerEngine(SlotScheduledEngine):
             tokens = host[ids].tolist()
             rows = {row: host[embeddings][i].clone() for i, row in enumerate(fed)}
             for row, (request_id, request) in enumerate(zip(request_ids, requests)):
+                if tokens[row] == NONFINITE:
+                    events += self.nonfinite(request_id, request.slot)
+                    continue
                 reply = host[replies][row].clone() if replies is not None and request.job.want_talker_inputs else None
                 events += self._sample(request_id, request, None, tokens[row], rows.get(row), reply)
         return events
@@ -527,6 +534,8 @@ class ThinkerEngine(SlotScheduledEngine):
                 embedding: torch.Tensor | None = None, reply: torch.Tensor | None = None) -> StepResult:
         """`token` / `embedding`: already picked / looked up for this row (`_greedy_rows`); `reply`:
         what the event carries for the token before (Qwen2.5-Omni)."""
+        if logits is not None and not bool(torch.isfinite(logits).all()):
+            return self.nonfinite(request_id, request.slot)
         cfg = request.job.sampling
         forced = request.job.forced_ids
         if forced:

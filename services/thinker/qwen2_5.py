@@ -33,7 +33,6 @@ from transformers import GenerationConfig
 
 from services.base.engine import StepResult
 from services.base.events import EngineEvent
-from services.runtime.lm.device_sampling import to_device
 from services.runtime.lm.kernels import batch_invariant
 from services.runtime.model.qwen2_5_omni import text_embed_ids
 from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig, ThinkerJob
@@ -95,10 +94,7 @@ class Qwen2_5ThinkerEngine(ThinkerEngine):
         """One step for every request in the batch; talker-fed rows also get the reply part of the
         token they fed (the last-layer hidden state at its position + its layer-0 embedding)."""
         requests = [self._requests[r] for r in request_ids]
-        for request in requests:
-            request.last_position = request.last_position + 1
-        ids = to_device([[r.generated[-1]] for r in requests], torch.long, self.device)  # [B, 1]
-        positions = torch.cat([r.last_position for r in requests], dim=1)  # [4, B, 1]
+        ids, positions = self.step_inputs(requests, slots)
         fed = [r.job.want_talker_inputs for r in requests]
         view = self.cache.batch(slots)
         with self.timer, batch_invariant(self.engine_config.exact_batching):

@@ -27,6 +27,7 @@ from services.runtime.model.settings import (
     add_model_flags,
     add_prefix_cache_flag,
     check_engine_flags,
+    device_sampling,
     exact_batching,
     exact_gemm,
     model_config_from_args,
@@ -199,7 +200,8 @@ def config_from_args(args: argparse.Namespace) -> ThinkerConfig:
                                  max_prefills_per_step=args.max_prefills_per_step,
                                  max_prefill_tokens=args.max_prefill_tokens, max_model_len=args.max_model_len,
                                  exact_batching=exact_batching(args), exact_gemm=exact_gemm(args), graphs=model.graphs,
-                                 prefix_cache_mb=prefix_cache_mb(args.prefix_cache_mb), checks=model.checks)
+                                 prefix_cache_mb=prefix_cache_mb(args.prefix_cache_mb), checks=model.checks,
+                                 device_sampling=device_sampling(args))
     limits = PromptLimits(args.max_prompt_tokens or None, args.max_audio_seconds, args.max_image_pixels,
                           VideoLimits(args.max_video_seconds, args.max_video_frames, args.max_video_pixels),
                           args.video_fps)

@@ -295,8 +295,8 @@ def thinker_engine(config, model, batch: int, counter: StepCounter, max_model_le
     for slot, rid in enumerate(rids):
         job = ThinkerJob(PromptInputs(ids, torch.ones_like(ids)), SamplingConfig(max_new_tokens=100), True)
         engine.scheduler.add(rid, LENGTH, 100)
-        engine._requests[rid] = ThinkerRequest(job=job, generated=[1],
-                                               last_position=torch.full((4, 1, 1), LENGTH - 1, device=DEVICE))
+        engine._requests[rid] = ThinkerRequest(job=job, generated=[1], slot=slot)
+        engine.positions.set(slot, torch.full((4, 1, 1), LENGTH - 1, device=DEVICE))
         engine.cache.lengths[slot] = LENGTH
     return engine, rids
 
@@ -319,8 +319,8 @@ def talker_engine(config, model, batch: int, counter: StepCounter, max_model_len
                         SamplingConfig(max_new_tokens=100, repetition_penalty=1.05), LENGTH)
         engine.scheduler.add(rid, LENGTH, 100)
         engine._requests[rid] = TalkerState(job=job, rows=[row, row, row], started=True, codes=[1], frames=1,
-                                            last_position=torch.full((4, 1, 1), LENGTH - 1, device=DEVICE),
-                                            next_codec_embed=row, tts=(row, row, row))
+                                            next_codec_embed=row, tts=(row, row, row), slot=slot)
+        engine.positions.set(slot, torch.full((4, 1, 1), LENGTH - 1, device=DEVICE))
         engine.cache.lengths[slot] = LENGTH
     return engine, rids
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 
+from services.base.events import RequestFailed
 from services.talker.engine_base import Frame, TalkerDone
 
 
@@ -26,6 +27,7 @@ class TwoStagePipeline:
         self.frame_steps: dict[str, list[int]] = defaultdict(list)  # request_id -> talker steps that made a frame
         self.waited: dict[str, list[int]] = defaultdict(list)  # request_id -> steps it held a slot, not ready
         self.done: dict[str, TalkerDone] = {}  # request_id -> the talker's end
+        self.failed: dict[str, dict] = defaultdict(dict)  # request_id -> {"thinker" | "talker": RequestFailed}
         self.steps = 0
 
     def on_thinker_event(self, rid: str, event) -> None:
@@ -40,6 +42,10 @@ class TwoStagePipeline:
     def step(self) -> None:
         if self.thinker.has_work():
             for rid, event in self.thinker.step():
+                if isinstance(event, RequestFailed):  # the request's stream ends: the talker's half too
+                    self.failed[rid]["thinker"] = event
+                    self.talker.abort(rid)
+                    self.inbox.pop(rid, None)
                 self.on_thinker_event(rid, event)
         for rid, queue in self.inbox.items():
             every = self.text_every.get(rid, 0)
@@ -57,6 +63,8 @@ class TwoStagePipeline:
                     self.frame_steps[rid].append(self.steps)
                 elif isinstance(event, TalkerDone):
                     self.done[rid] = event
+                elif isinstance(event, RequestFailed):
+                    self.failed[rid]["talker"] = event
         self.steps += 1
 
     def abort(self, rid: str) -> None:

@@ -483,3 +483,48 @@ def test_a_conversation_s_turns_from_both_prefix_caches_equal_generate_on_the_hi
     assert pipe.thinker.prefix_pool.stats.hit_tokens > 0 and pipe.talker.prefix_pool.stats.hit_tokens > 0
     assert pipe.talker.exact_report.paths()["prefix_hit"] == "used"
     assert_clean(pipe)
+
+
+class _Poisoned(Pipeline):
+    """A Pipeline where one request's input turns non-finite: its image's pixels (the thinker's
+    prompt) or, from its `row`-th token on, the text rows the thinker hands the talker."""
+
+    def __init__(self, *args, bad: str, where: str, row: int = 2, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.bad, self.where, self.row = bad, where, row
+
+    def add(self, case: Case, messages) -> None:
+        super().add(case, messages)
+        if case.request_id == self.bad and self.where == "thinker":
+            job = self.jobs[case.request_id]
+            job.prompt.pixel_values.fill_(float("nan"))
+
+    def on_thinker_event(self, rid: str, event) -> None:
+        super().on_thinker_event(rid, event)
+        if rid == self.bad and self.where == "talker" and isinstance(event, Token) and event.index >= self.row:
+            queue = self.inbox[rid]
+            queue.extend(TextRow(torch.full_like(item.embedding, float("nan"))) if isinstance(item, TextRow) else item
+                         for item in [queue.pop() for _ in range(len(queue))][::-1])
+
+
+@pytest.mark.parametrize("device_sampling", [False, True], ids=["host", "device"])
+@pytest.mark.parametrize("where", ["thinker", "talker"])
+def test_non_finite_logits_end_their_request_alone(stages, builder, messages, expected, where, device_sampling):
+    # NaN reaching a request's logits (a bad weight or input) ends that request with RequestFailed (the
+    # loop's INTERNAL naming the stage), its slot wiped; no crash, the others still equal generate.
+    bad = "image-aiden"
+    cases = [c for c in CASES if c.request_id in (bad, "text-ethan", "audio-chelsie", "both-ethan")]
+    pipe = _Poisoned(stages, builder, device_sampling=device_sampling, bad=bad, where=where)
+    wiped = {engine: [] for engine in ("thinker", "talker")}
+    for name in wiped:
+        cache = getattr(pipe, name).cache
+        cache.wipe = (lambda original, log: lambda slot: (log.append(slot), original(slot)))(cache.wipe, wiped[name])
+    pipe.run(cases, messages)
+    stages_failed = [where]  # a request the thinker failed is cancelled at the talker, as the servers do
+    assert sorted(pipe.failed[bad]) == stages_failed
+    for failure in pipe.failed[bad].values():
+        assert "non-finite logits" in failure.message and failure.field is None  # INTERNAL, not the client's field
+    assert all(len(wiped[stage]) == 1 for stage in stages_failed)
+    assert bad not in pipe.done
+    assert_equals_reference(pipe, expected, [c.request_id for c in cases if c.request_id != bad])
+    assert_clean(pipe)

@@ -82,11 +82,16 @@ class Draw:
 
 
 def to_device(values, dtype, device) -> torch.Tensor:
-    """A host list as a device tensor without a blocking copy (pinned, non-blocking on cuda)."""
+    """A host list as a device tensor without a blocking copy: pinned and non-blocking on cuda (the
+    copy is queued on the stream, the host goes on); elsewhere the same call, non-blocking (on the
+    meta device, where tests count a step's copies, it reads as cuda's does)."""
     host = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    device = torch.device(device)
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 class Rows:
@@ -169,6 +174,16 @@ class SlotSampler:
         keep = ~drop.flip(-1)  # back in descending order
         keep = keep & (ordered > float("-inf"))
         return scores.masked_fill(~torch.zeros_like(keep).scatter(1, order, keep), float("-inf"))
+
+
+NONFINITE = -1  # the id a row whose logits hold NaN or inf reads as on the host (`mark_nonfinite`)
+
+
+def mark_nonfinite(ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """ids [B] as the host gets them: NONFINITE where the row's logits [B, vocab] are not all finite
+    (a bad weight file, a bad input), so the host ends that request alone. The device keeps using
+    the drawn ids (an index of -1 into an embedding would be a device-side assert)."""
+    return torch.where(torch.isfinite(logits).all(dim=-1), ids, NONFINITE)
 
 
 class HostCopy:

@@ -35,14 +35,17 @@ from services.runtime.lm.kernels import (
     use_rowwise_attention,
     using_kernels,
 )
-from services.runtime.lm.kv_slots import SlotKVCache
+from services.runtime.lm.kv_slots import SlotKVCache, SlotPositions
 from services.runtime.lm.prefix.check import PrefixCase, refused_hits
 from services.runtime.lm.prefix.pool import PrefixPool
 from services.runtime.lm.prefix.prefill import DecoderStack
 from services.runtime.lm.scheduler import LMScheduler, StepPlan
-from services.runtime.lm.static_decode import SlotDecodeGraphs
+from services.runtime.lm.static_decode import POSITION_ROWS, SlotDecodeGraphs
+from services.runtime.model.device import device_clock
 
 log = logging.getLogger(__name__)
+
+NONFINITE_MESSAGE = "non-finite logits (NaN or inf): the model's weights or this request's inputs are bad"
 
 
 class SlotScheduledEngine(EngineDefaults):
@@ -64,7 +67,7 @@ class SlotScheduledEngine(EngineDefaults):
         self.name = name
         self.device, self.dtype = device, dtype
         # Seconds in model forwards (services/base/timing.py), waiting for the GPU's kernels on cuda.
-        self.timer = ForwardTimer(sync=torch.cuda.synchronize if torch.device(device).type == "cuda" else None)
+        self.timer = ForwardTimer(clock=device_clock(torch.device(device)))
         use_rowwise_attention(text_config, *rowwise_configs)
         if engine_config.exact_gemm:
             use_invariant_attention(text_config)  # what makes a prefix hit exact (kernels.invariant_attention)
@@ -74,6 +77,8 @@ class SlotScheduledEngine(EngineDefaults):
                                             engine_config.max_model_len, dtype, device)
         # Exact mode attends row by row (each row's bits as alone); otherwise a decode batch in one SDPA.
         self.cache.batched_attention = not engine_config.exact_batching
+        # Each slot's position ids on the device: a decode step's come from one gather (no per-row ops).
+        self.positions = SlotPositions(engine_config.num_slots + int(graphs), POSITION_ROWS, device)
         self.graphs = None
         if graphs:
             use_capturable_experts(text_config, dtype=dtype)
@@ -207,6 +212,14 @@ class SlotScheduledEngine(EngineDefaults):
         for request_id in whole:
             events += self.prefill_alone(request_id, plan.slots[request_id])
         return events
+
+    def nonfinite(self, request_id: str, slot: int) -> StepResult:
+        """A request whose logits came out NaN or inf ends alone, INTERNAL naming the stage; its slot
+        is wiped (stale NaN there would reach the next request through attention's 0 x NaN)."""
+        log.error("%s: request %s: non-finite logits (NaN or inf); ending it", self.name, request_id)
+        if slot >= 0:
+            self.cache.wipe(slot)
+        return [(request_id, RequestFailed(NONFINITE_MESSAGE))]
 
     def prefill_alone(self, request_id: str, slot: int, chunk: tuple[int, int] | None = None) -> StepResult:
         """`prefill`, a failure ending this request alone: the others of the step go on (a media part

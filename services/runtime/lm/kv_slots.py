@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.runtime.lm.device_sampling import to_device
 from services.runtime.lm.kernels import RowKV, SlotSpan
 
 
@@ -47,6 +48,15 @@ class SlotKVCache:
         self.lengths[slot] = length
 
     def reset(self, slot: int) -> None:
+        self.lengths[slot] = 0
+
+    def wipe(self, slot: int) -> None:
+        """Zero every position of `slot` (after non-finite values were written there: attention
+        weighs a masked position by 0, and 0 x NaN is NaN, so a later request in this slot would
+        read them at every position past its own)."""
+        for k, v in zip(self.keys, self.values):
+            k[slot].zero_()
+            v[slot].zero_()
         self.lengths[slot] = 0
 
     def batch(self, slots: list[int]) -> BatchView:
@@ -94,7 +104,7 @@ class BatchView:
     def _indices(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots, starts) as index tensors on the device, made once a step (every layer's the same)."""
         if self._index is None:
-            self._index = (torch.tensor(self.slots, device=device), torch.tensor(self.starts, device=device))
+            self._index = tuple(to_device([self.slots, self.starts], torch.long, device))
         return self._index
 
     def _span(self, k_all: torch.Tensor, v_all: torch.Tensor, tokens: int) -> tuple[SlotSpan, SlotSpan]:
@@ -119,3 +129,22 @@ class BatchView:
         self._index = self._visible = None
         for slot, start in zip(self.slots, self.starts):
             self.cache.lengths[slot] = start
+
+
+class SlotPositions:
+    """Each slot's rope position ids of its last token, [slots, rows] on the device (rows: the
+    model's position-id rows, 4 for Qwen3-Omni's thinker and talker). A decode step's position ids
+    come from one gather and are advanced in place: three ops whatever the batch, no per-row tensors."""
+
+    def __init__(self, slots: int, rows: int, device):
+        self.table = torch.zeros((slots, rows), dtype=torch.long, device=device)
+
+    def set(self, slot: int, last: torch.Tensor) -> None:
+        """`slot` now holds a prompt whose last token had position ids `last` ([rows, 1, 1])."""
+        self.table[slot] = last.reshape(-1)
+
+    def advance(self, slots: torch.Tensor) -> torch.Tensor:
+        """slots [B] long on the device -> the next token's position ids [rows, B, 1] (each +1)."""
+        step = self.table.index_select(0, slots) + 1
+        self.table.index_copy_(0, slots, step)
+        return step.t()[:, :, None]

@@ -31,6 +31,7 @@ from collections.abc import Callable
 import torch
 
 from services.runtime.lm.cuda_graphs import GraphRunner, pad_rows, plan_padding
+from services.runtime.lm.device_sampling import to_device
 from services.runtime.lm.kernels import SlotSpan, batch_invariant
 from services.runtime.lm.kv_slots import SlotKVCache
 from services.runtime.model.settings import GraphSettings
@@ -129,8 +130,9 @@ class SlotDecodeGraphs:
             if start + 1 > self.cache.max_len:
                 raise ValueError(f"slot {slot} is full ({self.cache.max_len} tokens)")
         span = next(span for span in self.spans if span > max(starts))
-        slot_ids = torch.tensor(slots + [self.scratch_slot] * plan.pad, dtype=torch.long).to(self.device)
-        cache_pos = torch.tensor(starts + [0] * plan.pad, dtype=torch.long).to(self.device)
+        # One upload, queued without waiting (pinned on cuda): each row's slot and cache position.
+        slot_ids, cache_pos = to_device([slots + [self.scratch_slot] * plan.pad, starts + [0] * plan.pad],
+                                        torch.long, self.device)
         outputs = self.runner((plan.bucket, span), pad_rows(x, plan), pad_rows(position_ids, plan, dim=1),
                               slot_ids, cache_pos, self.span_ids[span])
         for slot, start in zip(slots, starts):

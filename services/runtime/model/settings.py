@@ -154,6 +154,17 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                              "start-up check finds them invariant, bit-exact with generate; gemm: omni's "
                              "invariant GEMM for every linear layer, fast at width, bit-exact with "
                              "generate run through the same op; cpu float32 only)")
+    parser.add_argument("--device-sampling", choices=["auto", "on", "off"],
+                        default=env_default("device_sampling", "auto"),
+                        help="draw tokens on the model's device, a step's rows in one batched pass and one copy "
+                             "back (auto: on for cuda; off: the host's draws, generate's bit for bit on CPU)")
+
+
+def device_sampling(args: argparse.Namespace) -> bool | None:
+    """--device-sampling auto|on|off -> the engines' `device_sampling` (None: on where the device is cuda)."""
+    if args.device_sampling not in ("auto", "on", "off"):
+        raise UserError(f"--device-sampling / OMNI_DEVICE_SAMPLING: {args.device_sampling!r} is not auto, on or off")
+    return None if args.device_sampling == "auto" else args.device_sampling == "on"
 
 
 def check_engine_flags(args: argparse.Namespace) -> None:

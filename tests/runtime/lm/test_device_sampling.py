@@ -113,3 +113,34 @@ def test_one_copy_brings_every_part_back():
     host = copy.fetch()
     assert [torch.equal(host[i], p) and host[i].dtype == p.dtype for i, p in zip(indices, parts)] == [True] * 4
     assert copy.fetch() == []
+
+
+def test_the_device_sampling_flag_reaches_the_engines_setting():
+    import argparse
+
+    import pytest
+
+    from services.base.errors import UserError
+    from services.runtime.lm.device_sampling import device_sampling_wanted
+    from services.runtime.model.settings import add_engine_flags, device_sampling
+
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    assert device_sampling(parser.parse_args([])) is None  # auto: where the device is cuda
+    assert device_sampling_wanted(None, "cuda:1") and not device_sampling_wanted(None, "cpu")
+    assert device_sampling(parser.parse_args(["--device-sampling", "on"])) is True
+    assert device_sampling(parser.parse_args(["--device-sampling", "off"])) is False
+    with pytest.raises(UserError, match="OMNI_DEVICE_SAMPLING"):
+        device_sampling(argparse.Namespace(device_sampling="yes"))  # from the environment, unchecked by argparse
+
+
+def test_non_finite_rows_read_as_nonfinite_on_the_host_and_the_device_keeps_its_ids():
+    from services.runtime.lm.device_sampling import NONFINITE, mark_nonfinite
+
+    logits = _logits(4, seed=5)
+    logits[1, 3] = float("nan")
+    logits[2, 0] = float("inf")
+    ids = SlotSampler(4, VOCAB, "cpu").sample(logits, [Draw(s, SamplingConfig()) for s in range(4)], remember=False)
+    marked = mark_nonfinite(ids, logits)
+    assert marked.tolist() == [int(ids[0]), NONFINITE, NONFINITE, int(ids[3])]
+    assert ids.min() >= 0  # what the device goes on with stays a valid index
