@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from services.runtime.lm.invariance import AttentionShape
-from services.runtime.lm.kernels import KernelPath, batch_invariant, exact_kernels, exact_linear
+from services.runtime.lm.kernels import KernelPath, batch_invariant, exact_kernels, exact_linear, fused_rms_norm
 
 
 def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
@@ -56,7 +56,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class CodePredictor:
     """The lean per-frame loop over preallocated keys and values for up to `capacity` rows."""
 
-    def __init__(self, talker, capacity: int, device, dtype, batched_attention: bool | None = None):
+    def __init__(self, talker, capacity: int, device, dtype, batched_attention: bool | None = None,
+                 fused: bool = False):
         predictor = talker.code_predictor
         self.talker = talker
         self.model = predictor.model
@@ -97,6 +98,25 @@ class CodePredictor:
                     raise ValueError("q_norm and k_norm with different epsilons")
                 weight = torch.cat((attn.q_norm.weight.expand(self.heads, -1), attn.k_norm.weight.expand(self.kv_heads, -1)))
                 self.qk_norm.append(SimpleNamespace(weight=weight, variance_epsilon=attn.q_norm.variance_epsilon))
+        self.fused = fused
+        if fused:
+            self._fuse()
+
+    def _fuse(self) -> None:
+        """The graph path's frame in fewer kernels, on the same weights: q, k and v one projection and
+        gate and up another (each layer's weights concatenated once, the modules' own weights then views
+        of them: no second copy), every RMSNorm one `F.rms_norm`, rotate-half as one roll against a sine
+        with its first half negated (the same products: -x * s = x * -s). Not exact mode's bits (the
+        norms round once, a concatenated GEMM may sum in another order): CUDA graphs only, where exact
+        batching is off."""
+        self.qkv, self.gate_up = [], []
+        with torch.no_grad():
+            for layer in self.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                self.qkv.append(_concatenated(attn.q_proj, attn.k_proj, attn.v_proj))
+                self.gate_up.append(_concatenated(mlp.gate_proj, mlp.up_proj))
+        half = self.head_dim // 2
+        self.rope = [(cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)) for cos, sin in self.rope]
 
     def attention_shapes(self) -> list[AttentionShape]:
         """The batched SDPAs of one frame: the 2-token causal prefill, then one token over 3..groups."""
@@ -117,6 +137,8 @@ class CodePredictor:
         # by side along the heads for their norm and rotary (elementwise and per-head: the same bits).
         batch, tokens = x.shape[:2]
         heads, dim = self.heads, self.head_dim
+        if self.fused:
+            return self._fused_attention(index, attn, x, cos, sin, start)
         qk = torch.cat((self._linear(x, attn.q_proj.weight, exact).view(batch, tokens, heads, dim),
                         self._linear(x, attn.k_proj.weight, exact).view(batch, tokens, self.kv_heads, dim)), dim=2)
         qk = _rms_norm(self.qk_norm[index], qk)
@@ -139,22 +161,44 @@ class CodePredictor:
         out = out.transpose(1, 2).contiguous().reshape(batch, tokens, -1).contiguous()
         return self._linear(out, attn.o_proj.weight, exact)
 
+    def _fused_attention(self, index: int, attn, x: torch.Tensor, cos, sin_signed, start: int) -> torch.Tensor:
+        """`_attention` of the fused frame (`_fuse`): one batched SDPA, 12 ops a layer."""
+        batch, tokens = x.shape[:2]
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        qkv = F.linear(x, self.qkv[index]).view(batch, tokens, heads + 2 * kv_heads, dim)
+        norm = self.qk_norm[index]
+        qk = F.rms_norm(qkv[:, :, :heads + kv_heads], (dim,), None, norm.variance_epsilon) * norm.weight
+        qk = qk * cos + torch.roll(qk, dim // 2, dims=-1) * sin_signed
+        end = start + tokens
+        keys, values = self.keys[index][:batch], self.values[index][:batch]
+        keys[:, :, start:end] = qk[:, :, heads:].transpose(1, 2)
+        values[:, :, start:end] = qkv[:, :, heads + kv_heads:].transpose(1, 2)
+        out = F.scaled_dot_product_attention(qk[:, :, :heads].transpose(1, 2), keys[:, :, :end], values[:, :, :end],
+                                             dropout_p=0.0, scale=attn.scaling, is_causal=tokens > 1,
+                                             enable_gqa=self.gqa)
+        return F.linear(out.transpose(1, 2).reshape(batch, tokens, -1), attn.o_proj.weight)
+
     def _forward(self, hidden: torch.Tensor, step: int, start: int, exact: bool, exact_rows: bool) -> torch.Tensor:
         """One forward of the predictor over hidden [B, T, H] at cache position `start`; the
         logits of lm head `step` at the last position, [B, vocab]."""
         cos, sin = self.rope[0 if start == 0 else step]
+        norm = fused_rms_norm if self.fused else _rms_norm
         for index, layer in enumerate(self.layers):
             residual = hidden
-            x = _rms_norm(layer.input_layernorm, hidden)
+            x = norm(layer.input_layernorm, hidden)
             hidden = residual + self._attention(index, layer.self_attn, x, cos, sin, start, exact, exact_rows)
             residual = hidden
-            x = _rms_norm(layer.post_attention_layernorm, hidden)
-            mlp = layer.mlp
-            x = self._linear(mlp.act_fn(self._linear(x, mlp.gate_proj.weight, exact))
-                             * self._linear(x, mlp.up_proj.weight, exact), mlp.down_proj.weight, exact)
-            hidden = residual + x
-        hidden = _rms_norm(self.model.norm, hidden)
+            x = norm(layer.post_attention_layernorm, hidden)
+            hidden = residual + self._mlp(index, layer.mlp, x, exact)
+        hidden = norm(self.model.norm, hidden)
         return self._linear(hidden, self.lm_heads[step], exact)[:, -1]
+
+    def _mlp(self, index: int, mlp, x: torch.Tensor, exact: bool) -> torch.Tensor:
+        if self.fused:
+            gate, up = F.linear(x, self.gate_up[index]).chunk(2, dim=-1)
+            return F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight)
+        return self._linear(mlp.act_fn(self._linear(x, mlp.gate_proj.weight, exact))
+                            * self._linear(x, mlp.up_proj.weight, exact), mlp.down_proj.weight, exact)
 
     def __call__(self, past_hidden: torch.Tensor, codes0: torch.Tensor,
                  pick: Callable[[torch.Tensor], torch.Tensor], exact: bool):
@@ -180,6 +224,18 @@ class CodePredictor:
                 if step < self.num_groups - 1:
                     logits = self._forward(embedded, step, step + 1, exact, exact_rows)
         return torch.stack(columns, dim=1), torch.cat(hiddens, dim=1).sum(1, keepdim=True)
+
+
+def _concatenated(*projections) -> torch.Tensor:
+    """The projections' weights [out_i, in] as one [sum out_i, in] tensor, each module's weight then
+    a view of its rows (the same values, stored once)."""
+    weight = torch.cat([p.weight for p in projections])
+    start = 0
+    for p in projections:
+        rows = p.weight.shape[0]
+        p.weight.data = weight[start:start + rows]
+        start += rows
+    return weight
 
 
 def predict_frame(talker, past_hidden: torch.Tensor, codes0: torch.Tensor, cache,

@@ -48,7 +48,8 @@ class PredictorGraphs:
         self.exact = exact
         self.device = device
         # Keys and values allocated once: [max bucket, kv_heads, 1 + num_groups, head_dim] per layer.
-        self.frame = CodePredictor(talker, max(settings.buckets), device, dtype, batched_attention=True)
+        self.frame = CodePredictor(talker, max(settings.buckets), device, dtype, batched_attention=True,
+                                   fused=not exact)
         self.keys, self.values = self.frame.keys, self.frame.values
         self.runner = GraphRunner(self._frame, settings.enabled, "code predictor")
 

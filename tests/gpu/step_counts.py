@@ -341,9 +341,14 @@ def count_step(engine, rids: list[str], counter: StepCounter) -> Counts:
 
 def stage_counts(config, models, stage: Stage, batch: int, max_model_len: int = MAX_MODEL_LEN,
                  graphs: bool = True) -> Counts:
-    counter = StepCounter({p.untyped_storage()._cdata for p in models[stage].parameters()})
+    counter = StepCounter()
     build = thinker_engine if stage is Stage.THINKER else talker_engine
     engine, rids = build(config, models[stage], batch, counter, max_model_len, graphs)
+    # The weights as the engine left them (the fused code predictor's projections: new storages).
+    counter.weights = {p.untyped_storage()._cdata for p in models[stage].parameters()}
+    predictor = getattr(engine, "predictor_graphs", None)
+    if predictor is not None:
+        counter.weights |= {w.untyped_storage()._cdata for w in predictor.frame.qkv + predictor.frame.gate_up}
     return count_step(engine, rids, counter)
 
 

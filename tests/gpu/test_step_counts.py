@@ -16,12 +16,12 @@ pytestmark = pytest.mark.slow  # about 30 s on 2 cores
 # stage -> (graph nodes, eager device ops at any batch), graphs on, --max-model-len 4096. Every step
 # syncs with the host once (its one copy back), whatever the batch.
 BOUNDS = {
-    Stage.THINKER: (3673, 23),
-    Stage.TALKER: (5199, 42),
+    Stage.THINKER: (2322, 23),
+    Stage.TALKER: (2652, 42),
 }
 SYNCS = 1
 # stage -> device ops of an eager step (graphs off) at batch 64: attention batched, not one SDPA a row.
-EAGER_AT_64 = {Stage.THINKER: 3693, Stage.TALKER: 5233}
+EAGER_AT_64 = {Stage.THINKER: 2342, Stage.TALKER: 4666}
 
 
 @pytest.fixture(scope="module")

@@ -128,3 +128,25 @@ def test_lean_loop_rows_keep_their_logits_bits_through_column_tiles(wide_checkpo
             assert all(torch.equal(t[row:row + 1], a) for t, a in zip(together, alone, strict=True))
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+def test_the_fused_frame_picks_the_transformers_forwards_codes(tiny_checkpoint, batch):
+    # The CUDA graph's frame (exact batching off): q/k/v and gate/up as single GEMMs over the modules'
+    # own weights, one op a norm, rotate-half as a roll. Not exact mode's bits, the same greedy codes.
+    model = load_stage(tiny_checkpoint, Stage.TALKER).model  # its own: fusing makes the weights views
+    use_rowwise_attention(model.config.text_config, model.code_predictor.config)
+    hidden = model.config.text_config.hidden_size
+    reference = CodePredictor(model, 8, "cpu", torch.float32)
+    fused = CodePredictor(model, 8, "cpu", torch.float32, batched_attention=True, fused=True)
+    g = torch.Generator().manual_seed(batch)
+    pick = lambda logits: torch.argmax(logits, dim=-1)  # noqa: E731
+    with torch.inference_mode():
+        for _ in range(3):
+            past = torch.randn(batch, 1, hidden, generator=g)
+            codes0 = torch.randint(0, model.code_predictor.config.vocab_size, (batch, 1), generator=g)
+            want, got = reference(past, codes0, pick, False), fused(past, codes0, pick, False)
+            assert torch.equal(got[0], want[0])
+            torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    q = model.code_predictor.model.layers[0].self_attn.q_proj.weight
+    assert q.untyped_storage().data_ptr() == fused.qkv[0].untyped_storage().data_ptr()  # stored once

@@ -30,6 +30,7 @@ from services.base.timing import ForwardTimer
 from services.runtime.checks import CheckState, StartupCheck
 from services.runtime.lm.invariance import KernelVerdict, by_construction, exact_check, log_report
 from services.runtime.lm.kernels import (
+    fuse_rms_norms,
     use_capturable_experts,
     use_invariant_attention,
     use_rowwise_attention,
@@ -72,6 +73,8 @@ class SlotScheduledEngine(EngineDefaults):
         if engine_config.exact_gemm:
             use_invariant_attention(text_config)  # what makes a prefix hit exact (kernels.invariant_attention)
         graphs = engine_config.graphs.enabled and step is not None
+        if not engine_config.exact_batching and torch.device(device).type != "cpu":
+            fuse_rms_norms(decoder)  # one kernel a norm, not eight, where no bits are promised (a GPU)
         # With graphs, one extra slot that no request owns takes the padded rows' writes.
         self.cache = SlotKVCache.for_config(text_config, engine_config.num_slots + int(graphs),
                                             engine_config.max_model_len, dtype, device)
