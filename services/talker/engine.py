@@ -121,9 +121,17 @@ class TalkerEngine(SlotScheduledEngine):
                                                  top_k=50, top_p=0.8)
         dtype = next(model.parameters()).dtype
         hidden = model.config.text_config.hidden_size
+        # Sampling on the device (services/runtime/lm/device_sampling.py): layer-0 codes with the
+        # penalty over each slot's seen codes (inside the decode graphs where they run; a slot more for
+        # their scratch slot), the residuals inside the predictor's loop, the step's [B, 16] codes copied
+        # back once, in end_step.
+        self.sampler = self.residual_sampler = self.host_copy = None
+        if device_sampling_wanted(engine_config.device_sampling, device):
+            self.sampler = SlotSampler(engine_config.num_slots + 1, vocab, device, self.suppress)
+            self.host_copy = HostCopy(device)
         self.set_up(Stage.TALKER, model.config.text_config, model.model, engine_config, device, dtype,
                     rowwise_configs=(predictor.config,), step=lambda cache: talker_step(model, cache),
-                    step_input=torch.zeros((1, 1, hidden), dtype=dtype))
+                    step_input=torch.zeros((1, 1, hidden), dtype=dtype), sampler=self.sampler)
         # The code predictor (lean loop) and its keys and values for one frame of every row of a batch.
         self.predictor_cache = CodePredictor(model, engine_config.max_batch_size, device, dtype)
         self.predictor_graphs = None
@@ -131,14 +139,8 @@ class TalkerEngine(SlotScheduledEngine):
             self.predictor_graphs = PredictorGraphs(model, engine_config.graphs, engine_config.exact_batching,
                                                     device, dtype)
             self.predictor_graphs.capture_all(hidden, dtype)
-        # Sampling on the device (services/runtime/lm/device_sampling.py): layer-0 codes with the
-        # penalty over each slot's seen codes, the residuals inside the predictor's loop, the step's
-        # [B, 16] codes copied back once, in end_step.
-        self.sampler = self.residual_sampler = self.host_copy = None
-        if device_sampling_wanted(engine_config.device_sampling, device):
-            self.sampler = SlotSampler(engine_config.num_slots, vocab, device, self.suppress)
+        if self.sampler is not None:
             self.residual_sampler = SlotSampler(1, int(self.predictor_cache.lm_heads[0].shape[0]), device)
-            self.host_copy = HostCopy(device)
         # (request_id, state, hidden [1, 1, H], code [1] on the device or None) whose layer-0 code is
         # picked (on the host: in state.codes), residuals to come (end_step)
         self._to_predict: list[tuple[str, _State, torch.Tensor, torch.Tensor | None]] = []
@@ -358,8 +360,12 @@ class TalkerEngine(SlotScheduledEngine):
         inputs_embeds = (torch.cat([s.next_codec_embed for s in states])
                          + torch.cat([self._text_for_next_step(s) for s in states]))
         position_ids = self.positions.advance(to_device(slots, torch.long, self.device))
+        rows = Rows(self._draws(states), self.device) if self.sampler is not None else None
         with self.timer:
-            replayed = self.graphs.decode(inputs_embeds, position_ids, slots) if self.graphs is not None else None
+            replayed = self.graphs.decode(inputs_embeds, position_ids, slots, rows) if self.graphs is not None else None
+        if replayed is not None and rows is not None:  # layer-0 codes drawn inside the graph
+            codes, marked, hidden = replayed
+            return self._after_forward(request_ids, states, None, hidden, drawn=(codes, marked))
         if replayed is not None:
             return self._after_forward(request_ids, states, *replayed)
         view = self.cache.batch(slots)
@@ -370,7 +376,11 @@ class TalkerEngine(SlotScheduledEngine):
                 generation_step=0,  # bookkeeping of generate only: the forward returns it + 1
             )
         view.commit()
-        return self._after_forward(request_ids, states, out.logits[:, -1], out.hidden_states[0][-1][:, -1:])
+        return self._after_forward(request_ids, states, out.logits[:, -1], out.hidden_states[0][-1][:, -1:], rows=rows)
+
+    @staticmethod
+    def _draws(states: list[_State]) -> list[Draw]:
+        return [Draw(s.slot, s.job.sampling, s.key, 16 * s.frames) for s in states]
 
     @staticmethod
     def _text_for_next_step(state: _State) -> torch.Tensor:
@@ -380,11 +390,15 @@ class TalkerEngine(SlotScheduledEngine):
             return state.rows[f + 1]
         return state.tts[1] if f + 1 == len(state.rows) else state.tts[2]
 
-    def _after_forward(self, request_ids, states, logits: torch.Tensor, hidden: torch.Tensor):
-        # logits: [B, vocab]; hidden: [B, 1, H] last layer at the last position.
+    def _after_forward(self, request_ids, states, logits: torch.Tensor | None, hidden: torch.Tensor,
+                       rows: Rows | None = None, drawn: tuple[torch.Tensor, torch.Tensor] | None = None):
+        # logits: [B, vocab]; hidden: [B, 1, H] last layer at the last position; `rows`: the device
+        # sampler's settings of the rows, made once a step; `drawn`: (codes, their host view) a graph drew.
         if self.sampler is not None:  # drawn on the device; which rows end is known in end_step
-            codes = self.sampler.sample(logits, [Draw(s.slot, s.job.sampling, s.key, 16 * s.frames) for s in states])
-            marked = mark_nonfinite(codes, logits)  # what the host reads of the layer-0 codes
+            if drawn is None:
+                codes = self.sampler.sample(logits, rows if rows is not None else self._draws(states))
+                drawn = codes, mark_nonfinite(codes, logits)  # what the host reads of the layer-0 codes
+            codes, marked = drawn
             self._to_predict += [(request_id, state, hidden[row:row + 1], (codes[row:row + 1], marked[row:row + 1]))
                                  for row, (request_id, state) in enumerate(zip(request_ids, states))]
             return []

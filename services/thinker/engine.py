@@ -38,6 +38,7 @@ from services.runtime.lm.device_sampling import (
     NONFINITE,
     Draw,
     HostCopy,
+    Rows,
     SlotSampler,
     device_sampling_wanted,
     draw_key,
@@ -170,14 +171,15 @@ class ThinkerEngine(SlotScheduledEngine):
         model, engine_config = self.model, self.engine_config
         self.embed = model.get_input_embeddings()
         dtype = next(model.parameters()).dtype
-        self.set_up(Stage.THINKER, model.config.text_config, model.model, engine_config, self.device, dtype,
-                    step=lambda cache: thinker_step(model, cache), step_input=torch.zeros((1, 1), dtype=torch.long),
-                    extra_layers=len(self.prefix_layers))
-        # Sampling on the device: a step's tokens drawn there and copied back once, in end_step.
+        # Sampling on the device: a step's tokens drawn there (inside the decode graphs where they run)
+        # and copied back once, in end_step. One slot more than the engine's: the graphs' scratch slot.
         self.sampler = self.host_copy = None
         if device_sampling_wanted(engine_config.device_sampling, self.device):
-            self.sampler = SlotSampler(engine_config.num_slots, int(model.lm_head.weight.shape[0]), self.device)
+            self.sampler = SlotSampler(engine_config.num_slots + 1, int(model.lm_head.weight.shape[0]), self.device)
             self.host_copy = HostCopy(self.device)
+        self.set_up(Stage.THINKER, model.config.text_config, model.model, engine_config, self.device, dtype,
+                    step=lambda cache: thinker_step(model, cache), step_input=torch.zeros((1, 1), dtype=torch.long),
+                    extra_layers=len(self.prefix_layers), sampler=self.sampler)
         self._drawn: list[tuple] = []  # (request_ids, requests, ids, embeddings, replies): HostCopy indices
         if engine_config.exact_batching:  # which kernels exact mode runs here (services/runtime/lm/invariance.py)
             decoder = [model.model, model.lm_head]
@@ -431,8 +433,12 @@ class ThinkerEngine(SlotScheduledEngine):
         """One decode step for every request in the batch, each over its own slot."""
         requests = [self._requests[r] for r in request_ids]
         ids, positions = self.step_inputs(requests, slots)
+        rows = Rows(self._draws(requests), self.device) if self.sampler is not None else None
         with self.timer:
-            replayed = self.graphs.decode(ids, positions, slots) if self.graphs is not None else None
+            replayed = self.graphs.decode(ids, positions, slots, rows) if self.graphs is not None else None
+        if replayed is not None and rows is not None:  # drawn inside the graph
+            self.draw(request_ids, requests, None, drawn=replayed)
+            return []
         if replayed is not None:
             logits = replayed[0]  # [B, vocab]
         else:
@@ -442,7 +448,7 @@ class ThinkerEngine(SlotScheduledEngine):
             view.commit()
             logits = out.logits[:, -1]
         if self.sampler is not None:
-            self.draw(request_ids, requests, logits)
+            self.draw(request_ids, requests, logits, rows=rows)
             return []
         logits = logits.cpu()  # sampling runs on the host (CPU generators and masks); a no-op on CPU
         picked, embeddings = self._greedy_rows(requests, logits)
@@ -457,20 +463,28 @@ class ThinkerEngine(SlotScheduledEngine):
         ids, slot_ids = to_device([[r.generated[-1] for r in requests], slots], torch.long, self.device)
         return ids[:, None], self.positions.advance(slot_ids)
 
-    def draw(self, request_ids: list[str], requests: list[_Request], logits: torch.Tensor,
-             replies: torch.Tensor | None = None) -> None:
-        """Draw the rows' tokens on the device (logits [B, vocab]) and gather what their events carry
-        there (the token embeddings a talker is fed; `replies` [B, H], Qwen2.5-Omni's), for end_step's
-        one copy."""
-        draws = [Draw(r.slot, r.job.sampling, r.key, len(r.generated),
-                      r.job.forced_ids[len(r.generated)] if r.job.forced_ids else -1) for r in requests]
-        ids = self.sampler.sample(logits, draws)
+    @staticmethod
+    def _draws(requests: list[_Request]) -> list[Draw]:
+        return [Draw(r.slot, r.job.sampling, r.key, len(r.generated),
+                     r.job.forced_ids[len(r.generated)] if r.job.forced_ids else -1) for r in requests]
+
+    def draw(self, request_ids: list[str], requests: list[_Request], logits: torch.Tensor | None,
+             replies: torch.Tensor | None = None, rows: Rows | None = None,
+             drawn: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Draw the rows' tokens on the device (logits [B, vocab]; `rows` their settings, made once a
+        step; `drawn`: (ids, their host view) a decode graph drew instead) and gather what their events
+        carry there (the token embeddings a talker is fed; `replies` [B, H], Qwen2.5-Omni's), for
+        end_step's one copy."""
+        if drawn is None:
+            ids = self.sampler.sample(logits, rows if rows is not None else self._draws(requests))
+            drawn = ids, mark_nonfinite(ids, logits)
+        ids, marked = drawn
         fed = [row for row, r in enumerate(requests) if r.job.want_talker_inputs and self.feeds_token_embeddings]
         embeddings = None
         if fed:
             embeddings = self.host_copy.add(self.embed(ids if len(fed) == len(requests)
                                                        else ids.index_select(0, to_device(fed, torch.long, self.device))))
-        self._drawn.append((request_ids, requests, self.host_copy.add(mark_nonfinite(ids, logits)), (fed, embeddings),
+        self._drawn.append((request_ids, requests, self.host_copy.add(marked), (fed, embeddings),
                             None if replies is None else self.host_copy.add(replies)))
 
     def end_step(self) -> StepResult:

@@ -74,23 +74,26 @@ class EagerStatic:
     def __init__(self, graphs):
         self.graphs = graphs
 
-    def decode(self, x, position_ids, slots):
-        return self.graphs.run_padded(x, position_ids, slots)
+    def decode(self, x, position_ids, slots, rows=None):
+        return self.graphs.run_padded(x, position_ids, slots, rows)
 
     def predict(self, past_hidden, codes0):
         return self.graphs.run_padded(past_hidden, codes0)
 
 
-def static_engines(thinker_stage, talker_stage, device: str = "cpu"):
-    """Engines wired as with --cuda-graphs on (scratch slot, hooks), minus the capture."""
+def static_engines(thinker_stage, talker_stage, device: str = "cpu", device_sampling: bool | None = None):
+    """Engines wired as with --cuda-graphs on (scratch slot, hooks; with device sampling, the draws
+    inside the static step), minus the capture."""
     settings = GraphSettings(False, BUCKETS)
-    cfg = dict(max_batch_size=SLOTS, num_slots=SLOTS, max_model_len=96, exact_batching=False)
+    cfg = dict(max_batch_size=SLOTS, num_slots=SLOTS, max_model_len=96, exact_batching=False,
+               device_sampling=device_sampling)
     thinker = ThinkerEngine(thinker_stage.model, thinker_stage.config, device, ThinkerEngineConfig(**cfg))
     talker = TalkerEngine(talker_stage.model, talker_stage.config, device, TalkerEngineConfig(**cfg))
     for engine, step in ((thinker, thinker_step), (talker, talker_step)):
         text_config = engine.model.config.text_config
         engine.cache = SlotKVCache.for_config(text_config, SLOTS + 1, 96, engine.dtype, device)
         engine.graphs = EagerStatic(SlotDecodeGraphs(step(engine.model, engine.cache), engine.cache, SLOTS,
-                                                     settings, False, "test", device, shortest_span=SPAN))
+                                                     settings, False, "test", device, shortest_span=SPAN,
+                                                     sampler=engine.sampler))
     talker.predictor_graphs = EagerStatic(PredictorGraphs(talker.model, settings, False, device, talker.dtype))
     return thinker, talker

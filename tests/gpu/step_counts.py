@@ -280,7 +280,7 @@ def _wire_graphs(engine, step, counter: StepCounter, graphs: bool) -> None:
         engine.graphs = None
         return
     hook = SlotDecodeGraphs(step(engine.model, engine.cache), engine.cache, slots, GraphSettings(False, DEFAULT_BUCKETS),
-                            False, f"{engine.name} decode", DEVICE)
+                            False, f"{engine.name} decode", DEVICE, sampler=engine.sampler)
     hook.runner = CountedRunner(hook.runner.fn, counter)
     engine.graphs = hook
 

@@ -35,7 +35,10 @@ from tests.gpu.harness import SLOTS, run_pipeline, static_engines
 
 
 @pytest.mark.exactness
-def test_static_steps_give_the_row_wise_steps_greedy_output(tiny_checkpoint, wav_file):
+@pytest.mark.parametrize("device_sampling", [None, True], ids=["host-draws", "draws-in-the-step"])
+def test_static_steps_give_the_row_wise_steps_greedy_output(tiny_checkpoint, wav_file, device_sampling):
+    # With device sampling the static step draws too (the graph's sampler, penalty history included);
+    # the row-wise engines then draw on the device after their forward.
     stages = load_stage(tiny_checkpoint, Stage.THINKER), load_stage(tiny_checkpoint, Stage.TALKER)
     config = stages[0].config
     builder = PromptBuilder(tiny_checkpoint, config)
@@ -44,14 +47,15 @@ def test_static_steps_give_the_row_wise_steps_greedy_output(tiny_checkpoint, wav
         "long": (messages_from_args("Tell me a long story about a lighthouse keeper.", None, None, None), 9, 7),
         "audio": (messages_from_args("What do you hear?", None, wav_file, None), 4, 10),
     }
-    cfg = dict(max_batch_size=SLOTS, num_slots=SLOTS, max_model_len=96, exact_batching=False)
+    cfg = dict(max_batch_size=SLOTS, num_slots=SLOTS, max_model_len=96, exact_batching=False,
+               device_sampling=device_sampling)
     row_wise = (ThinkerEngine(stages[0].model, config, engine_config=ThinkerEngineConfig(**cfg)),
                 TalkerEngine(stages[1].model, config, engine_config=TalkerEngineConfig(**cfg)))
     want = run_pipeline(*row_wise, builder, config, requests)
-    thinker, talker = static_engines(*stages)
+    thinker, talker = static_engines(*stages, device_sampling=device_sampling)
     spans = []  # the span each static step attended over
     for runner in (thinker.graphs.graphs.runner, talker.graphs.graphs.runner):
-        runner.fn = lambda *inputs, step=runner.fn: spans.append(inputs[-1].shape[0]) or step(*inputs)
+        runner.fn = lambda *inputs, step=runner.fn: spans.append(inputs[4].shape[0]) or step(*inputs)
     got = run_pipeline(thinker, talker, builder, config, requests)
     for rid in requests:
         assert got[0][rid] == want[0][rid], f"{rid}: text ids"

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.slow  # about 30 s on 2 cores
 # stage -> (graph nodes, eager device ops at any batch), graphs on, --max-model-len 4096. Every step
 # syncs with the host once (its one copy back), whatever the batch.
 BOUNDS = {
-    Stage.THINKER: (2322, 23),
-    Stage.TALKER: (2652, 42),
+    Stage.THINKER: (2341, 18),
+    Stage.TALKER: (2672, 28),
 }
 SYNCS = 1
 # stage -> device ops of an eager step (graphs off) at batch 64: attention batched, not one SDPA a row.

@@ -50,9 +50,9 @@ def speak(engine, request_id: str, job, inputs: list) -> tuple[list, list[torch.
     logits: list[torch.Tensor] = []
     after_forward = engine._after_forward
 
-    def recording(request_ids, states, step_logits, *rest):
+    def recording(request_ids, states, step_logits, *rest, **more):
         logits.extend(row.detach().clone() for row in step_logits)
-        return after_forward(request_ids, states, step_logits, *rest)
+        return after_forward(request_ids, states, step_logits, *rest, **more)
 
     engine._after_forward = recording
     try:

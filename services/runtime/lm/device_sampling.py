@@ -94,10 +94,21 @@ def to_device(values, dtype, device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
+VARIANTS = ("greedy", "sampled", "truncated")  # the sampler's op sets a captured step is made for
+
+
+def idle_params(slot: int) -> list[float]:
+    """A `Rows.params` column that draws nothing anyone reads: a padded row of a captured step, its
+    penalty history in `slot` (the scratch slot, which no request owns)."""
+    return [slot, 0, 0, -1, 0, 0.0, 1.0, 1.0]
+
+
 class Rows:
     """A step's rows as the device sampler takes them: their settings as [B] device tensors (one
-    host-to-device copy; float64 holds each exactly: ints below 2^53, float32 wire values) and what
-    the host knows of them, so that only the processors some row asks for run."""
+    host-to-device copy of `params` [8, B]; float64 holds each exactly: ints below 2^53, float32
+    wire values) and what the host knows of them, so that only the processors some row asks for run.
+    `variant` names that op set for a captured step (`VARIANTS`: greedy rows, penalty and forced ids
+    included; temperature draws; top-k / top-p as well)."""
 
     def __init__(self, draws: Sequence[Draw], device):
         cfgs = [d.cfg for d in draws]
@@ -105,13 +116,30 @@ class Rows:
                             [d.forced for d in draws], [c.top_k for c in cfgs],
                             [0.0 if c.greedy else c.temperature for c in cfgs], [c.top_p for c in cfgs],
                             [c.repetition_penalty for c in cfgs]], torch.float64, device)
+        sampled = [c for c in cfgs if not c.greedy]
+        self._read(params, penalized=any(c.repetition_penalty != 1.0 for c in cfgs), sampled=bool(sampled),
+                   truncated=any(c.top_k > 0 or c.top_p < 1.0 for c in sampled),
+                   has_forced=any(d.forced >= 0 for d in draws))
+
+    @classmethod
+    def captured(cls, params: torch.Tensor, variant: str) -> Rows:
+        """The rows of a captured step: `params` a graph input, the op set fixed by `variant` (a
+        penalty of 1 and a forced id of -1 leave a row as it is, so every variant runs both)."""
+        rows = cls.__new__(cls)
+        rows._read(params, penalized=True, sampled=variant != "greedy", truncated=variant == "truncated",
+                   has_forced=True)
+        return rows
+
+    def _read(self, params: torch.Tensor, **flags: bool) -> None:
+        self.params = params
         self.slots, self.keys, self.counters, self.forced, self.top_k = params[:5].to(torch.long)
         self.temperature, self.top_p, self.penalty = params[5:].to(torch.float32)
-        sampled = [c for c in cfgs if not c.greedy]
-        self.penalized = any(c.repetition_penalty != 1.0 for c in cfgs)
-        self.sampled = bool(sampled)
-        self.truncated = any(c.top_k > 0 or c.top_p < 1.0 for c in sampled)
-        self.has_forced = any(d.forced >= 0 for d in draws)
+        self.penalized, self.sampled = flags["penalized"], flags["sampled"]
+        self.truncated, self.has_forced = flags["truncated"], flags["has_forced"]
+
+    @property
+    def variant(self) -> str:
+        return "truncated" if self.truncated else "sampled" if self.sampled else "greedy"
 
 
 class SlotSampler:

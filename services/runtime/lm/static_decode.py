@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 
 from services.runtime.lm.cuda_graphs import GraphRunner, pad_rows, plan_padding
-from services.runtime.lm.device_sampling import to_device
+from services.runtime.lm.device_sampling import VARIANTS, Rows, SlotSampler, idle_params, mark_nonfinite, to_device
 from services.runtime.lm.kernels import SlotSpan, batch_invariant
 from services.runtime.lm.kv_slots import SlotKVCache
 from services.runtime.model.settings import GraphSettings
@@ -78,11 +78,17 @@ class StaticSlotView:
 class SlotDecodeGraphs:
     """The engine's hook: one LM decode step, padded to a bucket and replayed from a graph.
 
+    With a `sampler` (device sampling), a step given its rows' settings (`Rows`) draws its tokens
+    inside the graph too: the step's first output, the logits [B, vocab], becomes the ids [B] and
+    their host view (`mark_nonfinite`), the penalty history updated in place; a graph per
+    (bucket, span, sampler variant), the greedy one captured at start-up, the others when first
+    asked for.
+
     `decode` returns None when it does not handle the batch (graphs off or failed, batch above
     the largest bucket): the engine then runs its own eager step."""
 
     def __init__(self, step: Callable, cache: SlotKVCache, scratch_slot: int, settings: GraphSettings,
-                 exact: bool, name: str, device, shortest_span: int = MIN_SPAN):
+                 exact: bool, name: str, device, shortest_span: int = MIN_SPAN, sampler: SlotSampler | None = None):
         if not 0 <= scratch_slot < len(cache.lengths):
             raise ValueError("the cache needs a scratch slot for padded rows")
         self.step = step
@@ -94,12 +100,24 @@ class SlotDecodeGraphs:
         self.spans = spans_for(cache.max_len, shortest_span)
         # Each span's positions 0..L-1 on the device, made once: a step's input whose shape is its span.
         self.span_ids = {span: torch.arange(span, device=device) for span in self.spans}
-        # A graph per (bucket, span): at most 64 (7 buckets x 9 spans: --max-model-len 65536).
-        self.runner = GraphRunner(self._run, settings.enabled, name)
+        self.sampler = sampler
+        # A padded row's sampler settings (drawing into the scratch slot's history), made once.
+        self._idle = None if sampler is None else torch.tensor(
+            idle_params(scratch_slot), dtype=torch.float64, device=device)[:, None]
+        self._variant = VARIANTS[0]  # the sampler's op set of the step being run (or captured)
+        variants = len(VARIANTS) if sampler is not None else 1
+        # A graph per (bucket, span, variant): 7 x 5 x 3 at --max-model-len 4096 (9 spans at 65536).
+        self.runner = GraphRunner(self._run, settings.enabled, name,
+                                  max_graphs=len(settings.buckets) * len(self.spans) * variants)
 
-    def _run(self, x, position_ids, slots, positions, span):
+    def _run(self, x, position_ids, slots, positions, span, *params):
         with batch_invariant(self.exact):
-            return self.step(x, position_ids, slots, positions, span)
+            out = self.step(x, position_ids, slots, positions, span)
+            if not params:
+                return out
+            logits, *rest = out if isinstance(out, tuple) else (out,)
+            ids = self.sampler.sample(logits, Rows.captured(params[0], self._variant))
+            return (ids, mark_nonfinite(ids, logits), *rest)
 
     @torch.inference_mode()
     def capture_all(self, example_row: torch.Tensor) -> None:
@@ -110,19 +128,27 @@ class SlotDecodeGraphs:
             position_ids = torch.zeros((POSITION_ROWS, bucket, 1), dtype=torch.long, device=self.device)
             slots = torch.full((bucket,), self.scratch_slot, dtype=torch.long, device=self.device)
             positions = torch.zeros((bucket,), dtype=torch.long, device=self.device)
-            if any(self.runner.capture((bucket, span), x, position_ids, slots, positions, self.span_ids[span]) is None
+            params = self._idle_params(bucket)
+            if any(self.runner.capture((bucket, span, self._variant), x, position_ids, slots, positions,
+                                       self.span_ids[span], *params) is None
                    for span in self.spans):  # stops at the first that fails (the runner is then eager)
                 break
         log.info("%s", self.runner.summary())
 
-    def decode(self, x: torch.Tensor, position_ids: torch.Tensor, slots: list[int]):
-        """x: [B, 1] ids or [B, 1, H] embeddings; position_ids [4, B, 1]. Returns the step's
-        outputs for the B real rows (a tuple), with the new token committed to every slot."""
+    def _idle_params(self, bucket: int) -> tuple[torch.Tensor, ...]:
+        """The sampler's input for `bucket` rows that draw nothing read (none without a sampler)."""
+        return () if self._idle is None else (self._idle.expand(-1, bucket).contiguous(),)
+
+    def decode(self, x: torch.Tensor, position_ids: torch.Tensor, slots: list[int], rows: Rows | None = None):
+        """x: [B, 1] ids or [B, 1, H] embeddings; position_ids [4, B, 1]; `rows`: the rows' sampling
+        settings, with which the graph draws (a sampler given). Returns the step's outputs for the B
+        real rows (a tuple; drawn: ids, their host view, the step's other outputs), with the new token
+        committed to every slot."""
         if not self.runner.enabled or plan_padding(len(slots), self.settings.buckets) is None:
             return None
-        return self.run_padded(x, position_ids, slots)
+        return self.run_padded(x, position_ids, slots, rows)
 
-    def run_padded(self, x: torch.Tensor, position_ids: torch.Tensor, slots: list[int]):
+    def run_padded(self, x: torch.Tensor, position_ids: torch.Tensor, slots: list[int], rows: Rows | None = None):
         """`decode` without the checks: through the runner, eagerly when it is disabled (CPU tests)."""
         plan = plan_padding(len(slots), self.settings.buckets)
         starts = [self.cache.lengths[s] for s in slots]
@@ -133,8 +159,18 @@ class SlotDecodeGraphs:
         # One upload, queued without waiting (pinned on cuda): each row's slot and cache position.
         slot_ids, cache_pos = to_device([slots + [self.scratch_slot] * plan.pad, starts + [0] * plan.pad],
                                         torch.long, self.device)
-        outputs = self.runner((plan.bucket, span), pad_rows(x, plan), pad_rows(position_ids, plan, dim=1),
-                              slot_ids, cache_pos, self.span_ids[span])
+        params = ()
+        if (rows is None) != (self.sampler is None):
+            raise ValueError("a step's rows are given exactly where the graphs draw (a sampler)")
+        if rows is not None:
+            self._variant = rows.variant
+            params = (pad_rows(rows.params, plan, dim=1, fill=self._idle),)
+        try:
+            outputs = self.runner((plan.bucket, span, self._variant), pad_rows(x, plan),
+                                  pad_rows(position_ids, plan, dim=1), slot_ids, cache_pos, self.span_ids[span],
+                                  *params)
+        finally:
+            self._variant = VARIANTS[0]
         for slot, start in zip(slots, starts):
             self.cache.lengths[slot] = start + 1
         return tuple(o[:plan.batch] for o in outputs)

@@ -144,3 +144,30 @@ def test_non_finite_rows_read_as_nonfinite_on_the_host_and_the_device_keeps_its_
     marked = mark_nonfinite(ids, logits)
     assert marked.tolist() == [int(ids[0]), NONFINITE, NONFINITE, int(ids[3])]
     assert ids.min() >= 0  # what the device goes on with stays a valid index
+
+
+def test_a_captured_steps_op_set_draws_what_the_rows_own_draws():
+    # A decode graph runs the sampler with its variant's fixed op set (penalty and forced ids always,
+    # temperature for "sampled", top-k / top-p for "truncated"), its rows' settings a graph input:
+    # every row draws what the eager sampler, which runs only what some row asks for, draws.
+    from services.runtime.lm.device_sampling import VARIANTS, Rows
+
+    logits = _logits(5, seed=8)
+    cases = {
+        "greedy": [Draw(0, SamplingConfig()), Draw(1, SamplingConfig(repetition_penalty=1.3)),
+                   Draw(2, SamplingConfig(), forced=7)],
+        "sampled": [Draw(0, SamplingConfig()), Draw(1, SamplingConfig(temperature=0.8), key=3, counter=2)],
+        "truncated": [Draw(0, SamplingConfig(temperature=0.7), key=5), Draw(1, SamplingConfig(top_k=5, temperature=1.0)),
+                      Draw(2, SamplingConfig(repetition_penalty=1.2))],
+    }
+    for variant, draws in cases.items():
+        own = SlotSampler(4, VOCAB, "cpu")
+        captured = SlotSampler(4, VOCAB, "cpu")
+        for sampler in (own, captured):
+            sampler.reset(1, [3, 5])
+        rows = Rows(draws, "cpu")
+        assert rows.variant == variant
+        for variant_run in VARIANTS[VARIANTS.index(variant):]:  # a richer op set draws the same
+            want = own.sample(logits[:len(draws)], rows, remember=False)
+            got = captured.sample(logits[:len(draws)], Rows.captured(rows.params, variant_run), remember=False)
+            assert torch.equal(got, want), (variant, variant_run)
