@@ -49,7 +49,7 @@ from services.runtime.lm.prefix.prefill import Forward, Partial, PromptForward, 
 from services.runtime.lm.sampling import SamplingConfig, select_token
 from services.talker.code_predictor import CodePredictor
 from services.talker.engine_base import Frame, TalkerDone, TalkerEngineConfig, end_text, refresh_ready
-from services.talker.graphs import PredictorGraphs, talker_step
+from services.talker.graphs import PredictorGraphs, frame_after, talker_step
 
 
 @dataclass(frozen=True)
@@ -128,22 +128,30 @@ class TalkerEngine(SlotScheduledEngine):
         self.sampler = self.residual_sampler = self.host_copy = None
         if device_sampling_wanted(engine_config.device_sampling, device):
             self.sampler = SlotSampler(engine_config.num_slots + 1, vocab, device, self.suppress)
+            self.residual_sampler = SlotSampler(engine_config.num_slots + 1, int(predictor.lm_head[0].weight.shape[0]),
+                                                device)
             self.host_copy = HostCopy(device)
-        self.set_up(Stage.TALKER, model.config.text_config, model.model, engine_config, device, dtype,
-                    rowwise_configs=(predictor.config,), step=lambda cache: talker_step(model, cache),
-                    step_input=torch.zeros((1, 1, hidden), dtype=dtype), sampler=self.sampler)
-        # The code predictor (lean loop) and its keys and values for one frame of every row of a batch.
-        self.predictor_cache = CodePredictor(model, engine_config.max_batch_size, device, dtype)
-        self.predictor_graphs = None
-        if self.graphs is not None:
+        # With CUDA graphs: the code predictor's frame, its own graph for the rows a prefill starts and,
+        # with device sampling, the end of the decode step's graph (one replay a decode step).
+        self.predictor_graphs = then = None
+        if engine_config.graphs.enabled:
             self.predictor_graphs = PredictorGraphs(model, engine_config.graphs, engine_config.exact_batching,
                                                     device, dtype)
+            if self.sampler is not None:
+                then = frame_after(self.predictor_graphs, self.residual_sampler)
+        self.set_up(Stage.TALKER, model.config.text_config, model.model, engine_config, device, dtype,
+                    rowwise_configs=(predictor.config,), step=lambda cache: talker_step(model, cache),
+                    step_input=torch.zeros((1, 1, hidden), dtype=dtype), sampler=self.sampler, then=then)
+        # The code predictor (lean loop) and its keys and values for one frame of every row of a batch.
+        self.predictor_cache = CodePredictor(model, engine_config.max_batch_size, device, dtype)
+        if self.predictor_graphs is not None:
             self.predictor_graphs.capture_all(hidden, dtype)
-        if self.sampler is not None:
-            self.residual_sampler = SlotSampler(1, int(self.predictor_cache.lm_heads[0].shape[0]), device)
         # (request_id, state, hidden [1, 1, H], code [1] on the device or None) whose layer-0 code is
         # picked (on the host: in state.codes), residuals to come (end_step)
         self._to_predict: list[tuple[str, _State, torch.Tensor, torch.Tensor | None]] = []
+        # Frames a decode graph made whole: (request_ids, states, codes [B, 16], host view of the
+        # layer-0 codes [B], embeds [B, 1, H]), copied back with the predicted ones in end_step.
+        self._framed: list[tuple] = []
         if engine_config.exact_batching:  # which kernels exact mode runs here (services/runtime/lm/invariance.py)
             self.start_exact_check(
                 Stage.TALKER, engine_config.checks, gemm=engine_config.exact_gemm,
@@ -181,6 +189,7 @@ class TalkerEngine(SlotScheduledEngine):
         super().abort(request_id)
         # A step that raised between its forwards and end_step leaves rows behind: not this one's.
         self._to_predict = [row for row in self._to_predict if row[0] != request_id]
+        self._framed = []  # (whole batches: they outlive a step only when it raised)
 
     # Model work.
     @torch.inference_mode()
@@ -361,8 +370,15 @@ class TalkerEngine(SlotScheduledEngine):
                          + torch.cat([self._text_for_next_step(s) for s in states]))
         position_ids = self.positions.advance(to_device(slots, torch.long, self.device))
         rows = Rows(self._draws(states), self.device) if self.sampler is not None else None
+        framing = rows is not None and self.graphs is not None and self.graphs.then is not None
+        more = (Rows(self._residual_draws(states), self.device).params,) if framing and rows.sampled else ()
         with self.timer:
-            replayed = self.graphs.decode(inputs_embeds, position_ids, slots, rows) if self.graphs is not None else None
+            replayed = self.graphs.decode(inputs_embeds, position_ids, slots, rows, more) \
+                if self.graphs is not None else None
+        if replayed is not None and framing:  # the whole frame made inside the graph (frame_after)
+            marked, codes, embeds = replayed
+            self._framed.append(([*request_ids], states, codes, marked, embeds))
+            return []
         if replayed is not None and rows is not None:  # layer-0 codes drawn inside the graph
             codes, marked, hidden = replayed
             return self._after_forward(request_ids, states, None, hidden, drawn=(codes, marked))
@@ -435,12 +451,12 @@ class TalkerEngine(SlotScheduledEngine):
         batch (6.1 of a 7.8 ms prefill on the tiny checkpoint, in-process), so a prefill that ran
         them for its row alone made each step of a burst pay them twice. The predictor is batch-
         invariant (code_predictor.py), so each row's codes are the same either way."""
-        if not self._to_predict:
+        if not self._to_predict and not self._framed:
             return []
         rows, self._to_predict = self._to_predict, []
-        states, past_hidden = [state for _, state, *_ in rows], torch.cat([hidden for _, _, hidden, _ in rows])
         if self.sampler is not None:
-            return self._device_frames(rows, states, past_hidden)
+            return self._device_frames(rows)
+        states, past_hidden = [state for _, state, *_ in rows], torch.cat([hidden for _, _, hidden, _ in rows])
         with self.timer:
             codes, embeds = self.predict_residuals(states, past_hidden)
         events: StepResult = []
@@ -450,18 +466,29 @@ class TalkerEngine(SlotScheduledEngine):
             state.frames += 1
         return events
 
-    def _device_frames(self, rows, states: list[_State], past_hidden: torch.Tensor) -> StepResult:
+    def _device_frames(self, rows) -> StepResult:
         """The device path's end of a step: every row's residuals (a row whose layer-0 code ends it
-        too: which ones do is known once the codes are on the host), then the [R, 16] codes copied
-        back, the step's one host sync; the frames and ends as the host path gives them."""
-        with self.timer:
-            codes, embeds = self.predict_frame(states, past_hidden, torch.cat([code for *_, (code, _) in rows])[:, None])
+        too: which ones do is known once the codes are on the host) where a decode graph did not make
+        them, then the [R, 16] codes copied back, the step's one host sync; the frames and ends as the
+        host path gives them."""
+        parts, self._framed = self._framed, []
+        if rows:
+            states = [state for _, state, *_ in rows]
+            with self.timer:
+                codes, embeds = self.predict_frame(states, torch.cat([hidden for _, _, hidden, _ in rows]),
+                                                   torch.cat([code for *_, (code, _) in rows])[:, None])
+            parts = [([r for r, *_ in rows], states, codes, torch.cat([marked for *_, (_, marked) in rows]), embeds),
+                     *parts]
+        request_ids = [r for part in parts for r in part[0]]
+        states = [s for part in parts for s in part[1]]
+        codes, marked, embeds = (torch.cat([part[k] for part in parts]) if len(parts) > 1 else parts[0][k]
+                                 for k in (2, 3, 4))
         self.host_copy.add(codes)
-        self.host_copy.add(torch.cat([marked for *_, (_, marked) in rows]))
+        self.host_copy.add(marked)
         codes, marked = self.host_copy.fetch()
         frames, firsts = codes.unbind(0), marked.tolist()  # views of the one host copy
         events: StepResult = []
-        for i, (request_id, state, *_) in enumerate(rows):
+        for i, (request_id, state) in enumerate(zip(request_ids, states)):
             code = firsts[i]
             if code == NONFINITE:
                 events += self.nonfinite(request_id, state.slot)
@@ -521,11 +548,15 @@ class TalkerEngine(SlotScheduledEngine):
         codes, codec_embed = self.predictor_cache(past_hidden, codes0, pick, self.engine_config.exact_batching)
         return codes.to(torch.int64), codec_embed
 
+    def _residual_draws(self, states: list[_State]) -> list[Draw]:
+        """The residuals' draws: sampled rows as generate samples them (`predictor_sampling`), greedy
+        ones by argmax; group g of frame f draws with counter 16 f + g (`counter_offset` g)."""
+        return [Draw(0, self.predictor_sampling if not s.job.sampling.greedy else SamplingConfig(), s.key,
+                     16 * s.frames) for s in states]
+
     def _residual_picks(self, states: list[_State]):
-        """The predictor's picks on the device: sampled rows as generate samples residuals
-        (`predictor_sampling`), greedy ones by argmax; group g of frame f draws with counter 16 f + g."""
-        rows = Rows([Draw(0, self.predictor_sampling if not s.job.sampling.greedy else SamplingConfig(), s.key,
-                          16 * s.frames) for s in states], self.device)
+        """The predictor's picks on the device (`_residual_draws`), batched over the rows."""
+        rows = Rows(self._residual_draws(states), self.device)
         groups = iter(range(1, self.num_groups))
         return lambda logits: self.residual_sampler.sample(logits, rows, remember=False, counter_offset=next(groups))
 

@@ -1,11 +1,13 @@
 """The talker's static-shape steps for CUDA graphs: its LM decode step over KV slots and one
-whole code-predictor frame (prefill + 14 greedy sub-steps) per replay.
+whole code-predictor frame (prefill + 14 sub-steps) per replay.
 
 Every row of a frame starts a fresh 17-position cache and advances in lockstep (the lean loop of
-services/talker/code_predictor.py, its own buffers), so the 15 sub-steps unroll into one graph
-with static slices; greedy picks (argmax) happen inside the
-graph. Frames with a sampling request run eagerly. See services/runtime/lm/static_decode.py for the
-slot view and the exactness note.
+services/talker/code_predictor.py, its own buffers; fused where exact batching is off), so the 15
+sub-steps unroll into one graph with static slices. With device sampling the decode step's graph
+draws the layer-0 codes and goes on to the frame (`frame_after`): one replay a decode step, sampled
+residuals drawn inside it too. `PredictorGraphs` replays a greedy frame alone: the first frame of
+the rows a prefill starts (host sampling: every frame; sampled rows then run eagerly). See
+services/runtime/lm/static_decode.py for the slot view and the exactness note.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from services.runtime.lm.cuda_graphs import GraphRunner, pad_rows, plan_padding
+from services.runtime.lm.device_sampling import VARIANTS, Rows, SlotSampler
 from services.runtime.lm.kv_slots import SlotKVCache
 from services.runtime.lm.static_decode import StaticSlotView
 from services.runtime.model.settings import GraphSettings
@@ -35,6 +38,29 @@ def talker_step(model, cache: SlotKVCache) -> Callable:
         return out.logits[:, -1], out.hidden_states[0][-1][:, -1:]
 
     return step
+
+
+def frame_after(graphs: PredictorGraphs, residual_sampler: SlotSampler) -> Callable:
+    """The end of the talker's decode graph (static_decode.SlotDecodeGraphs' `then`): from the drawn
+    layer-0 codes [B] and the last hidden state [B, 1, H], the frame's residual codes, greedy in the
+    greedy variant, else drawn as `TalkerEngine._residual_picks` draws them (their [8, B] settings one
+    more input; group g of frame f with counter 16 f + g). -> (codes [B, groups], embeds [B, 1, H])."""
+
+    def then(codes0, hidden, *residual, variant: str):
+        if variant == VARIANTS[0]:
+            pick = _argmax
+        else:
+            rows, groups = Rows.captured(residual[0], VARIANTS[-1]), iter(range(1, graphs.num_groups))
+            pick = lambda logits: residual_sampler.sample(  # noqa: E731
+                logits, rows, remember=False, counter_offset=next(groups))
+        codes, embeds = graphs.frame(hidden, codes0[:, None], pick, graphs.exact)
+        return codes.to(torch.int64), embeds
+
+    return then
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    return torch.argmax(logits, dim=-1)
 
 
 class PredictorGraphs:

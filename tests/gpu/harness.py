@@ -13,7 +13,7 @@ from services.runtime.lm.static_decode import SlotDecodeGraphs
 from services.runtime.model.settings import GraphSettings
 from services.talker.engine import TalkerEngine
 from services.talker.engine_base import Frame, TalkerDone, TalkerEngineConfig
-from services.talker.graphs import PredictorGraphs, talker_step
+from services.talker.graphs import PredictorGraphs, frame_after, talker_step
 from services.thinker.engine import (
     Finished,
     Prefilled,
@@ -74,8 +74,12 @@ class EagerStatic:
     def __init__(self, graphs):
         self.graphs = graphs
 
-    def decode(self, x, position_ids, slots, rows=None):
-        return self.graphs.run_padded(x, position_ids, slots, rows)
+    def decode(self, x, position_ids, slots, rows=None, more=()):
+        return self.graphs.run_padded(x, position_ids, slots, rows, more)
+
+    @property
+    def then(self):
+        return self.graphs.then
 
     def predict(self, past_hidden, codes0):
         return self.graphs.run_padded(past_hidden, codes0)
@@ -89,11 +93,14 @@ def static_engines(thinker_stage, talker_stage, device: str = "cpu", device_samp
                device_sampling=device_sampling)
     thinker = ThinkerEngine(thinker_stage.model, thinker_stage.config, device, ThinkerEngineConfig(**cfg))
     talker = TalkerEngine(talker_stage.model, talker_stage.config, device, TalkerEngineConfig(**cfg))
-    for engine, step in ((thinker, thinker_step), (talker, talker_step)):
+    predictor = PredictorGraphs(talker.model, settings, False, device, talker.dtype)
+    # With device sampling the talker's decode step makes the whole frame (one graph a step).
+    frame = frame_after(predictor, talker.residual_sampler) if talker.sampler is not None else None
+    for engine, step, then in ((thinker, thinker_step, None), (talker, talker_step, frame)):
         text_config = engine.model.config.text_config
         engine.cache = SlotKVCache.for_config(text_config, SLOTS + 1, 96, engine.dtype, device)
         engine.graphs = EagerStatic(SlotDecodeGraphs(step(engine.model, engine.cache), engine.cache, SLOTS,
                                                      settings, False, "test", device, shortest_span=SPAN,
-                                                     sampler=engine.sampler))
-    talker.predictor_graphs = EagerStatic(PredictorGraphs(talker.model, settings, False, device, talker.dtype))
+                                                     sampler=engine.sampler, then=then))
+    talker.predictor_graphs = EagerStatic(predictor)
     return thinker, talker

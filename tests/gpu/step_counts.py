@@ -56,7 +56,7 @@ from services.runtime.model.settings import DEFAULT_BUCKETS, GraphSettings
 from services.talker.engine import TalkerEngine, TalkerJob
 from services.talker.engine import _State as TalkerState
 from services.talker.engine_base import TalkerEngineConfig
-from services.talker.graphs import PredictorGraphs, talker_step
+from services.talker.graphs import PredictorGraphs, frame_after, talker_step
 from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig, ThinkerJob
 from services.thinker.engine import _Request as ThinkerRequest
 from services.thinker.graphs import thinker_step
@@ -311,6 +311,7 @@ def talker_engine(config, model, batch: int, counter: StepCounter, max_model_len
         predictor = PredictorGraphs(model, GraphSettings(False, DEFAULT_BUCKETS), False, DEVICE, engine.dtype)
         predictor.runner = CountedRunner(predictor.runner.fn, counter)
         engine.predictor_graphs = predictor
+        engine.graphs.then = frame_after(predictor, engine.residual_sampler)  # one graph a step, as on cuda
     hidden = model.config.text_config.hidden_size
     row = torch.zeros((1, 1, hidden), dtype=engine.dtype, device=DEVICE)
     rids = [f"r{i}" for i in range(batch)]

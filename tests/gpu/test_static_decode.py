@@ -53,6 +53,10 @@ def test_static_steps_give_the_row_wise_steps_greedy_output(tiny_checkpoint, wav
                 TalkerEngine(stages[1].model, config, engine_config=TalkerEngineConfig(**cfg)))
     want = run_pipeline(*row_wise, builder, config, requests)
     thinker, talker = static_engines(*stages, device_sampling=device_sampling)
+    framed = []  # decode steps whose graph made the whole frame (frame_after), with device sampling
+    if talker.graphs.then is not None:
+        frame = talker.graphs.graphs.then
+        talker.graphs.graphs.then = lambda *args, **kw: framed.append(1) or frame(*args, **kw)
     spans = []  # the span each static step attended over
     for runner in (thinker.graphs.graphs.runner, talker.graphs.graphs.runner):
         runner.fn = lambda *inputs, step=runner.fn: spans.append(inputs[4].shape[0]) or step(*inputs)
@@ -66,6 +70,36 @@ def test_static_steps_give_the_row_wise_steps_greedy_output(tiny_checkpoint, wav
     assert thinker.graphs.graphs.runner.stats.eager_calls > 0
     assert set(spans) == {40, 80}  # steps crossed spans (tests/gpu/harness.SPAN) as their rows grew
     assert talker.predictor_graphs.graphs.runner.stats.eager_calls > 0
+    assert bool(framed) == bool(device_sampling)
+
+
+def test_the_decode_graphs_frame_draws_the_residuals_as_the_eager_frame(tiny_checkpoint):
+    # One graph a talker step: the decode graph goes on to the code predictor's frame (frame_after),
+    # its residual draws from a [8, B] settings input; sampled and greedy rows together draw what the
+    # eager frame's picks (TalkerEngine._residual_picks) draw on the same predictor.
+    from types import SimpleNamespace
+
+    from services.runtime.lm.device_sampling import Rows
+    from services.runtime.lm.sampling import SamplingConfig
+    from services.talker.graphs import frame_after
+
+    stage = load_stage(tiny_checkpoint, Stage.TALKER)
+    engine = TalkerEngine(stage.model, stage.config, engine_config=TalkerEngineConfig(
+        max_batch_size=4, num_slots=4, max_model_len=64, exact_batching=False, device_sampling=True))
+    predictor = PredictorGraphs(stage.model, GraphSettings(False, (1, 4)), False, "cpu", torch.float32)
+    then = frame_after(predictor, engine.residual_sampler)
+    states = [SimpleNamespace(job=SimpleNamespace(sampling=cfg), key=key, frames=frames)
+              for cfg, key, frames in ((SamplingConfig(temperature=0.9, seed=1), 11, 3), (SamplingConfig(), 0, 5),
+                                       (SamplingConfig(temperature=1.1, seed=2), 22, 0))]
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 1, stage.model.config.text_config.hidden_size, generator=g)
+    codes0 = torch.randint(0, 100, (3,), generator=g)
+    with torch.inference_mode():
+        want = predictor.frame(hidden, codes0[:, None], engine._residual_picks(states), False)
+        got = then(codes0, hidden, Rows(engine._residual_draws(states), "cpu").params, variant="sampled")
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        greedy = predictor.frame(hidden, codes0[:, None], lambda logits: torch.argmax(logits, dim=-1), False)
+        assert torch.equal(then(codes0, hidden, variant="greedy")[0], greedy[0])
 
 
 @pytest.fixture(scope="module")

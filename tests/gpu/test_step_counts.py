@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow  # about 30 s on 2 cores
 # syncs with the host once (its one copy back), whatever the batch.
 BOUNDS = {
     Stage.THINKER: (2341, 18),
-    Stage.TALKER: (2672, 28),
+    Stage.TALKER: (2672, 21),
 }
 SYNCS = 1
 # stage -> device ops of an eager step (graphs off) at batch 64: attention batched, not one SDPA a row.

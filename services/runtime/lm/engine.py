@@ -59,13 +59,15 @@ class SlotScheduledEngine(EngineDefaults):
 
     def set_up(self, name: str, text_config, decoder, engine_config, device, dtype, *,
                rowwise_configs: tuple = (), step: Callable[[SlotKVCache], Callable] | None = None,
-               step_input: torch.Tensor | None = None, extra_layers: int = 0, sampler=None) -> None:
+               step_input: torch.Tensor | None = None, extra_layers: int = 0, sampler=None,
+               then: Callable | None = None) -> None:
         """Every LM engine's set-up. `text_config`: the decoder stack's config (KV layout, attention);
         `decoder`: the stack a prefill from cached blocks cuts; `rowwise_configs`: more configs whose
         attention exact mode runs per row (the code predictor's); `step`: cache -> the decode step
         its CUDA graphs capture (None: no graphs), `step_input` its captured input, `sampler` the device
         sampler that draws inside them (device_sampling.SlotSampler, a row for the graphs' scratch slot
-        too; None: the step's logits come out); `extra_layers`:
+        too; None: the step's logits come out), `then` what the graphs go on to do with the drawn ids
+        (static_decode.SlotDecodeGraphs); `extra_layers`:
         hidden-state layers the prefix pool keeps per block (the thinker's, for the talker)."""
         self.name = name
         self.device, self.dtype = device, dtype
@@ -88,7 +90,8 @@ class SlotScheduledEngine(EngineDefaults):
         if graphs:
             use_capturable_experts(text_config, dtype=dtype)
             self.graphs = SlotDecodeGraphs(step(self.cache), self.cache, engine_config.num_slots, engine_config.graphs,
-                                           engine_config.exact_batching, f"{name} decode", device, sampler=sampler)
+                                           engine_config.exact_batching, f"{name} decode", device, sampler=sampler,
+                                           then=then)
             self.graphs.capture_all(step_input)
         # Admission: packed prompts where exact mode is off (their rows are not each prompt's alone
         # bits); chunks where their rows are exact or not asked to be (off; gemm: the invariant GEMM and

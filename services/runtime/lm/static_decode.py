@@ -82,13 +82,16 @@ class SlotDecodeGraphs:
     inside the graph too: the step's first output, the logits [B, vocab], becomes the ids [B] and
     their host view (`mark_nonfinite`), the penalty history updated in place; a graph per
     (bucket, span, sampler variant), the greedy one captured at start-up, the others when first
-    asked for.
+    asked for. `then(ids, *other outputs, *more, variant=)` carries the graph on from the drawn ids
+    (the talker's code predictor frame: one graph a talker step), its outputs after the host view;
+    `more`: inputs of its own, [8, B] sampler settings each (the predictor's residual draws).
 
     `decode` returns None when it does not handle the batch (graphs off or failed, batch above
     the largest bucket): the engine then runs its own eager step."""
 
     def __init__(self, step: Callable, cache: SlotKVCache, scratch_slot: int, settings: GraphSettings,
-                 exact: bool, name: str, device, shortest_span: int = MIN_SPAN, sampler: SlotSampler | None = None):
+                 exact: bool, name: str, device, shortest_span: int = MIN_SPAN, sampler: SlotSampler | None = None,
+                 then: Callable | None = None):
         if not 0 <= scratch_slot < len(cache.lengths):
             raise ValueError("the cache needs a scratch slot for padded rows")
         self.step = step
@@ -101,6 +104,7 @@ class SlotDecodeGraphs:
         # Each span's positions 0..L-1 on the device, made once: a step's input whose shape is its span.
         self.span_ids = {span: torch.arange(span, device=device) for span in self.spans}
         self.sampler = sampler
+        self.then = then
         # A padded row's sampler settings (drawing into the scratch slot's history), made once.
         self._idle = None if sampler is None else torch.tensor(
             idle_params(scratch_slot), dtype=torch.float64, device=device)[:, None]
@@ -117,7 +121,10 @@ class SlotDecodeGraphs:
                 return out
             logits, *rest = out if isinstance(out, tuple) else (out,)
             ids = self.sampler.sample(logits, Rows.captured(params[0], self._variant))
-            return (ids, mark_nonfinite(ids, logits), *rest)
+            marked = mark_nonfinite(ids, logits)
+            if self.then is not None:
+                return (marked, *self.then(ids, *rest, *params[1:], variant=self._variant))
+            return (ids, marked, *rest)
 
     @torch.inference_mode()
     def capture_all(self, example_row: torch.Tensor) -> None:
@@ -139,16 +146,19 @@ class SlotDecodeGraphs:
         """The sampler's input for `bucket` rows that draw nothing read (none without a sampler)."""
         return () if self._idle is None else (self._idle.expand(-1, bucket).contiguous(),)
 
-    def decode(self, x: torch.Tensor, position_ids: torch.Tensor, slots: list[int], rows: Rows | None = None):
+    def decode(self, x: torch.Tensor, position_ids: torch.Tensor, slots: list[int], rows: Rows | None = None,
+               more: tuple[torch.Tensor, ...] = ()):
         """x: [B, 1] ids or [B, 1, H] embeddings; position_ids [4, B, 1]; `rows`: the rows' sampling
-        settings, with which the graph draws (a sampler given). Returns the step's outputs for the B
-        real rows (a tuple; drawn: ids, their host view, the step's other outputs), with the new token
-        committed to every slot."""
+        settings, with which the graph draws (a sampler given); `more`: `then`'s own inputs. Returns
+        the step's outputs for the B real rows (a tuple; drawn: ids and their host view, then the
+        step's other outputs, or their host view and what `then` made), with the new token committed
+        to every slot."""
         if not self.runner.enabled or plan_padding(len(slots), self.settings.buckets) is None:
             return None
-        return self.run_padded(x, position_ids, slots, rows)
+        return self.run_padded(x, position_ids, slots, rows, more)
 
-    def run_padded(self, x: torch.Tensor, position_ids: torch.Tensor, slots: list[int], rows: Rows | None = None):
+    def run_padded(self, x: torch.Tensor, position_ids: torch.Tensor, slots: list[int], rows: Rows | None = None,
+                   more: tuple[torch.Tensor, ...] = ()):
         """`decode` without the checks: through the runner, eagerly when it is disabled (CPU tests)."""
         plan = plan_padding(len(slots), self.settings.buckets)
         starts = [self.cache.lengths[s] for s in slots]
@@ -164,7 +174,7 @@ class SlotDecodeGraphs:
             raise ValueError("a step's rows are given exactly where the graphs draw (a sampler)")
         if rows is not None:
             self._variant = rows.variant
-            params = (pad_rows(rows.params, plan, dim=1, fill=self._idle),)
+            params = tuple(pad_rows(p, plan, dim=1, fill=self._idle) for p in (rows.params, *more))
         try:
             outputs = self.runner((plan.bucket, span, self._variant), pad_rows(x, plan),
                                   pad_rows(position_ids, plan, dim=1), slot_ids, cache_pos, self.span_ids[span],
