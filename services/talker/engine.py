@@ -38,6 +38,7 @@ from services.runtime.lm.device_sampling import (
     draw_key,
     mark_nonfinite,
     to_device,
+    upload,
 )
 from services.runtime.lm.engine import SlotScheduledEngine
 from services.runtime.lm.invariance import experts_modules, linear_weights
@@ -77,6 +78,7 @@ class TextRow:
 class _State:
     job: TalkerJob
     rows: list[torch.Tensor] = field(default_factory=list)  # projected text rows, [1, 1, H]
+    raw: list[torch.Tensor] = field(default_factory=list)  # text rows as they arrived ([H_thinker], host), to project
     text_done: bool = False
     started: bool = False  # prefilled
     codes: list[int] = field(default_factory=list)  # generated layer-0 codes
@@ -92,9 +94,10 @@ class _State:
     @property
     def ready(self) -> bool:
         """Has the input its next step needs: row 0 to prefill, row f + 1 (or the end) to decode."""
+        rows = len(self.rows) + len(self.raw)
         if not self.started:
-            return bool(self.rows) or self.text_done
-        return len(self.rows) > self.frames or self.text_done
+            return rows > 0 or self.text_done
+        return rows > self.frames or self.text_done
 
 
 class TalkerEngine(SlotScheduledEngine):
@@ -175,15 +178,35 @@ class TalkerEngine(SlotScheduledEngine):
         if isinstance(payload, TextRow):
             if state.text_done:
                 raise ValueError("text row after the end of the text")
-            with torch.inference_mode(), self.kernels():
-                embedding = payload.embedding.to(self.device, self.dtype)  # any dtype the thinker sent
-                state.rows.append(self.model.text_projection(embedding.view(1, 1, -1)))
+            state.raw.append(payload.embedding)  # projected with the others before the next step
         else:
             end_text(state, payload)
         refresh_ready(self.scheduler, self._requests, [request_id])
 
     def after_step(self, plan) -> None:
         refresh_ready(self.scheduler, self._requests, plan.prefill + plan.decode)
+
+    def _step(self) -> StepResult:
+        self._project_text()
+        return super()._step()
+
+    @torch.inference_mode()
+    def _project_text(self) -> None:
+        """The text rows that arrived since the last step, every request's, through the text
+        projection at once: one upload (pinned, not waited for on cuda) and one projection, each
+        row's bits as projected alone where exact batching is on (`batch_invariant`); before, each
+        row was its own blocking upload and projection as it arrived."""
+        waiting = [state for state in self._requests.values() if state.raw]
+        if not waiting:
+            return
+        rows = torch.stack([row.to(self.dtype) for state in waiting for row in state.raw])  # any dtype the thinker sent
+        with batch_invariant(self.engine_config.exact_batching):
+            projected = self.model.text_projection(upload(rows, self.device)[:, None])  # [N, 1, H]
+        start = 0
+        for state in waiting:
+            state.rows += projected[start:start + len(state.raw)].split(1)
+            start += len(state.raw)
+            state.raw = []
 
     def abort(self, request_id: str) -> None:
         super().abort(request_id)

@@ -82,10 +82,14 @@ class Draw:
 
 
 def to_device(values, dtype, device) -> torch.Tensor:
-    """A host list as a device tensor without a blocking copy: pinned and non-blocking on cuda (the
-    copy is queued on the stream, the host goes on); elsewhere the same call, non-blocking (on the
-    meta device, where tests count a step's copies, it reads as cuda's does)."""
-    host = torch.tensor(values, dtype=dtype)
+    """A host list as a device tensor without a blocking copy (`upload`)."""
+    return upload(torch.tensor(values, dtype=dtype), device)
+
+
+def upload(host: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on the device without a blocking copy: pinned and non-blocking on cuda (the copy
+    is queued on the stream, the host goes on); elsewhere the same call, non-blocking (on the meta
+    device, where tests count a step's copies, it reads as cuda's does)."""
     device = torch.device(device)
     if device.type == "cpu":
         return host
