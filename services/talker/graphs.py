@@ -96,7 +96,7 @@ class PredictorGraphs:
     def predict(self, past_hidden: torch.Tensor, codes0: torch.Tensor):
         """past_hidden [B, 1, H], codes0 [B, 1] -> (codes [B, num_groups] long, embeds [B, 1, H]),
         or None when not handled (graphs off or failed, batch above the largest bucket)."""
-        if not self.runner.enabled or plan_padding(codes0.shape[0], self.settings.buckets) is None:
+        if not self.runner.enabled or self.runner.plan(codes0.shape[0], self.settings.buckets) is None:
             return None
         return self.run_padded(past_hidden, codes0)
 

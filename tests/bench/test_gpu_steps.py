@@ -31,12 +31,6 @@ def test_graph_runners_are_found_behind_hooks_and_bound_methods():
     assert gpu_steps.find_runners(SimpleNamespace(model=torch.nn.Linear(2, 2))) == []
 
 
-def test_on_cpu_the_forward_timer_is_left_as_it_is():
-    timer = SimpleNamespace(sync=None)
-    with gpu_steps.timed_forwards(SimpleNamespace(timer=timer), cuda=False):
-        assert timer.sync is None
-
-
 @pytest.mark.slow
 def test_the_cpu_dry_run_writes_each_stage_phases(tiny_checkpoint, tmp_path):
     code = gpu_steps.main(["--checkpoint", str(tiny_checkpoint), "--out", str(tmp_path), "--device", "cpu",

@@ -127,3 +127,13 @@ def test_replayed_graph_equals_the_eager_call_on_cuda():
         (got,) = runner((batch,), x)
         torch.testing.assert_close(got, torch.relu(x @ weight.t()))
     assert runner.stats.captures == 3 and runner.stats.replays == 4 and runner.stats.failed is None
+
+
+def test_a_batch_above_the_largest_bucket_is_left_to_the_eager_step_logged_once(caplog):
+    runner = GraphRunner(lambda x: x, enabled=False, name="thinker decode")
+    with caplog.at_level("WARNING"):
+        assert runner.plan(3, (1, 2, 4)) == PaddingPlan(3, 4)
+        assert runner.plan(9, (1, 2, 4)) is None and runner.plan(12, (1, 2, 4)) is None
+    said = [r.getMessage() for r in caplog.records if "above the largest CUDA graph bucket" in r.getMessage()]
+    assert said == ["thinker decode: a batch of 9 is above the largest CUDA graph bucket (4): such batches run "
+                    "eagerly, batched (logged once)"]

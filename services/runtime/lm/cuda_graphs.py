@@ -86,6 +86,7 @@ class GraphStats:
     replays: int = 0
     eager_calls: int = 0
     failed: str | None = None  # why capture was given up (first error), if it was
+    said_above: bool = False  # a batch above the largest bucket was logged (once)
     keys: list = field(default_factory=list)  # captured keys, in capture order
 
 
@@ -119,6 +120,15 @@ class GraphRunner:
 
     def has(self, key: Hashable) -> bool:
         return key in self._graphs
+
+    def plan(self, batch: int, buckets: tuple[int, ...]) -> PaddingPlan | None:
+        """`plan_padding`, the first batch above the largest bucket logged (it runs eagerly, batched)."""
+        plan = plan_padding(batch, buckets)
+        if plan is None and not self.stats.said_above:
+            self.stats.said_above = True
+            log.warning("%s: a batch of %d is above the largest CUDA graph bucket (%d): such batches run eagerly, "
+                        "batched (logged once)", self.name, batch, max(buckets))
+        return plan
 
     def __call__(self, key: Hashable, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         entry = self._graphs.get(key) if self.enabled else None

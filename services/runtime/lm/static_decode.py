@@ -153,7 +153,7 @@ class SlotDecodeGraphs:
         the step's outputs for the B real rows (a tuple; drawn: ids and their host view, then the
         step's other outputs, or their host view and what `then` made), with the new token committed
         to every slot."""
-        if not self.runner.enabled or plan_padding(len(slots), self.settings.buckets) is None:
+        if not self.runner.enabled or self.runner.plan(len(slots), self.settings.buckets) is None:
             return None
         return self.run_padded(x, position_ids, slots, rows, more)
 
