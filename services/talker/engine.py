@@ -47,7 +47,7 @@ from services.runtime.lm.packing import CacheRows, Packing
 from services.runtime.lm.prefix.check import PrefixCase, plain_token_ids
 from services.runtime.lm.prefix.keys import row_block_keys
 from services.runtime.lm.prefix.prefill import Forward, Partial, PromptForward, prefill, usable_blocks
-from services.runtime.lm.sampling import SamplingConfig, select_token
+from services.runtime.lm.sampling import SamplingConfig, nonfinite_row, select_token
 from services.talker.code_predictor import CodePredictor
 from services.talker.engine_base import Frame, TalkerDone, TalkerEngineConfig, end_text, refresh_ready
 from services.talker.graphs import PredictorGraphs, frame_after, talker_step
@@ -446,11 +446,12 @@ class TalkerEngine(SlotScheduledEngine):
         events: StepResult = []
         keep: list[int] = []  # rows that go on to make a frame
         for row, (request_id, state) in enumerate(zip(request_ids, states)):
-            if not bool(torch.isfinite(logits[row]).all()):
+            cfg = state.job.sampling
+            code = None if nonfinite_row(logits[row], cfg) else picked[row] if row in picked else \
+                select_token(logits[row], cfg, state.codes, state.generator, self.suppress)
+            if code is None or nonfinite_row(logits[row], cfg, code):
                 events += self.nonfinite(request_id, state.slot)
                 continue
-            code = picked[row] if row in picked else select_token(logits[row], state.job.sampling, state.codes,
-                                                                  state.generator, self.suppress)
             state.codes.append(code)
             if state.seen is None:
                 state.seen = torch.zeros(logits.shape[-1], dtype=torch.bool)

@@ -47,7 +47,7 @@ from services.runtime.lm.packing import CacheRows, Packing
 from services.runtime.lm.prefix.check import PrefixCase
 from services.runtime.lm.prefix.keys import row_block_keys
 from services.runtime.lm.prefix.prefill import Forward, Partial, PromptForward, prefill, usable_blocks
-from services.runtime.lm.sampling import SamplingConfig, select_token
+from services.runtime.lm.sampling import SamplingConfig, nonfinite_row, select_token
 from services.runtime.model.qwen2_5_omni import TALKER_EOS_IDS, talker_prompt_len
 from services.talker.engine_base import Frame, TalkerDone, TalkerEngineConfig, end_text, refresh_ready
 
@@ -279,12 +279,12 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
         picked = self._greedy_codes(states, logits)
         events: StepResult = []
         for row, (request_id, state) in enumerate(zip(request_ids, states)):
-            if not bool(torch.isfinite(logits[row]).all()):
+            cfg = state.job.sampling
+            code = None if nonfinite_row(logits[row], cfg) else picked[row] if row in picked else select_token(
+                logits[row], cfg, torch.nonzero(state.seen).flatten().tolist(), state.generator, self.suppress)
+            if code is None or nonfinite_row(logits[row], cfg, code):
                 events += self.nonfinite(request_id, state.slot)
                 continue
-            code = picked[row] if row in picked else select_token(
-                logits[row], state.job.sampling, torch.nonzero(state.seen).flatten().tolist(), state.generator,
-                self.suppress)
             state.seen[code] = True
             events += self._code_events(request_id, state, code)
         return events

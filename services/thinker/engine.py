@@ -61,7 +61,7 @@ from services.runtime.lm.prefix.prefill import (
     prefill,
     usable_blocks,
 )
-from services.runtime.lm.sampling import SamplingConfig, select_token
+from services.runtime.lm.sampling import SamplingConfig, nonfinite_row, select_token
 from services.runtime.model.settings import CheckSettings, GraphSettings
 from services.thinker.graphs import thinker_step
 
@@ -548,9 +548,9 @@ class ThinkerEngine(SlotScheduledEngine):
                 embedding: torch.Tensor | None = None, reply: torch.Tensor | None = None) -> StepResult:
         """`token` / `embedding`: already picked / looked up for this row (`_greedy_rows`); `reply`:
         what the event carries for the token before (Qwen2.5-Omni)."""
-        if logits is not None and not bool(torch.isfinite(logits).all()):
-            return self.nonfinite(request_id, request.slot)
         cfg = request.job.sampling
+        if logits is not None and nonfinite_row(logits, cfg):
+            return self.nonfinite(request_id, request.slot)
         forced = request.job.forced_ids
         if forced:
             token = forced[len(request.generated)]
@@ -558,6 +558,8 @@ class ThinkerEngine(SlotScheduledEngine):
             history = (request.job.prompt.input_ids[0].tolist() + request.generated
                        if cfg.repetition_penalty != 1.0 else [])
             token = select_token(logits, cfg, history, request.generator)
+        if logits is not None and nonfinite_row(logits, cfg, token):
+            return self.nonfinite(request_id, request.slot)
         request.generated.append(token)
         index = len(request.generated) - 1
         last = token in self.eos_ids or self.scheduler.reaches_length(request_id)

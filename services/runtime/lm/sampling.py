@@ -7,6 +7,7 @@ Greedy (temperature unset, 0, or below `GREEDY_BELOW`) is bit-exact with transfo
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 
@@ -102,3 +103,13 @@ def select_token(
         return int(torch.argmax(scores))
     probs = torch.softmax(scores, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def nonfinite_row(logits: torch.Tensor, cfg: SamplingConfig, token: int | None = None) -> bool:
+    """Whether a row's logits [vocab] (on the host) hold NaN or inf, as far as its draw reads them:
+    a sampled row's whole row, before drawing (a draw from NaN probabilities raises); a greedy row's
+    picked logit (`token`), one read instead of a pass over the vocabulary: argmax propagates NaN (a
+    row holding one picks it), +inf is its own maximum, and a row of -inf picks -inf."""
+    if token is None:
+        return not cfg.greedy and not bool(torch.isfinite(logits).all())
+    return not math.isfinite(float(logits[token]))

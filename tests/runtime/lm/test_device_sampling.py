@@ -171,3 +171,18 @@ def test_a_captured_steps_op_set_draws_what_the_rows_own_draws():
             want = own.sample(logits[:len(draws)], rows, remember=False)
             got = captured.sample(logits[:len(draws)], Rows.captured(rows.params, variant_run), remember=False)
             assert torch.equal(got, want), (variant, variant_run)
+
+
+def test_the_host_path_reads_a_greedy_rows_pick_and_a_sampled_rows_whole_row():
+    from services.runtime.lm.sampling import nonfinite_row
+
+    greedy, sampled = SamplingConfig(), SamplingConfig(temperature=0.8)
+    row = _logits(1, seed=9)[0]
+    assert not nonfinite_row(row, sampled) and not nonfinite_row(row, greedy, int(row.argmax()))
+    for bad in (float("nan"), float("inf")):
+        poisoned = row.clone()
+        poisoned[11] = bad
+        assert nonfinite_row(poisoned, sampled)  # before drawing
+        assert not nonfinite_row(poisoned, greedy)  # a greedy row is read at its pick
+        assert nonfinite_row(poisoned, greedy, int(torch.argmax(poisoned)))  # argmax takes the NaN or the inf
+    assert nonfinite_row(torch.full((VOCAB,), float("-inf")), greedy, 0)
