@@ -5,6 +5,7 @@ answers, then runs to its end; text-only requests and short speech are not held 
 from __future__ import annotations
 
 import grpc
+import pytest
 
 from omni.v1 import common_pb2, stages_pb2_grpc
 from services.thinker.server import AUDIO_FIRST_HOLD_S, AUDIO_FIRST_MARGIN
@@ -12,6 +13,8 @@ from services.tools.client import build_request, collect
 
 FIRST_CHUNK = 4  # the talker's default --first-chunk-frames
 TOKENS = 32
+
+pytestmark = pytest.mark.slow  # a stack of its own (about 30 s on 2 cores): make test-slow
 
 
 def text_before_first_audio(omni, request):

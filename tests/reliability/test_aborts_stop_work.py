@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from services.tools.client import build_request
 from services.tools.soak import Call, CancelPoint, CancelWhen, read_loads
 
@@ -21,6 +23,8 @@ from .support import assert_recovered
 
 TALKER_FRAMES = 300  # long enough that the remaining time dwarfs the stages' reaction time
 TEXT_TOKENS = 1000
+
+pytestmark = pytest.mark.slow  # a stack of its own and each request run twice (about 40 s): make test-slow
 
 
 def busy_stages(stack) -> set[str]:

@@ -7,10 +7,14 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from services.tools.client import build_request
 from services.tools.soak import Call, read_load
 
 from .support import MAX_IN_FLIGHT, assert_recovered
+
+pytestmark = pytest.mark.slow  # a stack of two talkers, one killed under load (about 20 s): make test-slow
 
 
 def router_view(stack) -> dict[str, float]:

@@ -20,6 +20,7 @@ from .support import assert_recovered
 MEMORY_GROWTH_MB = 32.0  # a stage's or the router's RSS growth over the short soak, first window to last
 
 
+@pytest.mark.slow  # about 11 s on 2 cores: make test-slow
 def test_a_short_soak_reports_nothing_leaked_or_hung(stack, omni, capsys):
     watch = [arg for name in ("thinker-0", "talker-0", "code2wav-0", "router")
              for arg in ("--watch-pid", f"{name}={stack.popen(name).pid}")]

@@ -507,8 +507,10 @@ class _Poisoned(Pipeline):
                          for item in [queue.pop() for _ in range(len(queue))][::-1])
 
 
-@pytest.mark.parametrize("device_sampling", [False, True], ids=["host", "device"])
-@pytest.mark.parametrize("where", ["thinker", "talker"])
+@pytest.mark.parametrize(("where", "device_sampling"), [
+    ("thinker", False), ("talker", True),
+    pytest.param("thinker", True, marks=pytest.mark.slow), pytest.param("talker", False, marks=pytest.mark.slow)],
+    ids=["thinker-host", "talker-device", "thinker-device", "talker-host"])
 def test_non_finite_logits_end_their_request_alone(stages, builder, messages, expected, where, device_sampling):
     # NaN reaching a request's logits (a bad weight or input) ends that request with RequestFailed (the
     # loop's INTERNAL naming the stage), its slot wiped; no crash, the others still equal generate.
