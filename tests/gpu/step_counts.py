@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from services.runtime.inputs.prompt import PromptInputs
-from services.runtime.lm.cuda_graphs import _as_tuple
+from services.runtime.lm.cuda_graphs import _as_tuple, plan_padding
 from services.runtime.lm.sampling import SamplingConfig
 from services.runtime.lm.static_decode import SlotDecodeGraphs
 from services.runtime.model.checkpoint import Stage, _stage_classes
@@ -235,6 +235,10 @@ class CountedRunner:
         with self.counter.graph():
             outputs = _as_tuple(self.fn(*static))
         return tuple(o.clone() for o in outputs)
+
+    @staticmethod
+    def plan(batch: int, buckets: tuple[int, ...]):
+        return plan_padding(batch, buckets)
 
     def summary(self) -> str:
         return "counted"
