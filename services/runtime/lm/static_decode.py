@@ -128,7 +128,8 @@ class SlotDecodeGraphs:
 
     @torch.inference_mode()
     def capture_all(self, example_row: torch.Tensor) -> None:
-        """Capture every (bucket, span) at start-up. example_row: one row of the step's first input
+        """Capture every (bucket, span) at start-up, the greedy variant where the graphs draw (the
+        others when first used). example_row: one row of the step's first input
         ([1, 1] ids or [1, 1, H] embeddings). Every row writes only to the scratch slot."""
         for bucket in self.settings.buckets:
             x = example_row.to(self.device).expand(bucket, *example_row.shape[1:]).contiguous()
