@@ -14,8 +14,7 @@ whatever comes next (the sampling that first reads their result). The engines on
 the outermost block records an event on the device's stream as it starts and one as it ends, and
 `take` adds the device time between them, read once the step's own copy to the host has waited
 for the stream, so timing adds no wait to a step (it counts the gaps between the forward's
-kernels too: what the forward held the device for). `sync` instead makes the block wait for the
-device as it starts and ends (a host-clock measure of the same span, two syncs a forward).
+kernels too: what the forward held the device for).
 """
 
 from __future__ import annotations
@@ -26,10 +25,9 @@ from typing import Any
 
 
 class ForwardTimer:
-    def __init__(self, sync: Callable[[], None] | None = None, clock: Callable[[], Any] | None = None):
+    def __init__(self, clock: Callable[[], Any] | None = None):
         self.seconds = 0.0
         self.calls = 0
-        self.sync = sync  # waits for the device's queued work; None on CPU, where a call returns when it is done
         self.clock = clock  # makes a device event (record, synchronize, elapsed_time in ms); None: the host clock
         self._depth = 0
         self._start = 0.0
@@ -38,8 +36,6 @@ class ForwardTimer:
 
     def __enter__(self):
         if self._depth == 0:
-            if self.sync is not None:
-                self.sync()
             self._start = time.perf_counter()
             if self.clock is not None:
                 self._start_event = self.clock()
@@ -50,8 +46,6 @@ class ForwardTimer:
     def __exit__(self, *exc):
         self._depth -= 1
         if self._depth == 0:
-            if self.sync is not None:
-                self.sync()
             if self.clock is not None:
                 end = self.clock()
                 end.record()
