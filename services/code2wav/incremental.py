@@ -65,6 +65,7 @@ from services.base.stages import Stage
 from services.code2wav.blocks import Block, BlockGrid
 from services.code2wav.vocoder import VocoderGeometry
 from services.runtime.lm.cuda_graphs import GraphRunner, pick_bucket
+from services.runtime.model.device import upload
 from services.runtime.model.settings import GraphSettings
 
 log = logging.getLogger(__name__)
@@ -461,11 +462,6 @@ class IncrementalVocoder:
             self._runners.clear()
             self._captured_on = now
 
-    def _upload(self, ints: torch.Tensor) -> torch.Tensor:
-        if self._device.type == "cuda":  # pinned: the copy does not wait for the device
-            return ints.pin_memory().to(self._device, non_blocking=True)
-        return ints.to(self._device)
-
     def _run(self, first: bool, rows: bool, ints: torch.Tensor) -> torch.Tensor:
         """The call on the device: replayed from the graph of its (shape, bucket), the batch padded
         with rows that read and write the scratch row; else eagerly over the batch as it is."""
@@ -473,9 +469,9 @@ class IncrementalVocoder:
         bucket = self._bucket(batch)
         runner = self._runner(first, rows, ints.shape[1], bucket)
         if runner is None:
-            return self._step(first, rows, self._upload(ints))
+            return self._step(first, rows, upload(ints, self._device))
         padded = torch.cat([ints, self._padding(ints.shape[1], bucket - batch)]) if bucket > batch else ints
-        (wav,) = runner((ints.shape[1], bucket), self._upload(padded))
+        (wav,) = runner((ints.shape[1], bucket), upload(padded, self._device))
         return wav[:batch]
 
     def _bucket(self, batch: int) -> int | None:
@@ -498,7 +494,7 @@ class IncrementalVocoder:
             runner = self._runners[first, rows] = GraphRunner(
                 partial(self._step, first, rows), True, f"{Stage.CODE2WAV} incremental", max_graphs=1 << 10)
         if runner.enabled and not runner.has((width, bucket)):
-            runner.capture((width, bucket), self._upload(self._padding(width, bucket)))
+            runner.capture((width, bucket), upload(self._padding(width, bucket), self._device))
         return runner if runner.enabled else None
 
     def _padding(self, width: int, rows: int) -> torch.Tensor:

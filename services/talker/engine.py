@@ -37,8 +37,6 @@ from services.runtime.lm.device_sampling import (
     device_sampling_wanted,
     draw_key,
     mark_nonfinite,
-    to_device,
-    upload,
 )
 from services.runtime.lm.engine import SlotScheduledEngine
 from services.runtime.lm.invariance import experts_modules, linear_weights
@@ -48,6 +46,7 @@ from services.runtime.lm.prefix.check import PrefixCase, plain_token_ids
 from services.runtime.lm.prefix.keys import row_block_keys
 from services.runtime.lm.prefix.prefill import Forward, Partial, PromptForward, prefill, usable_blocks
 from services.runtime.lm.sampling import SamplingConfig, nonfinite_row, select_token
+from services.runtime.model.device import to_device, upload
 from services.talker.code_predictor import CodePredictor
 from services.talker.engine_base import Frame, TalkerDone, TalkerEngineConfig, end_text, refresh_ready
 from services.talker.graphs import PredictorGraphs, frame_after, talker_step

@@ -38,7 +38,6 @@ from services.runtime.lm.device_sampling import (
     device_sampling_wanted,
     draw_key,
     mark_nonfinite,
-    to_device,
 )
 from services.runtime.lm.engine import SlotScheduledEngine
 from services.runtime.lm.invariance import linear_weights
@@ -48,6 +47,7 @@ from services.runtime.lm.prefix.check import PrefixCase
 from services.runtime.lm.prefix.keys import row_block_keys
 from services.runtime.lm.prefix.prefill import Forward, Partial, PromptForward, prefill, usable_blocks
 from services.runtime.lm.sampling import SamplingConfig, nonfinite_row, select_token
+from services.runtime.model.device import to_device
 from services.runtime.model.qwen2_5_omni import TALKER_EOS_IDS, talker_prompt_len
 from services.talker.engine_base import Frame, TalkerDone, TalkerEngineConfig, end_text, refresh_ready
 

@@ -43,7 +43,6 @@ from services.runtime.lm.device_sampling import (
     device_sampling_wanted,
     draw_key,
     mark_nonfinite,
-    to_device,
 )
 from services.runtime.lm.engine import SlotScheduledEngine
 from services.runtime.lm.invariance import experts_modules, linear_weights
@@ -62,6 +61,7 @@ from services.runtime.lm.prefix.prefill import (
     usable_blocks,
 )
 from services.runtime.lm.sampling import SamplingConfig, nonfinite_row, select_token
+from services.runtime.model.device import to_device
 from services.runtime.model.settings import CheckSettings, GraphSettings
 from services.thinker.graphs import thinker_step
 

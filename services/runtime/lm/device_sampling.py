@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from services.runtime.lm.sampling import SamplingConfig
+from services.runtime.model.device import to_device
 
 _MASK32 = 0xFFFFFFFF
 
@@ -79,23 +80,6 @@ class Draw:
     key: int = 0
     counter: int = 0
     forced: int = -1  # an id to take instead of drawing (-1: draw)
-
-
-def to_device(values, dtype, device) -> torch.Tensor:
-    """A host list as a device tensor without a blocking copy (`upload`)."""
-    return upload(torch.tensor(values, dtype=dtype), device)
-
-
-def upload(host: torch.Tensor, device) -> torch.Tensor:
-    """A host tensor on the device without a blocking copy: pinned and non-blocking on cuda (the copy
-    is queued on the stream, the host goes on); elsewhere the same call, non-blocking (on the meta
-    device, where tests count a step's copies, it reads as cuda's does)."""
-    device = torch.device(device)
-    if device.type == "cpu":
-        return host
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
 
 
 VARIANTS = ("greedy", "sampled", "truncated")  # the sampler's op sets a captured step is made for

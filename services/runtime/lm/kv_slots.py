@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.runtime.lm.device_sampling import to_device
 from services.runtime.lm.kernels import RowKV, SlotSpan
+from services.runtime.model.device import to_device
 
 
 class SlotKVCache:

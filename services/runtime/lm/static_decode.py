@@ -31,9 +31,10 @@ from collections.abc import Callable
 import torch
 
 from services.runtime.lm.cuda_graphs import GraphRunner, pad_rows, plan_padding
-from services.runtime.lm.device_sampling import VARIANTS, Rows, SlotSampler, idle_params, mark_nonfinite, to_device
+from services.runtime.lm.device_sampling import VARIANTS, Rows, SlotSampler, idle_params, mark_nonfinite
 from services.runtime.lm.kernels import SlotSpan, batch_invariant
 from services.runtime.lm.kv_slots import SlotKVCache
+from services.runtime.model.device import to_device
 from services.runtime.model.settings import GraphSettings
 
 log = logging.getLogger(__name__)
