@@ -24,6 +24,7 @@ def assert_engines_empty(meter: FloorMeter) -> None:
         assert engine.running == 0 and engine.queue_depth == 0 and not engine.has_work()
 
 
+@pytest.mark.slow  # 7 s: a burst through the in-process floor: make test-slow (CI)
 def test_every_request_of_a_burst_reaches_its_first_audio_and_nothing_is_left(meter):
     prompts = built_in_prompts()[:5]
     times = meter.measure_burst(prompts)

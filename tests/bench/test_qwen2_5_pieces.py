@@ -15,7 +15,8 @@ from services.tools.reference import ReferenceRunner
 MAX_TEXT, MAX_TALKER = 8, 12
 SAMPLES_PER_CODE = 480  # Token2Wav: 2 mel frames a code, 240 samples a mel frame, at 24 kHz
 
-pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.filterwarnings("ignore::UserWarning")]
+# 11 s of Qwen2.5-Omni reference and floor runs: make test-slow (CI).
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread"), pytest.mark.filterwarnings("ignore::UserWarning")]
 
 
 @pytest.fixture(scope="module")

@@ -68,6 +68,7 @@ def feed(engine, frames: dict[str, torch.Tensor], start: int, stop: int, steps: 
                 audio[request_id].append(event.samples)
 
 
+@pytest.mark.slow  # 10 s: the start-up check runs under live streams: make test-slow (CI)
 @pytest.mark.exactness
 def test_streams_that_span_the_switch_to_the_checked_plan_get_their_alone_bits(loaded, tmp_path):
     make = Gated(loaded)
@@ -121,6 +122,7 @@ class Recording(IncrementalVocoder):
         return super().decode(blocks, states, rows)
 
 
+@pytest.mark.slow  # 9 s: the whole start-up check: make test-slow (CI)
 def test_the_check_decodes_no_batch_a_call_could_not_hold(loaded):
     frames = {}
     for max_frames in (64, 0):

@@ -269,6 +269,7 @@ def test_concurrent_requests_each_equal_their_own_forward(model, voice, codes, f
     assert engine.running == 0
 
 
+@pytest.mark.slow  # 17 s of Token2Wav (Qwen2.5-Omni) windows; test-portable runs it too: make test-slow (CI)
 @pytest.mark.exactness
 def test_exact_mode_gives_each_request_the_bits_it_gets_alone_whatever_else_decodes(model, voice, codes):
     """What a migrated request's replay needs: the same audio, bit for bit, whatever was ready beside

@@ -49,6 +49,7 @@ def test_at_light_load_every_thread_runs_where_the_layout_put_it(stack, layout):
     assert frozenset(os.sched_getaffinity(0)) == talker_cpus | rest  # the caller itself is not placed
 
 
+@pytest.mark.slow  # 8 s of load to cross the light-load bound: make test-slow (CI)
 def test_above_light_load_the_talker_may_run_anywhere_and_comes_back(stack, layout):
     (talker_cpus,), rest = layout
     talker = stack.processes["talker-0"].popen.pid

@@ -87,6 +87,7 @@ def test_bf16_talker_takes_float32_thinker_tensors(bf16, tiny_checkpoint, reques
     assert_whole_valid_frames(config, tokens, frames, done, {"audio": requests["audio"]})
 
 
+@pytest.mark.slow  # 9 s of bf16 code2wav on the CPU: make test-slow (CI)
 def test_bf16_code2wav_streams_finite_audible_audio(bf16):
     config = bf16[Stage.CODE2WAV].config
     engine = Qwen3Code2WavAdapter(bf16[Stage.CODE2WAV], Code2WavConfig(serving=ServingConfig(),

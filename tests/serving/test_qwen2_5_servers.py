@@ -49,6 +49,7 @@ def test_each_server_has_an_adapter_for_every_family():
     assert talker_server.ADAPTERS[Family.QWEN2_5_OMNI].engine is Qwen2_5TalkerEngine
 
 
+@pytest.mark.slow  # 6 s of servers; the Qwen2.5 engines' exactness stays in make test: make test-slow (CI)
 @pytest.mark.exactness
 def test_concurrent_requests_over_grpc_equal_generate(tiny_qwen2_5_checkpoint):
     files = media()

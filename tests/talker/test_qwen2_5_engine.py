@@ -61,7 +61,8 @@ class Setup:
                                   case.talker_max_new_tokens, eos_ids)
 
 
-@pytest.fixture(scope="module", params=["tiny", "wide"])
+# The wide checkpoint's runs (14 s of the two cores) in make test-slow (CI); the tiny one's here.
+@pytest.fixture(scope="module", params=["tiny", pytest.param("wide", marks=pytest.mark.slow)])
 def setup(request) -> Setup:
     fixture = {"tiny": "tiny_qwen2_5_checkpoint", "wide": "tiny_qwen2_5_checkpoint_wide"}[request.param]
     return Setup(request.getfixturevalue(fixture))
@@ -195,6 +196,7 @@ def alone(tiny) -> dict:
     return {case.request_id: Pipeline(tiny, slots=1).run([replace(case, join_step=0)]) for case in CASES}
 
 
+@pytest.mark.slow  # 5 s; the in-process concurrency test keeps Qwen2.5 in make test: make test-slow (CI)
 @pytest.mark.exactness
 def test_sixteen_concurrent_requests_through_the_wire_messages_equal_generate(tiny):
     # The stage-to-stage contract: TalkerStart fields 13-14 and TextToken.reply, serialized and

@@ -56,6 +56,7 @@ def test_batched_requests_equal_the_reference_through_column_tiles(wide_checkpoi
     assert_clean(pipe)
 
 
+@pytest.mark.slow  # 7 s; the column-tile test above keeps the wide layout in make test: make test-slow (CI)
 def test_batched_requests_through_the_invariant_gemm_equal_generate_through_it(wide_checkpoint, stages):
     # --exact-batching gemm at width, where its weight reuse matters: against generate run through
     # the same op (its bits are not MKL's); the default mode is compared with plain generate above.

@@ -58,7 +58,8 @@ class Setup:
                                  talker, voice_bos_token=bos)
 
 
-@pytest.fixture(scope="module", params=["tiny", "wide"])
+# The wide checkpoint's runs (14 s of the two cores) in make test-slow (CI); the tiny one's here.
+@pytest.fixture(scope="module", params=["tiny", pytest.param("wide", marks=pytest.mark.slow)])
 def setup(request) -> Setup:
     fixture = {"tiny": "tiny_qwen2_5_checkpoint", "wide": "tiny_qwen2_5_checkpoint_wide"}[request.param]
     return Setup(request.getfixturevalue(fixture))

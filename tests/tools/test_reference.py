@@ -198,6 +198,7 @@ def cli_runs(tiny_checkpoint, cli_tmp):
     return runs
 
 
+@pytest.mark.slow  # 13 s with the next: two CLI processes (cli_runs): make test-slow (CI)
 def test_cli_json_prints_one_object_and_writes_a_wav(cli_runs, cli_tmp):
     import soundfile as sf
 
@@ -227,6 +228,7 @@ def assert_one_error_line(stderr: str, expected: str) -> None:
     assert expected in errors[0], errors[0]
 
 
+@pytest.mark.slow  # shares cli_runs with the test above: make test-slow (CI)
 def test_cli_process_exits_2_with_one_error_line(cli_runs):
     run = cli_runs[SUBPROCESS_ERROR_CASE]
     assert run.returncode == 2, run.stderr

@@ -248,6 +248,7 @@ def eos_model(tmp_path_factory):
         transformers.logging.set_verbosity(verbosity)
 
 
+@pytest.mark.slow  # 5 s: a checkpoint of its own: make test-slow (CI)
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_eos_variant_ends_both_lms_before_their_limits(eos_model, tokenizer):
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")

@@ -178,6 +178,7 @@ print(json.dumps({"growth": status("VmHWM") - start, "bound": build_bytes(builde
 """
 
 
+@pytest.mark.slow  # 12 s: a process of its own that builds a 4K video: make test-slow (CI)
 def test_memory_to_build_a_video_at_the_pixel_bound_is_the_documented_bound(tiny_checkpoint):
     """A 3840x2160 video (exactly the default --max-video-pixels), 4 frames sampled, built in a
     process of its own (so that the heap is the build's alone): the peak resident growth stays
