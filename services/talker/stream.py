@@ -81,6 +81,10 @@ class TalkerStream:
             raise
         except Exception as exc:  # a failed engine, code2wav or text stream: one status for the caller
             outcome = self.failed(exc)
+            if isinstance(exc, StageUnavailable) and exc.stage != Stage.TALKER:
+                # Named in a message first: the status may not reach a caller still writing (StageFailure).
+                yield stages_pb2.TalkerOutput(failed=stages_pb2.StageFailure(
+                    stage=exc.stage, replica=exc.replica, detail=exc.detail))
             await abort_for(self.context, exc)
         finally:
             self.close(outcome)

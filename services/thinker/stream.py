@@ -166,6 +166,8 @@ class ThinkerStream:
                 self.spans.close("decode", tokens=finished.generated, finish_reason=finished.reason.name)
             case stages_pb2.TalkerOutput() as out if out.HasField("audio"):
                 return self.on_audio(out.audio)
+            case stages_pb2.TalkerOutput() as out if out.HasField("failed"):  # a stage after the talker
+                raise StageUnavailable(out.failed.stage, out.failed.replica, out.failed.detail)
             case stages_pb2.TalkerOutput() as out if out.HasField("codec_frames"):
                 frames = self.resume.codec_frames(out.codec_frames)
                 if frames is not None:
