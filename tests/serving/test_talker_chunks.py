@@ -21,12 +21,14 @@ from services.runtime.lm.sampling import SamplingConfig
 from services.runtime.model.checkpoint import Stage, load_stage
 from services.runtime.model.settings import ModelConfig
 from services.serving.config import ServingConfig
+from services.serving.status import error_info
 from services.serving.wire import audio_from_proto, frames_from_proto
 from services.talker.server import TalkerConfig
 from services.talker.server import create_server as create_talker
 from services.thinker.engine import Prefilled, ThinkerEngine, ThinkerJob, Token
 from services.thinker.qwen3_adapter import Qwen3ThinkerAdapter
 from services.tools.client import build_request
+from services.tools.launcher import free_port
 from tests.serving.inprocess import serving
 
 LOOPBACK = ServingConfig(host="127.0.0.1", port=0, stream_idle_timeout_s=30.0)
@@ -100,3 +102,37 @@ def test_a_talker_slower_than_real_time_sends_the_frames_it_has(tiny_checkpoint,
 def test_with_delivery_ms_zero_the_talker_keeps_to_the_schedule(tiny_checkpoint, talker_stream):
     sizes, samples, frames = chunks_sent(tiny_checkpoint, talker_stream, delivery_ms=0)
     assert sizes == [4, 8] and frames == FRAMES and samples == FRAMES * 1920 - 555
+
+
+def test_a_code2wav_that_cannot_be_reached_is_named_in_a_message_before_the_status(tiny_checkpoint, talker_stream):
+    """No fallback left for code2wav: the talker's last message is a StageFailure naming it, then its
+    UNAVAILABLE status names it too. The message is what a caller still writing text rows gets when
+    its write races the end of the stream and grpc replaces the status with a local INTERNAL one."""
+    start, rows = talker_stream
+    model = ModelConfig(checkpoint=str(tiny_checkpoint))
+    nowhere = f"127.0.0.1:{free_port()}"  # nothing listens there
+
+    async def scenario():
+        async with serving(create_talker, TalkerConfig(serving=LOOPBACK, model=model)) as (talker, _), \
+                grpc.aio.insecure_channel(talker) as channel:
+            first = stages_pb2.TalkerStart()
+            first.CopyFrom(start)
+            first.route.code2wav = nowhere
+            writing = asyncio.Event()
+
+            async def inputs():  # the caller goes on writing: its side stays open
+                yield stages_pb2.TalkerInput(start=first)
+                yield rows[0]
+                await writing.wait()
+
+            outputs = []
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                async for out in stages_pb2_grpc.TalkerStub(channel).Speak(inputs(), timeout=60):
+                    outputs.append(out)
+            writing.set()
+            return outputs, raised.value
+
+    outputs, error = asyncio.run(scenario())
+    assert outputs[-1].WhichOneof("event") == "failed", outputs
+    assert (outputs[-1].failed.stage, outputs[-1].failed.replica) == ("code2wav", nowhere)
+    assert error.code() is grpc.StatusCode.UNAVAILABLE and error_info(error).metadata["stage"] == "code2wav"
