@@ -18,6 +18,7 @@
  * weight is read from memory once per call, not once per row as per-row GEMVs read it.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stddef.h>
 
 #define MR 4
@@ -116,4 +117,18 @@ void omni_gemm_f32(const float *x, ptrdiff_t ldx, const float *w, ptrdiff_t ldw,
         case 1: rows_avx2_1(x + m * ldx, ldx, wp, ldw, bp, out + m * ldo + n0, ldo, np, K); break;
         }
     }
+}
+
+/* The exp-based activations of an exact forward (the talker's shared-expert gate, the MLPs' SiLU):
+ * each element the same scalar function of its own input alone (libm's expf, one add, one
+ * division, in this order), in a plain loop. ATen's CPU kernels run pairs of vectors with Sleef's
+ * exp and a run's last n % (2 * lanes) elements with libm's, which differ in the last bit on a few
+ * % of inputs, so there an element's bits follow the tensor's size (a [T, 1] gate: which rows fall
+ * in the tail). Here no vectors and no threads: nothing about the call can reach an element. */
+void omni_sigmoid_f32(const float *x, float *out, ptrdiff_t n) {
+    for (ptrdiff_t i = 0; i < n; i++) out[i] = 1.0f / (1.0f + expf(-x[i]));
+}
+
+void omni_silu_f32(const float *x, float *out, ptrdiff_t n) {
+    for (ptrdiff_t i = 0; i < n; i++) out[i] = x[i] / (1.0f + expf(-x[i]));
 }

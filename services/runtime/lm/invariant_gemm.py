@@ -30,7 +30,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("invariant_gemm.c")
-_FLAGS = ["-O3", "-shared", "-fPIC", "-fno-fast-math", "-ffp-contract=off"]
+_FLAGS = ["-O3", "-shared", "-fPIC", "-fno-fast-math", "-ffp-contract=off", "-lm"]
 
 
 def _library_name() -> str:
@@ -60,6 +60,9 @@ def build(dest: Path) -> Path:
     return dest
 
 
+ACTIVATIONS = ("sigmoid", "silu")  # the elementwise ops the C file computes one element at a time
+
+
 class _Library:
     def __init__(self, path: Path):
         lib = ctypes.CDLL(str(path))
@@ -70,6 +73,12 @@ class _Library:
                          size, size, size, ctypes.c_int]
         gemm.restype = None
         self.gemm = gemm  # ctypes releases the GIL for the call
+        self.activations = {}  # name -> omni_<name>_f32(x, out, n)
+        for name in ACTIVATIONS:
+            function = getattr(lib, f"omni_{name}_f32")
+            function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, size]
+            function.restype = None
+            self.activations[name] = function
         self.path = path
 
 
@@ -129,6 +138,21 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         lib.gemm(rows.data_ptr(), rows.stride(0) if rows.shape[0] > 1 else k, weight.data_ptr(), weight.stride(0),
                  None if bias is None else bias.data_ptr(), out.data_ptr(), n_out, rows.shape[0], n_out, k, lib.isa)
     return out.view(*input.shape[:-1], n_out)
+
+
+def activation(name: str, input: torch.Tensor) -> torch.Tensor:
+    """sigmoid or silu of a float32 CPU tensor (`covers_elementwise`), each element by the C
+    file's scalar function of its own input: the same bits at any size and place."""
+    source = input.contiguous()
+    out = torch.empty_like(source)
+    if source.numel():
+        load().activations[name](source.data_ptr(), out.data_ptr(), source.numel())
+    return out
+
+
+def covers_elementwise(input: torch.Tensor) -> bool:
+    return (input.dtype == torch.float32 and input.device.type == "cpu"
+            and not (torch.is_grad_enabled() and input.requires_grad))
 
 
 def main() -> None:

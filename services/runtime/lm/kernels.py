@@ -45,6 +45,7 @@ from services.runtime.lm import invariant_gemm
 ROWWISE_ATTENTION = "omni_rowwise"
 INVARIANT_ATTENTION = "omni_invariant"  # --exact-batching gemm's thinker attention (`invariant_attention`)
 _original_linear = F.linear
+_original_activations = {"sigmoid": F.sigmoid, "silu": F.silu}  # torch's own, before `_install`
 _local = threading.local()
 
 
@@ -180,10 +181,54 @@ def _batch_invariant_linear(input: torch.Tensor, weight: torch.Tensor, bias: tor
     return exact_linear(input if input.ndim == 3 else input.unsqueeze(1), weight, bias).view(*input.shape[:-1], -1)
 
 
+# ATen's CPU elementwise loops run whole pairs of vectors and the last n % (2 * lanes) elements of
+# a run through the scalar function (for exp: libm's, not Sleef's; other last bits on about 4 % of
+# inputs). A run is the whole contiguous tensor below ATen's grain size (one thread), a thread's
+# share above it. So a row keeps the bits it has alone only where both runs are whole pairs of the
+# widest vectors (AVX512: 2 x 64 bytes) and the op runs on one thread.
+_WIDEST_PAIR_BYTES = 128
+_ATEN_GRAIN_SIZE = 32768  # at::internal::GRAIN_SIZE
+
+
+def whole_vectors(input: torch.Tensor) -> bool:
+    """An elementwise op over `input` runs every element, and every row's alone, on the vector path."""
+    return (input.is_contiguous() and input.numel() <= _ATEN_GRAIN_SIZE
+            and input.shape[-1] % (_WIDEST_PAIR_BYTES // input.element_size()) == 0)
+
+
+def exact_activation(name: str, input: torch.Tensor) -> torch.Tensor:
+    """An exp-based activation (sigmoid, silu) along this process's exact path. GEMM: the invariant
+    kernels' scalar form for every element (any rows, any size; the reference runs it too). In an
+    exact block, over rows [B, ...] of B requests: one call where every row is whole vectors, else
+    one call per row with the shape the row has alone (ROWS)."""
+    original = _original_activations[name]
+    if exact_kernels().linear is KernelPath.GEMM and invariant_gemm.covers_elementwise(input) \
+            and invariant_gemm.load() is not None:
+        return invariant_gemm.activation(name, input)
+    if not getattr(_local, "active", False) or input.ndim < 2 or input.shape[0] <= 1 or whole_vectors(input):
+        return original(input)
+    return torch.cat([original(input[i:i + 1]) for i in range(input.shape[0])])
+
+
+def _exact_sigmoid(input: torch.Tensor) -> torch.Tensor:
+    return exact_activation("sigmoid", input)
+
+
+def _exact_silu(input: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    out = exact_activation("silu", input)
+    return input.copy_(out) if inplace else out
+
+
+_EXACT_FUNCTIONS = {"linear": _batch_invariant_linear, "sigmoid": _exact_sigmoid, "silu": _exact_silu}
+
+
 def _install() -> None:
-    """Put `_batch_invariant_linear` in F.linear's place, for the process (idempotent)."""
-    if F.linear is not _batch_invariant_linear:
-        F.linear = _batch_invariant_linear
+    """Put the exact linear and activations in torch.nn.functional's place, for the process
+    (idempotent): transformers' modules call F.linear, F.silu (SiLU) and F.sigmoid (the talker's
+    shared-expert gate) through the module."""
+    for name, function in _EXACT_FUNCTIONS.items():
+        if getattr(F, name) is not function:
+            setattr(F, name, function)
 
 
 @contextlib.contextmanager

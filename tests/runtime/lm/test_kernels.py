@@ -456,3 +456,59 @@ def test_batched_experts_leave_small_or_other_layouts_to_the_row_loop():
     module = experts_module(4, 32, 32)
     module.has_bias = True
     assert not batching._batched_experts_cover(module, torch.zeros(2, 32))
+
+
+# Exp-based activations (project issue 55): ATen runs an elementwise op's whole pairs of vectors
+# with Sleef's exp and the run's last n % (2 * lanes) elements with libm's, so over [T, 1] (the
+# talker's shared-expert gate) a row's bits followed T: 16-row steps under AVX2, 32 under AVX512.
+ROW_COUNTS = range(1, 131)  # past two vectors of AVX512 rows, at every cut
+GATE_INPUT = -1.7851719856262207  # one of the inputs whose Sleef and libm sigmoids differ in the last bit
+
+
+def activation_rows(width: int) -> torch.Tensor:
+    x = torch.randn(max(ROW_COUNTS), width, generator=torch.Generator().manual_seed(width)) * 3
+    x[::5] = GATE_INPUT
+    return x
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("gemm", [False, True], ids=["rows", "gemm"])
+@pytest.mark.parametrize("width", [1, 16, 40, 64])
+@pytest.mark.parametrize("name", ["sigmoid", "silu"])
+def test_exact_activations_give_every_row_its_alone_bits_at_any_row_count(name, width, gemm, threads):
+    """Through F (as transformers calls them) in an exact block: [T, width] for T = 1..130 equals
+    each row alone, as its own request computes it (ROWS: torch's op on [1, width]; GEMM: the
+    invariant kernels' op, which the reference runs too)."""
+    x = activation_rows(width)
+    kernels = batching.GEMM_KERNELS if gemm else ExactKernels()
+    with using_kernels(kernels), batch_invariant():
+        function = getattr(F, name)
+        alone = torch.cat([function(x[i:i + 1]) for i in range(x.shape[0])])
+        for rows in ROW_COUNTS:
+            assert torch.equal(function(x[:rows]), alone[:rows]), f"{rows} rows"
+    if not gemm:  # ROWS' alone bits are torch's own
+        original = batching._original_activations[name]
+        assert torch.equal(alone, torch.cat([original(x[i:i + 1]) for i in range(x.shape[0])]))
+
+
+def test_plain_torch_sigmoid_over_rows_follows_the_row_count_where_it_vectorizes():
+    """Why the exact activations exist: torch's own sigmoid over [T, 1] gives some row other bits
+    than alone for some T (any capability but the portable one, whose vector exp is libm's)."""
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        pytest.skip("the portable kernels compute vectors with the scalar exp")
+    x = activation_rows(1)
+    original = batching._original_activations["sigmoid"]
+    alone = torch.cat([original(x[i:i + 1]) for i in range(x.shape[0])])
+    assert any(not torch.equal(original(x[:rows]), alone[:rows]) for rows in ROW_COUNTS)
+
+
+def test_whole_vector_rows_run_in_one_call_and_others_row_by_row(monkeypatch):
+    calls = []
+    original = batching._original_activations["silu"]
+    monkeypatch.setitem(batching._original_activations, "silu", lambda x: calls.append(tuple(x.shape)) or original(x))
+    with batch_invariant():
+        F.silu(torch.zeros(8, 1, 64))
+        assert calls == [(8, 1, 64)]
+        calls.clear()
+        F.silu(torch.zeros(3, 1, 40))
+        assert calls == [(1, 1, 40)] * 3

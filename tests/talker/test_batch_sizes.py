@@ -1,0 +1,99 @@
+"""A talker decode batch of any size gives every row the bits it gets alone (project issue 55).
+
+On an AVX512 CPU ATen runs an elementwise op's whole pairs of 16-float vectors with Sleef's exp and
+the rest of the run with libm's, so an op over [B, 1] (the shared-expert gate's sigmoid) gave row
+32 of a 33-row batch other bits than alone; under AVX2 the step is 16 rows. No test ran a batch past
+16 rows, so none saw it. Here the engine decodes batches at and past both steps (1 to 64 rows), in
+per-row mode (`on`: each row against its own alone run) and through the invariant kernels (`gemm`),
+and every request's codes and every step's logits must equal its alone run's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.runtime.lm.sampling import SamplingConfig
+from services.runtime.model.checkpoint import Stage, load_stage
+from services.runtime.model.qwen3_omni import talker_prompt_len
+from services.talker.engine import TalkerEngine, TalkerJob, TextRow
+from services.talker.engine_base import Frame, TalkerDone, TalkerEngineConfig, TextEnd
+
+pytestmark = [pytest.mark.exactness, pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.filterwarnings("ignore::UserWarning")]
+
+SIZES = (1, 15, 16, 17, 31, 32, 33, 48, 64)  # at, below and past 1 and 2 vectors of AVX2 and AVX512 rows
+FRAMES = 3
+REPETITION_PENALTY = 1.05  # the talker service's default
+
+
+@pytest.fixture(scope="module")
+def talker(tiny_checkpoint):
+    return load_stage(tiny_checkpoint, Stage.TALKER)
+
+
+def job(config, seed: int) -> tuple[TalkerJob, list]:
+    """A talker job of its own length (the thinker's outputs as seeded stand-ins) and its text rows."""
+    hidden = config.thinker_config.text_config.hidden_size
+    gen = torch.Generator().manual_seed(seed)
+    ids = ([config.im_start_token_id, config.user_token_id] + list(range(20, 20 + 5 + seed % 11))
+           + [config.im_start_token_id, config.assistant_token_id, 23])
+    talker_job = TalkerJob(prompt_token_ids=ids, prompt_embeds=torch.randn(len(ids), hidden, generator=gen),
+                           multimodal_positions=[], multimodal_hidden=torch.zeros(0, hidden),
+                           tts_embeds=torch.randn(3, hidden, generator=gen),
+                           speaker_id=int(next(iter(config.talker_config.speaker_id.values()))),
+                           sampling=SamplingConfig(max_new_tokens=FRAMES + 1, repetition_penalty=REPETITION_PENALTY),
+                           prompt_len=talker_prompt_len(ids, config))
+    return talker_job, [TextRow(torch.randn(hidden, generator=gen)) for _ in range(2)] + [TextEnd()]
+
+
+def run(engine: TalkerEngine, jobs: dict) -> dict:
+    """Every job at once through `engine` -> request_id -> (frames, each step's logits); every
+    decode step after the prefills runs all of them together (asserted)."""
+    logits: dict[str, list[torch.Tensor]] = {rid: [] for rid in jobs}
+    batches: list[int] = []  # rows of each forward
+    frames: dict[str, list[list[int]]] = {rid: [] for rid in jobs}
+    after_forward = engine._after_forward
+
+    def recording(request_ids, states, step_logits, *rest, **more):
+        batches.append(len(request_ids))
+        for rid, row in zip(request_ids, step_logits):
+            logits[rid].append(row.detach().clone())
+        return after_forward(request_ids, states, step_logits, *rest, **more)
+
+    engine._after_forward = recording
+    try:
+        for rid, (talker_job, inputs) in jobs.items():
+            engine.add(rid, talker_job)
+            for payload in inputs:
+                engine.add_input(rid, payload)
+        done = set()
+        while engine.has_work():
+            for rid, event in engine.step():
+                if isinstance(event, Frame):
+                    frames[rid].append(event.codes.tolist())
+                elif isinstance(event, TalkerDone):
+                    done.add(rid)
+        assert done == set(jobs) and engine.running == 0
+        assert batches.count(len(jobs)) >= FRAMES, f"decode batches {batches}: never {len(jobs)} rows"
+    finally:
+        engine._after_forward = after_forward
+    return {rid: (frames[rid], logits[rid]) for rid in jobs}
+
+
+@pytest.mark.parametrize("gemm", [False, True], ids=["on", "gemm"])
+def test_a_decode_batch_of_any_size_gives_each_row_its_alone_bits(talker, gemm):
+    size = max(SIZES)
+    config = TalkerEngineConfig(max_batch_size=size, num_slots=size, max_model_len=64, exact_gemm=gemm,
+                                max_prefills_per_step=0)  # all waiting prompts in one step
+    engine = TalkerEngine(talker.model, talker.config, engine_config=config)
+    jobs = {f"r{i}": job(talker.config, i) for i in range(size)}
+    alone = {rid: run(engine, {rid: work})[rid] for rid, work in jobs.items()}
+    for batch in SIZES[1:]:
+        together = run(engine, dict(list(jobs.items())[:batch]))
+        for rid, (frames, logits) in together.items():
+            want_frames, want_logits = alone[rid]
+            assert frames == want_frames and len(frames) == FRAMES, f"batch {batch}, {rid}: frames"
+            assert len(logits) == len(want_logits), f"batch {batch}, {rid}: steps"
+            for step, (got, want) in enumerate(zip(logits, want_logits)):
+                assert torch.equal(got, want), f"batch {batch}, {rid}: step {step}'s logits"
