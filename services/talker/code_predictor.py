@@ -30,13 +30,14 @@ shape `generate`'s predictor gives it. The projections go along the process's ex
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
 from services.runtime.lm.invariance import AttentionShape
-from services.runtime.lm.kernels import KernelPath, batch_invariant, exact_kernels, exact_linear, fused_rms_norm
+from services.runtime.lm.kernels import KernelPath, batch_invariant, exact_kernels, exact_linear, fused_rms_norm, row_alone
 
 
 def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
@@ -151,13 +152,12 @@ class CodePredictor:
         values[:, :, start:end] = v
         keys, values = keys[:, :, :end], values[:, :, :end]
         causal = tokens > 1
-        if not exact_rows or batch == 1:
-            out = F.scaled_dot_product_attention(q, keys, values, dropout_p=0.0, scale=attn.scaling,
-                                                 is_causal=causal, enable_gqa=self.gqa)
+        attend = partial(F.scaled_dot_product_attention, dropout_p=0.0, scale=attn.scaling, is_causal=causal,
+                         enable_gqa=self.gqa)
+        if exact_rows or batch == 1:  # each row's own call
+            out = torch.cat([row_alone(attend, q[i:i + 1], keys[i:i + 1], values[i:i + 1]) for i in range(batch)])
         else:
-            out = torch.cat([F.scaled_dot_product_attention(q[i:i + 1], keys[i:i + 1], values[i:i + 1], dropout_p=0.0,
-                                                            scale=attn.scaling, is_causal=causal, enable_gqa=self.gqa)
-                             for i in range(batch)])
+            out = attend(q, keys, values)
         out = out.transpose(1, 2).contiguous().reshape(batch, tokens, -1).contiguous()
         return self._linear(out, attn.o_proj.weight, exact)
 

@@ -50,7 +50,13 @@ from services.base.families import DEFAULT_VOICES, Family, family_of
 from services.base.stages import SPEECH_SAMPLE_RATE
 from services.runtime.inputs.prompt import ChatMessage, Part, Role  # plain data classes: the request's messages
 from services.runtime.lm.invariance import experts_modules
-from services.runtime.lm.kernels import GEMM_KERNELS, use_exact_experts, use_invariant_attention, using_kernels
+from services.runtime.lm.kernels import (
+    GEMM_KERNELS,
+    use_exact_experts,
+    use_exact_rotary,
+    use_invariant_attention,
+    using_kernels,
+)
 from services.runtime.model.checkpoint import check_folder
 
 AUDIO_SAMPLE_RATE = 16000  # the Whisper feature extractor's rate; the oracle resamples nothing
@@ -217,6 +223,7 @@ class ReferenceRunner:
 
         # The experts' own configs only: setting a composite config's implementation reaches its sub-configs.
         use_exact_experts(*{id(m.config): m.config for m in experts_modules(self.model)}.values())
+        use_exact_rotary(self.model)  # cos and sin through the invariant kernels' scalar form too
         plain = self.model.generate
 
         def generate(*args, **kwargs):

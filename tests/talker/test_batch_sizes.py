@@ -10,8 +10,11 @@ and every request's codes and every step's logits must equal its alone run's, bi
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from services.runtime.lm.sampling import SamplingConfig
 from services.runtime.model.checkpoint import Stage, load_stage
@@ -47,9 +50,10 @@ def job(config, seed: int) -> tuple[TalkerJob, list]:
     return talker_job, [TextRow(torch.randn(hidden, generator=gen)) for _ in range(2)] + [TextEnd()]
 
 
-def run(engine: TalkerEngine, jobs: dict) -> dict:
+def run(engine: TalkerEngine, jobs: dict, audit: TorchDispatchMode | None = None, from_step: int = 0) -> dict:
     """Every job at once through `engine` -> request_id -> (frames, each step's logits); every
-    decode step after the prefills runs all of them together (asserted)."""
+    decode step after the prefills runs all of them together (asserted). `audit`: a dispatch mode
+    around every step from `from_step` on."""
     logits: dict[str, list[torch.Tensor]] = {rid: [] for rid in jobs}
     batches: list[int] = []  # rows of each forward
     frames: dict[str, list[list[int]]] = {rid: [] for rid in jobs}
@@ -67,9 +71,12 @@ def run(engine: TalkerEngine, jobs: dict) -> dict:
             engine.add(rid, talker_job)
             for payload in inputs:
                 engine.add_input(rid, payload)
-        done = set()
+        done, step = set(), 0
         while engine.has_work():
-            for rid, event in engine.step():
+            with audit if audit is not None and step >= from_step else contextlib.nullcontext():
+                events = engine.step()
+            step += 1
+            for rid, event in events:
                 if isinstance(event, Frame):
                     frames[rid].append(event.codes.tolist())
                 elif isinstance(event, TalkerDone):

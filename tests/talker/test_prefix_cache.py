@@ -29,6 +29,7 @@ from services.talker.engine_base import Frame, TalkerDone, TalkerEngineConfig, T
 from services.talker.qwen2_5 import Qwen2_5TalkerEngine, Qwen2_5TalkerJob, ReplyPart
 from services.thinker.engine import Prefilled, ThinkerEngine, ThinkerEngineConfig, Token
 from services.tools.inprocess import Handoff
+from tests.op_audit import OpAudit
 from tests.qwen2_5_oracle import load_engine_stages
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
@@ -85,14 +86,14 @@ def qwen3_talker(tiny_checkpoint):
     return load_stage(tiny_checkpoint, Stage.TALKER)
 
 
-def qwen3_whole_blocks_job(config) -> tuple[TalkerJob, list]:
+def qwen3_whole_blocks_job(config, blocks: int = 2) -> tuple[TalkerJob, list]:
     """A Qwen3-Omni talker job whose prompt (every user-turn position, then the 9 assistant ones) is
-    2 whole blocks, its inputs seeded (the thinker's outputs stand-ins: the rows are what is cached)."""
+    `blocks` whole blocks, its inputs seeded (the thinker's outputs stand-ins: the rows are what is cached)."""
     hidden = config.thinker_config.text_config.hidden_size
     gen = torch.Generator().manual_seed(3)
-    user = [config.im_start_token_id, config.user_token_id] + list(range(20, 20 + 2 * BLOCK_TOKENS - 9 - 2))
+    user = [config.im_start_token_id, config.user_token_id] + list(range(20, 20 + blocks * BLOCK_TOKENS - 9 - 2))
     ids = user + [config.im_start_token_id, config.assistant_token_id, 23]
-    assert talker_prompt_len(ids, config) == 2 * BLOCK_TOKENS
+    assert talker_prompt_len(ids, config) == blocks * BLOCK_TOKENS
     job = TalkerJob(prompt_token_ids=ids, prompt_embeds=torch.randn(len(ids), hidden, generator=gen),
                     multimodal_positions=[], multimodal_hidden=torch.zeros(0, hidden),
                     tts_embeds=torch.randn(3, hidden, generator=gen),
@@ -103,36 +104,48 @@ def qwen3_whole_blocks_job(config) -> tuple[TalkerJob, list]:
 
 
 @pytest.mark.exactness
-def test_a_qwen3_talker_prompt_of_whole_blocks_sent_twice_gives_the_same_bits(qwen3_talker):
-    """Bug pinned: `(len(ids) - 1) // 16` as `len(ids) // 16` in prefill_from_prefix."""
+@pytest.mark.parametrize("blocks", [2, 3], ids=["hit_of_1_block", "hit_of_2_blocks"])
+def test_a_qwen3_talker_prompt_of_whole_blocks_sent_twice_gives_the_same_bits(qwen3_talker, blocks, monkeypatch):
+    """Bug pinned: `(len(ids) - 1) // 16` as `len(ids) // 16` in prefill_from_prefix. The hit cuts
+    after an odd and an even number of blocks (on AVX512 an odd cut moved 16 rows of the
+    shared-expert gate between the vector and the scalar path), and every op of the re-sent
+    request's steps is one the construction covers (tests/op_audit.py)."""
     engine = TalkerEngine(qwen3_talker.model, qwen3_talker.config, engine_config=engine_config(8))
-    job, inputs = qwen3_whole_blocks_job(qwen3_talker.config)
+    job, inputs = qwen3_whole_blocks_job(qwen3_talker.config, blocks)
     first = speak(engine, "first", job, inputs)
     assert engine.prefix_pool.stats.hit_tokens == 0 and len(first[0]) == TALKER_FRAMES
-    again = speak(engine, "again", job, inputs)
+    with OpAudit().watching(monkeypatch) as audit:
+        again = speak(engine, "again", job, inputs)
+    audit.assert_clean("the re-sent talker prompt")
     assert_same_bits(again, first, "the re-sent talker prompt")
-    assert engine.prefix_pool.stats.hit_tokens == BLOCK_TOKENS  # all but the last block, whose last row is computed
+    # all but the last block, whose last row is computed
+    assert engine.prefix_pool.stats.hit_tokens == (blocks - 1) * BLOCK_TOKENS
     assert engine.exact_report.paths()["prefix_hit"] == "used"
 
 
 @pytest.mark.exactness
-def test_a_qwen2_5_talker_prompt_of_whole_blocks_sent_twice_gives_the_same_bits(tiny_qwen2_5_checkpoint):
+@pytest.mark.parametrize("blocks", [2, 3], ids=["hit_of_1_block", "hit_of_2_blocks"])
+def test_a_qwen2_5_talker_prompt_of_whole_blocks_sent_twice_gives_the_same_bits(tiny_qwen2_5_checkpoint, blocks,
+                                                                                monkeypatch):
     """Bug pinned: `(len(ids) - 1) // 16` as `len(ids) // 16` in prefill_from_prefix (Qwen2.5-Omni's
     talker prompt: the thinker's hidden states of the prompt, then 2 positions)."""
     _, talker, config = load_engine_stages(tiny_qwen2_5_checkpoint)
     engine = Qwen2_5TalkerEngine(talker, config, engine_config=engine_config(8))
     hidden = config.thinker_config.text_config.hidden_size
     gen = torch.Generator().manual_seed(4)
-    job = Qwen2_5TalkerJob(torch.randn(2 * BLOCK_TOKENS - 2, hidden, generator=gen), torch.randn(3, hidden, generator=gen),
+    job = Qwen2_5TalkerJob(torch.randn(blocks * BLOCK_TOKENS - 2, hidden, generator=gen),
+                           torch.randn(3, hidden, generator=gen),
                            SamplingConfig(max_new_tokens=TALKER_FRAMES, repetition_penalty=REPETITION_PENALTY),
                            eos_ids=())  # the tiny talker runs to its max tokens
-    assert job.prompt_len == 2 * BLOCK_TOKENS
+    assert job.prompt_len == blocks * BLOCK_TOKENS
     inputs = [ReplyPart(torch.randn(hidden, generator=gen)) for _ in range(3)] + [TextEnd()]
     first = speak(engine, "first", job, inputs)
     assert engine.prefix_pool.stats.hit_tokens == 0 and len(first[1]) == TALKER_FRAMES
-    again = speak(engine, "again", job, inputs)
+    with OpAudit().watching(monkeypatch) as audit:
+        again = speak(engine, "again", job, inputs)
+    audit.assert_clean("the re-sent talker prompt")
     assert_same_bits(again, first, "the re-sent talker prompt")
-    assert engine.prefix_pool.stats.hit_tokens == BLOCK_TOKENS
+    assert engine.prefix_pool.stats.hit_tokens == (blocks - 1) * BLOCK_TOKENS
     assert engine.exact_report.paths()["prefix_hit"] == "used"
 
 

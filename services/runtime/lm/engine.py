@@ -32,6 +32,7 @@ from services.runtime.lm.invariance import KernelVerdict, by_construction, exact
 from services.runtime.lm.kernels import (
     fuse_rms_norms,
     use_capturable_experts,
+    use_exact_rotary,
     use_invariant_attention,
     use_rowwise_attention,
     using_kernels,
@@ -74,6 +75,7 @@ class SlotScheduledEngine(EngineDefaults):
         # Seconds in model forwards (services/base/timing.py), waiting for the GPU's kernels on cuda.
         self.timer = ForwardTimer(clock=device_clock(torch.device(device)))
         use_rowwise_attention(text_config, *rowwise_configs)
+        use_exact_rotary(decoder)
         if engine_config.exact_gemm:
             use_invariant_attention(text_config)  # what makes a prefix hit exact (kernels.invariant_attention)
         graphs = engine_config.graphs.enabled and step is not None

@@ -119,9 +119,10 @@ void omni_gemm_f32(const float *x, ptrdiff_t ldx, const float *w, ptrdiff_t ldw,
     }
 }
 
-/* The exp-based activations of an exact forward (the talker's shared-expert gate, the MLPs' SiLU):
- * each element the same scalar function of its own input alone (libm's expf, one add, one
- * division, in this order), in a plain loop. ATen's CPU kernels run pairs of vectors with Sleef's
+/* The transcendental elementwise ops of an exact forward (the talker's shared-expert gate, the
+ * MLPs' SiLU, the rotary embedding's cos and sin): each element the same scalar function of its own
+ * input alone (libm's expf, cosf, sinf; for the activations then one add and one division, in this
+ * order), in a plain loop. ATen's CPU kernels run pairs of vectors with Sleef's
  * exp and a run's last n % (2 * lanes) elements with libm's, which differ in the last bit on a few
  * % of inputs, so there an element's bits follow the tensor's size (a [T, 1] gate: which rows fall
  * in the tail). Here no vectors and no threads: nothing about the call can reach an element. */
@@ -131,4 +132,12 @@ void omni_sigmoid_f32(const float *x, float *out, ptrdiff_t n) {
 
 void omni_silu_f32(const float *x, float *out, ptrdiff_t n) {
     for (ptrdiff_t i = 0; i < n; i++) out[i] = x[i] / (1.0f + expf(-x[i]));
+}
+
+void omni_cos_f32(const float *x, float *out, ptrdiff_t n) {
+    for (ptrdiff_t i = 0; i < n; i++) out[i] = cosf(x[i]);
+}
+
+void omni_sin_f32(const float *x, float *out, ptrdiff_t n) {
+    for (ptrdiff_t i = 0; i < n; i++) out[i] = sinf(x[i]);
 }

@@ -60,7 +60,7 @@ def build(dest: Path) -> Path:
     return dest
 
 
-ACTIVATIONS = ("sigmoid", "silu")  # the elementwise ops the C file computes one element at a time
+ELEMENTWISE = ("sigmoid", "silu", "cos", "sin")  # the ops the C file computes one element at a time, alone
 
 
 class _Library:
@@ -73,12 +73,12 @@ class _Library:
                          size, size, size, ctypes.c_int]
         gemm.restype = None
         self.gemm = gemm  # ctypes releases the GIL for the call
-        self.activations = {}  # name -> omni_<name>_f32(x, out, n)
-        for name in ACTIVATIONS:
+        self.elementwise = {}  # name -> omni_<name>_f32(x, out, n)
+        for name in ELEMENTWISE:
             function = getattr(lib, f"omni_{name}_f32")
             function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, size]
             function.restype = None
-            self.activations[name] = function
+            self.elementwise[name] = function
         self.path = path
 
 
@@ -140,13 +140,13 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return out.view(*input.shape[:-1], n_out)
 
 
-def activation(name: str, input: torch.Tensor) -> torch.Tensor:
-    """sigmoid or silu of a float32 CPU tensor (`covers_elementwise`), each element by the C
+def elementwise(name: str, input: torch.Tensor) -> torch.Tensor:
+    """One of `ELEMENTWISE` over a float32 CPU tensor (`covers_elementwise`), each element by the C
     file's scalar function of its own input: the same bits at any size and place."""
     source = input.contiguous()
     out = torch.empty_like(source)
     if source.numel():
-        load().activations[name](source.data_ptr(), out.data_ptr(), source.numel())
+        load().elementwise[name](source.data_ptr(), out.data_ptr(), source.numel())
     return out
 
 
