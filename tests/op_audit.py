@@ -62,7 +62,7 @@ TRANSCENDENTAL = {
 # whatever the number of rows (ATen parallelizes over the rows below a row of its grain size).
 LAST_DIM_REDUCTIONS = {
     "sum", "mean", "_softmax", "softmax", "_log_softmax", "log_softmax", "native_layer_norm", "_fused_rms_norm",
-    "rms_norm", "var", "std", "var_mean", "logsumexp", "norm", "linalg_vector_norm", "prod",
+    "rms_norm", "layer_norm", "var", "std", "var_mean", "logsumexp", "norm", "linalg_vector_norm", "prod",
 }
 # Products: row-independent only as one row's own call (inside `kernels.row_alone`), through the
 # invariant GEMM (unseen), or as products of one term (K = 1: one rounding each).
@@ -110,7 +110,7 @@ def verdict(name: str, args: tuple, kwargs: dict) -> str | None:
             return None
         return f"elementwise {name} over {tuple(first.shape)}: not whole pairs of AVX512 vectors on one thread"
     if name in LAST_DIM_REDUCTIONS:
-        if name in ("native_layer_norm", "_fused_rms_norm", "rms_norm"):
+        if name in ("native_layer_norm", "layer_norm", "_fused_rms_norm", "rms_norm"):
             normalized = args[1]
             ok = len(normalized) == 1
         elif name in ("sum", "mean", "var", "std", "var_mean", "logsumexp", "norm", "linalg_vector_norm", "prod") \
@@ -133,14 +133,15 @@ def _small_integers(t: torch.Tensor) -> bool:
 
 
 def _within_rows(kwargs: dict, args: tuple, t: torch.Tensor) -> bool:
-    """A reduction over a middle dimension of rows [R, G, H] (the code predictor's sum of a frame's
-    code embeddings): each output (r, h) adds its G terms in index order; the inner loop runs along
-    H within row r, whole vectors of AVX512 when H is a multiple of 32 floats (no tail whose place
-    could move), so nothing about the other rows reaches it."""
+    """A reduction over a middle dimension of rows [R, G, ..., H] (the code predictor's sum of a
+    frame's code embeddings, code2wav's mean over the quantizers): each output (r, ..., h) adds its
+    G terms in index order; the inner loop runs along H within row r, whole vectors of AVX512 when
+    H is a multiple of 32 floats (no tail whose place could move), so nothing about the other rows
+    reaches it."""
     dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
     if isinstance(dim, (list, tuple)) and len(dim) == 1:
         dim = dim[0]
-    return (t.ndim == 3 and isinstance(dim, int) and dim % 3 == 1
+    return (t.ndim >= 3 and isinstance(dim, int) and 0 < dim % t.ndim < t.ndim - 1
             and t.shape[-1] % (128 // t.element_size()) == 0)
 
 

@@ -50,6 +50,7 @@ instead of concatenated, the same mask and cos/sin), so the bits are too.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -65,6 +66,7 @@ from services.base.stages import Stage
 from services.code2wav.blocks import Block, BlockGrid
 from services.code2wav.vocoder import VocoderGeometry
 from services.runtime.lm.cuda_graphs import GraphRunner, pick_bucket
+from services.runtime.lm.kernels import rows_apart
 from services.runtime.model.device import upload
 from services.runtime.model.settings import GraphSettings
 
@@ -140,17 +142,15 @@ class _Carry:
     block, written back to the pool when the call is done (`write`). `rows`: the dense
     convolutions run one request's row at a time (the check's choice, plan.py)."""
 
-    def __init__(self, pool: _Pool, read: torch.Tensor | None, rows: bool):
+    def __init__(self, pool: _Pool, read: torch.Tensor | None):
         self._sources = iter(pool.rows(read) if read is not None else [None] * len(pool.histories))
         self._targets = iter(pool.histories)
         self._after: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.rows = rows
 
     def conv(self, conv: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """conv(x [G, C, T]): batched, or per row with the shape the row has alone."""
-        if not self.rows or x.shape[0] == 1:
-            return conv(x)
-        return torch.cat([conv(x[i:i + 1]) for i in range(x.shape[0])])
+        """conv(x [G, C, T]) (per row with the shape the row has alone where the call's rows are
+        kept apart: `rows_apart`)."""
+        return conv(x)
 
     def take(self) -> torch.Tensor | None:
         return next(self._sources)
@@ -386,7 +386,9 @@ class IncrementalVocoder:
         self._captured_on = (self._pool.generation, self._rotary.positions)  # what the graphs read
         self._said_eager = False
 
-    rows_alone = False  # `decode(rows=True)` batches all but the dense convolutions: checked
+    # `decode(rows=True)` gives each request the bits of its own call by construction (`rows_apart`):
+    # no check of it needed.
+    rows_alone = True
 
     def start(self) -> Slot:
         slot = self._pool.take()
@@ -506,15 +508,17 @@ class IncrementalVocoder:
     def _step(self, first: bool, rows: bool, ints: torch.Tensor) -> torch.Tensor:
         """One call, all on the device: ints [G, 3 + n*Q] (each row's slot to read, slot to write,
         first frame, then its block's codes) -> wav [G, n*U - L] float32; every row's histories
-        after the block written to its slot to write."""
+        after the block written to its slot to write. `rows`: every row's bits its own call's, by
+        construction (`rows_apart`)."""
         model, batch = self.model, ints.shape[0]
         size = (ints.shape[1] - HEADER) // self.num_quantizers
         read, write, start = (ints[:, column].contiguous() for column in (READ, WRITE, START))
         codes = ints[:, HEADER:].view(batch, size, self.num_quantizers).transpose(1, 2)  # [G, Q, n]
-        embedded = model.code_embedding(codes + model.code_offset).mean(1)  # [G, n, H]
-        carry = _Carry(self._pool, None if first else read, rows)
-        hidden = self._transformer(embedded, start, carry)  # [G, n, H]
-        wav = self._stack(hidden.permute(0, 2, 1), carry).clamp(min=-1, max=1)[:, 0].float()  # [G, T]
+        with rows_apart() if rows else contextlib.nullcontext():
+            embedded = model.code_embedding(codes + model.code_offset).mean(1)  # [G, n, H]
+            carry = _Carry(self._pool, None if first else read)
+            hidden = self._transformer(embedded, start, carry)  # [G, n, H]
+            wav = self._stack(hidden.permute(0, 2, 1), carry).clamp(min=-1, max=1)[:, 0].float()  # [G, T]
         carry.write(write)
         return wav
 

@@ -15,10 +15,11 @@ bitwise, adopting only what matched (anything that raises counts as a mismatch):
   decoded alone, for every shape the vocoder decodes (`shape_classes`) at the batch sizes where
   kernel heuristics switch (services/runtime/lm/invariance.py's `check_batch_sizes`) that the engine can
   run for that shape (a call decodes at most `max_frames` frames: blocks of 25 frames go two a
-  call on a CPU, so the larger sizes are never checked there). First all ops batched; where a
-  size differs, again with the dense convolutions one row at a time (the ops whose CPU kernels
-  block by batch: measured on AMD EPYC, everything else matched). Sizes that match neither way
-  are never used; a step decodes the largest allowed size of ready blocks.
+  call on a CPU, so the larger sizes are never checked there), all ops batched. Where a size
+  differs (on AVX512 oneDNN's convolutions block by batch), the vocoder's rows path: every row
+  kept apart by construction for the vocoders that say so (`rows_alone`: both Qwen3-Omni
+  decoders, `kernels.rows_apart`), else checked too. Sizes that match neither way are never used;
+  a step decodes the largest allowed size of ready blocks.
 
 Both are bitwise properties of a kernel and the shapes it is called with, not of the weights'
 values nor of how many times a layer repeats: docs/architecture.md, "What the check must run".

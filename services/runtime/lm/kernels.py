@@ -242,6 +242,49 @@ class _ScalarTrigonometry(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class _RowsApart(TorchFunctionMode):
+    """`rows_apart`'s mode: each op whose CPU kernel may give a row of dim 0 other bits beside others
+    than alone runs once per row, with the row's own shape (`row_alone`)."""
+
+    # Convolutions (oneDNN blocks by batch: measured on AVX512), attention, and the transcendental
+    # elementwise ops where the row is not whole vectors (the vector/scalar split, `whole_vectors`).
+    CONVOLUTIONS = {torch.conv1d, torch.conv_transpose1d, torch.conv2d}
+    ELEMENTWISE = {torch.sin, torch.Tensor.sin, torch.cos, torch.Tensor.cos, torch.exp, torch.Tensor.exp,
+                   torch.tanh, torch.Tensor.tanh, torch.erf, torch.Tensor.erf, torch.log, torch.Tensor.log,
+                   torch._C._nn.gelu, torch.sigmoid, torch.Tensor.sigmoid}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if first is None or first.ndim < 2 or first.shape[0] <= 1:
+            return func(*args, **kwargs)
+        batch = first.shape[0]
+        if func in self.CONVOLUTIONS or (func in self.ELEMENTWISE and not whole_vectors(first)):
+            return torch.cat([row_alone(partial(func, **kwargs), first[i:i + 1], *args[1:]) for i in range(batch)])
+        if func is F.scaled_dot_product_attention:
+            mask = kwargs.pop("attn_mask", None)
+            q, k, v = args[:3]
+
+            def attend(i: int) -> torch.Tensor:
+                row_mask = mask[i:i + 1] if mask is not None and mask.shape[0] == batch else mask
+                return row_alone(partial(func, attn_mask=row_mask, **kwargs), q[i:i + 1], k[i:i + 1], v[i:i + 1])
+
+            return torch.cat([attend(i) for i in range(batch)])
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def rows_apart():
+    """Inside the block, on this thread, the batch's rows (dim 0: one request each) keep the bits
+    each gets alone by construction: linear layers and the exact activations along exact mode's
+    ROWS path (`batch_invariant`), convolutions, attention and transcendental elementwise ops that
+    are not whole vectors once per row (`_RowsApart`); what is left is row-independent by kind
+    (moves, single IEEE operations, reductions within a row: tests/op_audit.py). For a model whose
+    every op takes its batch along dim 0 (code2wav's decoder)."""
+    with batch_invariant(True), _RowsApart():
+        yield
+
+
 def _exact_rotary(forward, x: torch.Tensor, position_ids: torch.Tensor):
     """A text rotary embedding's forward (x [B, T, H], position ids [..., B, T] -> cos, sin [B, T, D])
     along the exact path. Its cos and sin run over [sections, B, T, D / 2], where an element's place
