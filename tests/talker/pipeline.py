@@ -91,3 +91,29 @@ def assert_clean(pipe: TwoStagePipeline) -> None:
         assert engine.running == 0 and engine.queue_depth == 0 and not engine.has_work()
         assert sorted(engine.scheduler.free_slots) == list(range(engine.engine_config.num_slots))
         assert not engine._requests
+
+
+def seeded_job(config, user_tokens: int, seed: int, max_new_tokens: int, text_rows: int,
+               repetition_penalty: float = 1.05):
+    """A Qwen3-Omni talker job without the thinker: a user turn of `user_tokens` ids, then the
+    assistant's, its rows seeded stand-ins for the thinker's outputs (the rows are what a batch or
+    the prefix cache must keep), and `text_rows` text rows then TextEnd. 1.05: the talker
+    service's default penalty."""
+    import torch
+
+    from services.runtime.lm.sampling import SamplingConfig
+    from services.runtime.model.qwen3_omni import talker_prompt_len
+    from services.talker.engine import TalkerJob, TextRow
+    from services.talker.engine_base import TextEnd
+
+    hidden = config.thinker_config.text_config.hidden_size
+    gen = torch.Generator().manual_seed(seed)
+    ids = ([config.im_start_token_id, config.user_token_id] + list(range(20, 20 + user_tokens))
+           + [config.im_start_token_id, config.assistant_token_id, 23])
+    job = TalkerJob(prompt_token_ids=ids, prompt_embeds=torch.randn(len(ids), hidden, generator=gen),
+                    multimodal_positions=[], multimodal_hidden=torch.zeros(0, hidden),
+                    tts_embeds=torch.randn(3, hidden, generator=gen),
+                    speaker_id=int(next(iter(config.talker_config.speaker_id.values()))),
+                    sampling=SamplingConfig(max_new_tokens=max_new_tokens, repetition_penalty=repetition_penalty),
+                    prompt_len=talker_prompt_len(ids, config))
+    return job, [TextRow(torch.randn(hidden, generator=gen)) for _ in range(text_rows)] + [TextEnd()]

@@ -16,18 +16,16 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from services.runtime.lm.sampling import SamplingConfig
 from services.runtime.model.checkpoint import Stage, load_stage
-from services.runtime.model.qwen3_omni import talker_prompt_len
-from services.talker.engine import TalkerEngine, TalkerJob, TextRow
-from services.talker.engine_base import Frame, TalkerDone, TalkerEngineConfig, TextEnd
+from services.talker.engine import TalkerEngine
+from services.talker.engine_base import Frame, TalkerDone, TalkerEngineConfig
+from tests.talker.pipeline import seeded_job
 
 pytestmark = [pytest.mark.exactness, pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.filterwarnings("ignore::UserWarning")]
 
 SIZES = (1, 15, 16, 17, 31, 32, 33, 48, 64)  # at, below and past 1 and 2 vectors of AVX2 and AVX512 rows
 FRAMES = 3
-REPETITION_PENALTY = 1.05  # the talker service's default
 
 
 @pytest.fixture(scope="module")
@@ -35,19 +33,9 @@ def talker(tiny_checkpoint):
     return load_stage(tiny_checkpoint, Stage.TALKER)
 
 
-def job(config, seed: int) -> tuple[TalkerJob, list]:
-    """A talker job of its own length (the thinker's outputs as seeded stand-ins) and its text rows."""
-    hidden = config.thinker_config.text_config.hidden_size
-    gen = torch.Generator().manual_seed(seed)
-    ids = ([config.im_start_token_id, config.user_token_id] + list(range(20, 20 + 5 + seed % 11))
-           + [config.im_start_token_id, config.assistant_token_id, 23])
-    talker_job = TalkerJob(prompt_token_ids=ids, prompt_embeds=torch.randn(len(ids), hidden, generator=gen),
-                           multimodal_positions=[], multimodal_hidden=torch.zeros(0, hidden),
-                           tts_embeds=torch.randn(3, hidden, generator=gen),
-                           speaker_id=int(next(iter(config.talker_config.speaker_id.values()))),
-                           sampling=SamplingConfig(max_new_tokens=FRAMES + 1, repetition_penalty=REPETITION_PENALTY),
-                           prompt_len=talker_prompt_len(ids, config))
-    return talker_job, [TextRow(torch.randn(hidden, generator=gen)) for _ in range(2)] + [TextEnd()]
+def job(config, seed: int) -> tuple:
+    """A talker job of its own length (5 to 15 user ids) and its text rows."""
+    return seeded_job(config, 5 + seed % 11, seed, FRAMES + 1, 2)
 
 
 def run(engine: TalkerEngine, jobs: dict, audit: TorchDispatchMode | None = None, from_step: int = 0) -> dict:

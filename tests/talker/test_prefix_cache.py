@@ -24,13 +24,14 @@ from services.runtime.lm.prefix.keys import BLOCK_TOKENS
 from services.runtime.lm.sampling import SamplingConfig
 from services.runtime.model.checkpoint import Stage, load_stage
 from services.runtime.model.qwen3_omni import talker_prompt_len
-from services.talker.engine import TalkerEngine, TalkerJob, TextRow
+from services.talker.engine import TalkerEngine, TalkerJob
 from services.talker.engine_base import Frame, TalkerDone, TalkerEngineConfig, TextEnd
 from services.talker.qwen2_5 import Qwen2_5TalkerEngine, Qwen2_5TalkerJob, ReplyPart
 from services.thinker.engine import Prefilled, ThinkerEngine, ThinkerEngineConfig, Token
 from services.tools.inprocess import Handoff
 from tests.op_audit import OpAudit
 from tests.qwen2_5_oracle import load_engine_stages
+from tests.talker.pipeline import seeded_job
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -89,18 +90,9 @@ def qwen3_talker(tiny_checkpoint):
 def qwen3_whole_blocks_job(config, blocks: int = 2) -> tuple[TalkerJob, list]:
     """A Qwen3-Omni talker job whose prompt (every user-turn position, then the 9 assistant ones) is
     `blocks` whole blocks, its inputs seeded (the thinker's outputs stand-ins: the rows are what is cached)."""
-    hidden = config.thinker_config.text_config.hidden_size
-    gen = torch.Generator().manual_seed(3)
-    user = [config.im_start_token_id, config.user_token_id] + list(range(20, 20 + blocks * BLOCK_TOKENS - 9 - 2))
-    ids = user + [config.im_start_token_id, config.assistant_token_id, 23]
-    assert talker_prompt_len(ids, config) == blocks * BLOCK_TOKENS
-    job = TalkerJob(prompt_token_ids=ids, prompt_embeds=torch.randn(len(ids), hidden, generator=gen),
-                    multimodal_positions=[], multimodal_hidden=torch.zeros(0, hidden),
-                    tts_embeds=torch.randn(3, hidden, generator=gen),
-                    speaker_id=int(next(iter(config.talker_config.speaker_id.values()))),
-                    sampling=SamplingConfig(max_new_tokens=TALKER_FRAMES + 1, repetition_penalty=REPETITION_PENALTY),
-                    prompt_len=talker_prompt_len(ids, config))
-    return job, [TextRow(torch.randn(hidden, generator=gen)) for _ in range(4)] + [TextEnd()]
+    job, inputs = seeded_job(config, blocks * BLOCK_TOKENS - 9 - 2, 3, TALKER_FRAMES + 1, 4, REPETITION_PENALTY)
+    assert job.prompt_len == talker_prompt_len(job.prompt_token_ids, config) == blocks * BLOCK_TOKENS
+    return job, inputs
 
 
 @pytest.mark.exactness

@@ -11,6 +11,7 @@ that call whatever the chunking or the batch, so their outputs are a function of
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -24,20 +25,12 @@ from services.thinker.admission import messages_from_proto, prompt_prefix
 from services.thinker.engine import ThinkerEngineConfig, Token
 from services.thinker.server import ADAPTERS
 from tests.op_audit import OpAudit, by_construction
-from tests.threads import torch_threads
 
-pytestmark = [pytest.mark.exactness, pytest.mark.filterwarnings("ignore::UserWarning")]
+pytestmark = [pytest.mark.exactness, pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.filterwarnings("ignore::UserWarning")]
 
 BATCH = 33  # past two vectors of AVX512 rows
 MAX_NEW_TOKENS = 3
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(torch_threads(1))
-    yield
-    torch.set_num_threads(previous)
 
 
 def request(system: str, user: str) -> omni_pb2.GenerateRequest:
@@ -79,7 +72,7 @@ def run(engine, jobs: dict, audit: OpAudit | None = None, from_step: int = 0) ->
             engine.add(rid, work)
         step = 0
         while engine.has_work():
-            with audit if audit is not None and step >= from_step else _nothing():
+            with audit if audit is not None and step >= from_step else contextlib.nullcontext():
                 events = engine.step()
             step += 1
             for rid, event in events:
@@ -88,14 +81,6 @@ def run(engine, jobs: dict, audit: OpAudit | None = None, from_step: int = 0) ->
     finally:
         engine._sample = sample
     return outs
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def assert_same_bits(got: tuple, want: tuple, where: str) -> None:
