@@ -154,7 +154,9 @@ class CodePredictor:
         causal = tokens > 1
         attend = partial(F.scaled_dot_product_attention, dropout_p=0.0, scale=attn.scaling, is_causal=causal,
                          enable_gqa=self.gqa)
-        if exact_rows or batch == 1:  # each row's own call
+        if batch == 1:  # the row's own call
+            out = row_alone(attend, q, keys, values)
+        elif exact_rows:
             out = torch.cat([row_alone(attend, q[i:i + 1], keys[i:i + 1], values[i:i + 1]) for i in range(batch)])
         else:
             out = attend(q, keys, values)
