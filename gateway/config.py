@@ -18,6 +18,7 @@ from services.serving.security import TLSConfig, load_tokens, tls_from_args
 @dataclass(frozen=True)
 class GatewayConfig:
     router: str = "localhost:50051"
+    sessions: str = "localhost:50052"  # the sessions service (omni-session): /v1/realtime's sessions
     host: str = "0.0.0.0"
     port: int = 8000
     model: str = "qwen3-omni"
@@ -96,7 +97,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     if args.require_auth and not tokens:
         raise UserError("--require-auth: no tokens (--auth-token-file or OMNI_AUTH_TOKENS)")
     return GatewayConfig(
-        router=args.router, host=args.host, port=args.port, voices=voices,
+        router=args.router, sessions=args.sessions, host=args.host, port=args.port, voices=voices,
         model=args.model_name or (Path(args.checkpoint).name if args.checkpoint else "qwen3-omni"),
         timeout_s=args.timeout_s, tls=tls_from_args(args), max_message_bytes=args.max_message_mb << 20,
         max_body_bytes=args.max_body_mb << 20, end_token_id=end_token_from_config(checkpoint),

@@ -1,5 +1,6 @@
-"""What one gateway process holds: its settings, its metrics, and its channel to the router
-(`Gateway`), which every call (gateway/router_call.py) goes on."""
+"""What one gateway process holds: its settings, its metrics, its channel to the router (`Gateway`),
+which every call (gateway/router_call.py) goes on, and its channel to the sessions service, which
+/v1/realtime's sessions go on (gateway/realtime.py)."""
 
 from __future__ import annotations
 
@@ -73,6 +74,10 @@ class Gateway:
     def stub(self) -> omni_pb2_grpc.OmniStub:
         self.channel()
         return self._stub[1]
+
+    def sessions_stub(self) -> omni_pb2_grpc.SessionsStub:
+        """The sessions service's stub for a new session."""
+        return omni_pb2_grpc.SessionsStub(self.channels.get(self.config.sessions))
 
     async def ready(self) -> bool:
         try:

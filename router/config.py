@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from router.admission import AdmissionConfig
 from router.prefix import DEFAULT_PREFIX_WEIGHT, Routing
 from router.replicas import ReplicaSource
-from router.session_settings import SessionConfig
 from services.serving.config import ServingConfig
 
 
@@ -26,7 +25,6 @@ class RouterConfig:
     max_migrations: int = 2  # moves to another replica per request and hop when one dies mid-stream
     routing: Routing = Routing.PREFIX  # how a thinker replica is chosen (router/prefix.py)
     prefix_weight: float = DEFAULT_PREFIX_WEIGHT
-    session: SessionConfig = SessionConfig()  # realtime sessions' bounds (router/session.py)
 
     @property
     def thinker_stall_s(self) -> float:

@@ -45,20 +45,6 @@ class RouterMetrics:
                                  registry=r)
         self.underrun_seconds = Counter("omni_router_underrun_seconds", "Silence those underruns add up to",
                                         registry=r)
-        # Realtime sessions (router/session.py): each holds one in-flight place while open.
-        self.sessions_open = Gauge("omni_router_sessions_open", "Realtime sessions open", registry=r)
-        self.sessions = Counter("omni_router_sessions", "Realtime sessions ended, by how (ended: the client closed; "
-                                "idle_timeout, turn_limit, slow_reader: the router closed it; cancelled; rejected: "
-                                "no place at connect)", ["outcome"], registry=r)
-        self.session_turns = Counter("omni_router_session_turns", "Responses of realtime sessions, by status",
-                                     ["status"], registry=r)
-        for status in ("completed", "cancelled", "failed"):
-            self.session_turns.labels(status)  # a series from the start (the dashboard's rate by status)
-        self.session_barge_ins = Counter("omni_router_session_barge_ins",
-                                         "Speech that started while a response was playing (it was cancelled)", registry=r)
-        self.session_first_audio = Histogram("omni_router_session_first_audio_seconds",
-                                             "Speech stop detected to the response's first audio chunk written",
-                                             buckets=LATENCY_BUCKETS, registry=r)
         self.replica_in_flight = Gauge("omni_router_replica_in_flight", "This router's requests per replica",
                                        ["stage", "replica"], registry=r)
         self.migrations = Counter("omni_router_migrations", "Requests moved off a dead thinker replica",

@@ -23,10 +23,7 @@ from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.prefix import DEFAULT_PREFIX_WEIGHT, Routing
 from router.replicas import Replica, ReplicaSet, ReplicaSource, publish_state
-from router.session import RealtimeSession
-from router.session_settings import SessionConfig
 from router.stream import RouterStream
-from router.turn_detection import silero
 from services.base.env import env_default
 from services.base.errors import run_cli
 from services.base.stages import Stage
@@ -100,9 +97,6 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         async with aclosing(RouterStream(self, request, context).run()) as responses:
             async for response in responses:
                 yield response
-
-    async def Session(self, requests, context: grpc.aio.ServicerContext) -> None:
-        await RealtimeSession(self, requests, context, self.config.session, silero).run()
 
     def note_failure(self, exc: grpc.aio.AioRpcError, route: dict[str, Replica]) -> None:
         """Mark the replica an UNAVAILABLE's ErrorInfo names (or the thinker, if it died itself) as failed."""
@@ -199,15 +193,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefix-weight", type=float, default=env_default("prefix_weight", DEFAULT_PREFIX_WEIGHT),
                         help="prefix routing: requests of load that 1,000 prompt tokens a replica holds are worth "
                              f"(default {DEFAULT_PREFIX_WEIGHT:g})")
-    parser.add_argument("--session-idle-timeout-s", type=float, default=env_default("session_idle_timeout_s", 300.0),
-                        help="a realtime session with no client message and no response this long is closed (default 300)")
-    parser.add_argument("--session-max-turns", type=int, default=env_default("session_max_turns", 200),
-                        help="responses a realtime session may create; the next closes it (default 200)")
-    parser.add_argument("--session-max-input-s", type=float, default=env_default("session_max_input_s", 60.0),
-                        help="seconds of audio a session's input buffer may hold; an append past it is refused (default 60)")
-    parser.add_argument("--session-send-timeout-s", type=float, default=env_default("session_send_timeout_s", 10.0),
-                        help="a session whose client takes no event this long is closed and its response cancelled "
-                             "(default 10)")
     return parser
 
 
@@ -221,8 +206,6 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         poll_interval_s=args.poll_interval_s, dns_refresh_s=args.dns_refresh_s,
         auth_tokens=load_tokens(args.auth_token_file), max_migrations=args.max_migrations,
         routing=Routing(args.routing), prefix_weight=args.prefix_weight,
-        session=SessionConfig(idle_timeout_s=args.session_idle_timeout_s, max_turns=args.session_max_turns,
-                              max_input_s=args.session_max_input_s, send_timeout_s=args.session_send_timeout_s),
     )
 
 

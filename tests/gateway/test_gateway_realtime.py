@@ -13,10 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import websockets.sync.client
-from gateway_procs import start_gateway, start_router
+from gateway_procs import start_gateway
 from websockets.exceptions import InvalidStatus
 
 from services.base.resample import resample
+from tests.sessions.procs import sessions as start_sessions
 
 SPEECH = sorted((Path(__file__).parents[2] / "bench" / "speech").glob("*.wav"))
 
@@ -129,19 +130,18 @@ def test_a_refused_bearer_token_is_a_401_in_the_handshake(gateway, tmp_path):
 
 @pytest.fixture(scope="module")
 def one_place_gateway(gw_stack, tmp_path_factory):
-    """A gateway in front of a second router with one place in flight."""
-    router, port = start_router(gw_stack, "--max-in-flight", "1")
-    gateway = start_gateway(f"127.0.0.1:{port}", tmp_path_factory.mktemp("gw1"))
+    """A gateway in front of a second sessions service that takes one session (--max-sessions 1)."""
+    sessions = start_sessions(gw_stack.target, "--max-sessions", "1")
+    gateway = start_gateway(gw_stack.target, tmp_path_factory.mktemp("gw1"), "--sessions", sessions.target)
     yield gateway
     gateway.stop()
-    router.terminate()
-    router.wait(timeout=10)
+    sessions.stop()
 
 
-def test_a_session_over_the_routers_capacity_is_a_429_with_retry_after_in_the_handshake(one_place_gateway):
+def test_a_session_over_the_sessions_services_capacity_is_a_429_with_retry_after_in_the_handshake(one_place_gateway):
     url = f"ws://127.0.0.1:{one_place_gateway.port}/v1/realtime?model=x"
     deadline = time.monotonic() + 30
-    while True:  # the second router connects to its stages
+    while True:  # the gateway connects to the second sessions service
         try:
             holder = websockets.sync.client.connect(url)
             break
@@ -174,8 +174,8 @@ def long_reply_stack(tiny_checkpoint):
 
 @pytest.mark.slow
 def test_a_client_that_closes_its_socket_mid_reply_frees_the_response_in_every_stage(long_reply_stack):
-    """The socket closed at the reply's first audio: the gateway cancels the router's session call, and
-    the router the response everywhere (it ran on to its end when the router took the cancel for a
+    """The socket closed at the reply's first audio: the gateway cancels the session's call, and the
+    sessions service the response everywhere (it ran on to its end when the router took the cancel for a
     half-close)."""
     import grpc
 

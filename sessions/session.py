@@ -1,10 +1,11 @@
 """One `Omni/Session` call: a realtime voice session (docs/sessions.md).
 
-The session holds one of the router's in-flight places for its life (refused at connect, before
-any event, when none is free), keeps the conversation, buffers the input audio and runs turn
-detection on it, and runs each response as an ordinary request through the router's own path
-(`RouterStream` on the session's place), whose messages are the conversation so far: prefix
-caching and prefix routing carry a session's turns as they carry any conversation.
+The session keeps the conversation, buffers the input audio and runs turn detection on it, and
+runs each response as an ordinary `Omni/Generate` call to the router (sessions/router_client.py),
+whose messages are the conversation so far: the router admits each turn on its own (an idle session
+holds no place there), and prefix caching and prefix routing carry a session's turns as they carry
+any conversation. A turn whose call fails ends that response alone (an error in its
+`response_done`); the session goes on.
 
 With tools in the settings, each reply's text is parsed for Qwen's tool calls as it streams
 (services/base/tool_calls.py): its content goes out as text events, each call as a
@@ -31,18 +32,21 @@ from dataclasses import dataclass
 import grpc
 
 from omni.v1 import omni_pb2
-from router.conversation import END_TEXT, Conversation, Item, Reply
-from router.session_audio import decode, wav_bytes
-from router.session_input import InputAudio
-from router.session_settings import AUDIO, SessionConfig, Settings
-from router.stream import RouterStage, RouterStream
-from router.turn_detection import SpeechStart
 from services.base.errors import InvalidArgument
 from services.base.tool_calls import ParsedCall, ToolCallParser
-from services.serving.status import Overloaded, abort_for, field_violations, status_for
+from services.serving.grpc_server import time_remaining
+from services.serving.status import status_for
 from services.serving.streams import let_end
+from sessions.audio import decode, wav_bytes
+from sessions.config import SessionConfig
+from sessions.conversation import END_TEXT, Conversation, Item, Reply
+from sessions.input_audio import InputAudio
+from sessions.metrics import SessionMetrics
+from sessions.router_client import RouterClient, Turn, TurnFailed
+from sessions.settings import AUDIO, Settings
+from sessions.turn_detection import SpeechStart
 
-log = logging.getLogger("router")
+log = logging.getLogger("sessions")
 TICK_S = 0.25  # how often the loop checks the idle and send timeouts
 COMPLETED, CANCELLED, FAILED = (omni_pb2.RESPONSE_STATUS_COMPLETED, omni_pb2.RESPONSE_STATUS_CANCELLED,
                                 omni_pb2.RESPONSE_STATUS_FAILED)
@@ -59,36 +63,6 @@ class MessageError(Exception):
     def __init__(self, code: str, message: str, field: str = ""):
         super().__init__(message)
         self.code, self.message, self.field = code, message, field
-
-
-class TurnFailed(Exception):
-    """A turn's request ended with a status: raised where RouterStream aborts its call."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, trailing_metadata):
-        super().__init__(message)
-        self._code, self._metadata = code, tuple(trailing_metadata or ())
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def trailing_metadata(self):
-        return self._metadata
-
-    def as_error(self) -> omni_pb2.SessionError:
-        violations = field_violations(self)
-        return omni_pb2.SessionError(code=self._code.name.lower(), message=str(self),
-                                     field=violations[0][0] if violations else "")
-
-
-class TurnContext:
-    """What RouterStream asks of its call's context, for a session's turn: no deadline of its own,
-    and a status raises TurnFailed instead of ending the session's call."""
-
-    def time_remaining(self) -> float | None:
-        return None
-
-    async def abort(self, code: grpc.StatusCode, message: str, trailing_metadata=()):
-        raise TurnFailed(code, message, trailing_metadata)
 
 
 @dataclass
@@ -124,10 +98,10 @@ class _End:
 
 
 class RealtimeSession:
-    def __init__(self, servicer: RouterStage, requests, context: grpc.aio.ServicerContext, config: SessionConfig,
-                 vad_factory):
-        self.servicer = servicer
-        self.metrics = servicer.metrics
+    def __init__(self, router: RouterClient, metrics: SessionMetrics, requests, context: grpc.aio.ServicerContext,
+                 config: SessionConfig, vad_factory):
+        self.router = router
+        self.metrics = metrics
         self.requests = requests
         self.context = context
         self.config = config
@@ -151,13 +125,6 @@ class RealtimeSession:
     # ---- the call ----
 
     async def run(self) -> None:
-        admission = self.servicer.admission
-        if not admission.try_acquire():
-            self.metrics.sessions.labels("rejected").inc()
-            await abort_for(self.context, Overloaded(
-                f"router at capacity: {admission.in_flight} of {admission.config.max_in_flight} places held, "
-                "no place for a session", self.servicer.config.admission.retry_after_s))
-        self.metrics.in_flight.set(admission.in_flight)
         self.metrics.sessions_open.inc()
         reader = asyncio.create_task(self.read_requests())
         writer = asyncio.create_task(self.write_events())
@@ -196,8 +163,6 @@ class RealtimeSession:
                 writer.cancel()
             else:
                 let_end(writer)  # stuck in a write to a client that stopped reading: it ends with the call
-            admission.release()
-            self.metrics.in_flight.set(admission.in_flight)
             self.metrics.sessions_open.dec()
             self.metrics.sessions.labels(outcome).inc()
 
@@ -259,7 +224,7 @@ class RealtimeSession:
         if playback.started is None:
             playback.started = time.monotonic()
             if self.speech_stopped_at is not None:
-                self.metrics.session_first_audio.observe(playback.started - self.speech_stopped_at)
+                self.metrics.first_audio.observe(playback.started - self.speech_stopped_at)
                 self.speech_stopped_at = None
         playback.samples += event.audio.num_samples
         playback.rate = event.audio.sample_rate or playback.rate
@@ -419,12 +384,11 @@ class RealtimeSession:
         response.task = asyncio.create_task(self.run_response(response, request))
 
     async def run_response(self, response: Response, request: omni_pb2.GenerateRequest) -> None:
-        """The turn's request through the router's path, its output into the outbox."""
-        stream = RouterStream(self.servicer, request, TurnContext(), admitted=True)
+        """The turn's request through the router, its output into the outbox."""
         reply, final = response.item.reply, None
         calls = ToolCallParser() if reply.tools else None
         try:
-            async with aclosing(stream.run()) as outputs:
+            async with aclosing(self.router.generate(request, self.turn())) as outputs:
                 async for output in outputs:
                     kind = output.WhichOneof("event")
                     event = omni_pb2.SessionEvent(response_id=response.response_id)
@@ -457,6 +421,11 @@ class RealtimeSession:
             self.emit_parsed(response, calls.finish(), None)
         self.end_response(response, COMPLETED, final=final)
 
+    def turn(self) -> Turn:
+        """A turn's call: the caller's bearer token on to the router, within the session's deadline."""
+        auth = [(k, v) for k, v in (self.context.invocation_metadata() or ()) if k == "authorization"]
+        return Turn(metadata=tuple(auth), timeout_s=time_remaining(self.context))
+
     def emit_parsed(self, response: Response, parsed: list, delta: omni_pb2.TextDelta | None) -> None:
         """A reply's parsed text out: content as text events (the delta's ids on the first), each
         call as a function_call event."""
@@ -477,7 +446,7 @@ class RealtimeSession:
             return
         response.ended = True
         reply = response.item.reply
-        self.metrics.session_turns.labels(omni_pb2.ResponseStatus.Name(status).removeprefix("RESPONSE_STATUS_").lower()).inc()
+        self.metrics.turns.labels(omni_pb2.ResponseStatus.Name(status).removeprefix("RESPONSE_STATUS_").lower()).inc()
         done = omni_pb2.ResponseDone(item_id=response.item.item_id, status=status, cancel_reason=reason,
                                      transcript=reply.content, audio_ms=reply.audio_ms)
         if final is not None:
@@ -504,10 +473,10 @@ class RealtimeSession:
         """Speech started: cancel the response in progress and cut the reply still playing."""
         now = time.monotonic()
         if self.response is not None and not self.response.ended:
-            self.metrics.session_barge_ins.inc()
+            self.metrics.barge_ins.inc()
             self.cancel_response(omni_pb2.CANCEL_REASON_TURN_DETECTED)
         elif self.playback is not None and self.playback.playing(now):
-            self.metrics.session_barge_ins.inc()
+            self.metrics.barge_ins.inc()
             self.cut_played(self.playback.item)
 
     def cut_played(self, item: Item) -> None:

@@ -9,8 +9,8 @@ from array import array
 import pytest
 
 from omni.v1 import omni_pb2
-from router.session_audio import wav_bytes
-from tests.e2e.session_support import MANUAL, RATE, SessionCall, one_shot, sampling, speech
+from sessions.audio import wav_bytes
+from tests.sessions.session_support import MANUAL, RATE, SessionCall, one_shot, sampling, speech
 
 pytestmark = [pytest.mark.slow, pytest.mark.exactness]
 
@@ -27,7 +27,7 @@ def test_qwen2_5_turns_equal_the_one_shot_request_of_their_history_with_the_play
     from services.tools.client import connect
 
     channel, omni = connect(stack25.target)
-    call = SessionCall(stack25.target)
+    call = SessionCall(stack25.sessions_target)
     try:
         call.next_event("created")
         call.send(update=omni_pb2.SessionSettings(turn_detection=MANUAL, thinker_sampling=sampling(8),

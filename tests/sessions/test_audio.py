@@ -1,4 +1,4 @@
-"""A session's input audio in pure Python (router/session_audio.py): formats, the resampler the
+"""A session's input audio in pure Python (sessions/audio.py): formats, the resampler the
 turn detector hears through, the wav a committed turn becomes."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from array import array
 import pytest
 
 from omni.v1 import omni_pb2
-from router.session_audio import FLOAT32, PCM16, InputFormat, Resampler, decode, input_format, wav_bytes
 from services.base.errors import InvalidArgument
+from sessions.audio import FLOAT32, PCM16, InputFormat, Resampler, decode, input_format, wav_bytes
 
 
 def test_float32_input_is_rounded_to_pcm16_once_and_clipped():

@@ -1,14 +1,14 @@
 """A realtime session's input audio: the buffer of 16-bit samples at the input rate, and the turn
 detector over it. Positions are absolute input samples since the session's start; what to do with
-a speech start or stop is the session's (router/session.py)."""
+a speech start or stop is the session's (sessions/session.py)."""
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Callable
 
-from router.session_audio import InputFormat, Resampler
-from router.turn_detection import SpeechStart, SpeechStop, TurnDetectionSettings, TurnDetector
+from sessions.audio import InputFormat, Resampler
+from sessions.turn_detection import SpeechStart, SpeechStop, TurnDetectionSettings, TurnDetector
 
 
 class InputAudio:

@@ -1,4 +1,4 @@
-"""Turn detection (router/turn_detection.py): the rule on made-up probabilities, and Silero VAD on
+"""Turn detection (sessions/turn_detection.py): the rule on made-up probabilities, and Silero VAD on
 the committed espeak-ng recordings (bench/speech/) with silences between them."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from omni.v1 import omni_pb2
-from router.turn_detection import WINDOW, WINDOW_MS, SpeechStart, SpeechStop, TurnDetectionSettings, TurnDetector, silero
 from services.base.errors import InvalidArgument
+from sessions.turn_detection import WINDOW, WINDOW_MS, SpeechStart, SpeechStop, TurnDetectionSettings, TurnDetector, silero
 
 SPEECH = sorted((Path(__file__).parents[2] / "bench" / "speech").glob("*.wav"))
 
