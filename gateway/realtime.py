@@ -37,17 +37,21 @@ async def realtime(ws: WebSocket) -> None:
     call = gateway.sessions_stub().Session(metadata=(("authorization", auth),) if auth else None)
     translator = Translator(config, config.model)
     try:
-        # The Realtime API's audio is pcm16 at 24 kHz: the session's input from the start. The write
-        # raises the service's refusal where it came first (over capacity: RESOURCE_EXHAUSTED, a 429).
+        # The session's first event, or its refusal (over capacity: RESOURCE_EXHAUSTED, a 429), read
+        # before anything is written: a write racing a refusal failed with grpc's own INTERNAL
+        # ("Internal error from Core"), 1 time in 3 here, and the client got a 500.
+        created = await read(call)
+        # The Realtime API's audio is pcm16 at 24 kHz: the session's input from the start.
         await call.write(omni_pb2.SessionRequest(update=omni_pb2.SessionSettings(input_format=omni_pb2.AudioFormat(
             encoding=omni_pb2.AUDIO_ENCODING_PCM16, sample_rate=24000))))
-        created, updated = await read(call), await read(call)
+        updated = await read(call) if created is not grpc.aio.EOF else created
     except grpc.RpcError as err:
         gateway.metrics.requests.labels("realtime", str(from_rpc(err).status)).inc()
         await ws.send_denial_response(from_rpc(err).response())
         return
     if created is grpc.aio.EOF or updated is grpc.aio.EOF:
-        await ws.send_denial_response(APIError(502, "the sessions service ended the session at once", "server_error").response())
+        await ws.send_denial_response(APIError(502, "the sessions service ended the session at once",
+                                               "server_error").response())
         return
     await ws.accept()
     gateway.metrics.requests.labels("realtime", "101").inc()

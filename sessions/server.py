@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -49,6 +50,10 @@ class SessionsServicer(omni_pb2_grpc.SessionsServicer):
         self.router = router
         self.metrics = metrics
         self.open = 0  # sessions open on this replica
+        # Turn detection off the event loop: one thread for every session of the replica (Silero holds
+        # the GIL while it runs, so more threads would not run more at once); each session waits for
+        # its own append's detection, so its windows stay in order.
+        self.detection = ThreadPoolExecutor(1, thread_name_prefix="turn-detection")
         self.handle: ServerHandle | None = None  # set once built: whether it drains
 
     async def Session(self, requests, context: grpc.aio.ServicerContext) -> None:
@@ -59,7 +64,8 @@ class SessionsServicer(omni_pb2_grpc.SessionsServicer):
                 "(--max-sessions)", self.config.retry_after_s))
         self.open += 1
         try:
-            await RealtimeSession(self.router, self.metrics, requests, context, self.config.session, silero).run()
+            await RealtimeSession(self.router, self.metrics, requests, context, self.config.session, silero,
+                                  self.detection).run()
         finally:
             self.open -= 1
 
@@ -100,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="responses a session may create; the next closes it (default 200)")
     parser.add_argument("--session-max-input-s", type=float, default=env_default("session_max_input_s", 60.0),
                         help="seconds of audio a session's input buffer may hold; an append past it is refused (default 60)")
+    parser.add_argument("--max-input-realtime", type=float, default=env_default("max_input_realtime", 2.0),
+                        help="input audio faster than this many times real time is refused with an error event, "
+                             "after the first --input-burst-s seconds (default 2; 0 = no bound)")
+    parser.add_argument("--input-burst-s", type=float, default=env_default("input_burst_s", 10.0),
+                        help="seconds of audio a session may send at once before --max-input-realtime holds (default 10)")
     parser.add_argument("--session-send-timeout-s", type=float, default=env_default("session_send_timeout_s", 10.0),
                         help="a session whose client takes no event this long is closed and its response cancelled "
                              "(default 10)")
@@ -111,7 +122,8 @@ def config_from_args(args: argparse.Namespace) -> SessionsConfig:
         routers=parse_routers(args.router), serving=serving_config_from_args(args), max_sessions=args.max_sessions,
         auth_tokens=load_tokens(args.auth_token_file),
         session=SessionConfig(idle_timeout_s=args.session_idle_timeout_s, max_turns=args.session_max_turns,
-                              max_input_s=args.session_max_input_s, send_timeout_s=args.session_send_timeout_s),
+                              max_input_s=args.session_max_input_s, send_timeout_s=args.session_send_timeout_s,
+                              max_input_realtime=args.max_input_realtime, input_burst_s=args.input_burst_s),
     )
 
 
@@ -122,6 +134,7 @@ async def serve(config: SessionsConfig, port_file: str | None = None) -> None:
                              on_started=lambda: write_port_file(port_file, handle.port),
                              light_load_cpus=config.serving.light_load_cpus)
     await servicer.router.close()
+    servicer.detection.shutdown(wait=False)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,20 +12,25 @@ With tools in the settings, each reply's text is parsed for Qwen's tool calls as
 `function_call` event once whole; the history keeps the reply's text as the model wrote it, calls
 and all, so the next turn's prompt holds the call the tool's result (a ROLE_TOOL item) answers.
 
-Three tasks: the reader (the client's messages into the inbox; never cancelled, see
-services/serving/streams.py), the writer (the outbox to the client, one event at a time), and
+Three tasks: the reader (the client's messages into the inbox, which is bounded, so a client
+that sends faster than the session handles is held back by gRPC's flow control; never cancelled,
+see services/serving/streams.py), the writer (the outbox to the client, one event at a time), and
 the session's own loop (`run`), which handles each message and owns every state change; a
-response's task relays its request's stream into the outbox. Errors about one message are
-`error` events and the session goes on.
+response's task relays its request's stream into the outbox. Turn detection runs on the
+replica's detection thread (`detection`), never on the event loop: the loop awaits each append's
+detection before the next message, so the input's state still changes in one place. Errors about
+one message are `error` events and the session goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 import uuid
 from collections import deque
+from concurrent.futures import Executor
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -40,7 +45,7 @@ from services.serving.streams import let_end
 from sessions.audio import decode, wav_bytes
 from sessions.config import SessionConfig
 from sessions.conversation import END_TEXT, Conversation, Item, Reply
-from sessions.input_audio import InputAudio
+from sessions.input_audio import InputAudio, InputPace
 from sessions.metrics import SessionMetrics
 from sessions.router_client import RouterClient, Turn, TurnFailed
 from sessions.settings import AUDIO, Settings
@@ -48,6 +53,9 @@ from sessions.turn_detection import SpeechStart
 
 log = logging.getLogger("sessions")
 TICK_S = 0.25  # how often the loop checks the idle and send timeouts
+# Client messages read ahead of the one being handled; the reader waits beyond (gRPC flow control
+# then holds the client back): 32 appends of 20-100 ms each are up to 3 s of audio.
+INBOX = 32
 COMPLETED, CANCELLED, FAILED = (omni_pb2.RESPONSE_STATUS_COMPLETED, omni_pb2.RESPONSE_STATUS_CANCELLED,
                                 omni_pb2.RESPONSE_STATUS_FAILED)
 RESPONSE_OUTPUT = ("text", "audio", "codec_frames", "function_call")  # events dropped unsent when their response is cancelled
@@ -99,8 +107,9 @@ class _End:
 
 class RealtimeSession:
     def __init__(self, router: RouterClient, metrics: SessionMetrics, requests, context: grpc.aio.ServicerContext,
-                 config: SessionConfig, vad_factory):
+                 config: SessionConfig, vad_factory, detection: Executor):
         self.router = router
+        self.detection = detection  # the replica's turn detection thread
         self.metrics = metrics
         self.requests = requests
         self.context = context
@@ -108,7 +117,7 @@ class RealtimeSession:
         self.session_id = new_id("sess")
         self.settings = Settings()
         self.conversation = Conversation()
-        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.inbox: asyncio.Queue = asyncio.Queue(INBOX)
         self.outbox: deque[omni_pb2.SessionEvent] = deque()
         self.outbox_ready = asyncio.Event()
         self.writing_since: float | None = None  # monotonic start of the write in progress
@@ -118,6 +127,7 @@ class RealtimeSession:
         self.response: Response | None = None
         self.playback: Playback | None = None
         self.input = InputAudio(vad_factory)
+        self.pace = InputPace(config.max_input_realtime, config.input_burst_s)
         self.input.configure(self.settings.input_format, self.settings.turn_detection)
         self.speech_item: str | None = None  # the item id of the speech in progress
         self.speech_stopped_at: float | None = None  # monotonic time of the last stop: end of speech -> first audio
@@ -145,7 +155,7 @@ class RealtimeSession:
                     self.check_timeouts()
                 else:
                     self.last_activity = time.monotonic()
-                    self.handle(message)
+                    await self.handle(message)
             if self.response is not None and not self.response.ended:
                 self.cancel_response(omni_pb2.CANCEL_REASON_CLIENT, cut=False)
             if self.closed is None:
@@ -158,6 +168,8 @@ class RealtimeSession:
                 self.cancel_response(omni_pb2.CANCEL_REASON_CLIENT, cut=False)
             self.closed = self.closed or omni_pb2.SessionClosed()
             self.outbox_ready.set()
+            while not self.inbox.empty():  # a reader waiting for room gets it, and then keeps nothing
+                self.inbox.get_nowait()
             let_end(reader)
             if self.writing_since is None:
                 writer.cancel()
@@ -169,9 +181,11 @@ class RealtimeSession:
     async def read_requests(self) -> None:
         try:
             async for request in self.requests:
-                await self.inbox.put(request)
+                if self.closed is None:  # once the session ended, read on to the call's end and keep nothing
+                    await self.inbox.put(request)
         finally:
-            await self.inbox.put(_End())
+            if self.closed is None:
+                await self.inbox.put(_End())
 
     async def write_events(self) -> None:
         while True:
@@ -234,12 +248,14 @@ class RealtimeSession:
 
     # ---- the client's messages ----
 
-    def handle(self, request: omni_pb2.SessionRequest) -> None:
+    async def handle(self, request: omni_pb2.SessionRequest) -> None:
         kind = request.WhichOneof("event")
         try:
             if kind is None:
                 raise MessageError("unknown_event", "the message sets no event", "event")
-            getattr(self, f"on_{kind}")(getattr(request, kind))
+            handled = getattr(self, f"on_{kind}")(getattr(request, kind))
+            if inspect.isawaitable(handled):  # an append: its turn detection, on the detection thread
+                await handled
         except InvalidArgument as exc:
             self.error("invalid_argument", str(exc), exc.field, request.event_id)
         except MessageError as exc:
@@ -247,7 +263,7 @@ class RealtimeSession:
 
     def on_update(self, update: omni_pb2.SessionSettings) -> None:
         settings = self.settings.updated(update)
-        if settings.input_format != self.settings.input_format and len(self.input.samples):
+        if settings.input_format != self.settings.input_format and self.input.held:
             raise MessageError("invalid_argument", "the input buffer holds audio: commit or clear it before changing "
                                                    "the input format", "update.input_format")
         changed_detection = settings.turn_detection != self.settings.turn_detection
@@ -257,16 +273,22 @@ class RealtimeSession:
             self.input.configure(settings.input_format, settings.turn_detection)
         self.emit(omni_pb2.SessionEvent(updated=self.info()))
 
-    def on_append_audio(self, append: omni_pb2.AppendAudio) -> None:
+    async def on_append_audio(self, append: omni_pb2.AppendAudio) -> None:
         if len(append.data) > self.config.max_append_bytes:
             raise MessageError("input_too_large", f"an append of {len(append.data)} bytes is over the "
                                                   f"{self.config.max_append_bytes}-byte bound", "append_audio.data")
         fmt = self.settings.input_format
         samples = decode(append.data, fmt, "append_audio.data")
-        if self.input.seconds + len(samples) / fmt.sample_rate > self.config.max_input_s:
+        seconds = len(samples) / fmt.sample_rate
+        if self.input.seconds + seconds > self.config.max_input_s:
             raise MessageError("input_buffer_full", f"the input buffer would hold over {self.config.max_input_s:g} s "
                                                     "of audio: commit or clear it", "append_audio.data")
-        for event, sample in self.input.append(samples):
+        if not self.pace.take(seconds, time.monotonic()):
+            raise MessageError("input_too_fast", f"audio arrives faster than {self.config.max_input_realtime:g}x real "
+                                                 f"time (after the first {self.config.input_burst_s:g} s): send it as it "
+                                                 "is spoken", "append_audio.data")
+        events = await asyncio.get_running_loop().run_in_executor(self.detection, self.input.append, samples)
+        for event, sample in events:
             if isinstance(event, SpeechStart):
                 self.speech_started(sample)
             else:
@@ -274,7 +296,7 @@ class RealtimeSession:
         self.input.trim()
 
     def on_commit(self, _: omni_pb2.CommitInput) -> None:
-        if not len(self.input.samples):
+        if not self.input.held:
             raise MessageError("no_input", "the input buffer is empty", "commit")
         self.commit_input(self.speech_item or new_id("item"))
 

@@ -8,10 +8,10 @@ import queue
 import threading
 import time
 import wave
-from array import array
 from pathlib import Path
 
 import grpc
+import numpy as np
 
 from omni.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 from services.serving.stage_stubs import stage_stub
@@ -111,7 +111,7 @@ LONG_REPLY = omni_pb2.SessionSettings(turn_detection=MANUAL, thinker_sampling=co
 def ask_for_a_long_reply(send) -> None:
     """A user turn of recorded speech and a response, through `send(**SessionRequest fields)`."""
     send(create_item=omni_pb2.CreateItem(message=omni_pb2.Message(role=omni_pb2.ROLE_USER, content=[
-        omni_pb2.Content(audio=wav_bytes(array("h", speech(0)), RATE))])))
+        omni_pb2.Content(audio=wav_bytes(np.frombuffer(speech(0), "<i2"), RATE))])))
     send(create_response=omni_pb2.CreateResponse())
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import queue
 import time
-from array import array
 
 import grpc
+import numpy as np
 import pytest
 
 from omni.v1 import common_pb2, omni_pb2, omni_pb2_grpc
@@ -76,7 +76,8 @@ def test_a_turn_equals_the_one_shot_request_of_its_history_and_a_cancelled_turn_
     call.send(create_response=omni_pb2.CreateResponse())
     first = call.next_event("response_created")
     ids1, frames1, done1 = call.response(first.response_id)
-    history = [omni_pb2.Message(role=omni_pb2.ROLE_USER, content=[omni_pb2.Content(audio=wav_bytes(array("h", user1), RATE))])]
+    history = [omni_pb2.Message(role=omni_pb2.ROLE_USER,
+                                content=[omni_pb2.Content(audio=wav_bytes(np.frombuffer(user1, "<i2"), RATE))])]
     assert (ids1, frames1) == one_shot(omni, history, 8, 40)
     assert done1.transcript
 
@@ -234,11 +235,31 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_response_freed_in_every_
         fresh.close()
 
 
+def test_input_faster_than_the_bound_is_refused_and_the_session_goes_on(session, stack):
+    paced = procs.sessions(stack.target, "--max-input-realtime", "2", "--input-burst-s", "1")
+    try:
+        call = session(paced.target, turn_detection=MANUAL, thinker_sampling=sampling(2),
+                       output_modalities=[omni_pb2.MODALITY_TEXT])
+        call.speak(silence(0.8))  # within the first second any client may send at once
+        call.speak(silence(3.0), chunk_ms=3000)  # 3 s more at once: far beyond 2x real time
+        error = call.next_event("error").error
+        assert (error.code, error.field) == ("input_too_fast", "append_audio.data")
+        call.send(commit=omni_pb2.CommitInput())
+        assert call.next_event("committed").committed.audio_ms == 800  # the refused append was not kept
+        call.send(create_response=omni_pb2.CreateResponse())
+        created = call.next_event("response_created")
+        assert call.response(created.response_id)[2].status == omni_pb2.RESPONSE_STATUS_COMPLETED
+    finally:
+        paced.stop()
+
+
 @pytest.mark.slow
 def test_a_hundred_barge_ins_leave_no_slot_held_in_any_stage(session, stack):
     """Speech over each reply as soon as it starts, 100 times in one session: every cancelled response
-    is freed in every stage (the bench's goal: 0 leaked slots after 100 barge-ins)."""
-    call = session(thinker_sampling=sampling(8), talker_sampling=common_pb2.SamplingParams(
+    is freed in every stage (the bench's goal: 0 leaked slots after 100 barge-ins). Each utterance is
+    sent at once, about 3x real time over the run: a sessions service without the input bound."""
+    unpaced = procs.sessions(stack.target, "--max-input-realtime", "0")
+    call = session(unpaced.target, thinker_sampling=sampling(8), talker_sampling=common_pb2.SamplingParams(
         max_new_tokens=400, temperature=3.0, seed=2), output_modalities=[omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO])
     utterance = speech(3) + silence(0.7)
     cancelled = 0
@@ -252,6 +273,7 @@ def test_a_hundred_barge_ins_leave_no_slot_held_in_any_stage(session, stack):
     call.send(cancel_response=omni_pb2.CancelResponse())
     assert cancelled >= 90, cancelled  # a reply may end before the speech over it is heard
     assert wait_idle(stack, timeout_s=20) == {"thinker": 0, "talker": 0, "code2wav": 0}
+    unpaced.stop()
 
 
 def test_a_client_that_cancels_its_call_mid_reply_frees_the_response_in_every_stage(session, stack):

@@ -4,8 +4,7 @@ and codec codes), a reply cut at a played position keeps one token a code heard 
 
 from __future__ import annotations
 
-from array import array
-
+import numpy as np
 import pytest
 
 from omni.v1 import omni_pb2
@@ -40,7 +39,7 @@ def test_qwen2_5_turns_equal_the_one_shot_request_of_their_history_with_the_play
         first = call.next_event("response_created")
         ids1, frames1, done1 = call.response(first.response_id)
         history = [omni_pb2.Message(role=omni_pb2.ROLE_USER,
-                                    content=[omni_pb2.Content(audio=wav_bytes(array("h", user1), RATE))])]
+                                    content=[omni_pb2.Content(audio=wav_bytes(np.frombuffer(user1, "<i2"), RATE))])]
         assert (ids1, frames1) == one_shot(omni, history, 8, 60)
         audio = [e.audio for e in call.events if e.response_id == first.response_id and e.WhichOneof("event") == "audio"]
         assert audio and audio[0].samples_per_frame == 480
