@@ -1,6 +1,8 @@
 """What one gateway process holds: its settings, its metrics, its channel to the router (`Gateway`),
-which every call (gateway/router_call.py) goes on, and its channel to the sessions service, which
-/v1/realtime's sessions go on (gateway/realtime.py)."""
+which every call (gateway/router_call.py) goes on, and the sessions service's replicas, which
+/v1/realtime's sessions go to (gateway/realtime.py): discovered, polled and picked as the router
+picks a stage's replicas (services/serving/replicas.py: the least loaded healthy one that is not
+draining, by the sessions each reports on GetLoad and this gateway's own count)."""
 
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ from omni.v1 import omni_pb2_grpc
 from services.serving.channels import RotatingChannels
 from services.serving.gc_heap import GCCollector
 from services.serving.grpc_server import channel_options
+from services.serving.replicas import Replica, ReplicaSet, ReplicaSource
 
 OMNI_SERVICE = "omni.v1.Omni"
+SESSIONS = "sessions"  # the sessions service's replica set (its name in logs)
 # Every router call goes round robin over the addresses its target resolves to: one for a Service's
 # ClusterIP, every ready router pod for a headless Service (dns:///omni-router-headless:50051).
 ROUND_ROBIN = ("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]}))
@@ -46,6 +50,7 @@ class Gateway:
         self.config = config
         self.metrics = Metrics()
         self.channels: RotatingChannels | None = None
+        self.sessions: ReplicaSet | None = None  # the sessions service's replicas, polled once open
         self._stub: tuple[grpc.aio.Channel, omni_pb2_grpc.OmniStub] | None = None
         self._opened = 0.0  # monotonic time the current channel was opened
         self.created = int(time.time())
@@ -54,8 +59,15 @@ class Gateway:
         options = channel_options(self.config.max_message_bytes) + [ROUND_ROBIN]
         self.channels = RotatingChannels(self.config.tls, options)
         self.channel()
+        self.sessions = ReplicaSet(SESSIONS, ReplicaSource.parse(self.config.sessions, "--sessions"),
+                                   channel_options(self.config.max_message_bytes), tls=self.config.tls,
+                                   stub=omni_pb2_grpc.SessionsStub)
+        await self.sessions.refresh()
+        self.sessions.start()
 
     async def close(self) -> None:
+        if self.sessions is not None:
+            await self.sessions.close()
         if self.channels is not None:
             await self.channels.close()
 
@@ -75,9 +87,12 @@ class Gateway:
         self.channel()
         return self._stub[1]
 
-    def sessions_stub(self) -> omni_pb2_grpc.SessionsStub:
-        """The sessions service's stub for a new session."""
-        return omni_pb2_grpc.SessionsStub(self.channels.get(self.config.sessions))
+    def pick_sessions(self) -> tuple[Replica, omni_pb2_grpc.SessionsStub] | None:
+        """The sessions replica a new session goes to and its stub (None: no replica is ready)."""
+        replica = self.sessions.pick()
+        if replica is None:
+            return None
+        return replica, omni_pb2_grpc.SessionsStub(self.sessions.channel(replica.address))
 
     async def ready(self) -> bool:
         try:

@@ -22,6 +22,7 @@ from gateway.errors import APIError, from_rpc
 from gateway.process import Gateway
 from gateway.realtime_events import ClientEventError, Translator, api_error_event, client_event, event_id
 from omni.v1 import omni_pb2
+from services.serving.replicas import Replica
 from services.serving.streams import read
 
 log = logging.getLogger("gateway")
@@ -32,9 +33,23 @@ CLOSE_NORMAL, CLOSE_POLICY, CLOSE_ERROR = 1000, 1008, 1011
 @routes.websocket("/v1/realtime")
 async def realtime(ws: WebSocket) -> None:
     gateway: Gateway = ws.app.state.gateway
-    config = gateway.config
     auth = ws.headers.get("authorization")
-    call = gateway.sessions_stub().Session(metadata=(("authorization", auth),) if auth else None)
+    picked = gateway.pick_sessions()
+    if picked is None:
+        gateway.metrics.requests.labels("realtime", "503").inc()
+        await ws.send_denial_response(APIError(503, "no sessions service replica is ready", "server_error").response())
+        return
+    replica, stub = picked
+    replica.in_flight += 1  # counted until the session ends: the next one goes elsewhere before the next poll
+    try:
+        await run_session(ws, gateway, replica, stub, auth)
+    finally:
+        replica.in_flight -= 1
+
+
+async def run_session(ws: WebSocket, gateway: Gateway, replica: Replica, stub, auth: str | None) -> None:
+    config = gateway.config
+    call = stub.Session(metadata=(("authorization", auth),) if auth else None)
     translator = Translator(config, config.model)
     try:
         # The session's first event, or its refusal (over capacity: RESOURCE_EXHAUSTED, a 429), read
@@ -46,6 +61,8 @@ async def realtime(ws: WebSocket) -> None:
             encoding=omni_pb2.AUDIO_ENCODING_PCM16, sample_rate=24000))))
         updated = await read(call) if created is not grpc.aio.EOF else created
     except grpc.RpcError as err:
+        if err.code() is grpc.StatusCode.UNAVAILABLE:  # gone since the last poll: no new session until it answers
+            gateway.sessions.mark_failed(replica.address)
         gateway.metrics.requests.labels("realtime", str(from_rpc(err).status)).inc()
         await ws.send_denial_response(from_rpc(err).response())
         return

@@ -52,7 +52,7 @@ class RouterMetrics:
         self.migration_pause = Histogram("omni_router_migration_pause_seconds",
                                          "From a thinker replica's failure to the first new output after the move",
                                          ["stage"], buckets=LATENCY_BUCKETS, registry=r)
-        # Prefix routing (router/prefix.py): a thinker replica reported holding part of the request's
+        # Prefix routing (services/serving/prefix_routing.py): a thinker replica reported holding part of the request's
         # conversation (held) or none did (none); counted only with more than one thinker to choose from.
         self.prefix_routed = Counter("omni_router_prefix_routed", "Requests routed by prefix, by whether any thinker "
                                      "replica held part of their conversation", ["outcome"], registry=r)

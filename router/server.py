@@ -21,8 +21,6 @@ from omni.v1 import omni_pb2, omni_pb2_grpc, stages_pb2
 from router.admission import Admission, AdmissionConfig
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
-from router.prefix import DEFAULT_PREFIX_WEIGHT, Routing
-from router.replicas import Replica, ReplicaSet, ReplicaSource, publish_state
 from router.stream import RouterStream
 from services.base.env import env_default
 from services.base.errors import run_cli
@@ -37,6 +35,8 @@ from services.serving.grpc_server import (
     write_port_file,
 )
 from services.serving.prefix_keys import message_keys
+from services.serving.prefix_routing import DEFAULT_PREFIX_WEIGHT, Routing
+from services.serving.replicas import Replica, ReplicaSet, ReplicaSource, publish_state
 from services.serving.security import (
     BearerTokenInterceptor,
     load_tokens,
@@ -62,7 +62,7 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
 
     def route(self, request: omni_pb2.GenerateRequest) -> tuple[dict[str, Replica], stages_pb2.Route]:
         """The cheapest healthy replica of each stage (least loaded; for the thinker, less the
-        credit of the request's prefix it holds: router/prefix.py), and the route the thinker
+        credit of the request's prefix it holds: services/serving/prefix_routing.py), and the route the thinker
         gets: those for the talker and code2wav plus every other healthy one of theirs as
         fallbacks, least loaded first."""
         route, ranked = {}, {}

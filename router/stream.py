@@ -22,11 +22,11 @@ from omni.v1 import omni_pb2, stages_pb2, stages_pb2_grpc
 from router.admission import Admission, Rejected
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
-from router.replicas import Replica, ReplicaSet
 from services.base.stages import SPEECH_SAMPLE_RATE, Stage
 from services.serving import tracing
 from services.serving.grpc_server import time_remaining
 from services.serving.migration import Passed, Resume, as_replay
+from services.serving.replicas import Replica, ReplicaSet
 from services.serving.status import (
     Overloaded,
     ReplayDiverged,

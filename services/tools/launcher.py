@@ -422,7 +422,7 @@ def health_status(target: str, service: str = "", timeout: float = 1.0, tls: TLS
 
 
 def poll_as_the_router(stage: str, target: str, tls: TLSConfig = TLSConfig(), timeout: float = 5.0) -> str:
-    """What the router's poll of a stage replica gets (router/replicas.py: health, then GetLoad),
+    """What the router's poll of a stage replica gets (services/serving/replicas.py: health, then GetLoad),
     for an error message: 'health SERVING, GetLoad OK', or the status of the call that failed."""
     with secure_or_insecure_channel(target, tls, [], aio=False) as channel:
         try:

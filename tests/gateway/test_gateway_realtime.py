@@ -10,6 +10,7 @@ import time
 import wave
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import websockets.sync.client
@@ -159,6 +160,32 @@ def test_a_session_over_the_sessions_services_capacity_is_a_429_with_retry_after
         holder.close()
 
 
+def test_sessions_spread_over_the_sessions_replicas_least_loaded_first(gw_stack, tmp_path):
+    """Two sessions replicas behind one gateway: four sessions opened one after another go two to each
+    (the gateway counts its own sessions on each replica between polls, as the router counts requests)."""
+    from omni.v1 import common_pb2, omni_pb2_grpc
+
+    replicas = [start_sessions(gw_stack.target) for _ in range(2)]
+    gateway = start_gateway(gw_stack.target, tmp_path, "--sessions", ",".join(r.target for r in replicas))
+    sockets = []
+    try:
+        for _ in range(4):
+            ws = websockets.sync.client.connect(f"ws://127.0.0.1:{gateway.port}/v1/realtime?model=x")
+            sockets.append(ws)
+            assert json.loads(ws.recv(timeout=10))["type"] == "session.created"
+        held = []
+        for replica in replicas:
+            with grpc.insecure_channel(replica.target) as channel:
+                held.append(omni_pb2_grpc.SessionsStub(channel).GetLoad(common_pb2.LoadRequest(), timeout=5).running)
+        assert held == [2, 2]
+    finally:
+        for ws in sockets:
+            ws.close()
+        gateway.stop()
+        for replica in replicas:
+            replica.stop()
+
+
 @pytest.fixture(scope="module")
 def long_reply_stack(tiny_checkpoint):
     """A stack whose talker speaks up to 1,500 frames a reply (two minutes of audio: seconds of work)."""
@@ -177,8 +204,6 @@ def test_a_client_that_closes_its_socket_mid_reply_frees_the_response_in_every_s
     """The socket closed at the reply's first audio: the gateway cancels the session's call, and the
     sessions service the response everywhere (it ran on to its end when the router took the cancel for a
     half-close)."""
-    import grpc
-
     from omni.v1 import common_pb2
     from services.serving.stage_stubs import stage_stub
 

@@ -17,7 +17,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omni.v1 import common_pb2, omni_pb2_grpc
-from router.replicas import ReplicaSource
+from services.serving.replicas import ReplicaSource
 from services.serving.security import TLSConfig, secure_or_insecure_channel
 from services.serving.stage_stubs import stage_stub
 from services.tools.client import build_request, collect, connect

@@ -20,7 +20,7 @@ MONITORING = "monitoring"
 
 # (source, destination) pairs allowed on the destination's gRPC port.
 DATA_PATH = {("router", "thinker"), ("thinker", "talker"), ("talker", "code2wav")}
-# The router polls every replica's grpc.health.v1 status and GetLoad (router/replicas.py): an L4
+# The router polls every replica's grpc.health.v1 status and GetLoad (services/serving/replicas.py): an L4
 # policy cannot tell that poll from a stream, so the router reaches the talker and code2wav too.
 ROUTER_POLL = {("router", "talker"), ("router", "code2wav")}
 
