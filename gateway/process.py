@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -59,9 +59,11 @@ class Gateway:
         options = channel_options(self.config.max_message_bytes) + [ROUND_ROBIN]
         self.channels = RotatingChannels(self.config.tls, options)
         self.channel()
+        # The router's name (--tls-server-name) is not the sessions pods': each is checked under the
+        # name it was found by (dns:///omni-sessions-headless:50052 -> omni-sessions-headless).
         self.sessions = ReplicaSet(SESSIONS, ReplicaSource.parse(self.config.sessions, "--sessions"),
-                                   channel_options(self.config.max_message_bytes), tls=self.config.tls,
-                                   stub=omni_pb2_grpc.SessionsStub)
+                                   channel_options(self.config.max_message_bytes),
+                                   tls=replace(self.config.tls, server_name=None), stub=omni_pb2_grpc.SessionsStub)
         await self.sessions.refresh()
         self.sessions.start()
 
