@@ -1,4 +1,4 @@
-"""One `Omni/Session` call: a realtime voice session (docs/sessions.md).
+"""One `Sessions/Session` call: a realtime voice session (docs/sessions.md).
 
 The session keeps the conversation, buffers the input audio and runs turn detection on it, and
 runs each response as an ordinary `Omni/Generate` call to the router (sessions/router_client.py),
