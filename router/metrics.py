@@ -12,6 +12,7 @@ from prometheus_client import (
 )
 
 from services.serving.gc_heap import GCCollector
+from services.serving.loop_lag import LAG_BUCKETS
 
 LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
@@ -45,6 +46,8 @@ class RouterMetrics:
                                  registry=r)
         self.underrun_seconds = Counter("omni_router_underrun_seconds", "Silence those underruns add up to",
                                         registry=r)
+        self.loop_lag = Histogram("omni_router_loop_lag_seconds", "How late the event loop ran a timer due every "
+                                  "100 ms: what every request's relay waited behind", buckets=LAG_BUCKETS, registry=r)
         self.replica_in_flight = Gauge("omni_router_replica_in_flight", "This router's requests per replica",
                                        ["stage", "replica"], registry=r)
         self.migrations = Counter("omni_router_migrations", "Requests moved off a dead thinker replica",

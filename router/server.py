@@ -25,6 +25,7 @@ from router.stream import RouterStream
 from services.base.env import env_default
 from services.base.errors import run_cli
 from services.base.stages import Stage
+from services.serving import loop_lag
 from services.serving.config import add_serving_flags, serving_config_from_args
 from services.serving.grpc_server import (
     ServerHandle,
@@ -212,21 +213,23 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 async def serve(config: RouterConfig, port_file: str | None = None) -> None:
     """Serve until SIGTERM: live at once, ready (omni.v1.Omni) once every stage has a replica."""
     handle, router = await create_server(config)
-    health = None
+    health = lag = None
     await handle.set_serving(False, services=(SERVICE,))  # not ready until every stage has a replica
 
     def started() -> None:
-        nonlocal health
+        nonlocal health, lag
         write_port_file(port_file, handle.port)
         health = asyncio.get_running_loop().create_task(router.keep_health(handle))
+        lag = asyncio.get_running_loop().create_task(loop_lag.watch(router.metrics.loop_lag))
 
     # NOTE: readiness (omni.v1.Omni) is keep_health's alone: marked SERVING with the rest at the
     # start, it read SERVING until keep_health's first round, with no stage replica maybe up.
     await serve_until_signal(handle, config.serving.grace_s, drain_delay_s=config.serving.drain_delay_s,
                              on_started=started, started_services=("",),
                              light_load_cpus=config.serving.light_load_cpus)
-    if health is not None:
-        health.cancel()
+    for task in (health, lag):
+        if task is not None:
+            task.cancel()
 
 
 def main(argv: list[str] | None = None) -> int:

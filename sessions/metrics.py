@@ -1,11 +1,13 @@
 """The sessions service's Prometheus metrics: sessions open and ended, turns by status and their
-retries, barge-ins, end of speech to first audio, and what turn detection costs."""
+retries, barge-ins, end of speech to first audio, what turn detection costs (its CPU over the
+seconds of audio it heard) and the event loop's lag."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
 
 from services.serving.gc_heap import GCCollector
+from services.serving.loop_lag import LAG_BUCKETS
 
 LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 
@@ -29,6 +31,14 @@ class SessionMetrics:
         self.first_audio = Histogram("omni_session_first_audio_seconds",
                                      "Speech stop detected to the response's first audio chunk written",
                                      buckets=LATENCY_BUCKETS, registry=r)
+        # Their ratio is turn detection's CPU per second of audio (docs/sessions.md, "What turn detection costs").
+        self.detection_cpu = Counter("omni_session_turn_detection_cpu_seconds",
+                                     "CPU time of the detection thread in turn detection (resampling, windows, "
+                                     "Silero; ggml's own worker threads not counted)", registry=r)
+        self.detected_audio = Counter("omni_session_turn_detection_audio_seconds",
+                                      "Seconds of input audio turn detection heard", registry=r)
+        self.loop_lag = Histogram("omni_session_loop_lag_seconds", "How late the event loop ran a timer due every "
+                                  "100 ms: what every session's messages waited behind", buckets=LAG_BUCKETS, registry=r)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int | None:
         if not port:

@@ -21,6 +21,7 @@ import grpc
 from omni.v1 import common_pb2, omni_pb2, omni_pb2_grpc
 from services.base.env import env_default
 from services.base.errors import run_cli
+from services.serving import loop_lag
 from services.serving.config import add_serving_flags, serving_config_from_args
 from services.serving.grpc_server import (
     ServerHandle,
@@ -130,9 +131,11 @@ def config_from_args(args: argparse.Namespace) -> SessionsConfig:
 async def serve(config: SessionsConfig, port_file: str | None = None) -> None:
     """Serve until SIGTERM: ready at once (a session needs the router only at its first turn)."""
     handle, servicer = await create_server(config)
+    lag = asyncio.get_running_loop().create_task(loop_lag.watch(servicer.metrics.loop_lag))
     await serve_until_signal(handle, config.serving.grace_s, drain_delay_s=config.serving.drain_delay_s,
                              on_started=lambda: write_port_file(port_file, handle.port),
                              light_load_cpus=config.serving.light_load_cpus)
+    lag.cancel()
     await servicer.router.close()
     servicer.detection.shutdown(wait=False)
 
