@@ -57,7 +57,9 @@ def test_omni_serve_up_restarts_a_dead_replica_and_keeps_serving(tiny_checkpoint
     target = f"127.0.0.1:{port}"
     started: set[int] = set()
     try:
-        wait_for(lambda: health_status(target, "omni.v1.Omni") == "SERVING", 180, "the stack", log)
+        wait_for(lambda: health_status(target, "omni.v1.Omni") == "SERVING", 180, "the router", log)
+        # The sessions service and the gateway start once the router serves: the whole stack is up at this line.
+        wait_for(lambda: any("omni-serve: ready on" in line for line in log), 180, "the stack", log)
         stages = children(launcher.pid)
         started |= set(stages)
         assert sum("services.talker.server" in c for c in stages.values()) == 2
