@@ -441,7 +441,11 @@ class RealtimeSession:
                         continue
                     self.emit(event)
         except TurnFailed as failed:
-            self.end_response(response, FAILED, error=failed.as_error())
+            # That turn alone fails: an `error` event (the router's status), its response_done failed
+            # with the same error, and the session goes on.
+            error = failed.as_error()
+            self.emit(omni_pb2.SessionEvent(response_id=response.response_id, error=error))
+            self.end_response(response, FAILED, error=error)
             return
         except Exception as exc:  # a bug here must not end the session silently
             log.exception("session %s: response %s failed", self.session_id, response.response_id)

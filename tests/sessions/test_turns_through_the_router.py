@@ -81,6 +81,7 @@ def test_a_session_outlives_its_router_a_turn_fails_alone_and_after_a_restart_th
         router.kill()
         failed = ask(call, "Still there?")  # sent, then sent again once: the router is gone
         assert failed.status == omni_pb2.RESPONSE_STATUS_FAILED and failed.error.code == "unavailable"
+        assert [e.error.code for e in call.events if e.WhichOneof("event") == "error"] == ["unavailable"]
         assert procs.metrics(service.metrics_url)[("omni_session_turn_retries_total", ())] == 1
         router.start("omni.v1.Omni")  # the same port
         done = ask(call, "And now?")
