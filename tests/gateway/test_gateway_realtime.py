@@ -186,6 +186,47 @@ def test_sessions_spread_over_the_sessions_replicas_least_loaded_first(gw_stack,
             replica.stop()
 
 
+def test_a_draining_sessions_replica_takes_no_new_session(gw_stack, tmp_path):
+    """SIGTERM to one of two sessions replicas: once the gateway's poll sees it NOT_SERVING, every new
+    session goes to the other, however many the other already holds."""
+    import signal
+
+    from omni.v1 import common_pb2, omni_pb2_grpc
+    from tests.sessions.procs import health
+
+    def held(replica) -> int:
+        with grpc.insecure_channel(replica.target) as channel:
+            return omni_pb2_grpc.SessionsStub(channel).GetLoad(common_pb2.LoadRequest(), timeout=5).running
+
+    serving = start_sessions(gw_stack.target)
+    draining = start_sessions(gw_stack.target, "--drain-delay-s", "60", "--grace-s", "60")
+    gateway = start_gateway(gw_stack.target, tmp_path, "--sessions", f"{serving.target},{draining.target}")
+    sockets = []
+    try:
+        draining.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while health(draining.target) != "NOT_SERVING":
+            assert time.monotonic() < deadline, "the replica never reported NOT_SERVING"
+            time.sleep(0.1)
+        # Sessions opened one after another, each kept open: until the gateway's next poll some may still
+        # go to the draining replica; after it, four in a row go to the other although it holds the most.
+        in_a_row = 0
+        while in_a_row < 4:
+            assert time.monotonic() < deadline, "new sessions kept going to the draining replica"
+            before = held(serving)
+            ws = websockets.sync.client.connect(f"ws://127.0.0.1:{gateway.port}/v1/realtime?model=x")
+            sockets.append(ws)
+            assert json.loads(ws.recv(timeout=10))["type"] == "session.created"
+            in_a_row = in_a_row + 1 if held(serving) == before + 1 else 0
+        assert held(serving) > held(draining)
+    finally:
+        for ws in sockets:
+            ws.close()
+        gateway.stop()
+        serving.stop()
+        draining.kill()
+
+
 @pytest.fixture(scope="module")
 def long_reply_stack(tiny_checkpoint):
     """A stack whose talker speaks up to 1,500 frames a reply (two minutes of audio: seconds of work)."""
