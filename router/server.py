@@ -63,9 +63,9 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
 
     def route(self, request: omni_pb2.GenerateRequest) -> tuple[dict[str, Replica], stages_pb2.Route]:
         """The cheapest healthy replica of each stage (least loaded; for the thinker, less the
-        credit of the request's prefix it holds: services/serving/prefix_routing.py), and the route the thinker
-        gets: those for the talker and code2wav plus every other healthy one of theirs as
-        fallbacks, least loaded first."""
+        credit of the request's prefix it holds: services/serving/prefix_routing.py), and the route
+        the thinker gets: those for the talker and code2wav plus every other healthy one of theirs
+        as fallbacks, least loaded first."""
         route, ranked = {}, {}
         for stage in STAGES:
             keys = self.prefix_keys(request) if stage == Stage.THINKER else ()

@@ -85,6 +85,8 @@ class RouterStage(Protocol):
 
 
 class RouterStream:
+    """One client call's request (`context` is that call's): a place in flight for its whole stream."""
+
     def __init__(self, servicer: RouterStage, request: omni_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         self.servicer = servicer
         self.metrics = servicer.metrics
