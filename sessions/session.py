@@ -4,8 +4,8 @@ The session keeps the conversation, buffers the input audio and runs turn detect
 runs each response as an ordinary `Omni/Generate` call to the router (sessions/router_client.py),
 whose messages are the conversation so far: the router admits each turn on its own (an idle session
 holds no place there), and prefix caching and prefix routing carry a session's turns as they carry
-any conversation. A turn whose call fails ends that response alone (an error in its
-`response_done`); the session goes on.
+any conversation. A turn whose call fails ends that response alone (an `error` event, then its
+`response_done` failed with the same error); the session goes on.
 
 With tools in the settings, each reply's text is parsed for Qwen's tool calls as it streams
 (services/base/tool_calls.py): its content goes out as text events, each call as a
