@@ -43,6 +43,7 @@ COPY README.md ./
 COPY protos ./protos
 COPY services ./services
 COPY router ./router
+COPY sessions ./sessions
 COPY bench ./bench
 COPY gateway ./gateway
 # The protobuf code (omni/v1, not in git): the Makefile's `proto` target, run here.

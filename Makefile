@@ -61,7 +61,8 @@ checkpoint: $(CHECKPOINT)/config.json
 $(CHECKPOINT)/config.json: | setup
 	$(VENV)/bin/omni-tiny-checkpoint --out $(CHECKPOINT)
 
-# Serve the whole stack (router + thinker + talker + code2wav) on the tiny checkpoint.
+# Serve the whole stack (router, sessions service on :50052, gateway on :8000, thinker, talker, code2wav) on the
+# tiny checkpoint.
 run: setup checkpoint
 	$(VENV)/bin/omni-serve up --checkpoint $(CHECKPOINT) --port $(PORT) \
 		--thinker-max-new-tokens 64 --talker-max-new-tokens 256

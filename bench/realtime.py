@@ -1,6 +1,6 @@
 """`omni-bench --realtime N`: N realtime voice sessions at once, each speaking several turns of real
-speech (bench/speech/, with silences) in real time, over the router's Omni/Session and through the
-gateway's /v1/realtime WebSocket; the figures of a voice agent:
+speech (bench/speech/, with silences) in real time, over the sessions service's Sessions/Session and
+through the gateway's /v1/realtime WebSocket; the figures of a voice agent:
 
 - end of speech -> first audio: from the moment the last sample of an utterance was sent to the
   first audio of the reply the server's turn detection started (it includes the detector's
@@ -182,7 +182,7 @@ def session_settings(max_tokens: int, max_frames: int, rate: int) -> omni_pb2.Se
 
 async def grpc_session(target: str, speaker: Speaker, settings: omni_pb2.SessionSettings) -> None:
     async with grpc.aio.insecure_channel(target) as channel:
-        call = omni_pb2_grpc.OmniStub(channel).Session()
+        call = omni_pb2_grpc.SessionsStub(channel).Session()
         await call.write(omni_pb2.SessionRequest(update=settings))
 
         async def send(kind: str, data: bytes) -> None:
@@ -340,8 +340,8 @@ def run_realtime(checkpoint: str, levels: tuple[int, ...], turns: int, max_token
         ws_url = stack.http_url.replace("http://", "ws://") + "/v1/realtime?model=bench" if gateway else None
         for path in ("grpc", "websocket") if gateway else ("grpc",):
             for sessions in levels:
-                results.append(asyncio.run(run_sessions(path, sessions, turns, stack.target, ws_url, max_tokens,
-                                                        max_frames, barge_after_s)))
+                results.append(asyncio.run(run_sessions(path, sessions, turns, stack.sessions_target, ws_url,
+                                                        max_tokens, max_frames, barge_after_s)))
                 print(render(results[-1:], {}).splitlines()[-2], flush=True)
         leaked = leaked_slots(stack)
     return results, leaked

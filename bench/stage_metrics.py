@@ -13,6 +13,8 @@ from __future__ import annotations
 import urllib.request
 from dataclasses import asdict, dataclass, fields
 
+from services.base.stages import Stage
+
 PHASES = ("forward", "engine", "commands", "idle")
 
 
@@ -114,7 +116,7 @@ class StageScraper:
     def for_stack(cls, stack) -> StageScraper:
         endpoints = {}
         for name, process in stack.processes.items():
-            if process.stage == "router" or "--metrics-port" not in process.args:
+            if process.stage not in tuple(Stage) or "--metrics-port" not in process.args:  # stages only
                 continue
             port = process.args[process.args.index("--metrics-port") + 1]
             endpoints[name] = (process.stage, f"http://{stack.options.host}:{port}/metrics")

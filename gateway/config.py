@@ -12,12 +12,16 @@ from gateway.errors import bad_request
 from gateway.voices import resolve_voice
 from services.base.errors import UserError
 from services.base.families import DEFAULT_VOICES, Family
+from services.serving.replicas import ReplicaSource
 from services.serving.security import TLSConfig, load_tokens, tls_from_args
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
     router: str = "localhost:50051"
+    # The sessions service's replicas (omni-session), /v1/realtime's sessions: host:port[,host:port] or
+    # dns:///name:port (every address of a headless Service, re-resolved), each session to the least loaded.
+    sessions: str = "localhost:50052"
     host: str = "0.0.0.0"
     port: int = 8000
     model: str = "qwen3-omni"
@@ -95,8 +99,9 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     tokens = load_tokens(args.auth_token_file)
     if args.require_auth and not tokens:
         raise UserError("--require-auth: no tokens (--auth-token-file or OMNI_AUTH_TOKENS)")
+    ReplicaSource.parse(args.sessions, "--sessions")  # a bad value fails at start, naming the flag
     return GatewayConfig(
-        router=args.router, host=args.host, port=args.port, voices=voices,
+        router=args.router, sessions=args.sessions, host=args.host, port=args.port, voices=voices,
         model=args.model_name or (Path(args.checkpoint).name if args.checkpoint else "qwen3-omni"),
         timeout_s=args.timeout_s, tls=tls_from_args(args), max_message_bytes=args.max_message_mb << 20,
         max_body_bytes=args.max_body_mb << 20, end_token_id=end_token_from_config(checkpoint),

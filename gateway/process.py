@@ -1,11 +1,14 @@
-"""What one gateway process holds: its settings, its metrics, and its channel to the router
-(`Gateway`), which every call (gateway/router_call.py) goes on."""
+"""What one gateway process holds: its settings, its metrics, its channel to the router (`Gateway`),
+which every call (gateway/router_call.py) goes on, and the sessions service's replicas, which
+/v1/realtime's sessions go to (gateway/realtime.py): discovered, polled and picked as the router
+picks a stage's replicas (services/serving/replicas.py: the least loaded healthy one that is not
+draining, by the sessions each reports on GetLoad and this gateway's own count)."""
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -16,8 +19,10 @@ from omni.v1 import omni_pb2_grpc
 from services.serving.channels import RotatingChannels
 from services.serving.gc_heap import GCCollector
 from services.serving.grpc_server import channel_options
+from services.serving.replicas import Replica, ReplicaSet, ReplicaSource
 
 OMNI_SERVICE = "omni.v1.Omni"
+SESSIONS = "sessions"  # the sessions service's replica set (its name in logs)
 # Every router call goes round robin over the addresses its target resolves to: one for a Service's
 # ClusterIP, every ready router pod for a headless Service (dns:///omni-router-headless:50051).
 ROUND_ROBIN = ("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]}))
@@ -45,6 +50,7 @@ class Gateway:
         self.config = config
         self.metrics = Metrics()
         self.channels: RotatingChannels | None = None
+        self.sessions: ReplicaSet | None = None  # the sessions service's replicas, polled once open
         self._stub: tuple[grpc.aio.Channel, omni_pb2_grpc.OmniStub] | None = None
         self._opened = 0.0  # monotonic time the current channel was opened
         self.created = int(time.time())
@@ -53,8 +59,17 @@ class Gateway:
         options = channel_options(self.config.max_message_bytes) + [ROUND_ROBIN]
         self.channels = RotatingChannels(self.config.tls, options)
         self.channel()
+        # The router's name (--tls-server-name) is not the sessions pods': each is checked under the
+        # name it was found by (dns:///omni-sessions-headless:50052 -> omni-sessions-headless).
+        self.sessions = ReplicaSet(SESSIONS, ReplicaSource.parse(self.config.sessions, "--sessions"),
+                                   channel_options(self.config.max_message_bytes),
+                                   tls=replace(self.config.tls, server_name=None), stub=omni_pb2_grpc.SessionsStub)
+        await self.sessions.refresh()
+        self.sessions.start()
 
     async def close(self) -> None:
+        if self.sessions is not None:
+            await self.sessions.close()
         if self.channels is not None:
             await self.channels.close()
 
@@ -73,6 +88,13 @@ class Gateway:
     def stub(self) -> omni_pb2_grpc.OmniStub:
         self.channel()
         return self._stub[1]
+
+    def pick_sessions(self) -> tuple[Replica, omni_pb2_grpc.SessionsStub] | None:
+        """The sessions replica a new session goes to and its stub (None: no replica is ready)."""
+        replica = self.sessions.pick()
+        if replica is None:
+            return None
+        return replica, omni_pb2_grpc.SessionsStub(self.sessions.channel(replica.address))
 
     async def ready(self) -> bool:
         try:

@@ -1,11 +1,11 @@
-"""`GET /v1/realtime`: the OpenAI Realtime API over a WebSocket, as a translation of the router's
-`Omni/Session` stream (docs/sessions.md). The session itself (turn detection, the conversation,
-barge-in) lives in the router; this file moves events both ways.
+"""`GET /v1/realtime`: the OpenAI Realtime API over a WebSocket, as a translation of the sessions
+service's `Sessions/Session` stream (docs/sessions.md). The session itself (turn detection, the
+conversation, barge-in) lives in the sessions service (sessions/); this file moves events both ways.
 
-The router's call opens before the WebSocket is accepted, so a refusal is an HTTP status in the
+The session's call opens before the WebSocket is accepted, so a refusal is an HTTP status in the
 handshake (429 with Retry-After over capacity, 401, 503), not a socket that opens and drops. Then
-two tasks: the client's events to the router (each translated, or answered with an `error` event),
-and the router's events to the client. A client that takes no bytes for `--send-timeout-s` is
+two tasks: the client's events to the session (each translated, or answered with an `error` event),
+and the session's events to the client. A client that takes no bytes for `--send-timeout-s` is
 cut off and its session cancelled, which frees its response in every stage.
 """
 
@@ -22,6 +22,7 @@ from gateway.errors import APIError, from_rpc
 from gateway.process import Gateway
 from gateway.realtime_events import ClientEventError, Translator, api_error_event, client_event, event_id
 from omni.v1 import omni_pb2
+from services.serving.replicas import Replica
 from services.serving.streams import read
 
 log = logging.getLogger("gateway")
@@ -32,33 +33,53 @@ CLOSE_NORMAL, CLOSE_POLICY, CLOSE_ERROR = 1000, 1008, 1011
 @routes.websocket("/v1/realtime")
 async def realtime(ws: WebSocket) -> None:
     gateway: Gateway = ws.app.state.gateway
-    config = gateway.config
     auth = ws.headers.get("authorization")
-    call = gateway.stub().Session(metadata=(("authorization", auth),) if auth else None)
+    picked = gateway.pick_sessions()
+    if picked is None:
+        gateway.metrics.requests.labels("realtime", "503").inc()
+        await ws.send_denial_response(APIError(503, "no sessions service replica is ready", "server_error").response())
+        return
+    replica, stub = picked
+    replica.in_flight += 1  # counted until the session ends: the next one goes elsewhere before the next poll
+    try:
+        await run_session(ws, gateway, replica, stub, auth)
+    finally:
+        replica.in_flight -= 1
+
+
+async def run_session(ws: WebSocket, gateway: Gateway, replica: Replica, stub, auth: str | None) -> None:
+    config = gateway.config
+    call = stub.Session(metadata=(("authorization", auth),) if auth else None)
     translator = Translator(config, config.model)
     try:
-        # The Realtime API's audio is pcm16 at 24 kHz: the session's input from the start. The write
-        # raises the router's refusal where it came first (over capacity: RESOURCE_EXHAUSTED, a 429).
+        # The session's first event, or its refusal (over capacity: RESOURCE_EXHAUSTED, a 429), read
+        # before anything is written: a write racing a refusal failed with grpc's own INTERNAL
+        # ("Internal error from Core"), 1 time in 3 here, and the client got a 500.
+        created = await read(call)
+        # The Realtime API's audio is pcm16 at 24 kHz: the session's input from the start.
         await call.write(omni_pb2.SessionRequest(update=omni_pb2.SessionSettings(input_format=omni_pb2.AudioFormat(
             encoding=omni_pb2.AUDIO_ENCODING_PCM16, sample_rate=24000))))
-        created, updated = await read(call), await read(call)
+        updated = await read(call) if created is not grpc.aio.EOF else created
     except grpc.RpcError as err:
+        if err.code() is grpc.StatusCode.UNAVAILABLE:  # gone since the last poll: no new session until it answers
+            gateway.sessions.mark_failed(replica.address)
         gateway.metrics.requests.labels("realtime", str(from_rpc(err).status)).inc()
         await ws.send_denial_response(from_rpc(err).response())
         return
     if created is grpc.aio.EOF or updated is grpc.aio.EOF:
-        await ws.send_denial_response(APIError(502, "the router ended the session at once", "server_error").response())
+        await ws.send_denial_response(APIError(502, "the sessions service ended the session at once",
+                                               "server_error").response())
         return
     await ws.accept()
     gateway.metrics.requests.labels("realtime", "101").inc()
     gateway.metrics.in_flight.inc()
     send = Sender(ws, config.send_timeout_s)
     gone = asyncio.Event()  # set when the client left (its reader cancelled the call)
-    upstream = asyncio.create_task(client_to_router(ws, call, translator, send, config, gone))
+    upstream = asyncio.create_task(client_to_session(ws, call, translator, send, config, gone))
     try:
         translator.server_events(created)
         await send.events([{**translator.server_events(updated)[0], "type": "session.created"}])
-        await router_to_client(call, translator, send)
+        await session_to_client(call, translator, send)
     except grpc.RpcError as err:
         error = from_rpc(err)
         await send.events([{"type": "error", "event_id": event_id(), "error": error.body()["error"]}])
@@ -109,7 +130,7 @@ class Sender:
                 pass
 
 
-async def router_to_client(call, translator: Translator, send: Sender) -> None:
+async def session_to_client(call, translator: Translator, send: Sender) -> None:
     while True:
         event = await read(call)
         if event is grpc.aio.EOF:
@@ -122,9 +143,9 @@ async def router_to_client(call, translator: Translator, send: Sender) -> None:
             return
 
 
-async def client_to_router(ws: WebSocket, call, translator: Translator, send: Sender, config,
+async def client_to_session(ws: WebSocket, call, translator: Translator, send: Sender, config,
                            gone: asyncio.Event) -> None:
-    """The client's events, translated, to the router; refused ones answered with `error` at once."""
+    """The client's events, translated, to the session; refused ones answered with `error` at once."""
     try:
         while True:
             message = await ws.receive()

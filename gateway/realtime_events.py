@@ -1,5 +1,5 @@
-"""The OpenAI Realtime API's events <-> the router's Omni/Session messages, as plain functions and
-one small translator that remembers what the events need (each response's item, its modalities,
+"""The OpenAI Realtime API's events <-> the sessions service's Sessions/Session messages, as plain
+functions and one small translator that remembers what the events need (each response's item, its modalities,
 the settings to show). The shapes are the pinned openai SDK's (openai/types/realtime/).
 
 In: `session.update`, `input_audio_buffer.append/commit/clear`, `conversation.item.create/truncate`,
@@ -7,7 +7,7 @@ In: `session.update`, `input_audio_buffer.append/commit/clear`, `conversation.it
 `error` event naming it (UNSUPPORTED_EVENTS, the checks below); the session goes on.
 
 Function calling: the session's `tools` and `tool_choice` (gateway/tools.py), `function_call` and
-`function_call_output` items in; each call the router parsed out of a reply as a `function_call`
+`function_call_output` items in; each call the session parsed out of a reply as a `function_call`
 output item (output_index 1, 2, ... after the reply's message), its arguments in one
 `response.function_call_arguments.delta` and then `.done`.
 """
@@ -40,7 +40,7 @@ UNSUPPORTED_EVENTS = {
 # Session fields we refuse unless unset/null (the pipeline has no such feature).
 REFUSED_SESSION_FIELDS = ("prompt", "reasoning", "include", "parallel_tool_calls")
 _CHOICES = {omni_pb2.ToolChoice.MODE_NONE: "none", omni_pb2.ToolChoice.MODE_REQUIRED: "required"}
-# The router's field names (SessionError.field) -> the Realtime API's.
+# The session's field names (SessionError.field) -> the Realtime API's.
 _PARAMS = (
     ("update.turn_detection", "session.audio.input.turn_detection"),
     ("update.input_format", "session.audio.input.format"),
@@ -93,7 +93,7 @@ def decode_base64(value, param: str) -> bytes:
 
 
 def pcm16_wav(pcm: bytes, param: str) -> bytes:
-    """An input_audio part's base64 pcm16 (24 kHz mono) as the wav the router takes."""
+    """An input_audio part's base64 pcm16 (24 kHz mono) as the wav the session takes."""
     if len(pcm) % 2:
         raise ClientEventError(f"{param}: {len(pcm)} bytes is not a whole number of pcm16 samples", param)
     buf = io.BytesIO()
@@ -293,7 +293,7 @@ def response_create(event: dict) -> omni_pb2.CreateResponse:
 
 def client_event(event: dict, config: GatewayConfig, last_item: str | None,
                  tools: list[omni_pb2.Tool] | None = None) -> omni_pb2.SessionRequest:
-    """One client event as the router's SessionRequest; ClientEventError for what we refuse.
+    """One client event as a SessionRequest; ClientEventError for what we refuse.
     `tools`: the session's tools as its last settings showed them."""
     kind = event.get("type")
     request = omni_pb2.SessionRequest()
@@ -331,7 +331,7 @@ def client_event(event: dict, config: GatewayConfig, last_item: str | None,
 
 
 class Translator:
-    """The router's session events -> the Realtime API's server events."""
+    """The session's events -> the Realtime API's server events."""
 
     def __init__(self, config: GatewayConfig, model: str):
         self.config = config

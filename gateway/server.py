@@ -101,6 +101,10 @@ def listen_socket(host: str, port: int, send_buffer_bytes: int = 256 << 10) -> s
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni-gateway", description=__doc__.splitlines()[0])
     parser.add_argument("--router", default=env_default("router", "localhost:50051"), help="router host:port")
+    parser.add_argument("--sessions", default=env_default("sessions", "localhost:50052"),
+                        help="the sessions service's replicas (omni-session) /v1/realtime's sessions go to: "
+                             "host:port[,host:port] or dns:///name:port; each new session to the least loaded healthy "
+                             "one that is not draining (default localhost:50052)")
     parser.add_argument("--host", default=env_default("host", "0.0.0.0"))
     parser.add_argument("--port", type=int, default=env_default("http_port", 8000),
                         help="HTTP port (default 8000; 0 = any free port, see --port-file)")

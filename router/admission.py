@@ -35,14 +35,6 @@ class Admission:
     def queued(self) -> int:
         return len(self._waiters)
 
-    def try_acquire(self) -> bool:
-        """A place at once, or False: a realtime session never queues (it holds its place while open)."""
-        if self.in_flight < self.config.max_in_flight and not self._waiters:
-            self.in_flight += 1
-            self.peak = max(self.peak, self.in_flight)
-            return True
-        return False
-
     async def acquire(self) -> None:
         if self.in_flight < self.config.max_in_flight and not self._waiters:
             self.in_flight += 1

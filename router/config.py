@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from router.admission import AdmissionConfig
-from router.prefix import DEFAULT_PREFIX_WEIGHT, Routing
-from router.replicas import ReplicaSource
-from router.session_settings import SessionConfig
 from services.serving.config import ServingConfig
+from services.serving.prefix_routing import DEFAULT_PREFIX_WEIGHT, Routing
+from services.serving.replicas import ReplicaSource
 
 
 @dataclass(frozen=True)
@@ -24,9 +23,8 @@ class RouterConfig:
     dns_refresh_s: float = 5.0
     auth_tokens: tuple[bytes, ...] = ()  # bearer tokens callers must present; empty = no authentication
     max_migrations: int = 2  # moves to another replica per request and hop when one dies mid-stream
-    routing: Routing = Routing.PREFIX  # how a thinker replica is chosen (router/prefix.py)
+    routing: Routing = Routing.PREFIX  # how a thinker replica is chosen (services/serving/prefix_routing.py)
     prefix_weight: float = DEFAULT_PREFIX_WEIGHT
-    session: SessionConfig = SessionConfig()  # realtime sessions' bounds (router/session.py)
 
     @property
     def thinker_stall_s(self) -> float:

@@ -12,6 +12,7 @@ from prometheus_client import (
 )
 
 from services.serving.gc_heap import GCCollector
+from services.serving.loop_lag import LAG_BUCKETS
 
 LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
@@ -45,20 +46,8 @@ class RouterMetrics:
                                  registry=r)
         self.underrun_seconds = Counter("omni_router_underrun_seconds", "Silence those underruns add up to",
                                         registry=r)
-        # Realtime sessions (router/session.py): each holds one in-flight place while open.
-        self.sessions_open = Gauge("omni_router_sessions_open", "Realtime sessions open", registry=r)
-        self.sessions = Counter("omni_router_sessions", "Realtime sessions ended, by how (ended: the client closed; "
-                                "idle_timeout, turn_limit, slow_reader: the router closed it; cancelled; rejected: "
-                                "no place at connect)", ["outcome"], registry=r)
-        self.session_turns = Counter("omni_router_session_turns", "Responses of realtime sessions, by status",
-                                     ["status"], registry=r)
-        for status in ("completed", "cancelled", "failed"):
-            self.session_turns.labels(status)  # a series from the start (the dashboard's rate by status)
-        self.session_barge_ins = Counter("omni_router_session_barge_ins",
-                                         "Speech that started while a response was playing (it was cancelled)", registry=r)
-        self.session_first_audio = Histogram("omni_router_session_first_audio_seconds",
-                                             "Speech stop detected to the response's first audio chunk written",
-                                             buckets=LATENCY_BUCKETS, registry=r)
+        self.loop_lag = Histogram("omni_router_loop_lag_seconds", "How late the event loop ran a timer due every "
+                                  "100 ms: what every request's relay waited behind", buckets=LAG_BUCKETS, registry=r)
         self.replica_in_flight = Gauge("omni_router_replica_in_flight", "This router's requests per replica",
                                        ["stage", "replica"], registry=r)
         self.migrations = Counter("omni_router_migrations", "Requests moved off a dead thinker replica",
@@ -66,7 +55,7 @@ class RouterMetrics:
         self.migration_pause = Histogram("omni_router_migration_pause_seconds",
                                          "From a thinker replica's failure to the first new output after the move",
                                          ["stage"], buckets=LATENCY_BUCKETS, registry=r)
-        # Prefix routing (router/prefix.py): a thinker replica reported holding part of the request's
+        # Prefix routing (services/serving/prefix_routing.py): a thinker replica reported holding part of the request's
         # conversation (held) or none did (none); counted only with more than one thinker to choose from.
         self.prefix_routed = Counter("omni_router_prefix_routed", "Requests routed by prefix, by whether any thinker "
                                      "replica held part of their conversation", ["outcome"], registry=r)

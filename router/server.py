@@ -21,15 +21,11 @@ from omni.v1 import omni_pb2, omni_pb2_grpc, stages_pb2
 from router.admission import Admission, AdmissionConfig
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
-from router.prefix import DEFAULT_PREFIX_WEIGHT, Routing
-from router.replicas import Replica, ReplicaSet, ReplicaSource, publish_state
-from router.session import RealtimeSession
-from router.session_settings import SessionConfig
 from router.stream import RouterStream
-from router.turn_detection import silero
 from services.base.env import env_default
 from services.base.errors import run_cli
 from services.base.stages import Stage
+from services.serving import loop_lag
 from services.serving.config import add_serving_flags, serving_config_from_args
 from services.serving.grpc_server import (
     ServerHandle,
@@ -40,6 +36,8 @@ from services.serving.grpc_server import (
     write_port_file,
 )
 from services.serving.prefix_keys import message_keys
+from services.serving.prefix_routing import DEFAULT_PREFIX_WEIGHT, Routing
+from services.serving.replicas import Replica, ReplicaSet, ReplicaSource, publish_state
 from services.serving.security import (
     BearerTokenInterceptor,
     load_tokens,
@@ -65,9 +63,9 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
 
     def route(self, request: omni_pb2.GenerateRequest) -> tuple[dict[str, Replica], stages_pb2.Route]:
         """The cheapest healthy replica of each stage (least loaded; for the thinker, less the
-        credit of the request's prefix it holds: router/prefix.py), and the route the thinker
-        gets: those for the talker and code2wav plus every other healthy one of theirs as
-        fallbacks, least loaded first."""
+        credit of the request's prefix it holds: services/serving/prefix_routing.py), and the route
+        the thinker gets: those for the talker and code2wav plus every other healthy one of theirs
+        as fallbacks, least loaded first."""
         route, ranked = {}, {}
         for stage in STAGES:
             keys = self.prefix_keys(request) if stage == Stage.THINKER else ()
@@ -100,9 +98,6 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         async with aclosing(RouterStream(self, request, context).run()) as responses:
             async for response in responses:
                 yield response
-
-    async def Session(self, requests, context: grpc.aio.ServicerContext) -> None:
-        await RealtimeSession(self, requests, context, self.config.session, silero).run()
 
     def note_failure(self, exc: grpc.aio.AioRpcError, route: dict[str, Replica]) -> None:
         """Mark the replica an UNAVAILABLE's ErrorInfo names (or the thinker, if it died itself) as failed."""
@@ -199,15 +194,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefix-weight", type=float, default=env_default("prefix_weight", DEFAULT_PREFIX_WEIGHT),
                         help="prefix routing: requests of load that 1,000 prompt tokens a replica holds are worth "
                              f"(default {DEFAULT_PREFIX_WEIGHT:g})")
-    parser.add_argument("--session-idle-timeout-s", type=float, default=env_default("session_idle_timeout_s", 300.0),
-                        help="a realtime session with no client message and no response this long is closed (default 300)")
-    parser.add_argument("--session-max-turns", type=int, default=env_default("session_max_turns", 200),
-                        help="responses a realtime session may create; the next closes it (default 200)")
-    parser.add_argument("--session-max-input-s", type=float, default=env_default("session_max_input_s", 60.0),
-                        help="seconds of audio a session's input buffer may hold; an append past it is refused (default 60)")
-    parser.add_argument("--session-send-timeout-s", type=float, default=env_default("session_send_timeout_s", 10.0),
-                        help="a session whose client takes no event this long is closed and its response cancelled "
-                             "(default 10)")
     return parser
 
 
@@ -221,29 +207,29 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         poll_interval_s=args.poll_interval_s, dns_refresh_s=args.dns_refresh_s,
         auth_tokens=load_tokens(args.auth_token_file), max_migrations=args.max_migrations,
         routing=Routing(args.routing), prefix_weight=args.prefix_weight,
-        session=SessionConfig(idle_timeout_s=args.session_idle_timeout_s, max_turns=args.session_max_turns,
-                              max_input_s=args.session_max_input_s, send_timeout_s=args.session_send_timeout_s),
     )
 
 
 async def serve(config: RouterConfig, port_file: str | None = None) -> None:
     """Serve until SIGTERM: live at once, ready (omni.v1.Omni) once every stage has a replica."""
     handle, router = await create_server(config)
-    health = None
+    health = lag = None
     await handle.set_serving(False, services=(SERVICE,))  # not ready until every stage has a replica
 
     def started() -> None:
-        nonlocal health
+        nonlocal health, lag
         write_port_file(port_file, handle.port)
         health = asyncio.get_running_loop().create_task(router.keep_health(handle))
+        lag = asyncio.get_running_loop().create_task(loop_lag.watch(router.metrics.loop_lag))
 
     # NOTE: readiness (omni.v1.Omni) is keep_health's alone: marked SERVING with the rest at the
     # start, it read SERVING until keep_health's first round, with no stage replica maybe up.
     await serve_until_signal(handle, config.serving.grace_s, drain_delay_s=config.serving.drain_delay_s,
                              on_started=started, started_services=("",),
                              light_load_cpus=config.serving.light_load_cpus)
-    if health is not None:
-        health.cancel()
+    for task in (health, lag):
+        if task is not None:
+            task.cancel()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,11 +22,11 @@ from omni.v1 import omni_pb2, stages_pb2, stages_pb2_grpc
 from router.admission import Admission, Rejected
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
-from router.replicas import Replica, ReplicaSet
 from services.base.stages import SPEECH_SAMPLE_RATE, Stage
 from services.serving import tracing
 from services.serving.grpc_server import time_remaining
 from services.serving.migration import Passed, Resume, as_replay
+from services.serving.replicas import Replica, ReplicaSet
 from services.serving.status import (
     Overloaded,
     ReplayDiverged,
@@ -85,14 +85,10 @@ class RouterStage(Protocol):
 
 
 class RouterStream:
-    """`context` is the client call's (a realtime session's turn passes its own: router/session.py);
-    `admitted`: the request runs on a place its caller already holds (a session's), so it neither
-    takes nor gives back one."""
+    """One client call's request (`context` is that call's): a place in flight for its whole stream."""
 
-    def __init__(self, servicer: RouterStage, request: omni_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
-                 admitted: bool = False):
+    def __init__(self, servicer: RouterStage, request: omni_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         self.servicer = servicer
-        self.admitted = admitted
         self.metrics = servicer.metrics
         self.request = request
         self.context = context
@@ -111,8 +107,7 @@ class RouterStream:
         self.played_until: float | None = None  # when the audio passed up so far has played (a listener from the first chunk)
 
     async def run(self):
-        if not self.admitted:
-            await self.admit()
+        await self.admit()
         outcome = grpc.StatusCode.UNKNOWN
         try:
             self.open_route()
@@ -280,6 +275,5 @@ class RouterStream:
             self.spans.finish(outcome_label(outcome))
         self.metrics.requests.labels(outcome_label(outcome)).inc()
         self.servicer.track(self.route, -1)
-        if not self.admitted:
-            self.servicer.admission.release()
-            self.metrics.in_flight.set(self.servicer.admission.in_flight)
+        self.servicer.admission.release()
+        self.metrics.in_flight.set(self.servicer.admission.in_flight)

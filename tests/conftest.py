@@ -80,10 +80,10 @@ def pytest_configure(config) -> None:
 # Packages whose tests share one stack (a session- or package-scoped fixture in their conftest):
 # under pytest-xdist (`make test` runs three workers, --dist loadscope) each goes to one worker whole,
 # so its stack starts once; every other test goes with its module (module-scoped stacks start once).
-SHARED_STACK_PACKAGES = ("reliability", "e2e", "gateway", "hostile", "observability", "k8s")
+SHARED_STACK_PACKAGES = ("reliability", "e2e", "gateway", "hostile", "observability", "k8s", "sessions")
 # Packages that share one stack between them (`shared_stack` below): one scope, so one worker and
 # one start. e2e's tests come first (file order), on a stack no hostile test has touched yet.
-SAME_STACK = {"hostile": "e2e"}
+SAME_STACK = {"hostile": "e2e", "sessions": "e2e"}
 
 
 # Modules of a minute or more of the two cores each (make test: test_token2wav; make test-slow: the
@@ -130,8 +130,8 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 @pytest.fixture(scope="session")
 def shared_stack(tiny_checkpoint):
-    """The stack tests/e2e and tests/hostile share (one start for both: `SAME_STACK`): code2wav,
-    talker, thinker and router as processes, with the hostile tests' input limits (the e2e tests'
+    """The stack tests/e2e, tests/hostile and tests/sessions share (one start for all: `SAME_STACK`):
+    code2wav, talker, thinker, router and sessions service as processes, with the hostile tests' input limits (the e2e tests'
     inputs are within them) and the router's metrics, as a `Reliable` (tests/reliability/support.py)."""
     from services.tools.launcher import free_port
     from tests.hostile.support import MAX_AUDIO_SECONDS, MAX_IMAGE_PIXELS, MAX_IN_FLIGHT

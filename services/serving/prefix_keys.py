@@ -8,7 +8,7 @@ message by message, so the unit both sides can name is a message prefix: key j h
 content of messages 0..j (text as UTF-8, media as their bytes' digest) and the request's
 use_audio_in_video. A thinker replica reports the keys whose tokens it holds in its prefix cache
 (services/runtime/lm/prefix/), with how many tokens that is; the router matches the longest
-key of a new request against each replica's report (router/prefix.py).
+key of a new request against each replica's report (services/serving/prefix_routing.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """`omni-serve`: run the whole stack locally as separate processes.
 
 `omni-serve up --checkpoint DIR [--port P] [--http-port H]` starts code2wav, talker, thinker, the
-router and the OpenAI-compatible HTTP gateway (on H, default 8000; 0 = no gateway), each its own
+router, the sessions service (realtime voice sessions, on --sessions-port, default 50052) and the
+OpenAI-compatible HTTP gateway (on H, default 8000; 0 = no gateway), each its own
 process on its own port, waits until every one reports SERVING on grpc.health.v1 (the gateway:
 200 on /health), prefixes their logs, and stops them all on Ctrl-C or SIGTERM. On one machine
 the launcher is the deployment, so it supervises as Kubernetes would: a process that exits is
@@ -50,6 +51,7 @@ STAGE_MODULES = {
     Stage.TALKER: "services.talker.server",
     Stage.THINKER: "services.thinker.server",
     "router": "router.server",
+    "sessions": "sessions.server",
     "gateway": "gateway.server",
 }
 
@@ -125,6 +127,8 @@ class StackOptions:
     talker_args: tuple[str, ...] = ()
     code2wav_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
+    sessions_port: int = 0  # the sessions service's port (0 = any free one)
+    sessions_args: tuple[str, ...] = ()
     http_port: int | None = None  # start the HTTP gateway on this port (0 = any free one); None = no gateway
     gateway_args: tuple[str, ...] = ()
     extra_args: tuple[str, ...] = ()  # appended to every process (e.g. TLS flags)
@@ -153,6 +157,11 @@ class Stack:
     @property
     def target(self) -> str:
         return f"{self.options.host}:{self.processes['router'].port}"
+
+    @property
+    def sessions_target(self) -> str:
+        """The sessions service (omni.v1.Sessions: realtime voice sessions)."""
+        return f"{self.options.host}:{self.processes['sessions'].port}"
 
     @property
     def http_url(self) -> str | None:
@@ -226,8 +235,12 @@ class Stack:
                 router += [f"--{stage}", ",".join(self.addresses(stage))]
             self._add("router", "router", router, port=o.port or free_port(o.host))
             self.wait_ready("router", peers=True)
+            self._add("sessions", "sessions", ["--host", o.host, "--router", self.target, *o.sessions_args],
+                      port=o.sessions_port or free_port(o.host))
+            self.wait_ready("sessions", peers=True)
             if o.http_port is not None:
-                self._add("gateway", "gateway", ["--router", self.target, "--host", o.host, "--checkpoint",
+                self._add("gateway", "gateway", ["--router", self.target, "--sessions", self.sessions_target,
+                                                 "--host", o.host, "--checkpoint",
                                                  o.checkpoint, *gateway_voices(o.checkpoint), *o.gateway_args],
                           port=o.http_port or free_port(o.host))
                 self.wait_ready("gateway", peers=True)
@@ -281,13 +294,13 @@ class Stack:
 
     def _gone_need(self, process: Process) -> Process | None:
         """A process that `process` needs to become ready and that has exited: for the router, the
-        last replica of a stage; for the gateway, the router. None while it can still get ready."""
+        last replica of a stage; for the gateway and the sessions service, the router. None while it can still get ready."""
         if process.stage == "router":
             for stage in Stage:
                 replicas = [p for p in self.processes.values() if p.stage == stage and p.popen is not None]
                 if replicas and all(p.popen.poll() is not None for p in replicas):
                     return replicas[-1]
-        elif process.stage == "gateway":
+        else:  # the gateway and the sessions service: the router
             router = self.processes.get("router")
             if router is not None and router.popen is not None and router.popen.poll() is not None:
                 return router
@@ -364,8 +377,8 @@ class Stack:
             stopping.wait(0.1 if starting or due else 0.5)
 
     def stop(self, grace_s: float = 10.0) -> None:
-        # The gateway and the router first, so no new work reaches the stages.
-        order = sorted(self.processes.values(), key=lambda p: {"gateway": 0, "router": 1}.get(p.stage, 2))
+        # The gateway, the sessions service and the router first, so no new work reaches the stages.
+        order = sorted(self.processes.values(), key=lambda p: {"gateway": 0, "sessions": 1, "router": 2}.get(p.stage, 3))
         for process in order:
             if process.popen is not None and process.popen.poll() is None:
                 process.popen.send_signal(signal.SIGTERM)
@@ -409,7 +422,7 @@ def health_status(target: str, service: str = "", timeout: float = 1.0, tls: TLS
 
 
 def poll_as_the_router(stage: str, target: str, tls: TLSConfig = TLSConfig(), timeout: float = 5.0) -> str:
-    """What the router's poll of a stage replica gets (router/replicas.py: health, then GetLoad),
+    """What the router's poll of a stage replica gets (services/serving/replicas.py: health, then GetLoad),
     for an error message: 'health SERVING, GetLoad OK', or the status of the call that failed."""
     with secure_or_insecure_channel(target, tls, [], aio=False) as channel:
         try:
@@ -451,7 +464,9 @@ def _add_stack_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--thinker-replicas", type=int, default=1)
     parser.add_argument("--talker-replicas", type=int, default=1)
     parser.add_argument("--code2wav-replicas", type=int, default=1)
-    for service in ("router", *Stage):
+    parser.add_argument("--sessions-port", type=int, default=50052,
+                        help="the sessions service's port (realtime voice sessions; default 50052, 0 = any free one)")
+    for service in ("router", "sessions", *Stage):
         parser.add_argument(f"--{service}-args", default="", metavar="'FLAGS'",
                             help=f"more flags for every {service} process, as one shell-quoted string "
                                  f"(e.g. --{service}-args '--grace-s 60'); see omni-{service} --help")
@@ -495,12 +510,13 @@ def _options(args) -> StackOptions:
     tls = tls_from_args(argparse.Namespace(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
                                            tls_server_name=None))
     more = {service: tuple(shlex.split(getattr(args, f"{service}_args")))
-            for service in ("router", *Stage)}
+            for service in ("router", "sessions", *Stage)}
     return StackOptions(checkpoint=args.checkpoint, port=args.port, host=args.host, threads=args.threads,
                         thinker_replicas=args.thinker_replicas, talker_replicas=args.talker_replicas,
                         code2wav_replicas=args.code2wav_replicas, thinker_args=every + thinker + more["thinker"],
                         talker_args=every + talker + more["talker"], code2wav_args=every + more["code2wav"],
-                        router_args=more["router"], extra_args=tls_flags, tls=tls,
+                        router_args=more["router"], sessions_port=args.sessions_port,
+                        sessions_args=more["sessions"], extra_args=tls_flags, tls=tls,
                         metrics_base_port=args.metrics_base_port, device=args.device or "cpu",
                         cpu_layout=args.cpu_layout, startup_timeout_s=args.startup_timeout_s,
                         gpu_sharing=GpuSharing(args.gpu_sharing),
@@ -515,13 +531,14 @@ def up(args) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
     print(f"omni-serve: starting code2wav x{args.code2wav_replicas}, talker x{args.talker_replicas}, "
-          f"thinker x{args.thinker_replicas}, router{', gateway' if args.http_port else ''} from {args.checkpoint}",
+          f"thinker x{args.thinker_replicas}, router, sessions{', gateway' if args.http_port else ''} from {args.checkpoint}",
           file=sys.stderr)
     stack.start()
     print(f"omni-serve: {stack.describe_layout()}", file=sys.stderr)
     stages = ", ".join(f"{s} {' '.join(stack.addresses(s))}" for s in Stage)
     print(f"omni-serve: ready on {stack.target} ({stages}). Try:\n  .venv/bin/omni-client --target {stack.target} "
-          f"--prompt 'Hello!' --out out/hello.wav\n" + (
+          f"--prompt 'Hello!' --out out/hello.wav\nRealtime voice sessions (omni.v1.Sessions) on {stack.sessions_target} "
+          "(docs/sessions.md)\n" + (
               f"OpenAI-compatible HTTP API on {stack.http_url}/v1 (docs/gateway.md)\n" if stack.http_url else "")
           + "Ctrl-C stops everything.", file=sys.stderr)
     try:

@@ -30,6 +30,7 @@ SERVICES = {
     "talker": ("omni-talker", None),
     "code2wav": ("omni-code2wav", None),
     "router": ("omni-router", None),
+    "sessions": ("omni-session", None),
     "gateway": ("omni-gateway", None),
     "omni-serve up": ("omni-serve", "up"),
 }

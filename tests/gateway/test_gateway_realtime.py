@@ -10,13 +10,15 @@ import time
 import wave
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import websockets.sync.client
-from gateway_procs import start_gateway, start_router
+from gateway_procs import start_gateway
 from websockets.exceptions import InvalidStatus
 
 from services.base.resample import resample
+from tests.sessions.procs import sessions as start_sessions
 
 SPEECH = sorted((Path(__file__).parents[2] / "bench" / "speech").glob("*.wav"))
 
@@ -129,19 +131,18 @@ def test_a_refused_bearer_token_is_a_401_in_the_handshake(gateway, tmp_path):
 
 @pytest.fixture(scope="module")
 def one_place_gateway(gw_stack, tmp_path_factory):
-    """A gateway in front of a second router with one place in flight."""
-    router, port = start_router(gw_stack, "--max-in-flight", "1")
-    gateway = start_gateway(f"127.0.0.1:{port}", tmp_path_factory.mktemp("gw1"))
+    """A gateway in front of a second sessions service that takes one session (--max-sessions 1)."""
+    sessions = start_sessions(gw_stack.target, "--max-sessions", "1")
+    gateway = start_gateway(gw_stack.target, tmp_path_factory.mktemp("gw1"), "--sessions", sessions.target)
     yield gateway
     gateway.stop()
-    router.terminate()
-    router.wait(timeout=10)
+    sessions.stop()
 
 
-def test_a_session_over_the_routers_capacity_is_a_429_with_retry_after_in_the_handshake(one_place_gateway):
+def test_a_session_over_the_sessions_services_capacity_is_a_429_with_retry_after_in_the_handshake(one_place_gateway):
     url = f"ws://127.0.0.1:{one_place_gateway.port}/v1/realtime?model=x"
     deadline = time.monotonic() + 30
-    while True:  # the second router connects to its stages
+    while True:  # the gateway connects to the second sessions service
         try:
             holder = websockets.sync.client.connect(url)
             break
@@ -159,6 +160,73 @@ def test_a_session_over_the_routers_capacity_is_a_429_with_retry_after_in_the_ha
         holder.close()
 
 
+def test_sessions_spread_over_the_sessions_replicas_least_loaded_first(gw_stack, tmp_path):
+    """Two sessions replicas behind one gateway: four sessions opened one after another go two to each
+    (the gateway counts its own sessions on each replica between polls, as the router counts requests)."""
+    from omni.v1 import common_pb2, omni_pb2_grpc
+
+    replicas = [start_sessions(gw_stack.target) for _ in range(2)]
+    gateway = start_gateway(gw_stack.target, tmp_path, "--sessions", ",".join(r.target for r in replicas))
+    sockets = []
+    try:
+        for _ in range(4):
+            ws = websockets.sync.client.connect(f"ws://127.0.0.1:{gateway.port}/v1/realtime?model=x")
+            sockets.append(ws)
+            assert json.loads(ws.recv(timeout=10))["type"] == "session.created"
+        held = []
+        for replica in replicas:
+            with grpc.insecure_channel(replica.target) as channel:
+                held.append(omni_pb2_grpc.SessionsStub(channel).GetLoad(common_pb2.LoadRequest(), timeout=5).running)
+        assert held == [2, 2]
+    finally:
+        for ws in sockets:
+            ws.close()
+        gateway.stop()
+        for replica in replicas:
+            replica.stop()
+
+
+def test_a_draining_sessions_replica_takes_no_new_session(gw_stack, tmp_path):
+    """SIGTERM to one of two sessions replicas: once the gateway's poll sees it NOT_SERVING, every new
+    session goes to the other, however many the other already holds."""
+    import signal
+
+    from omni.v1 import common_pb2, omni_pb2_grpc
+    from tests.sessions.procs import health
+
+    def held(replica) -> int:
+        with grpc.insecure_channel(replica.target) as channel:
+            return omni_pb2_grpc.SessionsStub(channel).GetLoad(common_pb2.LoadRequest(), timeout=5).running
+
+    serving = start_sessions(gw_stack.target)
+    draining = start_sessions(gw_stack.target, "--drain-delay-s", "60", "--grace-s", "60")
+    gateway = start_gateway(gw_stack.target, tmp_path, "--sessions", f"{serving.target},{draining.target}")
+    sockets = []
+    try:
+        draining.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while health(draining.target) != "NOT_SERVING":
+            assert time.monotonic() < deadline, "the replica never reported NOT_SERVING"
+            time.sleep(0.1)
+        # Sessions opened one after another, each kept open: until the gateway's next poll some may still
+        # go to the draining replica; after it, four in a row go to the other although it holds the most.
+        in_a_row = 0
+        while in_a_row < 4:
+            assert time.monotonic() < deadline, "new sessions kept going to the draining replica"
+            before = held(serving)
+            ws = websockets.sync.client.connect(f"ws://127.0.0.1:{gateway.port}/v1/realtime?model=x")
+            sockets.append(ws)
+            assert json.loads(ws.recv(timeout=10))["type"] == "session.created"
+            in_a_row = in_a_row + 1 if held(serving) == before + 1 else 0
+        assert held(serving) > held(draining)
+    finally:
+        for ws in sockets:
+            ws.close()
+        gateway.stop()
+        serving.stop()
+        draining.kill()
+
+
 @pytest.fixture(scope="module")
 def long_reply_stack(tiny_checkpoint):
     """A stack whose talker speaks up to 1,500 frames a reply (two minutes of audio: seconds of work)."""
@@ -174,11 +242,9 @@ def long_reply_stack(tiny_checkpoint):
 
 @pytest.mark.slow
 def test_a_client_that_closes_its_socket_mid_reply_frees_the_response_in_every_stage(long_reply_stack):
-    """The socket closed at the reply's first audio: the gateway cancels the router's session call, and
-    the router the response everywhere (it ran on to its end when the router took the cancel for a
+    """The socket closed at the reply's first audio: the gateway cancels the session's call, and the
+    sessions service the response everywhere (it ran on to its end when the router took the cancel for a
     half-close)."""
-    import grpc
-
     from omni.v1 import common_pb2
     from services.serving.stage_stubs import stage_stub
 

@@ -14,7 +14,7 @@ MAX_AUDIO_SECONDS = 10.0  # the thinker's --max-audio-seconds
 MAX_IMAGE_PIXELS = 64 * 64  # the thinker's --max-image-pixels
 MAX_IN_FLIGHT = 16  # the router's admission limit
 SETTLE_S = 5.0  # time every in-flight count gets to return to 0
-POLL_DEADLINE_S = 1.0  # the router's health-poll deadline (router/replicas.py)
+POLL_DEADLINE_S = 1.0  # the router's health-poll deadline (services/serving/replicas.py)
 
 
 def _status_kb(pid: int, key: str) -> int:

@@ -23,7 +23,7 @@ OVERLAYS = ("dev-cpu", "gpu")
 # Every kustomization a user can build: the overlays, and the base they share.
 KUSTOMIZATIONS = ("base",) + tuple(f"overlays/{name}" for name in OVERLAYS)
 STAGES = ("thinker", "talker", "code2wav")
-COMPONENTS = STAGES + ("router",)
+COMPONENTS = STAGES + ("router", "sessions")
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet")
 # kubectl 1.27 is the first with kustomize v5 (`labels`, `patches` with label selectors).
 MIN_KUBECTL = (1, 27)

@@ -1,6 +1,6 @@
 """The gateway's objects: Deployment (HTTP probes on /health and /live), Service, disruption
 budget, CPU autoscaler, and a NetworkPolicy that lets callers in and the gateway out to the
-router alone. Its container's args and environment go through its own parser with the other
+router and the sessions service alone. Its container's args and environment go through its own parser with the other
 components' (test_service_flags.py iterates every workload)."""
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def egress_allowed(policies: list[dict], namespace: str, source_labels: dict, ta
 
 
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
-def test_gateway_network_policy_callers_in_router_only_out(rendered, kustomization):
+def test_gateway_network_policy_callers_in_router_and_sessions_only_out(rendered, kustomization):
     objects = rendered[kustomization]
     namespace = objects.deployment("router")["metadata"].get("namespace", "default")
     policies = objects.of_kind("NetworkPolicy")
@@ -156,9 +156,10 @@ def test_gateway_network_policy_callers_in_router_only_out(rendered, kustomizati
     assert ingress_allowed(policies, namespace, labels, ports, client, http)
     assert ingress_allowed(policies, namespace, labels, ports, prometheus, metrics)
     assert not ingress_allowed(policies, namespace, labels, ports, client, metrics)
-    # Egress: the router's gRPC port and cluster DNS, nothing else.
-    router_port = container_port(main_container(objects.deployment("router")), "grpc")
-    assert egress_allowed(policies, namespace, labels, _peer(objects, namespace, "router"), router_port)
+    # Egress: the router's and the sessions service's gRPC ports and cluster DNS, nothing else.
+    for service in ("router", "sessions"):
+        service_port = container_port(main_container(objects.deployment(service)), "grpc")
+        assert egress_allowed(policies, namespace, labels, _peer(objects, namespace, service), service_port), service
     dns = Peer("kube-system", (("kubernetes.io/metadata.name", "kube-system"),), (("k8s-app", "kube-dns"),))
     assert egress_allowed(policies, namespace, labels, dns, 53, "UDP")
     for stage in STAGES:

@@ -17,7 +17,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omni.v1 import common_pb2, omni_pb2_grpc
-from router.replicas import ReplicaSource
+from services.serving.replicas import ReplicaSource
 from services.serving.security import TLSConfig, secure_or_insecure_channel
 from services.serving.stage_stubs import stage_stub
 from services.tools.client import build_request, collect, connect
@@ -156,7 +156,8 @@ def test_probes_use_the_plaintext_health_port_and_the_work_port_requires_client_
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[kind]["grpc"]["port"] == health, f"{component} {kind}"
         assert args.tls_ca, f"{component}: without a CA the work port would not ask for client certificates"
-    assert "appProtocol" not in objects.get("Service", "omni-router")["spec"]["ports"][0]  # not h2c any more
+    for service in ("omni-router", "omni-sessions"):
+        assert "appProtocol" not in objects.get("Service", service)["spec"]["ports"][0], service  # not h2c any more
 
 
 def test_network_policies_open_the_health_port_to_no_pod_and_work_ports_to_their_callers_only(rendered):
@@ -172,7 +173,7 @@ def test_network_policies_open_the_health_port_to_no_pod_and_work_ports_to_their
     peers["client"] = Peer("apps", (("kubernetes.io/metadata.name", "apps"),), (("app", "client"),))
     peers["gateway"] = Peer(namespace, (("kubernetes.io/metadata.name", namespace),),
                             (("app.kubernetes.io/component", "gateway"), ("app.kubernetes.io/name", "omni-gateway")))
-    callers = {"router": set(peers), "thinker": {"router"}, "talker": {"thinker", "router"},
+    callers = {"router": set(peers), "sessions": set(peers), "thinker": {"router"}, "talker": {"thinker", "router"},
                "code2wav": {"talker", "router"}}
     wrong = []
     for source, target in itertools.product(peers, COMPONENTS):

@@ -88,12 +88,16 @@ def test_every_container_has_startup_readiness_and_liveness_probes_on_its_grpc_p
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 assert probe in container, f"{where}: no {probe}"
             # Readiness is grpc.health.v1 itself: model loaded and taking work (stages), every
-            # stage has a healthy replica (router, service omni.v1.Omni); NOT_SERVING while draining.
+            # stage has a healthy replica (router, service omni.v1.Omni), the process up (sessions: a
+            # session needs a router only at its first turn); NOT_SERVING while draining.
             if workload["metadata"]["name"] == "omni-router":
                 assert container["readinessProbe"]["grpc"] == {"port": port, "service": "omni.v1.Omni"}, where
                 # Liveness reads the overall status "", which does not follow the stages, so a stage
                 # outage does not restart every router.
                 for probe in ("startupProbe", "livenessProbe"):
+                    assert container[probe]["grpc"] == {"port": port}, f"{where} {probe}"
+            elif workload["metadata"]["name"] == "omni-sessions":  # no model: it serves within a second
+                for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                     assert container[probe]["grpc"] == {"port": port}, f"{where} {probe}"
             else:
                 assert container["readinessProbe"]["grpc"] == {"port": port}, where
@@ -112,8 +116,8 @@ def test_only_the_gpu_overlay_requests_gpus_one_per_stage_pod(overlays, rendered
                 assert GPU not in resources.get("requests", {}) and GPU not in resources.get("limits", {}), (
                     f"{name} {component}/{container['name']}")
         gpu_resources = main_container(overlays["gpu"].deployment(component))["resources"]
-        if component == "router":
-            assert GPU not in gpu_resources.get("limits", {}), "the router runs on CPU"
+        if component in ("router", "sessions"):
+            assert GPU not in gpu_resources.get("limits", {}), f"the {component} runs on CPU"
             continue
         # Extended resources: request == limit, one whole GPU per stage pod.
         assert quantity(gpu_resources["limits"][GPU]) == 1, component
@@ -135,8 +139,8 @@ def test_device_follows_the_gpu_request(overlays, overlay):
 
 
 def test_replicas_dev_cpu_one_each_gpu_talker_and_code2wav_two(overlays):
-    expected = {"dev-cpu": {"thinker": 1, "talker": 1, "code2wav": 1, "router": 1},
-                "gpu": {"thinker": 1, "talker": 2, "code2wav": 2, "router": 2}}
+    expected = {"dev-cpu": {"thinker": 1, "talker": 1, "code2wav": 1, "router": 1, "sessions": 1},
+                "gpu": {"thinker": 1, "talker": 2, "code2wav": 2, "router": 2, "sessions": 2}}
     for overlay, replicas in expected.items():
         for component, count in replicas.items():
             assert overlays[overlay].deployment(component)["spec"]["replicas"] == count, f"{overlay} {component}"
@@ -148,6 +152,7 @@ def test_each_stage_autoscales_on_its_own_queue_depth(rendered, kustomization):
     objects = rendered[kustomization]
     hpas = {h["spec"]["scaleTargetRef"]["name"]: h for h in objects.of_kind("HorizontalPodAutoscaler")}
     hpas.pop("omni-gateway", None)  # on CPU, not a queue: test_gateway_manifests.py
+    hpas.pop("omni-sessions", None)  # on CPU, not a queue: test_sessions_manifests.py
     assert set(hpas) == {f"omni-{s}" for s in STAGES}, "one autoscaler per stage, none for the router"
     for stage in STAGES:
         hpa = hpas[f"omni-{stage}"]

@@ -120,9 +120,10 @@ def test_podmonitor_scrapes_the_metrics_port_of_every_component(overlays):
 def test_prometheus_adapter_serves_the_metric_the_autoscalers_read(overlays):
     values = yaml.safe_load((K8S / "monitoring" / "prometheus-adapter-values.yaml").read_text())
     exposed = {rule["name"]["as"]: rule for rule in values["rules"]["custom"]}
-    # The gateway's autoscaler reads CPU (a Resource metric, metrics-server): no adapter rule.
+    # The gateway's and the sessions service's autoscalers read CPU (a Resource metric, metrics-server):
+    # no adapter rule.
     hpas = [h for h in overlays["gpu"].of_kind("HorizontalPodAutoscaler")
-            if h["spec"]["scaleTargetRef"]["name"] != "omni-gateway"]
+            if h["spec"]["scaleTargetRef"]["name"] not in ("omni-gateway", "omni-sessions")]
     assert {h["spec"]["scaleTargetRef"]["name"] for h in hpas} == {f"omni-{s}" for s in STAGES}
     for hpa in hpas:
         (metric,) = hpa["spec"]["metrics"]

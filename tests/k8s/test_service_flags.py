@@ -83,7 +83,7 @@ def test_listen_ports_match_container_ports_services_and_scrape_annotations(rend
 
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
 def test_router_finds_every_stage_through_its_headless_service(rendered, kustomization):
-    from router.replicas import ReplicaSource
+    from services.serving.replicas import ReplicaSource
 
     objects = rendered[kustomization]
     router = main_container(objects.deployment("router"))

@@ -223,7 +223,7 @@ def wait_router_uses_all(stack, timeout_s: float = 60.0) -> None:
         text = urllib.request.urlopen(stack.metrics_url, timeout=5).read().decode()
         healthy = [sample.value for family in text_string_to_metric_families(text)
                    if family.name == "omni_router_replica_healthy" for sample in family.samples]
-        if len(healthy) == sum(p.stage != "router" for p in stack.processes.values()) and all(healthy):
+        if len(healthy) == sum(p.stage in ("thinker", "talker", "code2wav") for p in stack.processes.values()) and all(healthy):
             return
         time.sleep(0.2)
     raise AssertionError("the router does not use every replica again")

@@ -291,7 +291,7 @@ def move_a_request_off(stack, stage: str) -> None:
 def test_every_dashboard_query_returns_series_and_every_alert_evaluates_on_prometheus_scraping_the_stack(
         scraped_stack, tmp_path):
     targets = scraped_stack.metrics_targets
-    assert {"router", "gateway", "talker-0"} <= set(targets) and len(targets) == 7, targets
+    assert {"router", "sessions", "gateway", "talker-0"} <= set(targets) and len(targets) == 8, targets
     with Prometheus(tmp_path, targets) as prometheus:
         prometheus.wait_scraped_since(time.time())  # a scrape before the traffic: the counters' rates
         calls = [Call(scraped_stack, audio_request(f"prometheus-{i}-{secrets.token_hex(4)}")) for i in range(2)]

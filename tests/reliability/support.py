@@ -72,8 +72,8 @@ class Reliable:
         for name, process in self.stack.processes.items():
             if process.popen.poll() is not None:
                 self.stack.restart(name)
-        for name in self.stack.processes:
-            if name != "router":
+        for name, process in self.stack.processes.items():
+            if process.stage in STAGES:  # the router's replicas (not the router, not the sessions service)
                 # NOTE: can take seconds after a long outage: the router's channel to a dead replica
                 # backs off its reconnects (gRPC's default backoff grows to 120 s).
                 self.wait_router_sees(name, True, timeout_s=60.0)

@@ -9,8 +9,8 @@ import pytest
 
 from omni.v1 import common_pb2
 from router.admission import Admission, AdmissionConfig, Rejected
-from router.replicas import Replica, ReplicaSet, ReplicaSource
 from services.base.errors import UserError
+from services.serving.replicas import Replica, ReplicaSet, ReplicaSource
 
 
 def test_admission_admits_up_to_the_bound_queues_then_rejects_at_once():
@@ -87,7 +87,7 @@ def test_pick_takes_the_least_loaded_healthy_replica_that_is_not_draining():
 def test_a_missed_poll_is_suspect_and_a_refused_one_down():
     import grpc
 
-    from router.replicas import DOWN, SUSPECT, UP, poll_verdict
+    from services.serving.replicas import DOWN, SUSPECT, UP, poll_verdict
 
     assert poll_verdict(None, serving=True) == UP
     assert poll_verdict(None, serving=False) == DOWN  # NOT_SERVING

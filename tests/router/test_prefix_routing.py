@@ -1,5 +1,5 @@
 """Prefix routing in the router, without processes (the router never imports torch): the longest
-message prefix a thinker replica holds is the one it is credited for (router/prefix.py), and the
+message prefix a thinker replica holds is the one it is credited for (services/serving/prefix_routing.py), and the
 router's `route()` ranks thinkers with the request's own prefix keys (router/server.py).
 
 Pinned bugs (project issue 48, item 0): `PrefixView.matched` returning the shortest held prefix
@@ -13,11 +13,11 @@ from __future__ import annotations
 from omni.v1 import common_pb2, omni_pb2
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
-from router.prefix import PrefixView, Routing
-from router.replicas import Replica, ReplicaSet, ReplicaSource
 from router.server import OmniServicer
 from services.base.stages import Stage
 from services.serving.prefix_keys import message_keys
+from services.serving.prefix_routing import PrefixView, Routing
+from services.serving.replicas import Replica, ReplicaSet, ReplicaSource
 
 
 def conversation(turns: int) -> omni_pb2.GenerateRequest:

@@ -43,12 +43,13 @@ def wait_for(predicate, timeout_s: float, what: str, log: list[str] = ()) -> Non
         time.sleep(0.2)
 
 
-@pytest.mark.slow  # omni-serve up's own 6 processes, a kill and a restart: ~40 s of make test's 2 cores
+@pytest.mark.slow  # omni-serve up's own 7 processes, a kill and a restart: ~40 s of make test's 2 cores
 def test_omni_serve_up_restarts_a_dead_replica_and_keeps_serving(tiny_checkpoint):
     port, metrics = free_port(), free_port_block()  # the metrics ports: the base and the next four
     launcher = subprocess.Popen(
         [sys.executable, "-m", "services.tools.launcher", "up", "--checkpoint", str(tiny_checkpoint),
-         "--port", str(port), "--threads", str(torch_threads(1)), "--talker-replicas", "2", "--metrics-base-port", str(metrics),
+         "--port", str(port), "--sessions-port", "0", "--threads", str(torch_threads(1)), "--talker-replicas", "2",
+         "--metrics-base-port", str(metrics),
          "--router-args", "--max-in-flight 8 --max-migrations 2", "--talker-args", "--grace-s 5"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     log: list[str] = []
@@ -56,15 +57,19 @@ def test_omni_serve_up_restarts_a_dead_replica_and_keeps_serving(tiny_checkpoint
     target = f"127.0.0.1:{port}"
     started: set[int] = set()
     try:
-        wait_for(lambda: health_status(target, "omni.v1.Omni") == "SERVING", 180, "the stack", log)
+        wait_for(lambda: health_status(target, "omni.v1.Omni") == "SERVING", 180, "the router", log)
+        # The sessions service and the gateway start once the router serves: the whole stack is up at this line.
+        wait_for(lambda: any("omni-serve: ready on" in line for line in log), 180, "the stack", log)
         stages = children(launcher.pid)
         started |= set(stages)
         assert sum("services.talker.server" in c for c in stages.values()) == 2
         assert any("router.server" in c and "--max-in-flight 8" in c for c in stages.values())
-        # Every process has its own metrics port: the router the base one, then code2wav, talker x2, thinker.
-        for offset in range(5):
+        assert sum("sessions.server" in c for c in stages.values()) == 1
+        # Every process has its own metrics port: the router the base one, then code2wav, talker x2, thinker,
+        # the sessions service.
+        for offset, metric in enumerate(["omni_router_requests"] + ["omni_stage_queue_depth"] * 4 + ["omni_session_open"]):
             body = urllib.request.urlopen(f"http://127.0.0.1:{metrics + offset}/metrics", timeout=5).read().decode()
-            assert ("omni_router_requests" if offset == 0 else "omni_stage_queue_depth") in body
+            assert metric in body
 
         victim = next(pid for pid, c in stages.items() if "services.talker.server" in c)
         os.kill(victim, signal.SIGKILL)

@@ -6,11 +6,11 @@ import torch
 from transformers import DynamicCache
 
 from omni.v1 import common_pb2, omni_pb2
-from router.prefix import PrefixView, Routing
-from router.replicas import Replica, ReplicaSet, ReplicaSource
 from services.runtime.lm.prefix.keys import BLOCK_TOKENS, PromptPrefix, block_keys
 from services.runtime.lm.prefix.pool import PrefixPool
 from services.serving.prefix_keys import media_digests, message_keys
+from services.serving.prefix_routing import PrefixView, Routing
+from services.serving.replicas import Replica, ReplicaSet, ReplicaSource
 
 LAYERS, KV_HEADS, HEAD_DIM, HIDDEN = 2, 1, 4, 8
 

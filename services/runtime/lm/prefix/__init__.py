@@ -20,7 +20,7 @@ once their prefill finished, on the engine's thread, so an aborted prefill leave
 and only prompt blocks are kept (a generated token's KV comes from a decode step, whose bits are
 not a prefill's).
 
-`PrefixIndex` is what the router sees (services/serving/prefix_keys.py, router/prefix.py): the
+`PrefixIndex` is what the router sees (services/serving/prefix_keys.py, services/serving/prefix_routing.py): the
 message-prefix keys whose blocks are held, with their token counts, as a log of changes since a
 sequence number.
 """

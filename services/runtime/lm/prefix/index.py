@@ -1,5 +1,5 @@
 """What the router sees of a replica's pool: the message-prefix keys whose blocks it holds
-(services/serving/prefix_keys.py, router/prefix.py)."""
+(services/serving/prefix_keys.py, services/serving/prefix_routing.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A realtime session from a test (`SessionCall`: the gRPC Omni/Session with a reader thread) and
+"""A realtime session from a test (`SessionCall`: the gRPC Sessions/Session with a reader thread) and
 what the session tests share: the committed espeak-ng recordings, a one-shot Generate to compare
 a turn with, the stages' loads."""
 
@@ -8,14 +8,14 @@ import queue
 import threading
 import time
 import wave
-from array import array
 from pathlib import Path
 
 import grpc
+import numpy as np
 
 from omni.v1 import common_pb2, omni_pb2, omni_pb2_grpc
-from router.session_audio import wav_bytes
 from services.serving.stage_stubs import stage_stub
+from sessions.audio import wav_bytes
 
 SPEECH = sorted((Path(__file__).parents[2] / "bench" / "speech").glob("*.wav"))  # 16 kHz pcm16
 RATE = 16000
@@ -41,7 +41,7 @@ class SessionCall:
         self.arrived = threading.Condition()
         self.status: grpc.RpcError | None = None
         self.ended = False
-        self.call = omni_pb2_grpc.OmniStub(self.channel).Session(iter(self.requests.get, None), timeout=timeout_s)
+        self.call = omni_pb2_grpc.SessionsStub(self.channel).Session(iter(self.requests.get, None), timeout=timeout_s)
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
         self.seen = 0  # events next_event has handed out or skipped
@@ -111,7 +111,7 @@ LONG_REPLY = omni_pb2.SessionSettings(turn_detection=MANUAL, thinker_sampling=co
 def ask_for_a_long_reply(send) -> None:
     """A user turn of recorded speech and a response, through `send(**SessionRequest fields)`."""
     send(create_item=omni_pb2.CreateItem(message=omni_pb2.Message(role=omni_pb2.ROLE_USER, content=[
-        omni_pb2.Content(audio=wav_bytes(array("h", speech(0)), RATE))])))
+        omni_pb2.Content(audio=wav_bytes(np.frombuffer(speech(0), "<i2"), RATE))])))
     send(create_response=omni_pb2.CreateResponse())
 
 

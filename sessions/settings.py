@@ -1,30 +1,20 @@
-"""A realtime session's settings (what the client chose, `Settings`) and the router's bounds on
-every session (`SessionConfig`, from flags)."""
+"""A realtime session's settings: what the client chose (`Settings`), checked field by field, and
+the Generate request of a turn they make (the service's bounds on every session are
+sessions/config.py's)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
 from omni.v1 import common_pb2, omni_pb2
-from router.session_audio import DEFAULT_FORMAT, InputFormat, input_format
-from router.turn_detection import TurnDetectionSettings
 from services.base.errors import InvalidArgument
 from services.base.tool_calls import check_tools
+from sessions.audio import DEFAULT_FORMAT, InputFormat, input_format
+from sessions.turn_detection import TurnDetectionSettings
 
 _MODES = omni_pb2.ToolChoice
 
 TEXT, AUDIO = omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO
-
-
-@dataclass(frozen=True)
-class SessionConfig:
-    """The router's bounds on each session (flags --session-*)."""
-
-    idle_timeout_s: float = 300.0  # no client message and no response this long: closed
-    max_turns: int = 200  # responses a session may create; the next closes it
-    max_input_s: float = 60.0  # audio the input buffer may hold; an append past it is refused
-    max_append_bytes: int = 1 << 20  # one append's bytes; a larger one is refused
-    send_timeout_s: float = 10.0  # one event the client takes no bytes of this long: closed (a slow reader)
 
 
 @dataclass(frozen=True)

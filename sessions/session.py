@@ -1,49 +1,61 @@
-"""One `Omni/Session` call: a realtime voice session (docs/sessions.md).
+"""One `Sessions/Session` call: a realtime voice session (docs/sessions.md).
 
-The session holds one of the router's in-flight places for its life (refused at connect, before
-any event, when none is free), keeps the conversation, buffers the input audio and runs turn
-detection on it, and runs each response as an ordinary request through the router's own path
-(`RouterStream` on the session's place), whose messages are the conversation so far: prefix
-caching and prefix routing carry a session's turns as they carry any conversation.
+The session keeps the conversation, buffers the input audio and runs turn detection on it, and
+runs each response as an ordinary `Omni/Generate` call to the router (sessions/router_client.py),
+whose messages are the conversation so far: the router admits each turn on its own (an idle session
+holds no place there), and prefix caching and prefix routing carry a session's turns as they carry
+any conversation. A turn whose call fails ends that response alone (an `error` event, then its
+`response_done` failed with the same error); the session goes on.
 
 With tools in the settings, each reply's text is parsed for Qwen's tool calls as it streams
 (services/base/tool_calls.py): its content goes out as text events, each call as a
 `function_call` event once whole; the history keeps the reply's text as the model wrote it, calls
 and all, so the next turn's prompt holds the call the tool's result (a ROLE_TOOL item) answers.
 
-Three tasks: the reader (the client's messages into the inbox; never cancelled, see
-services/serving/streams.py), the writer (the outbox to the client, one event at a time), and
+Three tasks: the reader (the client's messages into the inbox, which is bounded, so a client
+that sends faster than the session handles is held back by gRPC's flow control; never cancelled,
+see services/serving/streams.py), the writer (the outbox to the client, one event at a time), and
 the session's own loop (`run`), which handles each message and owns every state change; a
-response's task relays its request's stream into the outbox. Errors about one message are
-`error` events and the session goes on.
+response's task relays its request's stream into the outbox. Turn detection runs on the
+replica's detection thread (`detection`), never on the event loop: the loop awaits each append's
+detection before the next message, so the input's state still changes in one place. Errors about
+one message are `error` events and the session goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 import uuid
 from collections import deque
+from concurrent.futures import Executor
 from contextlib import aclosing
 from dataclasses import dataclass
 
 import grpc
 
 from omni.v1 import omni_pb2
-from router.conversation import END_TEXT, Conversation, Item, Reply
-from router.session_audio import decode, wav_bytes
-from router.session_input import InputAudio
-from router.session_settings import AUDIO, SessionConfig, Settings
-from router.stream import RouterStage, RouterStream
-from router.turn_detection import SpeechStart
 from services.base.errors import InvalidArgument
 from services.base.tool_calls import ParsedCall, ToolCallParser
-from services.serving.status import Overloaded, abort_for, field_violations, status_for
+from services.serving.grpc_server import time_remaining
+from services.serving.status import status_for
 from services.serving.streams import let_end
+from sessions.audio import decode, wav_bytes
+from sessions.config import SessionConfig
+from sessions.conversation import END_TEXT, Conversation, Item, Reply
+from sessions.input_audio import InputAudio, InputPace
+from sessions.metrics import SessionMetrics
+from sessions.router_client import RouterClient, Turn, TurnFailed
+from sessions.settings import AUDIO, Settings
+from sessions.turn_detection import SpeechStart
 
-log = logging.getLogger("router")
+log = logging.getLogger("sessions")
 TICK_S = 0.25  # how often the loop checks the idle and send timeouts
+# Client messages read ahead of the one being handled; the reader waits beyond (gRPC flow control
+# then holds the client back): 32 appends of 20-100 ms each are up to 3 s of audio.
+INBOX = 32
 COMPLETED, CANCELLED, FAILED = (omni_pb2.RESPONSE_STATUS_COMPLETED, omni_pb2.RESPONSE_STATUS_CANCELLED,
                                 omni_pb2.RESPONSE_STATUS_FAILED)
 RESPONSE_OUTPUT = ("text", "audio", "codec_frames", "function_call")  # events dropped unsent when their response is cancelled
@@ -59,36 +71,6 @@ class MessageError(Exception):
     def __init__(self, code: str, message: str, field: str = ""):
         super().__init__(message)
         self.code, self.message, self.field = code, message, field
-
-
-class TurnFailed(Exception):
-    """A turn's request ended with a status: raised where RouterStream aborts its call."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, trailing_metadata):
-        super().__init__(message)
-        self._code, self._metadata = code, tuple(trailing_metadata or ())
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def trailing_metadata(self):
-        return self._metadata
-
-    def as_error(self) -> omni_pb2.SessionError:
-        violations = field_violations(self)
-        return omni_pb2.SessionError(code=self._code.name.lower(), message=str(self),
-                                     field=violations[0][0] if violations else "")
-
-
-class TurnContext:
-    """What RouterStream asks of its call's context, for a session's turn: no deadline of its own,
-    and a status raises TurnFailed instead of ending the session's call."""
-
-    def time_remaining(self) -> float | None:
-        return None
-
-    async def abort(self, code: grpc.StatusCode, message: str, trailing_metadata=()):
-        raise TurnFailed(code, message, trailing_metadata)
 
 
 @dataclass
@@ -124,17 +106,18 @@ class _End:
 
 
 class RealtimeSession:
-    def __init__(self, servicer: RouterStage, requests, context: grpc.aio.ServicerContext, config: SessionConfig,
-                 vad_factory):
-        self.servicer = servicer
-        self.metrics = servicer.metrics
+    def __init__(self, router: RouterClient, metrics: SessionMetrics, requests, context: grpc.aio.ServicerContext,
+                 config: SessionConfig, vad_factory, detection: Executor):
+        self.router = router
+        self.detection = detection  # the replica's turn detection thread
+        self.metrics = metrics
         self.requests = requests
         self.context = context
         self.config = config
         self.session_id = new_id("sess")
         self.settings = Settings()
         self.conversation = Conversation()
-        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.inbox: asyncio.Queue = asyncio.Queue(INBOX)
         self.outbox: deque[omni_pb2.SessionEvent] = deque()
         self.outbox_ready = asyncio.Event()
         self.writing_since: float | None = None  # monotonic start of the write in progress
@@ -144,6 +127,7 @@ class RealtimeSession:
         self.response: Response | None = None
         self.playback: Playback | None = None
         self.input = InputAudio(vad_factory)
+        self.pace = InputPace(config.max_input_realtime, config.input_burst_s)
         self.input.configure(self.settings.input_format, self.settings.turn_detection)
         self.speech_item: str | None = None  # the item id of the speech in progress
         self.speech_stopped_at: float | None = None  # monotonic time of the last stop: end of speech -> first audio
@@ -151,13 +135,6 @@ class RealtimeSession:
     # ---- the call ----
 
     async def run(self) -> None:
-        admission = self.servicer.admission
-        if not admission.try_acquire():
-            self.metrics.sessions.labels("rejected").inc()
-            await abort_for(self.context, Overloaded(
-                f"router at capacity: {admission.in_flight} of {admission.config.max_in_flight} places held, "
-                "no place for a session", self.servicer.config.admission.retry_after_s))
-        self.metrics.in_flight.set(admission.in_flight)
         self.metrics.sessions_open.inc()
         reader = asyncio.create_task(self.read_requests())
         writer = asyncio.create_task(self.write_events())
@@ -178,7 +155,7 @@ class RealtimeSession:
                     self.check_timeouts()
                 else:
                     self.last_activity = time.monotonic()
-                    self.handle(message)
+                    await self.handle(message)
             if self.response is not None and not self.response.ended:
                 self.cancel_response(omni_pb2.CANCEL_REASON_CLIENT, cut=False)
             if self.closed is None:
@@ -191,22 +168,24 @@ class RealtimeSession:
                 self.cancel_response(omni_pb2.CANCEL_REASON_CLIENT, cut=False)
             self.closed = self.closed or omni_pb2.SessionClosed()
             self.outbox_ready.set()
+            while not self.inbox.empty():  # a reader waiting for room gets it, and then keeps nothing
+                self.inbox.get_nowait()
             let_end(reader)
             if self.writing_since is None:
                 writer.cancel()
             else:
                 let_end(writer)  # stuck in a write to a client that stopped reading: it ends with the call
-            admission.release()
-            self.metrics.in_flight.set(admission.in_flight)
             self.metrics.sessions_open.dec()
             self.metrics.sessions.labels(outcome).inc()
 
     async def read_requests(self) -> None:
         try:
             async for request in self.requests:
-                await self.inbox.put(request)
+                if self.closed is None:  # once the session ended, read on to the call's end and keep nothing
+                    await self.inbox.put(request)
         finally:
-            await self.inbox.put(_End())
+            if self.closed is None:
+                await self.inbox.put(_End())
 
     async def write_events(self) -> None:
         while True:
@@ -259,7 +238,7 @@ class RealtimeSession:
         if playback.started is None:
             playback.started = time.monotonic()
             if self.speech_stopped_at is not None:
-                self.metrics.session_first_audio.observe(playback.started - self.speech_stopped_at)
+                self.metrics.first_audio.observe(playback.started - self.speech_stopped_at)
                 self.speech_stopped_at = None
         playback.samples += event.audio.num_samples
         playback.rate = event.audio.sample_rate or playback.rate
@@ -269,12 +248,14 @@ class RealtimeSession:
 
     # ---- the client's messages ----
 
-    def handle(self, request: omni_pb2.SessionRequest) -> None:
+    async def handle(self, request: omni_pb2.SessionRequest) -> None:
         kind = request.WhichOneof("event")
         try:
             if kind is None:
                 raise MessageError("unknown_event", "the message sets no event", "event")
-            getattr(self, f"on_{kind}")(getattr(request, kind))
+            handled = getattr(self, f"on_{kind}")(getattr(request, kind))
+            if inspect.isawaitable(handled):  # an append: its turn detection, on the detection thread
+                await handled
         except InvalidArgument as exc:
             self.error("invalid_argument", str(exc), exc.field, request.event_id)
         except MessageError as exc:
@@ -282,7 +263,7 @@ class RealtimeSession:
 
     def on_update(self, update: omni_pb2.SessionSettings) -> None:
         settings = self.settings.updated(update)
-        if settings.input_format != self.settings.input_format and len(self.input.samples):
+        if settings.input_format != self.settings.input_format and self.input.held:
             raise MessageError("invalid_argument", "the input buffer holds audio: commit or clear it before changing "
                                                    "the input format", "update.input_format")
         changed_detection = settings.turn_detection != self.settings.turn_detection
@@ -292,24 +273,39 @@ class RealtimeSession:
             self.input.configure(settings.input_format, settings.turn_detection)
         self.emit(omni_pb2.SessionEvent(updated=self.info()))
 
-    def on_append_audio(self, append: omni_pb2.AppendAudio) -> None:
+    async def on_append_audio(self, append: omni_pb2.AppendAudio) -> None:
         if len(append.data) > self.config.max_append_bytes:
             raise MessageError("input_too_large", f"an append of {len(append.data)} bytes is over the "
                                                   f"{self.config.max_append_bytes}-byte bound", "append_audio.data")
         fmt = self.settings.input_format
         samples = decode(append.data, fmt, "append_audio.data")
-        if self.input.seconds + len(samples) / fmt.sample_rate > self.config.max_input_s:
+        seconds = len(samples) / fmt.sample_rate
+        if self.input.seconds + seconds > self.config.max_input_s:
             raise MessageError("input_buffer_full", f"the input buffer would hold over {self.config.max_input_s:g} s "
                                                     "of audio: commit or clear it", "append_audio.data")
-        for event, sample in self.input.append(samples):
+        if not self.pace.take(seconds, time.monotonic()):
+            raise MessageError("input_too_fast", f"audio arrives faster than {self.config.max_input_realtime:g}x real "
+                                                 f"time (after the first {self.config.input_burst_s:g} s): send it as it "
+                                                 "is spoken", "append_audio.data")
+        events, cpu_s = await asyncio.get_running_loop().run_in_executor(self.detection, self.detect, samples)
+        self.metrics.detection_cpu.inc(cpu_s)
+        if self.input.detector is not None:
+            self.metrics.detected_audio.inc(seconds)
+        for event, sample in events:
             if isinstance(event, SpeechStart):
                 self.speech_started(sample)
             else:
                 self.speech_stopped(sample)
         self.input.trim()
 
+    def detect(self, samples):
+        """On the detection thread: the append's turn detection, and the CPU time it took that thread."""
+        start = time.thread_time()
+        events = self.input.append(samples)
+        return events, time.thread_time() - start
+
     def on_commit(self, _: omni_pb2.CommitInput) -> None:
-        if not len(self.input.samples):
+        if not self.input.held:
             raise MessageError("no_input", "the input buffer is empty", "commit")
         self.commit_input(self.speech_item or new_id("item"))
 
@@ -419,12 +415,11 @@ class RealtimeSession:
         response.task = asyncio.create_task(self.run_response(response, request))
 
     async def run_response(self, response: Response, request: omni_pb2.GenerateRequest) -> None:
-        """The turn's request through the router's path, its output into the outbox."""
-        stream = RouterStream(self.servicer, request, TurnContext(), admitted=True)
+        """The turn's request through the router, its output into the outbox."""
         reply, final = response.item.reply, None
         calls = ToolCallParser() if reply.tools else None
         try:
-            async with aclosing(stream.run()) as outputs:
+            async with aclosing(self.router.generate(request, self.turn())) as outputs:
                 async for output in outputs:
                     kind = output.WhichOneof("event")
                     event = omni_pb2.SessionEvent(response_id=response.response_id)
@@ -446,7 +441,11 @@ class RealtimeSession:
                         continue
                     self.emit(event)
         except TurnFailed as failed:
-            self.end_response(response, FAILED, error=failed.as_error())
+            # That turn alone fails: an `error` event (the router's status), its response_done failed
+            # with the same error, and the session goes on.
+            error = failed.as_error()
+            self.emit(omni_pb2.SessionEvent(response_id=response.response_id, error=error))
+            self.end_response(response, FAILED, error=error)
             return
         except Exception as exc:  # a bug here must not end the session silently
             log.exception("session %s: response %s failed", self.session_id, response.response_id)
@@ -456,6 +455,11 @@ class RealtimeSession:
         if calls is not None:
             self.emit_parsed(response, calls.finish(), None)
         self.end_response(response, COMPLETED, final=final)
+
+    def turn(self) -> Turn:
+        """A turn's call: the caller's bearer token on to the router, within the session's deadline."""
+        auth = [(k, v) for k, v in (self.context.invocation_metadata() or ()) if k == "authorization"]
+        return Turn(metadata=tuple(auth), timeout_s=time_remaining(self.context))
 
     def emit_parsed(self, response: Response, parsed: list, delta: omni_pb2.TextDelta | None) -> None:
         """A reply's parsed text out: content as text events (the delta's ids on the first), each
@@ -477,7 +481,7 @@ class RealtimeSession:
             return
         response.ended = True
         reply = response.item.reply
-        self.metrics.session_turns.labels(omni_pb2.ResponseStatus.Name(status).removeprefix("RESPONSE_STATUS_").lower()).inc()
+        self.metrics.turns.labels(omni_pb2.ResponseStatus.Name(status).removeprefix("RESPONSE_STATUS_").lower()).inc()
         done = omni_pb2.ResponseDone(item_id=response.item.item_id, status=status, cancel_reason=reason,
                                      transcript=reply.content, audio_ms=reply.audio_ms)
         if final is not None:
@@ -504,10 +508,10 @@ class RealtimeSession:
         """Speech started: cancel the response in progress and cut the reply still playing."""
         now = time.monotonic()
         if self.response is not None and not self.response.ended:
-            self.metrics.session_barge_ins.inc()
+            self.metrics.barge_ins.inc()
             self.cancel_response(omni_pb2.CANCEL_REASON_TURN_DETECTED)
         elif self.playback is not None and self.playback.playing(now):
-            self.metrics.session_barge_ins.inc()
+            self.metrics.barge_ins.inc()
             self.cut_played(self.playback.item)
 
     def cut_played(self, item: Item) -> None:

@@ -1,17 +1,27 @@
-"""Turn detection (router/turn_detection.py): the rule on made-up probabilities, and Silero VAD on
+"""Turn detection (sessions/turn_detection.py): the rule on made-up probabilities, and Silero VAD on
 the committed espeak-ng recordings (bench/speech/) with silences between them."""
 
 from __future__ import annotations
 
 import wave
-from array import array
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from omni.v1 import omni_pb2
-from router.turn_detection import WINDOW, WINDOW_MS, SpeechStart, SpeechStop, TurnDetectionSettings, TurnDetector, silero
 from services.base.errors import InvalidArgument
+from sessions.turn_detection import (
+    SILENT_PEAK,
+    WINDOW,
+    WINDOW_MS,
+    Silero,
+    SpeechStart,
+    SpeechStop,
+    TurnDetectionSettings,
+    TurnDetector,
+    silero,
+)
 
 SPEECH = sorted((Path(__file__).parents[2] / "bench" / "speech").glob("*.wav"))
 
@@ -22,8 +32,8 @@ def scripted(probabilities: list[float]):
     return lambda window: next(it)
 
 
-def windows(n: int) -> array:
-    return array("h", bytes(2 * WINDOW * n))
+def windows(n: int) -> np.ndarray:
+    return np.zeros(WINDOW * n, np.int16)
 
 
 def test_speech_stops_after_the_silence_setting_and_is_reported_where_the_silence_began():
@@ -44,8 +54,8 @@ def test_a_dip_shorter_than_the_silence_setting_does_not_end_speech():
 
 def test_samples_short_of_a_window_wait_for_the_next_feed():
     detector = TurnDetector(TurnDetectionSettings(), scripted([0.9]))
-    assert detector.feed(array("h", bytes(2 * (WINDOW - 1)))) == []
-    assert detector.feed(array("h", [0])) == [SpeechStart(0)]
+    assert detector.feed(np.zeros(WINDOW - 1, np.int16)) == []
+    assert detector.feed(np.zeros(1, np.int16)) == [SpeechStart(0)]
 
 
 @pytest.mark.parametrize(("field", "value"), [("threshold", 1.0), ("threshold", 0.0), ("silence_duration_ms", 50),
@@ -58,16 +68,16 @@ def test_out_of_range_settings_are_refused_naming_the_field(field, value):
 
 def test_silero_hears_each_recording_between_silences_as_one_turn():
     assert len(SPEECH) >= 3
-    silence = array("h", bytes(2 * 16000))  # 1 s
-    audio, spans = array("h"), []
+    silence = np.zeros(16000, np.int16)  # 1 s
+    parts, spans, at = [], [], 0
     for path in SPEECH:
         with wave.open(str(path)) as w:
             assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (16000, 1, 2)
-            speech = array("h", w.readframes(w.getnframes()))
-        audio.extend(silence)
-        spans.append((len(audio) * 1000 // 16000, (len(audio) + len(speech)) * 1000 // 16000))
-        audio.extend(speech)
-    audio.extend(silence)
+            speech = np.frombuffer(w.readframes(w.getnframes()), "<i2")
+        spans.append(((at + len(silence)) * 1000 // 16000, (at + len(silence) + len(speech)) * 1000 // 16000))
+        parts += [silence, speech]
+        at += len(silence) + len(speech)
+    audio = np.concatenate(parts + [silence])
     detector = TurnDetector(TurnDetectionSettings(), silero())
     events = []
     for i in range(0, len(audio), 320):  # 20 ms appends, as a microphone sends them
@@ -76,3 +86,15 @@ def test_silero_hears_each_recording_between_silences_as_one_turn():
     for (start, stop), (began, ended) in zip(zip(events[::2], events[1::2]), spans):
         assert began - 100 <= start.at_ms <= began + 300, (start, began)
         assert ended - 300 <= stop.at_ms <= ended + 300, (stop, ended)
+
+
+def test_a_window_of_digital_silence_is_silence_without_the_model_which_starts_over_at_the_next_sound():
+    vad, asked = Silero(), []
+    model = vad.detector
+    real = model.process_samples
+    model.process_samples = lambda window: asked.append(window) or real(window)
+    assert vad(np.full(WINDOW, SILENT_PEAK - 1, np.int16)) == 0.0 and not asked
+    with wave.open(str(SPEECH[0])) as w:
+        speech = np.frombuffer(w.readframes(WINDOW * 20), "<i2")[-WINDOW:]
+    fresh = Silero()(speech)  # a new detector's first window
+    assert vad(speech) == fresh and len(asked) == 1 and asked[0].dtype == np.float32

@@ -1,4 +1,6 @@
-"""Replicas of one stage: discovery (static list or DNS), health, load, and the pick.
+"""Replicas of one stage (or service): discovery (static list or DNS), health, load, and the pick.
+The router keeps one set per stage; the gateway one of the sessions service's replicas, which
+report the sessions they hold on the same `GetLoad` (`ReplicaSet.stub` picks the service).
 
 Each stage's replicas come from a static list (`host:port,host:port`) or a DNS name
 (`dns:///omni-talker:50062`: every A record, re-resolved periodically, the way a Kubernetes
@@ -28,22 +30,20 @@ import logging
 import random
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omni.v1 import common_pb2
-from router.prefix import DEFAULT_PREFIX_WEIGHT, PrefixView, Routing
 from services.base.errors import UserError
 from services.serving.channels import RotatingChannels
+from services.serving.prefix_routing import DEFAULT_PREFIX_WEIGHT, PrefixView, Routing
 from services.serving.security import TLSConfig
 from services.serving.stage_stubs import stage_stub
 
-log = logging.getLogger("router.replicas")
-
-
-
+log = logging.getLogger("replicas")
 
 UP, SUSPECT, DOWN = "up", "suspect", "down"
 STATES = (UP, SUSPECT, DOWN)
@@ -136,8 +136,9 @@ class ReplicaSet:
     dns_refresh_s: float = 5.0
     tls: TLSConfig = TLSConfig()
     down_after_misses: int = DOWN_AFTER_MISSES
-    routing: Routing = Routing.LEAST_LOADED  # prefix: the thinkers' (router/prefix.py)
+    routing: Routing = Routing.LEAST_LOADED  # prefix: the thinkers' (services/serving/prefix_routing.py)
     prefix_weight: float = DEFAULT_PREFIX_WEIGHT
+    stub: Callable | None = None  # channel -> the stub whose GetLoad is polled; None: the stage's (stage_stub)
     replicas: dict[str, Replica] = field(default_factory=dict)  # address -> replica
     _channels: RotatingChannels | None = None  # address -> channel, new ones after a TLS rotation
     _task: asyncio.Task | None = None
@@ -157,7 +158,7 @@ class ReplicaSet:
     def ranked(self, exclude: set[str] = frozenset(), prefix_keys: list[bytes] = ()) -> list[Replica]:
         """Healthy replicas that are not draining, cheapest first (ties in random order): least
         loaded, less, with prefix routing, the credit of the request's prefix each holds
-        (router/prefix.py; `prefix_keys`: the request's message keys)."""
+        (services/serving/prefix_routing.py; `prefix_keys`: the request's message keys)."""
         candidates = [r for r in self.replicas.values() if r.healthy and not r.draining and r.address not in exclude]
         random.shuffle(candidates)
         if self.routing is Routing.RANDOM:
@@ -216,8 +217,8 @@ class ReplicaSet:
         try:
             health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
             serving = health.status == health_pb2.HealthCheckResponse.SERVING
-            load = await stage_stub(self.stage, channel).GetLoad(replica.prefix.request(), timeout=1.0) \
-                if serving else None
+            stub = self.stub(channel) if self.stub is not None else stage_stub(self.stage, channel)
+            load = await stub.GetLoad(replica.prefix.request(), timeout=1.0) if serving else None
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
         verdict = poll_verdict(code, serving)

@@ -1,10 +1,10 @@
-"""A session's history (router/conversation.py): a reply cut where the listener was keeps the
+"""A session's history (sessions/conversation.py): a reply cut where the listener was keeps the
 tokens the frames heard were made from, one a frame."""
 
 from __future__ import annotations
 
 from omni.v1 import common_pb2, omni_pb2
-from router.conversation import END_TEXT, Conversation, Item, Reply
+from sessions.conversation import END_TEXT, Conversation, Item, Reply
 
 SPF = 1920  # samples a frame (Qwen3-Omni's real layout)
 

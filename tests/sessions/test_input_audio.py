@@ -1,12 +1,12 @@
-"""A session's input buffer (router/session_input.py): what a detected turn keeps of the audio."""
+"""A session's input buffer (sessions/input_audio.py): what a detected turn keeps of the audio."""
 
 from __future__ import annotations
 
-from array import array
+import numpy as np
 
-from router.session_audio import PCM16, InputFormat
-from router.session_input import InputAudio
-from router.turn_detection import WINDOW, SpeechStart, SpeechStop, TurnDetectionSettings
+from sessions.audio import PCM16, InputFormat
+from sessions.input_audio import InputAudio, InputPace
+from sessions.turn_detection import WINDOW, SpeechStart, SpeechStop, TurnDetectionSettings
 
 
 def scripted(probabilities):
@@ -20,18 +20,28 @@ def test_a_detected_turn_keeps_the_prefix_padding_before_the_speech_and_nothing_
     probabilities = [0.0] * 5 + [0.9] * 3 + [0.0] * 4
     audio = InputAudio(scripted(probabilities))
     audio.configure(InputFormat(PCM16, 16000), settings)
-    samples = array("h", range(len(probabilities) * WINDOW))
+    samples = np.arange(len(probabilities) * WINDOW, dtype=np.int16)
     events = audio.append(samples)
     assert [(type(e), at) for e, at in events] == [(SpeechStart, 5 * WINDOW), (SpeechStop, 8 * WINDOW)]
     audio.keep_from(events[0][1] - audio.padding)
     kept = audio.take()
     assert kept[0] == 3 * WINDOW and kept[-1] == samples[-1]  # from 64 ms before the start to what came
-    assert not len(audio.samples) and audio.start == audio.total
+    assert not audio.held and audio.start == audio.total
 
 
 def test_outside_speech_only_the_prefix_padding_is_held():
     audio = InputAudio(scripted([0.0] * 10))
     audio.configure(InputFormat(PCM16, 16000), TurnDetectionSettings(prefix_padding_ms=64))
-    audio.append(array("h", bytes(2 * 10 * WINDOW)))
+    for _ in range(10):  # window by window, the buffer in chunks
+        audio.append(np.zeros(WINDOW, np.int16))
     audio.trim()
-    assert len(audio.samples) == 2 * WINDOW
+    assert audio.held == len(audio.samples) == 2 * WINDOW
+
+
+def test_input_beyond_the_burst_at_more_than_the_bound_is_refused_and_not_counted():
+    pace = InputPace(realtime=2.0, burst_s=1.0)
+    assert pace.take(1.0, now=100.0)  # the burst, at once
+    assert not pace.take(0.5, now=100.0)  # nothing more at once
+    assert pace.take(0.5, now=100.3)  # 0.3 s later: 0.6 s more is allowed
+    assert not pace.take(0.2, now=100.3) and pace.received_s == 1.5
+    assert InputPace(realtime=0.0, burst_s=0.0).take(1e6, now=0.0)  # 0: no bound

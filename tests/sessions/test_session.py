@@ -1,22 +1,21 @@
-"""Realtime sessions over gRPC (Omni/Session) on the real stack: real speech from the committed
-espeak-ng recordings (bench/speech/) through the router's turn detection, responses through every
-stage, barge-in, the history a later turn sends, bad input as error events, and the bounds."""
+"""Realtime sessions over gRPC (Sessions/Session) on the real stack: real speech from the committed
+espeak-ng recordings (bench/speech/) through the sessions service's turn detection, responses through
+the router and every stage, barge-in, the history a later turn sends, bad input as error events, and
+the bounds."""
 
 from __future__ import annotations
 
 import queue
-import subprocess
-import sys
 import time
-from array import array
 
 import grpc
+import numpy as np
 import pytest
 
 from omni.v1 import common_pb2, omni_pb2, omni_pb2_grpc
-from router.session_audio import wav_bytes
-from services.tools.launcher import free_port
-from tests.e2e.session_support import (
+from sessions.audio import wav_bytes
+from tests.sessions import procs
+from tests.sessions.session_support import (
     LONG_REPLY,
     MANUAL,
     RATE,
@@ -36,7 +35,7 @@ def session(stack):
     calls = []
 
     def open_session(target: str | None = None, **settings) -> SessionCall:
-        call = SessionCall(target or stack.target)
+        call = SessionCall(target or stack.sessions_target)
         calls.append(call)
         call.next_event("created")
         if settings:
@@ -77,7 +76,8 @@ def test_a_turn_equals_the_one_shot_request_of_its_history_and_a_cancelled_turn_
     call.send(create_response=omni_pb2.CreateResponse())
     first = call.next_event("response_created")
     ids1, frames1, done1 = call.response(first.response_id)
-    history = [omni_pb2.Message(role=omni_pb2.ROLE_USER, content=[omni_pb2.Content(audio=wav_bytes(array("h", user1), RATE))])]
+    history = [omni_pb2.Message(role=omni_pb2.ROLE_USER,
+                                content=[omni_pb2.Content(audio=wav_bytes(np.frombuffer(user1, "<i2"), RATE))])]
     assert (ids1, frames1) == one_shot(omni, history, 8, 40)
     assert done1.transcript
 
@@ -158,36 +158,19 @@ def test_a_bad_message_gets_an_error_event_naming_the_field_and_the_session_goes
 
 
 @pytest.fixture(scope="module")
-def tight_router(stack):
-    """A second router over the same stages with small session bounds (routers start in a second)."""
-    port = free_port()
-    routes = []
-    for stage in ("thinker", "talker", "code2wav"):
-        routes += [f"--{stage}", ",".join(stack.addresses(stage))]
-    popen = subprocess.Popen([sys.executable, "-m", "router.server", "--host", "127.0.0.1", "--port", str(port),
-                              "--poll-interval-s", "0.5", "--max-in-flight", "1", "--session-idle-timeout-s", "1",
-                              "--session-max-turns", "1", "--session-max-input-s", "2", "--session-send-timeout-s", "1",
-                              *routes],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    target = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            grpc.channel_ready_future(grpc.insecure_channel(target)).result(timeout=1)
-            break
-        except grpc.FutureTimeoutError:
-            assert time.monotonic() < deadline and popen.poll() is None, "the second router did not start"
-    time.sleep(1.5)  # its first health polls
-    yield target
-    popen.terminate()
-    popen.wait(timeout=10)
+def tight_sessions(stack):
+    """A second sessions service over the stack's router with small bounds."""
+    service = procs.sessions(stack.target, "--max-sessions", "1", "--session-idle-timeout-s", "1",
+                             "--session-max-turns", "1", "--session-max-input-s", "2", "--session-send-timeout-s", "1")
+    yield service.target
+    service.stop()
 
 
-def test_session_bounds_refuse_at_connect_and_close_with_a_reason(session, tight_router):
-    call = session(tight_router, turn_detection=MANUAL, thinker_sampling=sampling(2),
+def test_session_bounds_refuse_at_connect_and_close_with_a_reason(session, tight_sessions):
+    call = session(tight_sessions, turn_detection=MANUAL, thinker_sampling=sampling(2),
                    output_modalities=[omni_pb2.MODALITY_TEXT])
-    # The one place in flight is this session's: a second session is refused before any event.
-    other = SessionCall(tight_router)
+    # The one session the service takes (--max-sessions 1) is this one: a second is refused before any event.
+    other = SessionCall(tight_sessions)
     with pytest.raises(AssertionError):
         other.next_event("created", timeout_s=10)
     assert other.status is not None and other.status.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -203,33 +186,33 @@ def test_session_bounds_refuse_at_connect_and_close_with_a_reason(session, tight
     call.response(created.response_id)
     call.send(create_response=omni_pb2.CreateResponse())
     assert call.next_event("closed").closed.reason == omni_pb2.CLOSE_REASON_TURN_LIMIT
-    # The place is free again once the closed session's call ended: a new session opens, and idles out after 1 s.
+    # Room again once the closed session's call ended: a new session opens, and idles out after 1 s.
     deadline = time.monotonic() + 10
     while True:
-        idle = SessionCall(tight_router)
+        idle = SessionCall(tight_sessions)
         try:
             idle.next_event("created", timeout_s=5)
             break
         except AssertionError:
             idle.close()
-            assert time.monotonic() < deadline, "the closed session's place was never given back"
+            assert time.monotonic() < deadline, "the closed session was never counted out"
             time.sleep(0.2)
     assert idle.next_event("closed", timeout_s=10).closed.reason == omni_pb2.CLOSE_REASON_IDLE_TIMEOUT
     idle.close()
 
 
 @pytest.mark.slow  # 2 s once the stack is up
-def test_a_client_that_stops_reading_is_cut_off_and_its_response_freed_in_every_stage(stack, tight_router):
-    """A reply of 2,000 frames (30-60 s of work) to a client that reads only the first event: the router
-    cuts it off after --session-send-timeout-s (1 s) of a blocked write once the flow-control windows
-    are full, which cancels the response in every stage and gives its place back.
+def test_a_client_that_stops_reading_is_cut_off_and_its_response_freed_in_every_stage(stack, tight_sessions):
+    """A reply of 2,000 frames (30-60 s of work) to a client that reads only the first event: the sessions
+    service cuts it off after --session-send-timeout-s (1 s) of a blocked write once the flow-control
+    windows are full, which cancels the response in every stage and ends the session.
 
     The client's windows stay at HTTP/2's 64 KiB (no BDP probing): with probing, gRPC grows them while
     the reply streams fast on loopback, by as much as the whole reply on a loaded host, so when the
-    write blocks (1.5 s here, 6.5 s with probing, past 45 s once in CI) measured the host, not the router."""
+    write blocks (1.5 s here, 6.5 s with probing, past 45 s once in CI) measured the host, not the service."""
     requests: queue.Queue = queue.Queue()
-    channel = grpc.insecure_channel(tight_router, options=[("grpc.http2.bdp_probe", 0)])
-    call = omni_pb2_grpc.OmniStub(channel).Session(iter(requests.get, None), timeout=60)
+    channel = grpc.insecure_channel(tight_sessions, options=[("grpc.http2.bdp_probe", 0)])
+    call = omni_pb2_grpc.SessionsStub(channel).Session(iter(requests.get, None), timeout=60)
     try:
         requests.put(omni_pb2.SessionRequest(update=LONG_REPLY))
         ask_for_a_long_reply(lambda **event: requests.put(omni_pb2.SessionRequest(**event)))
@@ -245,18 +228,55 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_response_freed_in_every_
         requests.put(None)
         call.cancel()
         channel.close()
-    fresh = SessionCall(tight_router)
+    fresh = SessionCall(tight_sessions)
     try:
-        assert fresh.next_event("created", timeout_s=10)  # the cut-off session's place was given back
+        assert fresh.next_event("created", timeout_s=10)  # the cut-off session was counted out
     finally:
         fresh.close()
+
+
+def test_input_faster_than_the_bound_is_refused_and_the_session_goes_on(session, stack):
+    paced = procs.sessions(stack.target, "--max-input-realtime", "2", "--input-burst-s", "1")
+    try:
+        call = session(paced.target, turn_detection=MANUAL, thinker_sampling=sampling(2),
+                       output_modalities=[omni_pb2.MODALITY_TEXT])
+        call.speak(silence(0.8))  # within the first second any client may send at once
+        call.speak(silence(3.0), chunk_ms=3000)  # 3 s more at once: far beyond 2x real time
+        error = call.next_event("error").error
+        assert (error.code, error.field) == ("input_too_fast", "append_audio.data")
+        call.send(commit=omni_pb2.CommitInput())
+        assert call.next_event("committed").committed.audio_ms == 800  # the refused append was not kept
+        call.send(create_response=omni_pb2.CreateResponse())
+        created = call.next_event("response_created")
+        assert call.response(created.response_id)[2].status == omni_pb2.RESPONSE_STATUS_COMPLETED
+    finally:
+        paced.stop()
+
+
+def test_turn_detection_reports_its_cpu_per_second_of_audio_and_the_loop_its_lag(session, stack):
+    service = procs.sessions(stack.target)
+    try:
+        call = session(service.target, turn_detection=omni_pb2.TurnDetection(create_response=False))
+        pcm = silence(0.5) + speech(0) + silence(1.0)
+        call.speak(pcm)
+        call.next_event("committed")
+        call.send(clear=omni_pb2.ClearInput())
+        call.next_event("cleared")  # every append before it was handled
+        seen = procs.metrics(service.metrics_url)
+        assert seen[("omni_session_turn_detection_audio_seconds_total", ())] == pytest.approx(len(pcm) / 2 / RATE)
+        assert seen[("omni_session_turn_detection_cpu_seconds_total", ())] > 0
+        assert seen[("omni_session_loop_lag_seconds_count", ())] > 0
+    finally:
+        service.stop()
 
 
 @pytest.mark.slow
 def test_a_hundred_barge_ins_leave_no_slot_held_in_any_stage(session, stack):
     """Speech over each reply as soon as it starts, 100 times in one session: every cancelled response
-    is freed in every stage (the bench's goal: 0 leaked slots after 100 barge-ins)."""
-    call = session(thinker_sampling=sampling(8), talker_sampling=common_pb2.SamplingParams(
+    is freed in every stage (the bench's goal: 0 leaked slots after 100 barge-ins). Each utterance is
+    sent at once, about 3x real time over the run: a sessions service without the input bound."""
+    unpaced = procs.sessions(stack.target, "--max-input-realtime", "0")
+    call = session(unpaced.target, thinker_sampling=sampling(8), talker_sampling=common_pb2.SamplingParams(
         max_new_tokens=400, temperature=3.0, seed=2), output_modalities=[omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO])
     utterance = speech(3) + silence(0.7)
     cancelled = 0
@@ -270,6 +290,7 @@ def test_a_hundred_barge_ins_leave_no_slot_held_in_any_stage(session, stack):
     call.send(cancel_response=omni_pb2.CancelResponse())
     assert cancelled >= 90, cancelled  # a reply may end before the speech over it is heard
     assert wait_idle(stack, timeout_s=20) == {"thinker": 0, "talker": 0, "code2wav": 0}
+    unpaced.stop()
 
 
 def test_a_client_that_cancels_its_call_mid_reply_frees_the_response_in_every_stage(session, stack):

@@ -4,13 +4,12 @@ and codec codes), a reply cut at a played position keeps one token a code heard 
 
 from __future__ import annotations
 
-from array import array
-
+import numpy as np
 import pytest
 
 from omni.v1 import omni_pb2
-from router.session_audio import wav_bytes
-from tests.e2e.session_support import MANUAL, RATE, SessionCall, one_shot, sampling, speech
+from sessions.audio import wav_bytes
+from tests.sessions.session_support import MANUAL, RATE, SessionCall, one_shot, sampling, speech
 
 pytestmark = [pytest.mark.slow, pytest.mark.exactness]
 
@@ -27,7 +26,7 @@ def test_qwen2_5_turns_equal_the_one_shot_request_of_their_history_with_the_play
     from services.tools.client import connect
 
     channel, omni = connect(stack25.target)
-    call = SessionCall(stack25.target)
+    call = SessionCall(stack25.sessions_target)
     try:
         call.next_event("created")
         call.send(update=omni_pb2.SessionSettings(turn_detection=MANUAL, thinker_sampling=sampling(8),
@@ -40,7 +39,7 @@ def test_qwen2_5_turns_equal_the_one_shot_request_of_their_history_with_the_play
         first = call.next_event("response_created")
         ids1, frames1, done1 = call.response(first.response_id)
         history = [omni_pb2.Message(role=omni_pb2.ROLE_USER,
-                                    content=[omni_pb2.Content(audio=wav_bytes(array("h", user1), RATE))])]
+                                    content=[omni_pb2.Content(audio=wav_bytes(np.frombuffer(user1, "<i2"), RATE))])]
         assert (ids1, frames1) == one_shot(omni, history, 8, 60)
         audio = [e.audio for e in call.events if e.response_id == first.response_id and e.WhichOneof("event") == "audio"]
         assert audio and audio[0].samples_per_frame == 480
