@@ -22,6 +22,7 @@ from gateway.errors import APIError, from_rpc
 from gateway.process import Gateway
 from gateway.realtime_events import ClientEventError, Translator, api_error_event, client_event, event_id
 from omni.v1 import omni_pb2
+from services.base.stages import SPEECH_SAMPLE_RATE
 from services.serving.streams import read
 
 log = logging.getLogger("gateway")
@@ -40,7 +41,7 @@ async def realtime(ws: WebSocket) -> None:
         # The Realtime API's audio is pcm16 at 24 kHz: the session's input from the start. The write
         # raises the router's refusal where it came first (over capacity: RESOURCE_EXHAUSTED, a 429).
         await call.write(omni_pb2.SessionRequest(update=omni_pb2.SessionSettings(input_format=omni_pb2.AudioFormat(
-            encoding=omni_pb2.AUDIO_ENCODING_PCM16, sample_rate=24000))))
+            encoding=omni_pb2.AUDIO_ENCODING_PCM16, sample_rate=SPEECH_SAMPLE_RATE))))
         created, updated = await read(call), await read(call)
     except grpc.RpcError as err:
         gateway.metrics.requests.labels("realtime", str(from_rpc(err).status)).inc()

@@ -5,14 +5,13 @@ the thinker resamples, services/runtime/inputs/media.py)."""
 
 from __future__ import annotations
 
-import io
 import sys
-import wave
 from array import array
 from dataclasses import dataclass
 
 from omni.v1 import omni_pb2
 from services.base.errors import InvalidArgument
+from services.base.wav import wav_file
 
 VAD_RATE = 16000  # what Silero VAD hears
 MIN_RATE, MAX_RATE = 8000, 48000
@@ -97,15 +96,8 @@ class Resampler:
 
 
 def wav_bytes(samples: array, rate: int) -> bytes:
-    """A mono 16-bit wav file of `samples` at `rate` (the stdlib's writer)."""
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(rate)
-        data = samples if _LITTLE else _swapped(samples)
-        out.writeframes(data.tobytes())
-    return buf.getvalue()
+    """A mono 16-bit wav file of `samples` at `rate`."""
+    return wav_file((samples if _LITTLE else _swapped(samples)).tobytes(), rate)
 
 
 def _swapped(samples: array) -> array:
