@@ -34,7 +34,6 @@ from services.runtime.lm.device_sampling import (
     Rows,
     SlotSampler,
     device_sampling_wanted,
-    draw_key,
     mark_nonfinite,
 )
 from services.runtime.lm.engine import SlotScheduledEngine
@@ -47,7 +46,15 @@ from services.runtime.lm.prefix.prefill import Forward, Partial, PromptForward, 
 from services.runtime.lm.sampling import SamplingConfig, nonfinite_row, select_token
 from services.runtime.model.device import to_device, upload
 from services.talker.code_predictor import CodePredictor
-from services.talker.engine_base import Frame, TalkerDone, TalkerEngineConfig, end_text, refresh_ready
+from services.talker.engine_base import (
+    Frame,
+    TalkerDone,
+    TalkerEngineConfig,
+    TalkerState,
+    end_text,
+    greedy_codes,
+    refresh_ready,
+)
 from services.talker.graphs import PredictorGraphs, frame_after, talker_step
 
 
@@ -73,25 +80,12 @@ class TextRow:
 
 
 @dataclass
-class _State:
+class _State(TalkerState):
     job: TalkerJob
     rows: list[torch.Tensor] = field(default_factory=list)  # projected text rows, [1, 1, H]
     raw: list[torch.Tensor] = field(default_factory=list)  # text rows as they arrived ([H_thinker], host), to project
-    text_done: bool = False
-    codes: list[int] = field(default_factory=list)  # generated layer-0 codes
-    frames: int = 0
     next_codec_embed: torch.Tensor | None = None  # [1, 1, H] sum of the last frame's code embeddings
     tts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # projected bos, eos, pad, [1, 1, H]
-    generator: torch.Generator | None = None
-    seen: torch.Tensor | None = None  # [vocab] bool: the layer-0 codes generated so far (the penalty's history)
-    partial: Partial | None = None  # a prompt prefilled a chunk a step: what the chunks so far gave
-    slot: int = -1  # its KV slot, once prefilled (the device sampler's penalty history is per slot)
-    key: int = 0  # the device sampler's noise key (device_sampling.draw_key)
-
-    @property
-    def started(self) -> bool:
-        """Prefilled: in its slot."""
-        return self.slot >= 0
 
     @property
     def ready(self) -> bool:
@@ -175,10 +169,7 @@ class TalkerEngine(SlotScheduledEngine):
     # The loop's interface.
     def add(self, request_id: str, job: TalkerJob) -> None:
         self.scheduler.add(request_id, job.prompt_len, job.sampling.max_new_tokens, ready=False)
-        if self.sampler is not None:
-            self._requests[request_id] = _State(job=job, key=draw_key(job.sampling))
-        else:
-            self._requests[request_id] = _State(job=job, generator=job.sampling.generator())
+        self._requests[request_id] = _State(job=job, **self.draw_state(job.sampling))
 
     def add_input(self, request_id: str, payload) -> None:
         state = self._requests.get(request_id)
@@ -412,7 +403,7 @@ class TalkerEngine(SlotScheduledEngine):
                                  for row, (request_id, state) in enumerate(zip(request_ids, states))]
             return []
         logits = logits.cpu()  # sampling runs on the host (CPU generators and masks); a no-op on CPU
-        picked = self._greedy_codes(states, logits)
+        picked = greedy_codes(states, logits, self.suppress)
         events: StepResult = []
         keep: list[int] = []  # rows that go on to make a frame
         for row, (request_id, state) in enumerate(zip(request_ids, states)):
@@ -497,25 +488,6 @@ class TalkerEngine(SlotScheduledEngine):
                 events.append((request_id, Frame(index=state.frames, codes=frames[i])))
                 state.frames += 1
         return events
-
-    def _greedy_codes(self, states: list[_State], logits: torch.Tensor) -> dict[int, int]:
-        """Layer-0 codes (row -> id) of the greedy rows, selected together: select_token's ops on a
-        [rows, vocab] batch. The repetition penalty divides positive and multiplies negative
-        scores of the codes already generated (a per-row mask instead of gather/scatter: the same
-        float32 products and quotients on the same elements), then the special range is
-        suppressed and one argmax takes each row's first maximum. Bit for bit select_token's."""
-        rows = [row for row, s in enumerate(states) if s.job.sampling.greedy]
-        if len(rows) < 2:
-            return {}
-        scores = logits[rows].float()  # [R, vocab]
-        vocab = scores.shape[-1]
-        seen = torch.stack([states[r].seen if states[r].seen is not None else torch.zeros(vocab, dtype=torch.bool)
-                            for r in rows])
-        penalty = torch.tensor([[states[r].job.sampling.repetition_penalty] for r in rows], dtype=scores.dtype)
-        penalized = torch.where(scores < 0, scores * penalty, scores / penalty)
-        scores = torch.where(seen & (penalty != 1.0), penalized, scores)
-        scores = scores.masked_fill(self.suppress, float("-inf"))
-        return dict(zip(rows, torch.argmax(scores, dim=-1).tolist()))
 
     def predict_residuals(self, states: list[_State], past_hidden: torch.Tensor):
         """Code predictor for a batch of frames: fresh cache, prefill [talker hidden, layer-0 code

@@ -29,7 +29,7 @@ from services.base.engine import StepResult
 from services.base.finish import FinishReason
 from services.base.stages import Stage
 from services.base.timing import ForwardTimer
-from services.runtime.lm.device_sampling import NONFINITE, Draw, draw_key, mark_nonfinite
+from services.runtime.lm.device_sampling import NONFINITE, Draw, mark_nonfinite
 from services.runtime.lm.engine import SlotScheduledEngine
 from services.runtime.lm.invariance import linear_weights
 from services.runtime.lm.kernels import batch_invariant
@@ -40,7 +40,15 @@ from services.runtime.lm.prefix.prefill import Forward, Partial, PromptForward, 
 from services.runtime.lm.sampling import SamplingConfig, nonfinite_row, select_token
 from services.runtime.model.device import to_device
 from services.runtime.model.qwen2_5_omni import TALKER_EOS_IDS, talker_prompt_len
-from services.talker.engine_base import Frame, TalkerDone, TalkerEngineConfig, end_text, refresh_ready
+from services.talker.engine_base import (
+    Frame,
+    TalkerDone,
+    TalkerEngineConfig,
+    TalkerState,
+    end_text,
+    greedy_codes,
+    refresh_ready,
+)
 
 
 @dataclass(frozen=True)
@@ -62,22 +70,9 @@ class ReplyPart:
 
 
 @dataclass
-class _State:
+class _State(TalkerState):
     job: Qwen2_5TalkerJob
     replies: list[torch.Tensor] = field(default_factory=list)  # [1, 1, H_thinker] each, on the device
-    text_done: bool = False
-    codes: list[int] = field(default_factory=list)  # generated codes (the end id included)
-    frames: int = 0
-    seen: torch.Tensor | None = None  # [vocab] bool: the ids the repetition penalty applies to
-    generator: torch.Generator | None = None
-    partial: Partial | None = None  # a prompt prefilled a chunk a step: what the chunks so far gave
-    slot: int = -1  # its KV slot, once prefilled (the device sampler's penalty history is per slot)
-    key: int = 0  # the device sampler's noise key (device_sampling.draw_key)
-
-    @property
-    def started(self) -> bool:
-        """Prefilled: in its slot."""
-        return self.slot >= 0
 
     @property
     def ready(self) -> bool:
@@ -118,12 +113,10 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
     # The loop's interface.
     def add(self, request_id: str, job: Qwen2_5TalkerJob) -> None:
         self.scheduler.add(request_id, job.prompt_len, job.sampling.max_new_tokens, ready=False)
-        if self.sampler is not None:
-            self._requests[request_id] = _State(job=job, key=draw_key(job.sampling))
-            return
-        seen = torch.zeros(self.vocab, dtype=torch.bool)
-        seen[self._start_codes(job)] = True
-        self._requests[request_id] = _State(job=job, seen=seen, generator=job.sampling.generator())
+        state = self._requests[request_id] = _State(job=job, **self.draw_state(job.sampling))
+        if self.sampler is None:  # the host path's penalty history: the start codes (the device's: penalty_history)
+            state.seen = torch.zeros(self.vocab, dtype=torch.bool)
+            state.seen[self._start_codes(job)] = True
 
     def _start_codes(self, job: Qwen2_5TalkerJob) -> list[int]:
         """generate's talker input ids: [codec_mask] * P + [codec_pad, codec_bos], the penalty's history."""
@@ -242,7 +235,7 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
             self._drawn.append((request_ids, states, self.host_copy.add(mark_nonfinite(codes, logits))))
             return []
         logits = logits.cpu()  # [B, vocab]; sampling runs on the host (CPU generators and masks)
-        picked = self._greedy_codes(states, logits)
+        picked = greedy_codes(states, logits, self.suppress)
         events: StepResult = []
         for row, (request_id, state) in enumerate(zip(request_ids, states)):
             cfg = state.job.sampling
@@ -279,17 +272,3 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
         if self.scheduler.reaches_length(request_id):
             events.append((request_id, TalkerDone(FinishReason.LENGTH, state.frames)))
         return events
-
-    def _greedy_codes(self, states: list[_State], logits: torch.Tensor) -> dict[int, int]:
-        """Codes (row -> id) of the greedy rows, selected together: select_token's ops on a
-        [rows, vocab] batch (the penalty as a per-row mask: the same float32 products and
-        quotients on the same elements; then the suppression and one argmax per row)."""
-        rows = [row for row, s in enumerate(states) if s.job.sampling.greedy]
-        if len(rows) < 2:
-            return {}
-        scores = logits[rows].float()  # [R, vocab]
-        seen = torch.stack([states[r].seen for r in rows])
-        penalty = torch.tensor([[states[r].job.sampling.repetition_penalty] for r in rows], dtype=scores.dtype)
-        penalized = torch.where(scores < 0, scores * penalty, scores / penalty)
-        scores = torch.where(seen & (penalty != 1.0), penalized, scores).masked_fill(self.suppress, float("-inf"))
-        return dict(zip(rows, torch.argmax(scores, dim=-1).tolist()))

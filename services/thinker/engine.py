@@ -34,8 +34,8 @@ from services.base.finish import FinishReason
 from services.base.stages import Stage
 from services.base.timing import ForwardTimer
 from services.runtime.inputs.prompt import PromptInputs
-from services.runtime.lm.device_sampling import NONFINITE, Draw, Rows, draw_key, mark_nonfinite
-from services.runtime.lm.engine import SlotScheduledEngine
+from services.runtime.lm.device_sampling import NONFINITE, Draw, Rows, mark_nonfinite
+from services.runtime.lm.engine import RequestState, SlotScheduledEngine
 from services.runtime.lm.invariance import experts_modules, linear_weights
 from services.runtime.lm.kernels import batch_invariant
 from services.runtime.lm.packing import PackedPrompt, Packing
@@ -105,15 +105,11 @@ class ReleaseText:
 
 
 @dataclass
-class _Request:
+class _Request(RequestState):
     job: ThinkerJob
     generated: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
     hold: tuple[int, float] | None = None  # HoldText's (lead, monotonic deadline) until released
-    partial: Partial | None = None  # a prompt prefilled a chunk a step: what the chunks so far gave
-    inputs: tuple[dict, torch.Tensor] | None = None  # and its model inputs and positions, made for its first chunk
-    slot: int = -1  # its KV slot, once prefilled (the device sampler's penalty history is per slot)
-    key: int = 0  # the device sampler's noise key (device_sampling.draw_key)
+    inputs: tuple[dict, torch.Tensor] | None = None  # a chunked prompt's model inputs and positions, from its first chunk
 
 
 @dataclass(frozen=True)
@@ -186,10 +182,7 @@ class ThinkerEngine(SlotScheduledEngine):
     # The loop's interface.
     def add(self, request_id: str, job: ThinkerJob) -> None:
         self.scheduler.add(request_id, job.prompt.num_tokens, job.sampling.max_new_tokens)
-        if self.sampler is not None:
-            self._requests[request_id] = _Request(job=job, key=draw_key(job.sampling))
-        else:
-            self._requests[request_id] = _Request(job=job, generator=job.sampling.generator())
+        self._requests[request_id] = _Request(job=job, **self.draw_state(job.sampling))
 
     def add_input(self, request_id: str, payload) -> None:
         request = self._requests.get(request_id)

@@ -27,6 +27,8 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,7 +37,7 @@ from services.base.errors import InvalidArgument
 from services.base.events import RequestFailed
 from services.base.timing import ForwardTimer
 from services.runtime.checks import CheckState, StartupCheck
-from services.runtime.lm.device_sampling import HostCopy, SlotSampler, device_sampling_wanted
+from services.runtime.lm.device_sampling import HostCopy, SlotSampler, device_sampling_wanted, draw_key
 from services.runtime.lm.invariance import KernelVerdict, by_construction, exact_check, log_report
 from services.runtime.lm.kernels import (
     fuse_rms_norms,
@@ -48,7 +50,7 @@ from services.runtime.lm.kv_slots import SlotKVCache, SlotPositions
 from services.runtime.lm.packing import CacheRows, PackedPrompt, Packing
 from services.runtime.lm.prefix.check import PrefixCase, refused_hits
 from services.runtime.lm.prefix.pool import PrefixPool
-from services.runtime.lm.prefix.prefill import DecoderStack, Forward, Prior, held, keep_packed
+from services.runtime.lm.prefix.prefill import DecoderStack, Forward, Partial, Prior, held, keep_packed
 from services.runtime.lm.scheduler import LMScheduler, StepPlan
 from services.runtime.lm.static_decode import POSITION_ROWS, SlotDecodeGraphs
 from services.runtime.model.device import device_clock
@@ -56,6 +58,22 @@ from services.runtime.model.device import device_clock
 log = logging.getLogger(__name__)
 
 NONFINITE_MESSAGE = "non-finite logits (NaN or inf): the model's weights or this request's inputs are bad"
+
+
+@dataclass
+class RequestState:
+    """What every LM engine keeps of a request (each engine's state adds its own)."""
+
+    job: Any
+    generator: torch.Generator | None = None  # the host path's draws (`draw_state`)
+    partial: Partial | None = None  # a prompt prefilled a chunk a step: what the chunks so far gave
+    slot: int = -1  # its KV slot, once prefilled (the device sampler's penalty history is per slot)
+    key: int = 0  # the device sampler's noise key (device_sampling.draw_key)
+
+    @property
+    def started(self) -> bool:
+        """Prefilled: in its slot."""
+        return self.slot >= 0
 
 
 class SlotScheduledEngine(EngineDefaults):
@@ -271,6 +289,11 @@ class SlotScheduledEngine(EngineDefaults):
             self.positions.set(slot, positions[..., -1:])
         if self.sampler is not None:
             self.sampler.reset(slot, self.penalty_history(state))
+
+    def draw_state(self, sampling) -> dict:
+        """A new request's means to draw (RequestState's fields): the device sampler's noise key, or
+        the host path's generator."""
+        return {"key": draw_key(sampling)} if self.sampler is not None else {"generator": sampling.generator()}
 
     def penalty_history(self, state) -> Sequence[int]:
         """Hook: the ids a new request's repetition penalty starts from on the device (none here)."""
