@@ -46,15 +46,7 @@ from services.runtime.lm.prefix.prefill import Forward, Partial, PromptForward, 
 from services.runtime.lm.sampling import SamplingConfig, nonfinite_row, select_token
 from services.runtime.model.device import to_device, upload
 from services.talker.code_predictor import CodePredictor
-from services.talker.engine_base import (
-    Frame,
-    TalkerDone,
-    TalkerEngineConfig,
-    TalkerState,
-    end_text,
-    greedy_codes,
-    refresh_ready,
-)
+from services.talker.engine_base import Frame, TalkerDone, TalkerEngineConfig, TalkerState, end_text, greedy_codes, refresh_ready
 from services.talker.graphs import PredictorGraphs, frame_after, talker_step
 
 

@@ -12,24 +12,13 @@ import torch
 
 from services.base.events import EngineEvent
 from services.base.finish import FinishReason
-from services.runtime.lm.engine import RequestState
+from services.runtime.lm.engine import LMEngineConfig, RequestState
 from services.runtime.lm.scheduler import LMScheduler
-from services.runtime.model.settings import CheckSettings, GraphSettings
 
 
-@dataclass(frozen=True)
-class TalkerEngineConfig:
-    max_batch_size: int = 32  # requests decoded together in one step
-    num_slots: int = 32  # KV cache slots
-    max_model_len: int = 4096  # cache positions per slot: prompt part + 9 + max_new_tokens must fit
-    exact_batching: bool = True  # batch-invariant kernels (see services/runtime/lm/kernels.py)
-    exact_gemm: bool = False  # exact mode's linear layers through the invariant GEMM (--exact-batching gemm)
-    max_prefills_per_step: int = -1  # waiting requests prefilled a step (0: all that fit; -1: 0 packed, else 1)
-    max_prefill_tokens: int = 0  # prompt tokens prefilled in one step (chunks past it where exact allows; 0: no bound)
-    graphs: GraphSettings = GraphSettings()  # CUDA graphs of the decode step and the code predictor
-    prefix_cache_mb: int = 0  # the prefix cache's pool (services/runtime/lm/prefix/); 0: none
-    checks: CheckSettings = CheckSettings()  # exact mode's start-up check: beside serving or before (services/runtime/checks.py)
-    device_sampling: bool | None = None  # codes drawn on the device (services/runtime/lm/device_sampling.py); None: on cuda
+class TalkerEngineConfig(LMEngineConfig):
+    """Either talker engine's settings; max_model_len holds its prompt part + 9 + max_new_tokens, and
+    `graphs` covers the code predictor's frame too."""
 
 
 @dataclass

@@ -40,15 +40,7 @@ from services.runtime.lm.prefix.prefill import Forward, Partial, PromptForward, 
 from services.runtime.lm.sampling import SamplingConfig, nonfinite_row, select_token
 from services.runtime.model.device import to_device
 from services.runtime.model.qwen2_5_omni import TALKER_EOS_IDS, talker_prompt_len
-from services.talker.engine_base import (
-    Frame,
-    TalkerDone,
-    TalkerEngineConfig,
-    TalkerState,
-    end_text,
-    greedy_codes,
-    refresh_ready,
-)
+from services.talker.engine_base import Frame, TalkerDone, TalkerEngineConfig, TalkerState, end_text, greedy_codes, refresh_ready
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from services.base.stages import Stage
 from services.base.timing import ForwardTimer
 from services.runtime.inputs.prompt import PromptInputs
 from services.runtime.lm.device_sampling import NONFINITE, Draw, Rows, mark_nonfinite
-from services.runtime.lm.engine import RequestState, SlotScheduledEngine
+from services.runtime.lm.engine import LMEngineConfig, RequestState, SlotScheduledEngine
 from services.runtime.lm.invariance import experts_modules, linear_weights
 from services.runtime.lm.kernels import batch_invariant
 from services.runtime.lm.packing import PackedPrompt, Packing
@@ -45,7 +45,6 @@ from services.runtime.lm.prefix.pool import PrefixPool
 from services.runtime.lm.prefix.prefill import Forward, Partial, Prior, PromptForward, forward_pre_hook, prefill
 from services.runtime.lm.sampling import SamplingConfig, nonfinite_row, select_token
 from services.runtime.model.device import to_device
-from services.runtime.model.settings import CheckSettings, GraphSettings
 from services.thinker.graphs import thinker_step
 
 
@@ -112,19 +111,8 @@ class _Request(RequestState):
     inputs: tuple[dict, torch.Tensor] | None = None  # a chunked prompt's model inputs and positions, from its first chunk
 
 
-@dataclass(frozen=True)
-class ThinkerEngineConfig:
-    max_batch_size: int = 32  # requests decoded together in one step
-    num_slots: int = 32  # KV cache slots (requests holding cache at once)
-    max_model_len: int = 4096  # cache positions per slot: prompt + max_new_tokens must fit
-    exact_batching: bool = True  # batch-invariant kernels (see services/runtime/lm/kernels.py)
-    exact_gemm: bool = False  # exact mode's linear layers through the invariant GEMM (--exact-batching gemm)
-    max_prefills_per_step: int = -1  # waiting requests prefilled a step (0: all that fit; -1: 0 packed, else 1)
-    max_prefill_tokens: int = 0  # prompt tokens prefilled in one step (chunks past it where exact allows; 0: no bound)
-    graphs: GraphSettings = GraphSettings()  # CUDA graphs of the decode step (services/runtime/lm/static_decode.py)
-    prefix_cache_mb: int = 0  # the prefix cache's pool (services/runtime/lm/prefix/); 0: none
-    checks: CheckSettings = CheckSettings()  # exact mode's start-up check: beside serving or before (services/runtime/checks.py)
-    device_sampling: bool | None = None  # tokens drawn on the device (services/runtime/lm/device_sampling.py); None: on cuda
+class ThinkerEngineConfig(LMEngineConfig):
+    """The thinker engine's settings."""
 
 
 class ThinkerEngine(SlotScheduledEngine):

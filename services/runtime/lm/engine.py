@@ -54,10 +54,28 @@ from services.runtime.lm.prefix.prefill import DecoderStack, Forward, Partial, P
 from services.runtime.lm.scheduler import LMScheduler, StepPlan
 from services.runtime.lm.static_decode import POSITION_ROWS, SlotDecodeGraphs
 from services.runtime.model.device import device_clock
+from services.runtime.model.settings import CheckSettings, GraphSettings
 
 log = logging.getLogger(__name__)
 
 NONFINITE_MESSAGE = "non-finite logits (NaN or inf): the model's weights or this request's inputs are bad"
+
+
+@dataclass(frozen=True)
+class LMEngineConfig:
+    """An LM engine's settings (the thinker's and both talkers' engine configs), what `set_up` reads."""
+
+    max_batch_size: int = 32  # requests decoded together in one step
+    num_slots: int = 32  # KV cache slots (requests holding cache at once)
+    max_model_len: int = 4096  # cache positions per slot: prompt + max_new_tokens must fit
+    exact_batching: bool = True  # batch-invariant kernels (see services/runtime/lm/kernels.py)
+    exact_gemm: bool = False  # exact mode's linear layers through the invariant GEMM (--exact-batching gemm)
+    max_prefills_per_step: int = -1  # waiting requests prefilled a step (0: all that fit; -1: 0 packed, else 1)
+    max_prefill_tokens: int = 0  # prompt tokens prefilled in one step (chunks past it where exact allows; 0: no bound)
+    graphs: GraphSettings = GraphSettings()  # CUDA graphs of the decode step (services/runtime/lm/static_decode.py)
+    prefix_cache_mb: int = 0  # the prefix cache's pool (services/runtime/lm/prefix/); 0: none
+    checks: CheckSettings = CheckSettings()  # exact mode's start-up check: beside serving or before (services/runtime/checks.py)
+    device_sampling: bool | None = None  # ids drawn on the device (services/runtime/lm/device_sampling.py); None: on cuda
 
 
 @dataclass
@@ -84,7 +102,7 @@ class SlotScheduledEngine(EngineDefaults):
     prefix_pool: PrefixPool | None = None  # prompt blocks kept across requests (services/runtime/lm/prefix/)
     prefix_hits: bool = True  # whether a prefill takes the pool's blocks (exact mode: once checked)
 
-    def set_up(self, name: str, text_config, decoder, engine_config, device, dtype, vocab: int, *,
+    def set_up(self, name: str, text_config, decoder, engine_config: LMEngineConfig, device, dtype, vocab: int, *,
                suppress: torch.Tensor | None = None, rowwise_configs: tuple = (),
                step: Callable[[SlotKVCache], Callable] | None = None, step_input: torch.Tensor | None = None,
                extra_layers: int = 0, then: Callable | None = None) -> None:
