@@ -155,8 +155,6 @@ class TalkerEngine(SlotScheduledEngine):
         # (request_id, state, hidden [1, 1, H], code [1] on the device or None) whose layer-0 code is
         # picked (on the host: in state.codes), residuals to come (end_step)
         self._to_predict: list[tuple[str, _State, torch.Tensor, torch.Tensor | None]] = []
-        # _drawn: frames a decode graph made whole, (request_ids, states, codes [B, 16], host view of the
-        # layer-0 codes [B], embeds [B, 1, H]), copied back with the predicted ones in end_step.
 
     # The loop's interface.
     def add(self, request_id: str, job: TalkerJob) -> None:
@@ -353,6 +351,8 @@ class TalkerEngine(SlotScheduledEngine):
                 if self.graphs is not None else None
         if replayed is not None and framing:  # the whole frame made inside the graph (frame_after)
             marked, codes, embeds = replayed
+            # (request_ids, states, codes [B, 16], the layer-0 codes' host view [B], embeds [B, 1, H]):
+            # copied back with the predicted ones in end_step
             self._drawn.append(([*request_ids], states, codes, marked, embeds))
             return []
         if replayed is not None and rows is not None:  # layer-0 codes drawn inside the graph

@@ -93,7 +93,6 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
         # next turn repeats the earlier turns' rows, bit for bit where the thinker's kernels are
         # invariant (gemm), so their blocks are cached like Qwen3-Omni's talker's.
         dtype = next(model.parameters()).dtype
-        # _drawn: (request_ids, states, HostCopy index) of the codes drawn on the device
         self.set_up(Stage.TALKER, model.config, model.model, engine_config, device, dtype, self.vocab,
                     suppress=self.suppress)
         self.embed = model.get_input_embeddings()  # codec id -> [H_thinker]
@@ -224,7 +223,7 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
     def _after_forward(self, request_ids, states, logits: torch.Tensor) -> StepResult:
         if self.sampler is not None:  # drawn on the device; their events come from end_step
             codes = self.sampler.sample(logits, [Draw(s.slot, s.job.sampling, s.key, len(s.codes)) for s in states])
-            self._drawn.append((request_ids, states, self.host_copy.add(mark_nonfinite(codes, logits))))
+            self._drawn.append((request_ids, states, self.host_copy.add(mark_nonfinite(codes, logits))))  # HostCopy index
             return []
         logits = logits.cpu()  # [B, vocab]; sampling runs on the host (CPU generators and masks)
         picked = greedy_codes(states, logits, self.suppress)

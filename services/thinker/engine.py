@@ -138,7 +138,6 @@ class ThinkerEngine(SlotScheduledEngine):
         model, engine_config = self.model, self.engine_config
         self.embed = model.get_input_embeddings()
         dtype = next(model.parameters()).dtype
-        # _drawn: (request_ids, requests, ids, embeddings, replies), HostCopy indices (device sampling)
         self.set_up(Stage.THINKER, model.config.text_config, model.model, engine_config, self.device, dtype,
                     int(model.lm_head.weight.shape[0]), step=lambda cache: thinker_step(model, cache),
                     step_input=torch.zeros((1, 1), dtype=torch.long), extra_layers=len(self.prefix_layers))
@@ -415,6 +414,7 @@ class ThinkerEngine(SlotScheduledEngine):
         if fed:
             embeddings = self.host_copy.add(self.embed(ids if len(fed) == len(requests)
                                                        else ids.index_select(0, to_device(fed, torch.long, self.device))))
+        # (request_ids, requests, ids, (fed rows, embeddings), replies): HostCopy indices, for end_step
         self._drawn.append((request_ids, requests, self.host_copy.add(marked), (fed, embeddings),
                             None if replies is None else self.host_copy.add(replies)))
 
