@@ -54,7 +54,15 @@ from services.runtime.lm.prefix.prefill import DecoderStack, Forward, Partial, P
 from services.runtime.lm.scheduler import LMScheduler, StepPlan
 from services.runtime.lm.static_decode import POSITION_ROWS, SlotDecodeGraphs
 from services.runtime.model.device import device_clock
-from services.runtime.model.settings import CheckSettings, GraphSettings
+from services.runtime.model.settings import (
+    CheckSettings,
+    GraphSettings,
+    ModelConfig,
+    device_sampling,
+    exact_batching,
+    exact_gemm,
+    prefix_cache_mb,
+)
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +84,16 @@ class LMEngineConfig:
     prefix_cache_mb: int = 0  # the prefix cache's pool (services/runtime/lm/prefix/); 0: none
     checks: CheckSettings = CheckSettings()  # exact mode's start-up check: beside serving or before (services/runtime/checks.py)
     device_sampling: bool | None = None  # ids drawn on the device (services/runtime/lm/device_sampling.py); None: on cuda
+
+    @classmethod
+    def from_args(cls, args, model: ModelConfig) -> LMEngineConfig:
+        """A stage's settings from its engine flags (model/settings.py's add_engine_flags, checked)
+        and its model config (graphs, checks)."""
+        return cls(max_batch_size=args.max_batch_size, num_slots=args.num_slots, max_model_len=args.max_model_len,
+                   exact_batching=exact_batching(args), exact_gemm=exact_gemm(args),
+                   max_prefills_per_step=args.max_prefills_per_step, max_prefill_tokens=args.max_prefill_tokens,
+                   graphs=model.graphs, prefix_cache_mb=prefix_cache_mb(args.prefix_cache_mb), checks=model.checks,
+                   device_sampling=device_sampling(args))
 
 
 @dataclass
