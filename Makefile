@@ -71,10 +71,12 @@ run: setup checkpoint
 demo: setup checkpoint
 	$(VENV)/bin/omni-serve demo --checkpoint $(CHECKPOINT) --out out/demo.wav
 
-# The layer rules (pyproject.toml [tool.importlinter], docs/architecture.md) and the linter.
+# The layer rules (pyproject.toml [tool.importlinter], the allow-map in tests/test_layers.py,
+# docs/architecture.md) and the linter.
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider -n 0 tests/test_layers.py
 
 # The default suite (everything but the tests marked slow and vllm: pyproject.toml's addopts
 # deselect slow; the vllm ones skip without vLLM), then its op-level exactness tests once more

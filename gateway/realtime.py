@@ -22,6 +22,7 @@ from gateway.errors import APIError, from_rpc
 from gateway.process import Gateway
 from gateway.realtime_events import ClientEventError, Translator, api_error_event, client_event, event_id
 from omni.v1 import omni_pb2
+from services.base.stages import SPEECH_SAMPLE_RATE
 from services.serving.replicas import Replica
 from services.serving.streams import read
 
@@ -58,7 +59,7 @@ async def run_session(ws: WebSocket, gateway: Gateway, replica: Replica, stub, a
         created = await read(call)
         # The Realtime API's audio is pcm16 at 24 kHz: the session's input from the start.
         await call.write(omni_pb2.SessionRequest(update=omni_pb2.SessionSettings(input_format=omni_pb2.AudioFormat(
-            encoding=omni_pb2.AUDIO_ENCODING_PCM16, sample_rate=24000))))
+            encoding=omni_pb2.AUDIO_ENCODING_PCM16, sample_rate=SPEECH_SAMPLE_RATE))))
         updated = await read(call) if created is not grpc.aio.EOF else created
     except grpc.RpcError as err:
         if err.code() is grpc.StatusCode.UNAVAILABLE:  # gone since the last poll: no new session until it answers

@@ -16,19 +16,17 @@ from __future__ import annotations
 
 import base64
 import binascii
-import io
 import json
 import uuid
-import wave
 
 from gateway import audio as audio_codec
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.tools import tool_choice_to_proto, tools_to_proto
 from omni.v1 import omni_pb2
+from services.base.stages import SPEECH_SAMPLE_RATE
+from services.base.wav import wav_file
 
-OUTPUT_RATE = 24000  # the pipeline's audio, and the Realtime API's pcm16
-INPUT_RATE = 24000  # the Realtime API's audio/pcm input (its only rate)
 TEXT, AUDIO = omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO
 # Client events of the Realtime API this gateway does not serve, and why (docs/sessions.md).
 UNSUPPORTED_EVENTS = {
@@ -96,13 +94,7 @@ def pcm16_wav(pcm: bytes, param: str) -> bytes:
     """An input_audio part's base64 pcm16 (24 kHz mono) as the wav the session takes."""
     if len(pcm) % 2:
         raise ClientEventError(f"{param}: {len(pcm)} bytes is not a whole number of pcm16 samples", param)
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(INPUT_RATE)
-        out.writeframes(pcm)
-    return buf.getvalue()
+    return wav_file(pcm, SPEECH_SAMPLE_RATE)
 
 
 def _object(value, param: str) -> dict:
@@ -222,8 +214,8 @@ def _check_format(fmt, param: str) -> None:
     if fmt.get("type", "audio/pcm") != "audio/pcm":
         raise ClientEventError(f"{param}: only audio/pcm (pcm16, 24 kHz); {fmt.get('type')} is not served", f"{param}.type",
                                "unsupported")
-    if fmt.get("rate", INPUT_RATE) != INPUT_RATE:
-        raise ClientEventError(f"{param}.rate must be 24000", f"{param}.rate")
+    if fmt.get("rate", SPEECH_SAMPLE_RATE) != SPEECH_SAMPLE_RATE:  # the Realtime API's only pcm rate is the pipeline's
+        raise ClientEventError(f"{param}.rate must be {SPEECH_SAMPLE_RATE}", f"{param}.rate")
 
 
 def create_item(event: dict, last_item: str | None) -> omni_pb2.CreateItem:
@@ -350,7 +342,7 @@ class Translator:
             "type": "server_vad", "threshold": round(turn.threshold, 4), "prefix_padding_ms": turn.prefix_padding_ms,
             "silence_duration_ms": turn.silence_duration_ms, "create_response": turn.create_response,
             "interrupt_response": turn.interrupt_response, "idle_timeout_ms": None}
-        pcm = {"type": "audio/pcm", "rate": INPUT_RATE}
+        pcm = {"type": "audio/pcm", "rate": SPEECH_SAMPLE_RATE}
         return {
             "type": "realtime", "object": "realtime.session", "id": info.session_id, "model": self.model,
             "instructions": s.instructions, "output_modalities": ["audio"] if AUDIO in s.output_modalities else ["text"],

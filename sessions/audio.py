@@ -5,14 +5,13 @@ input's own rate: the thinker resamples, services/runtime/inputs/media.py)."""
 
 from __future__ import annotations
 
-import io
-import wave
 from dataclasses import dataclass
 
 import numpy as np
 
 from omni.v1 import omni_pb2
 from services.base.errors import InvalidArgument
+from services.base.wav import wav_file
 
 VAD_RATE = 16000  # what Silero VAD hears
 MIN_RATE, MAX_RATE = 8000, 48000
@@ -95,11 +94,5 @@ class Resampler:
 
 
 def wav_bytes(samples: np.ndarray, rate: int) -> bytes:
-    """A mono 16-bit wav file of int16 `samples` at `rate` (the stdlib's writer)."""
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(rate)
-        out.writeframes(np.asarray(samples, "<i2").tobytes())
-    return buf.getvalue()
+    """A mono 16-bit wav file of int16 `samples` at `rate`."""
+    return wav_file(np.asarray(samples, "<i2").tobytes(), rate)

@@ -31,24 +31,22 @@ from services.base.timing import ForwardTimer
 from services.runtime.lm.device_sampling import (
     NONFINITE,
     Draw,
-    HostCopy,
     Rows,
     SlotSampler,
     device_sampling_wanted,
-    draw_key,
     mark_nonfinite,
 )
 from services.runtime.lm.engine import SlotScheduledEngine
 from services.runtime.lm.invariance import experts_modules, linear_weights
 from services.runtime.lm.kernels import batch_invariant
-from services.runtime.lm.packing import CacheRows, Packing
+from services.runtime.lm.packing import PackedPrompt, Packing
 from services.runtime.lm.prefix.check import PrefixCase, plain_token_ids
 from services.runtime.lm.prefix.keys import row_block_keys
-from services.runtime.lm.prefix.prefill import Forward, Partial, PromptForward, prefill, usable_blocks
+from services.runtime.lm.prefix.prefill import Forward, Partial, PromptForward, prefill
 from services.runtime.lm.sampling import SamplingConfig, nonfinite_row, select_token
 from services.runtime.model.device import to_device, upload
 from services.talker.code_predictor import CodePredictor
-from services.talker.engine_base import Frame, TalkerDone, TalkerEngineConfig, end_text, refresh_ready
+from services.talker.engine_base import Frame, TalkerDone, TalkerEngineConfig, TalkerState, end_text, greedy_codes, refresh_ready
 from services.talker.graphs import PredictorGraphs, frame_after, talker_step
 
 
@@ -74,21 +72,12 @@ class TextRow:
 
 
 @dataclass
-class _State:
+class _State(TalkerState):
     job: TalkerJob
     rows: list[torch.Tensor] = field(default_factory=list)  # projected text rows, [1, 1, H]
     raw: list[torch.Tensor] = field(default_factory=list)  # text rows as they arrived ([H_thinker], host), to project
-    text_done: bool = False
-    started: bool = False  # prefilled
-    codes: list[int] = field(default_factory=list)  # generated layer-0 codes
-    frames: int = 0
     next_codec_embed: torch.Tensor | None = None  # [1, 1, H] sum of the last frame's code embeddings
     tts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # projected bos, eos, pad, [1, 1, H]
-    generator: torch.Generator | None = None
-    seen: torch.Tensor | None = None  # [vocab] bool: the layer-0 codes generated so far (the penalty's history)
-    partial: Partial | None = None  # a prompt prefilled a chunk a step: what the chunks so far gave
-    slot: int = -1  # its KV slot, once prefilled (the device sampler's penalty history is per slot)
-    key: int = 0  # the device sampler's noise key (device_sampling.draw_key)
 
     @property
     def ready(self) -> bool:
@@ -99,6 +88,23 @@ class _State:
         return rows > self.frames or self.text_done
 
 
+def suppressed_codes(vocab: int, eos: int) -> torch.Tensor:
+    """[vocab] bool: the codes generate never draws at layer 0, the special range but codec EOS."""
+    suppress = torch.zeros(vocab, dtype=torch.bool)
+    suppress[vocab - 1024:] = True
+    suppress[eos] = False
+    return suppress
+
+
+def predictor_sampling(predictor) -> SamplingConfig:
+    """How generate samples the residuals of a sampled talker request: the talker mirrors its do_sample
+    onto the code predictor (Qwen3OmniMoeTalkerForConditionalGeneration._prepare_generation_config),
+    whose generate gets top_k 50 and top_p 0.8 and keeps the predictor's own temperature (1.0 unless
+    its generation config sets one), not the talker's."""
+    temperature = getattr(getattr(predictor, "generation_config", None), "temperature", None)
+    return SamplingConfig(temperature=float(temperature if temperature is not None else 1.0), top_k=50, top_p=0.8)
+
+
 class TalkerEngine(SlotScheduledEngine):
     def __init__(self, model, config, device: str = "cpu", engine_config: TalkerEngineConfig = TalkerEngineConfig()):
         self.model = model
@@ -106,69 +112,54 @@ class TalkerEngine(SlotScheduledEngine):
         self.tc = config.talker_config
         self.device = device
         self.engine_config = engine_config
-        vocab = self.tc.text_config.vocab_size
         self.eos = int(self.tc.codec_eos_token_id)
-        self.suppress = torch.zeros(vocab, dtype=torch.bool)
-        self.suppress[vocab - 1024:] = True
-        self.suppress[self.eos] = False
+        self.suppress = suppressed_codes(self.tc.text_config.vocab_size, self.eos)
         self.num_groups = int(self.tc.num_code_groups)
-        predictor = model.code_predictor
-        # How generate samples the residuals of a sampled talker request: the talker mirrors its do_sample
-        # onto the code predictor (Qwen3OmniMoeTalkerForConditionalGeneration._prepare_generation_config),
-        # whose generate gets top_k 50 and top_p 0.8 and keeps the predictor's own temperature (1.0 unless
-        # its generation config sets one), not the talker's.
-        predictor_gen = getattr(predictor, "generation_config", None)
-        temperature = getattr(predictor_gen, "temperature", None)
-        self.predictor_sampling = SamplingConfig(temperature=float(temperature if temperature is not None else 1.0),
-                                                 top_k=50, top_p=0.8)
-        dtype = next(model.parameters()).dtype
+        self.predictor_sampling = predictor_sampling(model.code_predictor)
+        self.dtype = next(model.parameters()).dtype
+        self._set_up_models()
+        if engine_config.exact_batching:  # which kernels exact mode runs here (services/runtime/lm/invariance.py)
+            self.start_exact_check(
+                Stage.TALKER, engine_config.checks, gemm=engine_config.exact_gemm,
+                capacity=engine_config.max_batch_size,
+                linear_weights=linear_weights(model.model, model.codec_head, model.code_predictor),
+                linear_tokens=(1, 2), experts=experts_modules(model.model),
+                attention=self.predictor_cache.attention_shapes(), dtype=self.dtype, device=device)
+
+    def _set_up_models(self) -> None:
+        """The talker's LM (SlotScheduledEngine.set_up) and its code predictor: the lean loop and its
+        keys and values for one frame of every row of a batch, and with CUDA graphs the predictor's
+        frame, its own graph for the rows a prefill starts and, with device sampling, the end of the
+        decode step's graph (one replay a decode step)."""
+        model, engine_config, device, dtype = self.model, self.engine_config, self.device, self.dtype
         hidden = model.config.text_config.hidden_size
-        # Sampling on the device (services/runtime/lm/device_sampling.py): layer-0 codes with the
-        # penalty over each slot's seen codes (inside the decode graphs where they run; a slot more for
-        # their scratch slot), the residuals inside the predictor's loop, the step's [B, 16] codes copied
-        # back once, in end_step.
-        self.sampler = self.residual_sampler = self.host_copy = None
+        # Device sampling (services/runtime/lm/device_sampling.py) draws the residuals inside the
+        # predictor's loop too; the step's [B, 16] codes are copied back once, in end_step.
+        self.residual_sampler = None
         if device_sampling_wanted(engine_config.device_sampling, device):
-            self.sampler = SlotSampler(engine_config.num_slots + 1, vocab, device, self.suppress)
-            self.residual_sampler = SlotSampler(engine_config.num_slots + 1, int(predictor.lm_head[0].weight.shape[0]),
-                                                device)
-            self.host_copy = HostCopy(device)
-        # With CUDA graphs: the code predictor's frame, its own graph for the rows a prefill starts and,
-        # with device sampling, the end of the decode step's graph (one replay a decode step).
+            self.residual_sampler = SlotSampler(engine_config.num_slots + 1,
+                                                int(model.code_predictor.lm_head[0].weight.shape[0]), device)
         self.predictor_graphs = then = None
         if engine_config.graphs.enabled:
             self.predictor_graphs = PredictorGraphs(model, engine_config.graphs, engine_config.exact_batching,
                                                     device, dtype)
-            if self.sampler is not None:
+            if self.residual_sampler is not None:
                 then = frame_after(self.predictor_graphs, self.residual_sampler)
         self.set_up(Stage.TALKER, model.config.text_config, model.model, engine_config, device, dtype,
-                    rowwise_configs=(predictor.config,), step=lambda cache: talker_step(model, cache),
-                    step_input=torch.zeros((1, 1, hidden), dtype=dtype), sampler=self.sampler, then=then)
-        # The code predictor (lean loop) and its keys and values for one frame of every row of a batch.
+                    self.tc.text_config.vocab_size, suppress=self.suppress, rowwise_configs=(model.code_predictor.config,),
+                    step=lambda cache: talker_step(model, cache), step_input=torch.zeros((1, 1, hidden), dtype=dtype),
+                    then=then)
         self.predictor_cache = CodePredictor(model, engine_config.max_batch_size, device, dtype)
         if self.predictor_graphs is not None:
             self.predictor_graphs.capture_all(hidden, dtype)
         # (request_id, state, hidden [1, 1, H], code [1] on the device or None) whose layer-0 code is
         # picked (on the host: in state.codes), residuals to come (end_step)
         self._to_predict: list[tuple[str, _State, torch.Tensor, torch.Tensor | None]] = []
-        # Frames a decode graph made whole: (request_ids, states, codes [B, 16], host view of the
-        # layer-0 codes [B], embeds [B, 1, H]), copied back with the predicted ones in end_step.
-        self._framed: list[tuple] = []
-        if engine_config.exact_batching:  # which kernels exact mode runs here (services/runtime/lm/invariance.py)
-            self.start_exact_check(
-                Stage.TALKER, engine_config.checks, gemm=engine_config.exact_gemm,
-                capacity=engine_config.max_batch_size,
-                linear_weights=linear_weights(model.model, model.codec_head, predictor), linear_tokens=(1, 2),
-                experts=experts_modules(model.model), attention=self.predictor_cache.attention_shapes(),
-                dtype=dtype, device=device)
 
     # The loop's interface.
     def add(self, request_id: str, job: TalkerJob) -> None:
         self.scheduler.add(request_id, job.prompt_len, job.sampling.max_new_tokens, ready=False)
-        if self.sampler is not None:
-            self._requests[request_id] = _State(job=job, key=draw_key(job.sampling))
-        else:
-            self._requests[request_id] = _State(job=job, generator=job.sampling.generator())
+        self._requests[request_id] = _State(job=job, **self.draw_state(job.sampling))
 
     def add_input(self, request_id: str, payload) -> None:
         state = self._requests.get(request_id)
@@ -211,7 +202,6 @@ class TalkerEngine(SlotScheduledEngine):
         super().abort(request_id)
         # A step that raised between its forwards and end_step leaves rows behind: not this one's.
         self._to_predict = [row for row in self._to_predict if row[0] != request_id]
-        self._framed = []  # (whole batches: they outlive a step only when it raised)
 
     # Model work.
     @torch.inference_mode()
@@ -230,64 +220,26 @@ class TalkerEngine(SlotScheduledEngine):
             return []
         state.partial = None
         out = result.output
-        self.cache.load(slot, result.cache)
-        self._take_slot(state, slot, position_ids)
-        state.started = True
+        self.take_slot(state, slot, result.cache, position_ids)
         return self._after_forward([request_id], [state], out.logits[:, -1], out.hidden_states[0][-1][:, -1:])
 
-    @torch.inference_mode()
-    def prefill_packed(self, request_ids: list[str], slots: list[int]) -> StepResult:
-        """Whole prompts the prefix pool holds nothing of, end to end through one forward
-        (services/runtime/lm/packing.py), each then into its slot; the others alone."""
+    def pack(self, request_id: str, slot: int) -> PackedPrompt | None:
+        """A prompt's rows and positions for a packed prefill; none before the text's first row."""
+        state = self._requests[request_id]
+        if not state.rows:
+            return None
+        rows, ids, _, positions = self._prompt_inputs(state)
+        return PackedPrompt(request_id, slot, state, rows, ids.shape[1], positions, self._row_keys(ids[0].tolist(), rows[0]))
 
-        events: StepResult = []
-        packed = []  # (request_id, slot, state, inputs, keys)
-        for request_id, slot in zip(request_ids, slots):
-            state = self._requests[request_id]
-            if not state.rows:
-                events += self.prefill_alone(request_id, slot)
-                continue
-            inputs = self._prompt_inputs(state)
-            keys = self._row_keys(inputs[1][0].tolist(), inputs[0][0])
-            if keys and self.prefix_hits and self.prefix_pool.peek(keys, usable_blocks(inputs[1].shape[1]), False):
-                events += self.prefill_alone(request_id, slot)
-            else:
-                packed.append((request_id, slot, state, inputs, keys))
-        if len(packed) < 2:
-            return events + [e for request_id, slot, *_ in packed for e in self.prefill_alone(request_id, slot)]
-        return events + self.packed(packed, self._packed_forward)
+    def packed_forward(self, prompts: list[PackedPrompt], packing: Packing) -> Forward:
+        """The prompts' rows [1, T, H] and positions [3, 1, T] end to end through `prompt_forward`."""
+        return self.prompt_forward(torch.cat([p.inputs for p in prompts], dim=1), packing.mask(self.device),
+                                   torch.cat([p.positions for p in prompts], dim=-1), self.timer)
 
-    def _packed_forward(self, packed: list) -> StepResult:
-        from transformers import DynamicCache
-
-        packing = Packing(tuple(inputs[1].shape[1] for *_, inputs, _ in packed))
-        cache = DynamicCache(config=self.stack.config)
-        with self.timer:
-            out = self.model(inputs_embeds=torch.cat([inputs[0] for *_, inputs, _ in packed], dim=1),
-                             attention_mask=packing.mask(self.device),
-                             position_ids=torch.cat([inputs[3] for *_, inputs, _ in packed], dim=-1),
-                             past_key_values=cache, use_cache=True, output_hidden_states=True)
-        states, last = [], []
-        for i, (_, slot, state, inputs, keys) in enumerate(packed):
-            span, rows = packing.span(i), CacheRows(cache, packing.span(i))
-            self.cache.load(slot, rows)
-            self._take_slot(state, slot, inputs[3])
-            if keys:  # kept as a prefill alone keeps them (the pool held none of it)
-                self.prefix_pool.lookup(keys, usable_blocks(span.stop - span.start), False, use=self.prefix_hits)
-                self.prefix_pool.store(keys, rows, None, None, first=0)
-            state.started = True
-            states.append(state)
-            last.append(span.stop - 1)
-        return self._after_forward([r for r, *_ in packed], states, out.logits[0, last],
-                                            out.hidden_states[0][-1][0, last].unsqueeze(1))
-
-    def _take_slot(self, state: _State, slot: int, position_ids: torch.Tensor) -> None:
-        """A prefilled request in `slot` (its prompt's position ids [4, 1, P]): the decode steps go on
-        from its last position; the device sampler's penalty history there starts empty."""
-        state.slot = slot
-        self.positions.set(slot, position_ids[..., -1:])
-        if self.sampler is not None:
-            self.sampler.reset(slot)
+    def packed_events(self, prompts: list[PackedPrompt], spans: list[slice], output) -> StepResult:
+        last = [span.stop - 1 for span in spans]
+        return self._after_forward([p.request_id for p in prompts], [p.state for p in prompts], output.logits[0, last],
+                                   output.hidden_states[0][-1][0, last].unsqueeze(1))
 
     def _prompt_inputs(self, state: _State):
         """The prompt's rows [1, P, H], ids [1, P], mask [1, P] and positions [3, 1, P] (as generate
@@ -399,7 +351,9 @@ class TalkerEngine(SlotScheduledEngine):
                 if self.graphs is not None else None
         if replayed is not None and framing:  # the whole frame made inside the graph (frame_after)
             marked, codes, embeds = replayed
-            self._framed.append(([*request_ids], states, codes, marked, embeds))
+            # (request_ids, states, codes [B, 16], the layer-0 codes' host view [B], embeds [B, 1, H]):
+            # copied back with the predicted ones in end_step
+            self._drawn.append(([*request_ids], states, codes, marked, embeds))
             return []
         if replayed is not None and rows is not None:  # layer-0 codes drawn inside the graph
             codes, marked, hidden = replayed
@@ -441,7 +395,7 @@ class TalkerEngine(SlotScheduledEngine):
                                  for row, (request_id, state) in enumerate(zip(request_ids, states))]
             return []
         logits = logits.cpu()  # sampling runs on the host (CPU generators and masks); a no-op on CPU
-        picked = self._greedy_codes(states, logits)
+        picked = greedy_codes(states, logits, self.suppress)
         events: StepResult = []
         keep: list[int] = []  # rows that go on to make a frame
         for row, (request_id, state) in enumerate(zip(request_ids, states)):
@@ -474,7 +428,7 @@ class TalkerEngine(SlotScheduledEngine):
         batch (6.1 of a 7.8 ms prefill on the tiny checkpoint, in-process), so a prefill that ran
         them for its row alone made each step of a burst pay them twice. The predictor is batch-
         invariant (code_predictor.py), so each row's codes are the same either way."""
-        if not self._to_predict and not self._framed:
+        if not self._to_predict and not self._drawn:
             return []
         rows, self._to_predict = self._to_predict, []
         if self.sampler is not None:
@@ -494,7 +448,7 @@ class TalkerEngine(SlotScheduledEngine):
         too: which ones do is known once the codes are on the host) where a decode graph did not make
         them, then the [R, 16] codes copied back, the step's one host sync; the frames and ends as the
         host path gives them."""
-        parts, self._framed = self._framed, []
+        parts, self._drawn = self._drawn, []
         if rows:
             states = [state for _, state, *_ in rows]
             with self.timer:
@@ -526,25 +480,6 @@ class TalkerEngine(SlotScheduledEngine):
                 events.append((request_id, Frame(index=state.frames, codes=frames[i])))
                 state.frames += 1
         return events
-
-    def _greedy_codes(self, states: list[_State], logits: torch.Tensor) -> dict[int, int]:
-        """Layer-0 codes (row -> id) of the greedy rows, selected together: select_token's ops on a
-        [rows, vocab] batch. The repetition penalty divides positive and multiplies negative
-        scores of the codes already generated (a per-row mask instead of gather/scatter: the same
-        float32 products and quotients on the same elements), then the special range is
-        suppressed and one argmax takes each row's first maximum. Bit for bit select_token's."""
-        rows = [row for row, s in enumerate(states) if s.job.sampling.greedy]
-        if len(rows) < 2:
-            return {}
-        scores = logits[rows].float()  # [R, vocab]
-        vocab = scores.shape[-1]
-        seen = torch.stack([states[r].seen if states[r].seen is not None else torch.zeros(vocab, dtype=torch.bool)
-                            for r in rows])
-        penalty = torch.tensor([[states[r].job.sampling.repetition_penalty] for r in rows], dtype=scores.dtype)
-        penalized = torch.where(scores < 0, scores * penalty, scores / penalty)
-        scores = torch.where(seen & (penalty != 1.0), penalized, scores)
-        scores = scores.masked_fill(self.suppress, float("-inf"))
-        return dict(zip(rows, torch.argmax(scores, dim=-1).tolist()))
 
     def predict_residuals(self, states: list[_State], past_hidden: torch.Tensor):
         """Code predictor for a batch of frames: fresh cache, prefill [talker hidden, layer-0 code

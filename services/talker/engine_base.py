@@ -1,33 +1,34 @@
 """What both families' talker engines share (engine.py for Qwen3-Omni, qwen2_5.py): their config,
-the end of the text as input, the frame and done events, and how a request's readiness follows
-its input (a step waits for the text row it needs)."""
+a request's state, the end of the text as input, the frame and done events, how a request's
+readiness follows its input (a step waits for the text row it needs), and the greedy rows' codes
+picked together."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
 from services.base.events import EngineEvent
 from services.base.finish import FinishReason
+from services.runtime.lm.engine import LMEngineConfig, RequestState
 from services.runtime.lm.scheduler import LMScheduler
-from services.runtime.model.settings import CheckSettings, GraphSettings
 
 
-@dataclass(frozen=True)
-class TalkerEngineConfig:
-    max_batch_size: int = 32  # requests decoded together in one step
-    num_slots: int = 32  # KV cache slots
-    max_model_len: int = 4096  # cache positions per slot: prompt part + 9 + max_new_tokens must fit
-    exact_batching: bool = True  # batch-invariant kernels (see services/runtime/lm/kernels.py)
-    exact_gemm: bool = False  # exact mode's linear layers through the invariant GEMM (--exact-batching gemm)
-    max_prefills_per_step: int = -1  # waiting requests prefilled a step (0: all that fit; -1: 0 packed, else 1)
-    max_prefill_tokens: int = 0  # prompt tokens prefilled in one step (chunks past it where exact allows; 0: no bound)
-    graphs: GraphSettings = GraphSettings()  # CUDA graphs of the decode step and the code predictor
-    prefix_cache_mb: int = 0  # the prefix cache's pool (services/runtime/lm/prefix/); 0: none
-    checks: CheckSettings = CheckSettings()  # exact mode's start-up check: beside serving or before (services/runtime/checks.py)
-    device_sampling: bool | None = None  # codes drawn on the device (services/runtime/lm/device_sampling.py); None: on cuda
+class TalkerEngineConfig(LMEngineConfig):
+    """Either talker engine's settings; max_model_len holds its prompt part + 9 + max_new_tokens, and
+    `graphs` covers the code predictor's frame too."""
+
+
+@dataclass
+class TalkerState(RequestState):
+    """What either family's talker keeps of a request (each adds its text inputs)."""
+
+    text_done: bool = False
+    codes: list[int] = field(default_factory=list)  # generated codes (layer 0's; Qwen2.5-Omni's end id included)
+    frames: int = 0
+    seen: torch.Tensor | None = None  # [vocab] bool: the ids the host path's repetition penalty applies to
 
 
 @dataclass(frozen=True)
@@ -62,3 +63,22 @@ def refresh_ready(scheduler: LMScheduler, requests: dict, request_ids) -> None:
     for request_id in request_ids:
         if request_id in requests:
             scheduler.set_ready(request_id, requests[request_id].ready)
+
+
+def greedy_codes(states: list[TalkerState], logits: torch.Tensor, suppress: torch.Tensor) -> dict[int, int]:
+    """Codes (row -> id) of the greedy rows, selected together: select_token's ops on a [rows, vocab]
+    batch. The repetition penalty divides positive and multiplies negative scores of the codes seen
+    (a per-row mask instead of gather/scatter: the same float32 products and quotients on the same
+    elements), then the `suppress`ed ids are masked and one argmax takes each row's first maximum.
+    Bit for bit select_token's."""
+    rows = [row for row, s in enumerate(states) if s.job.sampling.greedy]
+    if len(rows) < 2:
+        return {}
+    scores = logits[rows].float()  # [R, vocab]
+    vocab = scores.shape[-1]
+    seen = torch.stack([states[r].seen if states[r].seen is not None else torch.zeros(vocab, dtype=torch.bool)
+                        for r in rows])
+    penalty = torch.tensor([[states[r].job.sampling.repetition_penalty] for r in rows], dtype=scores.dtype)
+    penalized = torch.where(scores < 0, scores * penalty, scores / penalty)
+    scores = torch.where(seen & (penalty != 1.0), penalized, scores).masked_fill(suppress, float("-inf"))
+    return dict(zip(rows, torch.argmax(scores, dim=-1).tolist()))

@@ -24,32 +24,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
 from services.base.engine import StepResult
 from services.base.finish import FinishReason
 from services.base.stages import Stage
 from services.base.timing import ForwardTimer
-from services.runtime.lm.device_sampling import (
-    NONFINITE,
-    Draw,
-    HostCopy,
-    SlotSampler,
-    device_sampling_wanted,
-    draw_key,
-    mark_nonfinite,
-)
+from services.runtime.lm.device_sampling import NONFINITE, Draw, mark_nonfinite
 from services.runtime.lm.engine import SlotScheduledEngine
 from services.runtime.lm.invariance import linear_weights
 from services.runtime.lm.kernels import batch_invariant
-from services.runtime.lm.packing import CacheRows, Packing
+from services.runtime.lm.packing import PackedPrompt, Packing
 from services.runtime.lm.prefix.check import PrefixCase
 from services.runtime.lm.prefix.keys import row_block_keys
-from services.runtime.lm.prefix.prefill import Forward, Partial, PromptForward, prefill, usable_blocks
+from services.runtime.lm.prefix.prefill import Forward, Partial, PromptForward, prefill
 from services.runtime.lm.sampling import SamplingConfig, nonfinite_row, select_token
 from services.runtime.model.device import to_device
 from services.runtime.model.qwen2_5_omni import TALKER_EOS_IDS, talker_prompt_len
-from services.talker.engine_base import Frame, TalkerDone, TalkerEngineConfig, end_text, refresh_ready
+from services.talker.engine_base import Frame, TalkerDone, TalkerEngineConfig, TalkerState, end_text, greedy_codes, refresh_ready
 
 
 @dataclass(frozen=True)
@@ -71,18 +62,9 @@ class ReplyPart:
 
 
 @dataclass
-class _State:
+class _State(TalkerState):
     job: Qwen2_5TalkerJob
     replies: list[torch.Tensor] = field(default_factory=list)  # [1, 1, H_thinker] each, on the device
-    text_done: bool = False
-    started: bool = False  # prefilled
-    codes: list[int] = field(default_factory=list)  # generated codes (the end id included)
-    frames: int = 0
-    seen: torch.Tensor | None = None  # [vocab] bool: the ids the repetition penalty applies to
-    generator: torch.Generator | None = None
-    partial: Partial | None = None  # a prompt prefilled a chunk a step: what the chunks so far gave
-    slot: int = -1  # its KV slot, once prefilled (the device sampler's penalty history is per slot)
-    key: int = 0  # the device sampler's noise key (device_sampling.draw_key)
 
     @property
     def ready(self) -> bool:
@@ -111,15 +93,9 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
         # next turn repeats the earlier turns' rows, bit for bit where the thinker's kernels are
         # invariant (gemm), so their blocks are cached like Qwen3-Omni's talker's.
         dtype = next(model.parameters()).dtype
-        self.set_up(Stage.TALKER, model.config, model.model, engine_config, device, dtype)
+        self.set_up(Stage.TALKER, model.config, model.model, engine_config, device, dtype, self.vocab,
+                    suppress=self.suppress)
         self.embed = model.get_input_embeddings()  # codec id -> [H_thinker]
-        # Sampling on the device (services/runtime/lm/device_sampling.py): a step's codes drawn there,
-        # copied back once in end_step.
-        self.sampler = self.host_copy = None
-        if device_sampling_wanted(engine_config.device_sampling, device):
-            self.sampler = SlotSampler(engine_config.num_slots, self.vocab, device, self.suppress)
-            self.host_copy = HostCopy(device)
-        self._drawn: list[tuple[list[str], list[_State], int]] = []  # (request_ids, states, HostCopy index)
         if engine_config.exact_batching:  # which kernels exact mode runs here (services/runtime/lm/invariance.py)
             self.start_exact_check(Stage.TALKER, engine_config.checks, gemm=engine_config.exact_gemm,
                                    capacity=engine_config.max_batch_size, linear_weights=linear_weights(model),
@@ -128,22 +104,18 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
     # The loop's interface.
     def add(self, request_id: str, job: Qwen2_5TalkerJob) -> None:
         self.scheduler.add(request_id, job.prompt_len, job.sampling.max_new_tokens, ready=False)
-        if self.sampler is not None:
-            self._requests[request_id] = _State(job=job, key=draw_key(job.sampling))
-            return
-        seen = torch.zeros(self.vocab, dtype=torch.bool)
-        seen[self._start_codes(job)] = True
-        self._requests[request_id] = _State(job=job, seen=seen, generator=job.sampling.generator())
+        state = self._requests[request_id] = _State(job=job, **self.draw_state(job.sampling))
+        if self.sampler is None:  # the host path's penalty history: the start codes (the device's: penalty_history)
+            state.seen = torch.zeros(self.vocab, dtype=torch.bool)
+            state.seen[self._start_codes(job)] = True
 
     def _start_codes(self, job: Qwen2_5TalkerJob) -> list[int]:
         """generate's talker input ids: [codec_mask] * P + [codec_pad, codec_bos], the penalty's history."""
         return [self.codec_pad, self.codec_bos] + ([self.codec_mask] if job.prompt_hidden.shape[0] else [])
 
-    def _take_slot(self, state: _State, slot: int) -> None:
-        """A prefilled request in `slot`: the device sampler's penalty history there is its start codes."""
-        state.slot = slot
-        if self.sampler is not None:
-            self.sampler.reset(slot, self._start_codes(state.job))
+    def penalty_history(self, state: _State) -> list[int]:
+        """The device penalty's history of a new request: its start codes."""
+        return self._start_codes(state.job)
 
     def add_input(self, request_id: str, payload) -> None:
         state = self._requests.get(request_id)
@@ -175,51 +147,28 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
             state.partial = Partial(stop, result)
             return []
         state.partial = None
-        self.cache.load(slot, result.cache)
-        self._take_slot(state, slot)
-        state.started = True
+        self.take_slot(state, slot, result.cache)
         return self._after_forward([request_id], [state], result.output.logits[:, -1])
 
-    @torch.inference_mode()
-    def prefill_packed(self, request_ids: list[str], slots: list[int]) -> StepResult:
-        """Whole prompts the prefix pool holds nothing of, end to end through one forward
-        (services/runtime/lm/packing.py; positions as generate's own path counts them, from 0 in
-        each prompt), each then into its slot; the others alone."""
-        events: StepResult = []
-        packed = []  # (request_id, slot, state, rows [1, P, H], ids, keys)
-        for request_id, slot in zip(request_ids, slots):
-            state = self._requests[request_id]
-            if not state.replies:
-                events += self.prefill_alone(request_id, slot)
-                continue
-            rows, ids = self._prompt_inputs(state)
-            keys = row_block_keys(ids, rows[0]) if self.prefix_pool is not None else []
-            if keys and self.prefix_hits and self.prefix_pool.peek(keys, usable_blocks(len(ids)), False):
-                events += self.prefill_alone(request_id, slot)
-            else:
-                packed.append((request_id, slot, state, rows, ids, keys))
-        if len(packed) < 2:
-            return events + [e for request_id, slot, *_ in packed for e in self.prefill_alone(request_id, slot)]
-        return events + self.packed(packed, self._packed_forward)
+    def pack(self, request_id: str, slot: int) -> PackedPrompt | None:
+        """A prompt's rows for a packed prefill; none before reply part 0."""
+        state = self._requests[request_id]
+        if not state.replies:
+            return None
+        rows, ids = self._prompt_inputs(state)
+        keys = row_block_keys(ids, rows[0]) if self.prefix_pool is not None else []
+        return PackedPrompt(request_id, slot, state, rows, len(ids), None, keys)
 
-    def _packed_forward(self, packed: list) -> StepResult:
-        packing = Packing(tuple(len(ids) for *_, ids, _ in packed))
+    def packed_forward(self, prompts: list[PackedPrompt], packing: Packing) -> Forward:
+        """The prompts' rows [1, T, H_thinker] end to end, positions as generate's own path counts
+        them (from 0 in each prompt, on all 3 rope rows)."""
         positions = torch.cat([torch.arange(n, device=self.device) for n in packing.lengths]).view(1, 1, -1).expand(3, 1, -1)
-        cache = DynamicCache(config=self.stack.config)
-        with self.timer:
-            out = self.model(inputs_embeds=torch.cat([rows for *_, rows, _, _ in packed], dim=1),
-                             attention_mask=packing.mask(self.device), position_ids=positions, past_key_values=cache,
-                             use_cache=True)
-        for i, (_, slot, state, _, ids, keys) in enumerate(packed):
-            rows = CacheRows(cache, packing.span(i))
-            self.cache.load(slot, rows)
-            self._take_slot(state, slot)
-            if keys:  # kept as a prefill alone keeps them (the pool held none of it)
-                self.prefix_pool.lookup(keys, usable_blocks(len(ids)), False, use=self.prefix_hits)
-                self.prefix_pool.store(keys, rows, None, None, first=0)
-            state.started = True
-        last = [packing.span(i).stop - 1 for i in range(len(packed))]
-        return self._after_forward([r for r, *_ in packed], [p[2] for p in packed], out.logits[0, last])
+        return self.prompt_forward(torch.cat([p.inputs for p in prompts], dim=1), self.timer,
+                                   attention_mask=packing.mask(self.device), position_ids=positions)
+
+    def packed_events(self, prompts: list[PackedPrompt], spans: list[slice], output) -> StepResult:
+        return self._after_forward([p.request_id for p in prompts], [p.state for p in prompts],
+                                   output.logits[0, [span.stop - 1 for span in spans]])
 
     def _prompt_inputs(self, state: _State) -> tuple[torch.Tensor, list[int]]:
         """The prompt's rows [1, P + 2, H_thinker] (the thinker's hidden states, the voice's bos, reply
@@ -230,12 +179,13 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
                                    state.replies[0]), dim=1)  # [1, P + 2, H_thinker]
         return inputs_embeds, [self.codec_mask] * job.prompt_hidden.shape[0] + [self.codec_pad, self.codec_bos]
 
-    def prompt_forward(self, inputs_embeds: torch.Tensor, timer) -> Forward:
+    def prompt_forward(self, inputs_embeds: torch.Tensor, timer, **packed) -> Forward:
         """The talker's prompt forward ([1, P, H_thinker] rows) into the cache `prefill` gives it; no
-        attention mask and no position ids: generate's own path (see the module docstring)."""
+        attention mask and no position ids: generate's own path (see the module docstring), but for
+        a packed forward's (`packed`: its mask and positions)."""
         def forward(cache, _prior) -> PromptForward:
             with timer:
-                out = self.model(inputs_embeds=inputs_embeds, past_key_values=cache, use_cache=True)
+                out = self.model(inputs_embeds=inputs_embeds, past_key_values=cache, use_cache=True, **packed)
             return PromptForward(out, cache)
         return forward
 
@@ -273,10 +223,10 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
     def _after_forward(self, request_ids, states, logits: torch.Tensor) -> StepResult:
         if self.sampler is not None:  # drawn on the device; their events come from end_step
             codes = self.sampler.sample(logits, [Draw(s.slot, s.job.sampling, s.key, len(s.codes)) for s in states])
-            self._drawn.append((request_ids, states, self.host_copy.add(mark_nonfinite(codes, logits))))
+            self._drawn.append((request_ids, states, self.host_copy.add(mark_nonfinite(codes, logits))))  # HostCopy index
             return []
         logits = logits.cpu()  # [B, vocab]; sampling runs on the host (CPU generators and masks)
-        picked = self._greedy_codes(states, logits)
+        picked = greedy_codes(states, logits, self.suppress)
         events: StepResult = []
         for row, (request_id, state) in enumerate(zip(request_ids, states)):
             cfg = state.job.sampling
@@ -301,14 +251,6 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
                 events += self._code_events(request_id, state, code)
         return events
 
-    def abort(self, request_id: str) -> None:
-        super().abort(request_id)
-        # Codes drawn and not copied back outlive a step only when it raised (the loop then fails its
-        # requests): dropped, so the next step's copy holds its own rows alone.
-        self._drawn = []
-        if self.host_copy is not None:
-            self.host_copy.clear()
-
     def _code_events(self, request_id: str, state: _State, code: int) -> StepResult:
         """A drawn code's events: the end, or a frame (and the end where it is the last by length)."""
         if code == NONFINITE:
@@ -321,17 +263,3 @@ class Qwen2_5TalkerEngine(SlotScheduledEngine):
         if self.scheduler.reaches_length(request_id):
             events.append((request_id, TalkerDone(FinishReason.LENGTH, state.frames)))
         return events
-
-    def _greedy_codes(self, states: list[_State], logits: torch.Tensor) -> dict[int, int]:
-        """Codes (row -> id) of the greedy rows, selected together: select_token's ops on a
-        [rows, vocab] batch (the penalty as a per-row mask: the same float32 products and
-        quotients on the same elements; then the suppression and one argmax per row)."""
-        rows = [row for row, s in enumerate(states) if s.job.sampling.greedy]
-        if len(rows) < 2:
-            return {}
-        scores = logits[rows].float()  # [R, vocab]
-        seen = torch.stack([states[r].seen for r in rows])
-        penalty = torch.tensor([[states[r].job.sampling.repetition_penalty] for r in rows], dtype=scores.dtype)
-        penalized = torch.where(scores < 0, scores * penalty, scores / penalty)
-        scores = torch.where(seen & (penalty != 1.0), penalized, scores).masked_fill(self.suppress, float("-inf"))
-        return dict(zip(rows, torch.argmax(scores, dim=-1).tolist()))

@@ -23,11 +23,7 @@ from services.runtime.model.settings import (
     add_model_flags,
     add_prefix_cache_flag,
     check_engine_flags,
-    device_sampling,
-    exact_batching,
-    exact_gemm,
     model_config_from_args,
-    prefix_cache_mb,
 )
 from services.serving.channels import ChannelPool
 from services.serving.config import add_serving_flags, serving_config_from_args
@@ -123,14 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"--first-chunk-frames, --chunk-frames, --chunk-growth, --delivery-ms: {exc}") from None
         check_engine_flags(args)
         model = model_config_from_args(args)
-        engine = TalkerEngineConfig(max_batch_size=args.max_batch_size, num_slots=args.num_slots,
-                                    max_prefills_per_step=args.max_prefills_per_step, max_prefill_tokens=args.max_prefill_tokens,
-                                    max_model_len=args.max_model_len, exact_batching=exact_batching(args),
-                                    exact_gemm=exact_gemm(args), graphs=model.graphs,
-                                    prefix_cache_mb=prefix_cache_mb(args.prefix_cache_mb), checks=model.checks,
-                                    device_sampling=device_sampling(args))
         config = TalkerConfig(
-            serving=serving_config_from_args(args), model=model, engine=engine,
+            serving=serving_config_from_args(args), model=model, engine=TalkerEngineConfig.from_args(args, model),
             chunks=chunks,
             default_max_new_tokens=args.default_max_new_tokens, max_new_tokens_limit=args.max_new_tokens_limit,
         )

@@ -34,35 +34,17 @@ from services.base.finish import FinishReason
 from services.base.stages import Stage
 from services.base.timing import ForwardTimer
 from services.runtime.inputs.prompt import PromptInputs
-from services.runtime.lm.device_sampling import (
-    NONFINITE,
-    Draw,
-    HostCopy,
-    Rows,
-    SlotSampler,
-    device_sampling_wanted,
-    draw_key,
-    mark_nonfinite,
-)
-from services.runtime.lm.engine import SlotScheduledEngine
+from services.runtime.lm.device_sampling import NONFINITE, Draw, Rows, mark_nonfinite
+from services.runtime.lm.engine import LMEngineConfig, RequestState, SlotScheduledEngine
 from services.runtime.lm.invariance import experts_modules, linear_weights
 from services.runtime.lm.kernels import batch_invariant
-from services.runtime.lm.packing import CacheRows, Packing
+from services.runtime.lm.packing import PackedPrompt, Packing
 from services.runtime.lm.prefix.check import PrefixCase, plain_token_ids
 from services.runtime.lm.prefix.keys import PromptPrefix, block_keys
 from services.runtime.lm.prefix.pool import PrefixPool
-from services.runtime.lm.prefix.prefill import (
-    Forward,
-    Partial,
-    Prior,
-    PromptForward,
-    forward_pre_hook,
-    prefill,
-    usable_blocks,
-)
+from services.runtime.lm.prefix.prefill import Forward, Partial, Prior, PromptForward, forward_pre_hook, prefill
 from services.runtime.lm.sampling import SamplingConfig, nonfinite_row, select_token
 from services.runtime.model.device import to_device
-from services.runtime.model.settings import CheckSettings, GraphSettings
 from services.thinker.graphs import thinker_step
 
 
@@ -122,30 +104,15 @@ class ReleaseText:
 
 
 @dataclass
-class _Request:
+class _Request(RequestState):
     job: ThinkerJob
     generated: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
     hold: tuple[int, float] | None = None  # HoldText's (lead, monotonic deadline) until released
-    partial: Partial | None = None  # a prompt prefilled a chunk a step: what the chunks so far gave
-    inputs: tuple[dict, torch.Tensor] | None = None  # and its model inputs and positions, made for its first chunk
-    slot: int = -1  # its KV slot, once prefilled (the device sampler's penalty history is per slot)
-    key: int = 0  # the device sampler's noise key (device_sampling.draw_key)
+    inputs: tuple[dict, torch.Tensor] | None = None  # a chunked prompt's model inputs and positions, from its first chunk
 
 
-@dataclass(frozen=True)
-class ThinkerEngineConfig:
-    max_batch_size: int = 32  # requests decoded together in one step
-    num_slots: int = 32  # KV cache slots (requests holding cache at once)
-    max_model_len: int = 4096  # cache positions per slot: prompt + max_new_tokens must fit
-    exact_batching: bool = True  # batch-invariant kernels (see services/runtime/lm/kernels.py)
-    exact_gemm: bool = False  # exact mode's linear layers through the invariant GEMM (--exact-batching gemm)
-    max_prefills_per_step: int = -1  # waiting requests prefilled a step (0: all that fit; -1: 0 packed, else 1)
-    max_prefill_tokens: int = 0  # prompt tokens prefilled in one step (chunks past it where exact allows; 0: no bound)
-    graphs: GraphSettings = GraphSettings()  # CUDA graphs of the decode step (services/runtime/lm/static_decode.py)
-    prefix_cache_mb: int = 0  # the prefix cache's pool (services/runtime/lm/prefix/); 0: none
-    checks: CheckSettings = CheckSettings()  # exact mode's start-up check: beside serving or before (services/runtime/checks.py)
-    device_sampling: bool | None = None  # tokens drawn on the device (services/runtime/lm/device_sampling.py); None: on cuda
+class ThinkerEngineConfig(LMEngineConfig):
+    """The thinker engine's settings."""
 
 
 class ThinkerEngine(SlotScheduledEngine):
@@ -171,16 +138,9 @@ class ThinkerEngine(SlotScheduledEngine):
         model, engine_config = self.model, self.engine_config
         self.embed = model.get_input_embeddings()
         dtype = next(model.parameters()).dtype
-        # Sampling on the device: a step's tokens drawn there (inside the decode graphs where they run)
-        # and copied back once, in end_step. One slot more than the engine's: the graphs' scratch slot.
-        self.sampler = self.host_copy = None
-        if device_sampling_wanted(engine_config.device_sampling, self.device):
-            self.sampler = SlotSampler(engine_config.num_slots + 1, int(model.lm_head.weight.shape[0]), self.device)
-            self.host_copy = HostCopy(self.device)
         self.set_up(Stage.THINKER, model.config.text_config, model.model, engine_config, self.device, dtype,
-                    step=lambda cache: thinker_step(model, cache), step_input=torch.zeros((1, 1), dtype=torch.long),
-                    extra_layers=len(self.prefix_layers), sampler=self.sampler)
-        self._drawn: list[tuple] = []  # (request_ids, requests, ids, embeddings, replies): HostCopy indices
+                    int(model.lm_head.weight.shape[0]), step=lambda cache: thinker_step(model, cache),
+                    step_input=torch.zeros((1, 1), dtype=torch.long), extra_layers=len(self.prefix_layers))
         if engine_config.exact_batching:  # which kernels exact mode runs here (services/runtime/lm/invariance.py)
             decoder = [model.model, model.lm_head]
             self.start_exact_check(Stage.THINKER, engine_config.checks, gemm=engine_config.exact_gemm,
@@ -209,10 +169,7 @@ class ThinkerEngine(SlotScheduledEngine):
     # The loop's interface.
     def add(self, request_id: str, job: ThinkerJob) -> None:
         self.scheduler.add(request_id, job.prompt.num_tokens, job.sampling.max_new_tokens)
-        if self.sampler is not None:
-            self._requests[request_id] = _Request(job=job, key=draw_key(job.sampling))
-        else:
-            self._requests[request_id] = _Request(job=job, generator=job.sampling.generator())
+        self._requests[request_id] = _Request(job=job, **self.draw_state(job.sampling))
 
     def add_input(self, request_id: str, payload) -> None:
         request = self._requests.get(request_id)
@@ -282,10 +239,12 @@ class ThinkerEngine(SlotScheduledEngine):
         where the device draws it (they come from end_step)."""
         if self.sampler is None:
             return self._sample(request_id, request, logits.cpu())
-        history = request.job.prompt.input_ids[0].tolist() if request.job.sampling.repetition_penalty != 1.0 else ()
-        self.sampler.reset(request.slot, history)
         self.draw([request_id], [request], logits[None])
         return []
+
+    def penalty_history(self, request: _Request) -> list[int]:
+        """The device penalty's history of a new request: its prompt's ids (where it has a penalty)."""
+        return request.job.prompt.input_ids[0].tolist() if request.job.sampling.repetition_penalty != 1.0 else []
 
     def _model_inputs(self, job: ThinkerJob) -> tuple[dict, torch.Tensor]:
         """The prompt's model inputs on the device and its [4, 1, P] positions, made by the model's own
@@ -323,60 +282,31 @@ class ThinkerEngine(SlotScheduledEngine):
             request.partial, request.inputs = Partial(stop, result, inputs), (kwargs, position_ids)
             return None
         request.partial = request.inputs = None
-        self.cache.load(slot, result.cache)
-        request.slot = slot
-        self.positions.set(slot, position_ids[..., -1:])
+        self.take_slot(request, slot, result.cache, position_ids)
         return result.output, kwargs
 
-    @torch.inference_mode()
-    def prefill_packed(self, request_ids: list[str], slots: list[int]) -> StepResult:
-        """Whole text prompts that the prefix pool holds nothing of, end to end through one forward
-        (services/runtime/lm/packing.py), each then into its slot; the others (media, a hit) alone."""
-        events: StepResult = []
-        packed = []  # (request_id, slot, request, kwargs, positions, keys)
-        for request_id, slot in zip(request_ids, slots):
-            request = self._requests[request_id]
-            job, keys = request.job, self._block_keys(request.job)
-            kwargs, positions = self._model_inputs(job)
-            media = any(isinstance(v, torch.Tensor) for k, v in kwargs.items() if k not in ("input_ids", "attention_mask"))
-            held = keys and self.prefix_hits and self.prefix_pool.peek(
-                keys, usable_blocks(job.prompt.num_tokens), job.want_talker_inputs)
-            if media or held:
-                events += self.prefill_alone(request_id, slot)
-            else:
-                packed.append((request_id, slot, request, kwargs, positions, keys))
-        if len(packed) == 1:
-            return events + self.prefill_alone(packed[0][0], packed[0][1])
-        return events + (self.packed(packed, self._packed_forward) if packed else [])
+    def pack(self, request_id: str, slot: int) -> PackedPrompt | None:
+        """A text prompt's ids and positions for a packed prefill; one with media is prefilled alone."""
+        request = self._requests[request_id]
+        job = request.job
+        kwargs, positions = self._model_inputs(job)
+        if any(isinstance(v, torch.Tensor) for k, v in kwargs.items() if k not in ("input_ids", "attention_mask")):
+            return None
+        return PackedPrompt(request_id, slot, request, kwargs, job.prompt.num_tokens, positions, self._block_keys(job),
+                            job.want_talker_inputs, job.prefix)
 
-    def _packed_forward(self, packed: list) -> StepResult:
-        from transformers import DynamicCache
+    def packed_forward(self, prompts: list[PackedPrompt], packing: Packing) -> Forward:
+        """The prompts' ids [1, T] and positions [4, 1, T] end to end through `prompt_forward`."""
+        kwargs = {"input_ids": torch.cat([p.inputs["input_ids"] for p in prompts], dim=1),
+                  "attention_mask": packing.mask(self.device)}
+        return self.prompt_forward(kwargs, torch.cat([p.positions for p in prompts], dim=-1),
+                                   any(p.extras for p in prompts), self.prefix_pool, self.timer)
 
-        packing = Packing(tuple(kwargs["input_ids"].shape[1] for _, _, _, kwargs, _, _ in packed))
-        ids = torch.cat([kwargs["input_ids"] for _, _, _, kwargs, _, _ in packed], dim=1)  # [1, T]
-        positions = torch.cat([p for _, _, _, _, p, _ in packed], dim=-1)  # [4, 1, T]
-        want_hidden = any(request.job.want_talker_inputs for _, _, request, _, _, _ in packed)
-        cache = DynamicCache(config=self.stack.config)
-        finals: list[torch.Tensor] = []
-        with self.timer, self._lm_head_rows(self.prefix_pool, Prior(), finals):
-            out = self.model(input_ids=ids, attention_mask=packing.mask(self.device), position_ids=positions,
-                             past_key_values=cache, use_cache=True, output_hidden_states=want_hidden)
+    def packed_events(self, prompts: list[PackedPrompt], spans: list[slice], output) -> StepResult:
         events: StepResult = []
-        for i, (request_id, slot, request, kwargs, prompt_positions, keys) in enumerate(packed):
-            span, rows = packing.span(i), CacheRows(cache, packing.span(i))
-            self.cache.load(slot, rows)
-            request.slot = slot
-            self.positions.set(slot, prompt_positions[..., -1:])
-            hidden = tuple(h[:, span] for h in out.hidden_states) if want_hidden else None
-            if keys:  # the pool held none of it (prefill_packed): its blocks kept as a prefill alone keeps them
-                job = request.job
-                self.prefix_pool.lookup(keys, usable_blocks(job.prompt.num_tokens), job.want_talker_inputs,
-                                        use=self.prefix_hits)
-                extra = torch.stack([hidden[layer % len(hidden)][0] for layer in self.prefix_layers]) \
-                    if job.want_talker_inputs else None
-                self.prefix_pool.store(keys, rows, finals[0][span] if finals else None, extra, first=0)
-                self.prefix_pool.publish(job.prefix, keys)
-            events += self.prefilled(request_id, request, kwargs, hidden, out.logits[0, span.stop - 1])
+        for prompt, span in zip(prompts, spans):
+            hidden = None if output.hidden_states is None else tuple(h[:, span] for h in output.hidden_states)
+            events += self.prefilled(prompt.request_id, prompt.state, prompt.inputs, hidden, output.logits[0, span.stop - 1])
         return events
 
     def _block_keys(self, job: ThinkerJob) -> list[bytes]:
@@ -484,6 +414,7 @@ class ThinkerEngine(SlotScheduledEngine):
         if fed:
             embeddings = self.host_copy.add(self.embed(ids if len(fed) == len(requests)
                                                        else ids.index_select(0, to_device(fed, torch.long, self.device))))
+        # (request_ids, requests, ids, (fed rows, embeddings), replies): HostCopy indices, for end_step
         self._drawn.append((request_ids, requests, self.host_copy.add(marked), (fed, embeddings),
                             None if replies is None else self.host_copy.add(replies)))
 
@@ -505,14 +436,6 @@ class ThinkerEngine(SlotScheduledEngine):
                 reply = host[replies][row].clone() if replies is not None and request.job.want_talker_inputs else None
                 events += self._sample(request_id, request, None, tokens[row], rows.get(row), reply)
         return events
-
-    def abort(self, request_id: str) -> None:
-        super().abort(request_id)
-        # Rows drawn and not copied back outlive a step only when it raised (the loop then fails its
-        # requests): dropped, so the next step's copy holds its own rows alone.
-        self._drawn = []
-        if self.host_copy is not None:
-            self.host_copy.clear()
 
     def _greedy_rows(self, requests, logits: torch.Tensor) -> tuple[dict, dict]:
         """Tokens (row -> id) of the rows that are greedy without a repetition penalty, picked by one

@@ -27,21 +27,12 @@ from services.runtime.model.settings import (
     add_model_flags,
     add_prefix_cache_flag,
     check_engine_flags,
-    device_sampling,
-    exact_batching,
-    exact_gemm,
     model_config_from_args,
     on_unless_cuda,
-    prefix_cache_mb,
 )
 from services.serving.channels import ChannelPool
-from services.serving.config import (
-    add_serving_flags,
-    serving_config_from_args,
-)
-from services.serving.engine_loop import (
-    EngineLoop,
-)
+from services.serving.config import add_serving_flags, serving_config_from_args
+from services.serving.engine_loop import EngineLoop
 from services.serving.grpc_server import ServerHandle
 from services.serving.metrics import StageMetrics
 from services.serving.open_streams import LIGHT_LOAD_STREAMS
@@ -50,11 +41,7 @@ from services.serving.stage_main import serve_stage, start_stage
 from services.thinker.adapter import ThinkerAdapter
 from services.thinker.admission import Admission
 from services.thinker.config import Backend, ThinkerConfig
-from services.thinker.engine import (
-    HoldText,
-    ThinkerEngine,
-    ThinkerEngineConfig,
-)
+from services.thinker.engine import HoldText, ThinkerEngine, ThinkerEngineConfig
 from services.thinker.qwen2_5_adapter import Qwen2_5ThinkerAdapter
 from services.thinker.qwen3_adapter import Qwen3ThinkerAdapter
 from services.thinker.stream import ThinkerStream
@@ -196,12 +183,7 @@ def add_input_limit_flags(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> ThinkerConfig:
     check_engine_flags(args)
     model = model_config_from_args(args)
-    engine = ThinkerEngineConfig(max_batch_size=args.max_batch_size, num_slots=args.num_slots,
-                                 max_prefills_per_step=args.max_prefills_per_step,
-                                 max_prefill_tokens=args.max_prefill_tokens, max_model_len=args.max_model_len,
-                                 exact_batching=exact_batching(args), exact_gemm=exact_gemm(args), graphs=model.graphs,
-                                 prefix_cache_mb=prefix_cache_mb(args.prefix_cache_mb), checks=model.checks,
-                                 device_sampling=device_sampling(args))
+    engine = ThinkerEngineConfig.from_args(args, model)
     limits = PromptLimits(args.max_prompt_tokens or None, args.max_audio_seconds, args.max_image_pixels,
                           VideoLimits(args.max_video_seconds, args.max_video_frames, args.max_video_pixels),
                           args.video_fps)

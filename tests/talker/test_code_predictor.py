@@ -63,19 +63,19 @@ def test_lean_loop_refuses_more_rows_than_its_buffers(talker):
 
 
 def test_batched_greedy_code_selection_equals_select_token_per_row():
-    # TalkerEngine._greedy_codes: the repetition penalty, the suppressed range and argmax over a
-    # batch, against select_token row by row (ties, negative scores, penalties 1 and 1.05).
+    # engine_base.greedy_codes (both talkers'): the repetition penalty, the suppressed range and argmax
+    # over a batch, against select_token row by row (ties, negative scores, penalties 1 and 1.05).
     from types import SimpleNamespace
 
     from services.runtime.lm.sampling import SamplingConfig, select_token
-    from services.talker.engine import TalkerEngine, _State
+    from services.talker.engine import _State
+    from services.talker.engine_base import greedy_codes
 
     g = torch.Generator().manual_seed(0)
     vocab = 96
     suppress = torch.zeros(vocab, dtype=torch.bool)
     suppress[64:] = True
     suppress[66] = False
-    engine = SimpleNamespace(suppress=suppress)
     states, logits = [], torch.randn(6, vocab, generator=g)
     logits[1, 3] = logits[1, 7] = logits[1].max() + 1  # a tie: the first index wins
     for row in range(6):
@@ -87,7 +87,7 @@ def test_batched_greedy_code_selection_equals_select_token_per_row():
             state.seen[codes] = True
         logits[row, codes[:2]] = -logits[row, codes[:2]].abs()  # some penalised scores negative
         states.append(state)
-    picked = TalkerEngine._greedy_codes(engine, states, logits)
+    picked = greedy_codes(states, logits, suppress)
     assert picked == {row: select_token(logits[row], s.job.sampling, s.codes, None, suppress)
                       for row, s in enumerate(states)}
 

@@ -13,9 +13,29 @@ mode never packs (it prefills each prompt alone, several in a step).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from types import SimpleNamespace
+from typing import Any
 
 import torch
+
+from services.runtime.lm.prefix.keys import PromptPrefix
+
+
+@dataclass(frozen=True)
+class PackedPrompt:
+    """A whole prompt of a packed prefill (SlotScheduledEngine.prefill_packed): whose, its slot, the
+    engine's inputs for it, and what its slot and the prefix pool take of it."""
+
+    request_id: str
+    slot: int
+    state: Any  # the engine's per-request state
+    inputs: Any  # the engine's inputs of its forward, laid end to end with the others' (`packed_forward`)
+    tokens: int  # its length P
+    positions: torch.Tensor | None  # [rows, 1, P] its position ids (None: the engine counts them from the cache)
+    keys: list[bytes]  # its whole blocks' pool keys ([]: not kept)
+    extras: bool = False  # the pool keeps its extra hidden layers too (the thinker's, for the talker)
+    publish: PromptPrefix | None = None  # its message prefixes, told to the router once kept
 
 
 @dataclass(frozen=True)
@@ -28,9 +48,10 @@ class Packing:
     def total(self) -> int:
         return sum(self.lengths)
 
-    def span(self, i: int) -> slice:
-        start = sum(self.lengths[:i])
-        return slice(start, start + self.lengths[i])
+    @property
+    def spans(self) -> list[slice]:
+        """Each prompt's positions in the packed sequence."""
+        return [slice(end - length, end) for end, length in zip(accumulate(self.lengths), self.lengths)]
 
     def mask(self, device) -> torch.Tensor:
         """[1, 1, T, T] bool, True where a query may attend: its own prompt's keys up to itself."""

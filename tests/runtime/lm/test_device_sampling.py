@@ -63,6 +63,19 @@ def test_sampled_rows_draw_only_what_the_host_keeps_with_its_probabilities():
         assert float((freq - probs).abs().max()) < 0.025, cfg
 
 
+def test_top_p_on_a_flat_row_draws_exactly_the_tokens_the_host_keeps():
+    """Pinned: the device's top-p keeping one token fewer than the host's (its least likely kept
+    token dropped), which the test above lets through: its rows keep few tokens, and a dropped one's
+    probability can sit under its frequency tolerance. On this flatter row the host keeps 13 tokens,
+    the least likely at about 4 %; the draws (a fixed key, so the same every run) must be those 13,
+    every one, and nothing else."""
+    row = _logits(1, seed=2)[0]
+    cfg = SamplingConfig(temperature=3.0, top_p=0.6)
+    kept = set(torch.nonzero(torch.softmax(process_scores(row, cfg, []), dim=-1)).flatten().tolist())
+    assert len(kept) == 13
+    assert set(_draw_many(SlotSampler(1, VOCAB, "cpu"), row, cfg, 4000).tolist()) == kept
+
+
 def test_a_seed_replays_its_tokens_whatever_shares_the_batch():
     logits = _logits(5, seed=3)
     cfg = SamplingConfig(temperature=1.0, top_p=0.95, seed=7)

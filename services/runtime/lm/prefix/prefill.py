@@ -116,6 +116,24 @@ def prefill(pool: PrefixPool | None, keys: list[bytes], tokens: int, stack: Deco
     return result, hit
 
 
+def held(pool: PrefixPool | None, keys: list[bytes], tokens: int, need_extras: bool) -> bool:
+    """Whether `pool` holds the first block of a prompt of `tokens` whose blocks have `keys` (a
+    prefill of it would be a hit: the prompt is not packed), nothing pinned or counted."""
+    return bool(keys) and pool.peek(keys, usable_blocks(tokens), need_extras) > 0
+
+
+def keep_packed(pool: PrefixPool, keys: list[bytes], tokens: int, rows, result: PromptForward, span: slice, *,
+                use_hits: bool, need_extras: bool, publish: PromptPrefix | None) -> None:
+    """A packed prompt's blocks kept as `prefill` keeps a prompt's: the pool held none of it (`held`),
+    so the lookup only counts the miss, and every whole block is stored. `rows`: its positions of the
+    packed forward's cache (packing.CacheRows); `span`: its rows in the forward's `result`."""
+    pool.lookup(keys, usable_blocks(tokens), need_extras, use=use_hits)
+    pool.store(keys, rows, None if result.finals is None else result.finals[span],
+               result.hidden[:, span] if need_extras else None, first=0)
+    if publish is not None:
+        pool.publish(publish, keys)
+
+
 @contextlib.contextmanager
 def cutting(stack_module, start: int, stop: int, tokens: int, inputs: dict | None = None):
     """Inside the block, the decoder stack's forward runs only the prompt positions [start, stop):
