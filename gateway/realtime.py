@@ -20,7 +20,7 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from gateway.errors import APIError, from_rpc
 from gateway.process import Gateway
-from gateway.realtime_events import ClientEventError, Translator, api_error_event, client_event, event_id
+from gateway.realtime_events import ClientEventError, Translator, api_error_event, client_event, event_id, response_metadata
 from omni.v1 import omni_pb2
 from services.serving.replicas import Replica
 from services.serving.streams import read
@@ -172,6 +172,8 @@ async def client_to_session(ws: WebSocket, call, translator: Translator, send: S
                 exc.event_id = event.get("event_id") if isinstance(event.get("event_id"), str) else None
                 await send.events([api_error_event(exc)])
                 continue
+            if request.HasField("create_response"):  # before the write: the session answers it after
+                translator.response_requested(response_metadata(event))
             await call.write(request)
     except (WebSocketDisconnect, SendTimeout, RuntimeError, asyncio.InvalidStateError, grpc.aio.AioRpcError):
         pass

@@ -6,9 +6,10 @@ In: `session.update`, `input_audio_buffer.append/commit/clear`, `conversation.it
 `response.create/cancel`. Everything else, and every field we cannot honour, is answered with an
 `error` event naming it (UNSUPPORTED_EVENTS, the checks below); the session goes on.
 
-Function calling: the session's `tools` and `tool_choice` (gateway/tools.py), `function_call` and
-`function_call_output` items in; each call the session parsed out of a reply as a `function_call`
-output item (output_index 1, 2, ... after the reply's message), its arguments in one
+Out: each response's lifecycle in the API's order (Translator). Function calling: the session's
+`tools` and `tool_choice` (gateway/tools.py), `function_call` and `function_call_output` items in;
+each call the session parsed out of a reply as a `function_call` output item (after the reply's
+message, which is output_index 0 when it has content), its arguments in one
 `response.function_call_arguments.delta` and then `.done`.
 """
 
@@ -20,12 +21,14 @@ import io
 import json
 import uuid
 import wave
+from collections import deque
+from dataclasses import dataclass, field
 
 from gateway import audio as audio_codec
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.tools import tool_choice_to_proto, tools_to_proto
-from omni.v1 import omni_pb2
+from omni.v1 import common_pb2, omni_pb2
 
 OUTPUT_RATE = 24000  # the pipeline's audio, and the Realtime API's pcm16
 INPUT_RATE = 24000  # the Realtime API's audio/pcm input (its only rate)
@@ -36,6 +39,14 @@ UNSUPPORTED_EVENTS = {
     "conversation.item.retrieve": "items are not stored for retrieval (the audio was sent as it came)",
     "output_audio_buffer.clear": "WebRTC only",
     "transcription_session.update": "no transcription sessions",
+}
+# The sessions service's error codes -> OpenAI's, where the API has its own (clients match on them).
+OPENAI_CODES = {
+    "no_response": "response_cancel_not_active",
+    "no_input": "input_audio_buffer_commit_empty",
+    "response_in_progress": "conversation_already_has_active_response",
+    "unknown_item": "item_truncate_invalid_item_id",
+    "invalid_argument": "invalid_value",
 }
 # Session fields we refuse unless unset/null (the pipeline has no such feature).
 REFUSED_SESSION_FIELDS = ("prompt", "reasoning", "include", "parallel_tool_calls")
@@ -282,13 +293,28 @@ def _function_item(item: dict) -> omni_pb2.CreateItem:
 
 
 def response_create(event: dict) -> omni_pb2.CreateResponse:
-    """`response.create`: a response of the session's settings; per-response overrides are refused."""
+    """`response.create`: a response of the session's settings; per-response overrides are refused
+    (its `metadata` is the translator's to echo: response_metadata)."""
     response = _object(event.get("response"), "response")
     for name, value in response.items():
         if name not in ("metadata",) and value is not None:
             raise ClientEventError(f"response.{name} is not supported (a response uses the session's settings: "
                                    "session.update)", f"response.{name}", "unsupported")
+    response_metadata(event)
     return omni_pb2.CreateResponse()
+
+
+def response_metadata(event: dict) -> dict | None:
+    """A `response.create`'s `metadata`, as the API bounds it: at most 16 pairs, string keys of at
+    most 64 characters, string values of at most 512."""
+    metadata = _object(event.get("response"), "response").get("metadata")
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict) or len(metadata) > 16 or not all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in metadata.items()):
+        raise ClientEventError("response.metadata must be an object of at most 16 string values (keys of at most 64 "
+                               "characters, values of at most 512)", "response.metadata")
+    return metadata
 
 
 def client_event(event: dict, config: GatewayConfig, last_item: str | None,
@@ -330,18 +356,50 @@ def client_event(event: dict, config: GatewayConfig, last_item: str | None,
     return request
 
 
+@dataclass
+class Output:
+    """A response as the client has been told of it: its assistant message (opened at its first
+    content, so a reply that is only a call has no message) and its calls, each at the output
+    index it was given in the order they went out."""
+
+    item_id: str  # the assistant message's id (ResponseCreated.item_id)
+    audio: bool  # audio out: the message's part is audio with a transcript, else text
+    metadata: dict | None  # the client's response.create metadata, echoed in response.created and .done
+    max_output_tokens: int | str
+    index: int | None = None  # the message's output_index once its first content went out
+    next_index: int = 0
+    held: bytes = b""  # pcm16 bytes held back (whole 3-byte groups go out)
+    calls: list[tuple[int, dict]] = field(default_factory=list)  # (output_index, the done function_call item)
+
+
 class Translator:
-    """The session's events -> the Realtime API's server events."""
+    """The session's events -> the Realtime API's server events, in the order the API documents:
+    per response `response.created`; the message's `response.output_item.added`,
+    `conversation.item.added` and `response.content_part.added` before its first delta; each call's
+    item added, arguments and item done; the message's `*.done` events with its final transcript
+    or text, `response.content_part.done`, `response.output_item.done` and `conversation.item.done`;
+    then `response.done`."""
 
     def __init__(self, config: GatewayConfig, model: str):
         self.config = config
         self.model = model
         self.last_item: str | None = None  # the conversation's last item id
-        self.responses: dict[str, tuple[str, bool]] = {}  # response_id -> (its item id, audio out)
-        self.audio_held: dict[str, bytes] = {}  # response_id -> pcm16 bytes held back (whole 3-byte groups go out)
+        self.responses: dict[str, Output] = {}  # response_id -> the response in progress
         self.audio_out = True  # the session's output modalities hold audio (from its created/updated events)
+        self.max_output_tokens: int | str = "inf"  # the session's (from its created/updated events)
+        self.responds_on_stop = True  # turn detection starts a response when speech stops (the same)
         self.tools: list[omni_pb2.Tool] = []  # the session's tools (from its created/updated events)
-        self.calls: dict[str, list[dict]] = {}  # response_id -> its function_call items
+        # NOTE: the metadata of each response.create sent and not yet answered, oldest first. The
+        # session answers each create in order, with its response_created or an error about
+        # `create_response`; a response turn detection started (response_created right after the
+        # committed of a detected stop) is nobody's request and takes none.
+        self.requested: deque[dict | None] = deque()
+        self.stopped_item: str | None = None  # the item of a speech_stopped just before
+        self.detected_response = False  # the last event was the committed of a detected stop
+
+    def response_requested(self, metadata: dict | None) -> None:
+        """A client's response.create about to be sent to the session."""
+        self.requested.append(metadata)
 
     def session(self, info: omni_pb2.SessionInfo) -> dict:
         s = info.settings
@@ -368,20 +426,22 @@ class Translator:
 
     def server_events(self, event: omni_pb2.SessionEvent) -> list[dict]:
         kind = event.WhichOneof("event")
+        detected, self.detected_response = self.detected_response, False
         body = getattr(event, kind)
         rid = event.response_id
         match kind:
             case "created" | "updated":
-                self.audio_out = AUDIO in body.settings.output_modalities
-                self.tools = list(body.settings.tools)
+                self.settings(body.settings)
                 return [{"type": f"session.{kind}", "session": self.session(body)}]
             case "speech_started":
                 return [{"type": "input_audio_buffer.speech_started", "audio_start_ms": body.audio_start_ms,
                          "item_id": body.item_id}]
             case "speech_stopped":
+                self.stopped_item = body.item_id
                 return [{"type": "input_audio_buffer.speech_stopped", "audio_end_ms": body.audio_end_ms,
                          "item_id": body.item_id}]
             case "committed":
+                self.detected_response = self.responds_on_stop and body.item_id == self.stopped_item
                 item = {"id": body.item_id, "object": "realtime.item", "type": "message", "role": "user",
                         "status": "completed", "content": [{"type": "input_audio", "transcript": None}]}
                 return [{"type": "input_audio_buffer.committed", "item_id": body.item_id,
@@ -409,7 +469,7 @@ class Translator:
                         "status": "completed", "content": [{"type": part, "text": body.text}]}
                 return self.item_events(item, body.previous_item_id)
             case "response_created":
-                return self.response_created(rid, body)
+                return self.response_created(rid, body, detected)
             case "text":
                 return self.text_delta(rid, body)
             case "audio":
@@ -420,53 +480,85 @@ class Translator:
                 return [{"type": "conversation.item.truncated", "item_id": body.item_id, "content_index": 0,
                          "audio_end_ms": body.audio_end_ms}]
             case "error":
-                return [error_event(body.message, openai_param(body.field), body.code, body.event_id or None)]
+                if body.field == "create_response" and self.requested:
+                    self.requested.popleft()  # that create was refused: it makes no response
+                return [error_event(body.message, openai_param(body.field), OPENAI_CODES.get(body.code, body.code),
+                                    body.event_id or None)]
             case "closed":
                 reason = omni_pb2.CloseReason.Name(body.reason).removeprefix("CLOSE_REASON_").lower()
                 return [error_event(body.message, None, f"session_{reason}", type_="server_error")]
         return []  # codec_frames: not part of the Realtime API
+
+    def settings(self, s: omni_pb2.SessionSettings) -> None:
+        """What the events need of the session's settings, from its created/updated events."""
+        self.audio_out = AUDIO in s.output_modalities
+        self.tools = list(s.tools)
+        self.max_output_tokens = s.thinker_sampling.max_new_tokens if s.thinker_sampling.HasField("max_new_tokens") \
+            else "inf"
+        self.responds_on_stop = s.turn_detection.enabled and s.turn_detection.create_response
 
     def item_events(self, item: dict, previous: str) -> list[dict]:
         self.last_item = item["id"]
         return [{"type": t, "item": item, "previous_item_id": previous or None}
                 for t in ("conversation.item.added", "conversation.item.done")]
 
-    def response(self, rid: str, status: str, output: list, audio: bool, **extra) -> dict:
+    def response(self, rid: str, out: Output, status: str, output: list, **extra) -> dict:
         return {"id": rid, "object": "realtime.response", "status": status, "output": output,
-                "output_modalities": ["audio"] if audio else ["text"], "conversation_id": "conv_default",
-                "max_output_tokens": "inf", "metadata": None, "status_details": None, "usage": None, **extra}
+                "output_modalities": ["audio"] if out.audio else ["text"], "conversation_id": "conv_default",
+                "max_output_tokens": out.max_output_tokens, "metadata": out.metadata, "status_details": None,
+                "usage": None, **extra}
 
-    def response_created(self, rid: str, body: omni_pb2.ResponseCreated) -> list[dict]:
-        audio = self.audio_out
-        self.responses[rid] = (body.item_id, audio)
-        item = {"id": body.item_id, "object": "realtime.item", "type": "message", "role": "assistant",
-                "status": "in_progress", "content": []}
-        previous = self.last_item
-        self.last_item = body.item_id
-        return [{"type": "response.created", "response": self.response(rid, "in_progress", [], audio)},
-                {"type": "conversation.item.added", "item": item, "previous_item_id": previous}]
+    def response_created(self, rid: str, body: omni_pb2.ResponseCreated, detected: bool) -> list[dict]:
+        metadata = None if detected or not self.requested else self.requested.popleft()
+        out = Output(body.item_id, self.audio_out, metadata, self.max_output_tokens)
+        self.responses[rid] = out
+        return [{"type": "response.created", "response": self.response(rid, out, "in_progress", [])}]
+
+    def message(self, out: Output, status: str, transcript: str | None = None) -> dict:
+        content = [] if transcript is None else [
+            {"type": "output_audio", "transcript": transcript} if out.audio else {"type": "output_text", "text": transcript}]
+        return {"id": out.item_id, "object": "realtime.item", "type": "message", "role": "assistant",
+                "status": status, "content": content}
+
+    def part(self, out: Output, text: str) -> dict:
+        """The message's one content part as the content_part events show it."""
+        return {"type": "audio", "transcript": text} if out.audio else {"type": "text", "text": text}
+
+    def open_message(self, rid: str, out: Output) -> list[dict]:
+        """The message's item and part announced before its first content (nothing once it was)."""
+        if out.index is not None:
+            return []
+        out.index, out.next_index = out.next_index, out.next_index + 1
+        item = self.message(out, "in_progress")
+        previous, self.last_item = self.last_item, out.item_id
+        return [{"type": "response.output_item.added", "response_id": rid, "output_index": out.index, "item": item},
+                {"type": "conversation.item.added", "item": item, "previous_item_id": previous},
+                {"type": "response.content_part.added", **self.content_ids(rid, out), "part": self.part(out, "")}]
+
+    def content_ids(self, rid: str, out: Output) -> dict:
+        return {"response_id": rid, "item_id": out.item_id, "output_index": out.index, "content_index": 0}
 
     def text_delta(self, rid: str, delta: omni_pb2.TextDelta) -> list[dict]:
-        item_id, audio = self.responses.get(rid, ("", True))
+        out = self.responses.get(rid)
         text = delta.text
         if delta.token_ids and delta.token_ids[-1] == self.config.end_token_id:
             text = text.removesuffix(self.config.end_token_text)
-        if not text:
+        if out is None or not text:  # a response's output comes between its created and done
             return []
-        kind = "response.output_audio_transcript.delta" if audio else "response.output_text.delta"
-        return [{"type": kind, "response_id": rid, "item_id": item_id, "output_index": 0, "content_index": 0,
-                 "delta": text}]
+        kind = "response.output_audio_transcript.delta" if out.audio else "response.output_text.delta"
+        return [*self.open_message(rid, out), {"type": kind, **self.content_ids(rid, out), "delta": text}]
 
     def function_call(self, rid: str, call: omni_pb2.FunctionCall) -> list[dict]:
         """A call the reply made: its output item, its arguments (one delta, then done), the item done."""
-        calls = self.calls.setdefault(rid, [])
-        index = len(calls) + 1  # after the reply's message item
+        out = self.responses.get(rid)
+        if out is None:
+            return []
+        index, out.next_index = out.next_index, out.next_index + 1
         item = {"id": call.item_id, "object": "realtime.item", "type": "function_call", "status": "in_progress",
                 "call_id": call.call_id, "name": call.name, "arguments": ""}
         done = {**item, "status": "completed", "arguments": call.arguments}
-        calls.append(done)
-        previous = self.last_item
-        self.last_item = call.item_id
+        out.calls.append((index, done))
+        previous, self.last_item = self.last_item, call.item_id
         ids = {"response_id": rid, "item_id": call.item_id, "output_index": index, "call_id": call.call_id}
         return [{"type": "response.output_item.added", "response_id": rid, "output_index": index, "item": item},
                 {"type": "conversation.item.added", "item": item, "previous_item_id": previous},
@@ -477,45 +569,72 @@ class Translator:
                 {"type": "conversation.item.done", "item": done, "previous_item_id": previous}]
 
     def audio_delta(self, rid: str, chunk) -> list[dict]:
-        item_id, _ = self.responses.get(rid, ("", True))
-        # NOTE: base64 of whole 3-byte groups, so clients that join the deltas' strings decode them.
-        pcm = self.audio_held.pop(rid, b"") + audio_codec.pcm16_bytes(audio_codec.float_from_bytes(chunk.pcm))
-        cut = len(pcm) - len(pcm) % 6
-        if len(pcm) > cut:
-            self.audio_held[rid] = pcm[cut:]
-        if not cut:
+        out = self.responses.get(rid)
+        if out is None:
             return []
-        return [{"type": "response.output_audio.delta", "response_id": rid, "item_id": item_id, "output_index": 0,
-                 "content_index": 0, "delta": base64.b64encode(pcm[:cut]).decode()}]
+        # NOTE: base64 of whole 3-byte groups, so clients that join the deltas' strings decode them.
+        pcm = out.held + audio_codec.pcm16_bytes(audio_codec.float_from_bytes(chunk.pcm))
+        cut = len(pcm) - len(pcm) % 6
+        out.held = pcm[cut:]
+        return self.audio_out_delta(rid, out, pcm[:cut])
+
+    def audio_out_delta(self, rid: str, out: Output, pcm: bytes) -> list[dict]:
+        if not pcm:
+            return []
+        return [*self.open_message(rid, out), {"type": "response.output_audio.delta", **self.content_ids(rid, out),
+                                               "delta": base64.b64encode(pcm).decode()}]
 
     def response_done(self, rid: str, done: omni_pb2.ResponseDone) -> list[dict]:
-        item_id, audio = self.responses.pop(rid, (done.item_id, True))
-        events = []
-        held = self.audio_held.pop(rid, b"")
-        if held and done.status == omni_pb2.RESPONSE_STATUS_COMPLETED:
-            events.append({"type": "response.output_audio.delta", "response_id": rid, "item_id": item_id,
-                           "output_index": 0, "content_index": 0, "delta": base64.b64encode(held).decode()})
-        status = {omni_pb2.RESPONSE_STATUS_COMPLETED: "completed", omni_pb2.RESPONSE_STATUS_CANCELLED: "cancelled",
-                  omni_pb2.RESPONSE_STATUS_FAILED: "failed"}.get(done.status, "failed")
-        part = {"type": "output_audio", "transcript": done.transcript} if audio else \
-            {"type": "output_text", "text": done.transcript}
-        item = {"id": item_id, "object": "realtime.item", "type": "message", "role": "assistant",
-                "status": "completed" if status == "completed" else "incomplete", "content": [part]}
-        details = {"type": status, "reason": None, "error": None}
-        if status == "cancelled":
-            details["reason"] = "turn_detected" if done.cancel_reason == omni_pb2.CANCEL_REASON_TURN_DETECTED \
-                else "client_cancelled"
-        elif status == "failed":
-            details["error"] = {"type": "server_error", "code": done.error.code, "message": done.error.message}
+        out = self.responses.pop(rid, None) or Output(done.item_id, self.audio_out, None, self.max_output_tokens)
+        status, details = response_status(done)
+        events = self.audio_out_delta(rid, out, out.held) if status in ("completed", "incomplete") else []
+        if done.transcript:
+            events += self.open_message(rid, out)  # a message with content is in the output, deltas or not
+        output = list(out.calls)
+        if out.index is not None:
+            message = self.message(out, "completed" if status == "completed" else "incomplete", done.transcript)
+            events += self.close_message(rid, out, message)
+            output.append((out.index, message))
         usage = done.final.usage
         usage_out = {"total_tokens": usage.prompt_tokens + usage.text_tokens + usage.codec_frames,
                      "input_tokens": usage.prompt_tokens, "output_tokens": usage.text_tokens + usage.codec_frames,
                      "input_token_details": {"text_tokens": usage.prompt_tokens, "audio_tokens": 0, "cached_tokens": 0},
                      "output_token_details": {"text_tokens": usage.text_tokens, "audio_tokens": usage.codec_frames}}
-        events.append({"type": "conversation.item.done", "item": item, "previous_item_id": None})
         events.append({"type": "response.done", "response": self.response(
-            rid, status, [item, *self.calls.pop(rid, [])], audio, status_details=details, usage=usage_out)})
+            rid, out, status, [item for _, item in sorted(output, key=lambda pair: pair[0])],
+            status_details=details, usage=usage_out)})
         return events
+
+    def close_message(self, rid: str, out: Output, message: dict) -> list[dict]:
+        """The message's done events, each with its final transcript or text."""
+        ids, text = self.content_ids(rid, out), done_text(message)
+        if out.audio:
+            events = [{"type": "response.output_audio.done", **ids},
+                      {"type": "response.output_audio_transcript.done", **ids, "transcript": text}]
+        else:
+            events = [{"type": "response.output_text.done", **ids, "text": text}]
+        return [*events, {"type": "response.content_part.done", **ids, "part": self.part(out, text)},
+                {"type": "response.output_item.done", "response_id": rid, "output_index": out.index, "item": message},
+                {"type": "conversation.item.done", "item": message, "previous_item_id": None}]
+
+
+def done_text(message: dict) -> str:
+    part = message["content"][0]
+    return part.get("transcript", part.get("text", ""))
+
+
+def response_status(done: omni_pb2.ResponseDone) -> tuple[str, dict]:
+    """response.done's status and status_details: `incomplete` when the thinker stopped at its
+    token limit (max_output_tokens, or the thinker's own default)."""
+    if done.status == omni_pb2.RESPONSE_STATUS_COMPLETED:
+        if done.final.text_finish_reason == common_pb2.FINISH_REASON_LENGTH:
+            return "incomplete", {"type": "incomplete", "reason": "max_output_tokens", "error": None}
+        return "completed", {"type": "completed", "reason": None, "error": None}
+    if done.status == omni_pb2.RESPONSE_STATUS_CANCELLED:
+        reason = "turn_detected" if done.cancel_reason == omni_pb2.CANCEL_REASON_TURN_DETECTED else "client_cancelled"
+        return "cancelled", {"type": "cancelled", "reason": reason, "error": None}
+    return "failed", {"type": "failed", "reason": None,
+                      "error": {"type": "server_error", "code": done.error.code, "message": done.error.message}}
 
 
 def api_error_event(exc: ClientEventError) -> dict:
