@@ -49,7 +49,35 @@ OPENAI_CODES = {
     "invalid_argument": "invalid_value",
 }
 # Session fields we refuse unless unset/null (the pipeline has no such feature).
-REFUSED_SESSION_FIELDS = ("prompt", "reasoning", "include", "parallel_tool_calls")
+REFUSED_SESSION_FIELDS = ("prompt", "reasoning", "include", "parallel_tool_calls", "tracing")
+# The GA protocol's fields of a session and of its parts (the SDK's RealtimeSessionCreateRequest):
+# any other key is refused by name (unknown_parameter, as OpenAI does), never dropped.
+SESSION_FIELDS = frozenset({"type", "model", "instructions", "output_modalities", "max_output_tokens", "audio", "tools",
+                            "tool_choice", "truncation", "tracing", "include", "prompt", "reasoning",
+                            "parallel_tool_calls"})
+AUDIO_FIELDS = frozenset({"input", "output"})
+INPUT_FIELDS = frozenset({"format", "noise_reduction", "transcription", "turn_detection"})
+OUTPUT_FIELDS = frozenset({"format", "speed", "voice"})
+FORMAT_FIELDS = frozenset({"type", "rate"})
+SERVER_VAD_FIELDS = frozenset({"type", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
+                               "interrupt_response", "idle_timeout_ms"})
+SEMANTIC_VAD_FIELDS = frozenset({"type", "eagerness", "create_response", "interrupt_response"})
+# The beta protocol's flat session fields, and where the GA protocol has each: a beta-era client's
+# `turn_detection: null` dropped would leave detection on, so each is refused, naming its GA place.
+BETA_SESSION_FIELDS = {
+    "modalities": "session.output_modalities", "voice": "session.audio.output.voice",
+    "input_audio_format": "session.audio.input.format", "output_audio_format": "session.audio.output.format",
+    "turn_detection": "session.audio.input.turn_detection",
+    "input_audio_transcription": "session.audio.input.transcription",
+    "input_audio_noise_reduction": "session.audio.input.noise_reduction",
+    "max_response_output_tokens": "session.max_output_tokens", "speed": "session.audio.output.speed",
+    "temperature": None,
+}
+# semantic_vad's eagerness -> the Silero detector's settings (docs/sessions.md, "Turn detection"):
+# no model here judges whether the words are finished, so eagerness sets how long a silence ends
+# the turn (low waits longer, high answers sooner); the threshold and padding are the defaults.
+EAGERNESS_SILENCE_MS = {"low": 1000, "medium": 500, "auto": 500, "high": 250}
+SEMANTIC_VAD_THRESHOLD, SEMANTIC_VAD_PADDING_MS = 0.5, 300
 _CHOICES = {omni_pb2.ToolChoice.MODE_NONE: "none", omni_pb2.ToolChoice.MODE_REQUIRED: "required"}
 # The session's field names (SessionError.field) -> the Realtime API's.
 _PARAMS = (
@@ -136,6 +164,15 @@ def session_update(session: dict, config: GatewayConfig,
     settings = omni_pb2.SessionSettings()
     if session.get("type", "realtime") != "realtime":
         raise ClientEventError("only realtime sessions (no transcription sessions)", "session.type", "unsupported")
+    for name in session:
+        if name in BETA_SESSION_FIELDS:
+            ga = BETA_SESSION_FIELDS[name]
+            raise ClientEventError(f"session.{name} is a field of the beta protocol, not served here: "
+                                   + (f"the GA protocol's is {ga}" if ga else "the GA protocol has none"),
+                                   f"session.{name}", "unknown_parameter")
+    _known(session, SESSION_FIELDS, "session")
+    if not isinstance(session.get("model"), str | None):
+        raise ClientEventError("session.model must be a string (the one model served)", "session.model")
     for name in REFUSED_SESSION_FIELDS:
         if session.get(name) not in (None, []):
             raise ClientEventError(f"session.{name} is not supported", f"session.{name}", "unsupported")
@@ -170,9 +207,9 @@ def session_update(session: dict, config: GatewayConfig,
             settings.thinker_sampling.max_new_tokens = tokens
         else:
             settings.thinker_sampling.SetInParent()
-    audio = _object(session.get("audio"), "session.audio")
+    audio = _known(_object(session.get("audio"), "session.audio"), AUDIO_FIELDS, "session.audio")
     _input(_object(audio.get("input"), "session.audio.input"), settings)
-    output = _object(audio.get("output"), "session.audio.output")
+    output = _known(_object(audio.get("output"), "session.audio.output"), OUTPUT_FIELDS, "session.audio.output")
     _check_format(output.get("format"), "session.audio.output.format")
     if output.get("speed") not in (None, 1, 1.0):
         raise ClientEventError("session.audio.output.speed must be 1.0 (no time-stretching)", "session.audio.output.speed",
@@ -190,7 +227,16 @@ def session_update(session: dict, config: GatewayConfig,
     return settings
 
 
+def _known(value: dict, fields: frozenset, param: str) -> dict:
+    """`value`, once it holds none but `fields`: the first other key refused by name."""
+    for name in value:
+        if name not in fields:
+            raise ClientEventError(f"Unknown parameter: '{param}.{name}'", f"{param}.{name}", "unknown_parameter")
+    return value
+
+
 def _input(audio_in: dict, settings: omni_pb2.SessionSettings) -> None:
+    _known(audio_in, INPUT_FIELDS, "session.audio.input")
     _check_format(audio_in.get("format"), "session.audio.input.format")
     for name in ("transcription", "noise_reduction"):
         if audio_in.get(name) is not None:
@@ -202,34 +248,48 @@ def _input(audio_in: dict, settings: omni_pb2.SessionSettings) -> None:
     if detection is None:
         settings.turn_detection.enabled = False
         return
-    detection = _object(detection, "session.audio.input.turn_detection")
-    if detection.get("type", "server_vad") != "server_vad":
-        raise ClientEventError("only server_vad turn detection", "session.audio.input.turn_detection.type", "unsupported")
+    param = "session.audio.input.turn_detection"
+    detection = _object(detection, param)
+    kind = detection.get("type", "server_vad")
+    if kind not in ("server_vad", "semantic_vad"):
+        raise ClientEventError("turn_detection.type must be server_vad or semantic_vad", f"{param}.type")
+    _known(detection, SERVER_VAD_FIELDS if kind == "server_vad" else SEMANTIC_VAD_FIELDS, param)
     if detection.get("idle_timeout_ms") is not None:
-        raise ClientEventError("idle_timeout_ms is not supported", "session.audio.input.turn_detection.idle_timeout_ms",
-                               "unsupported")
+        raise ClientEventError("idle_timeout_ms is not supported", f"{param}.idle_timeout_ms", "unsupported")
     turn = settings.turn_detection
     turn.enabled = True
-    for name, kind in (("threshold", float), ("prefix_padding_ms", int), ("silence_duration_ms", int),
+    if kind == "semantic_vad":
+        _semantic_vad(detection.get("eagerness"), turn, f"{param}.eagerness")
+    for name, cast in (("threshold", float), ("prefix_padding_ms", int), ("silence_duration_ms", int),
                        ("create_response", bool), ("interrupt_response", bool)):
         value = detection.get(name)
         if value is None:
             continue
-        if kind is bool:
+        if cast is bool:
             ok, need = isinstance(value, bool), "a bool"
         else:
             ok = isinstance(value, int | float) and not isinstance(value, bool) and value >= 0 and (
-                kind is float or float(value).is_integer())
-            need = "a number >= 0" if kind is float else "an integer >= 0"
+                cast is float or float(value).is_integer())
+            need = "a number >= 0" if cast is float else "an integer >= 0"
         if not ok:
-            raise ClientEventError(f"{name} must be {need}", f"session.audio.input.turn_detection.{name}")
-        setattr(turn, name, kind(value))
+            raise ClientEventError(f"{name} must be {need}", f"{param}.{name}")
+        setattr(turn, name, cast(value))
+
+
+def _semantic_vad(eagerness, turn: omni_pb2.TurnDetection, param: str) -> None:
+    """semantic_vad as the detector's settings (EAGERNESS_SILENCE_MS); unset eagerness is auto."""
+    if eagerness is None:
+        eagerness = "auto"
+    if eagerness not in EAGERNESS_SILENCE_MS:
+        raise ClientEventError("eagerness must be low, medium, high or auto", param)
+    turn.silence_duration_ms = EAGERNESS_SILENCE_MS[eagerness]
+    turn.threshold, turn.prefix_padding_ms = SEMANTIC_VAD_THRESHOLD, SEMANTIC_VAD_PADDING_MS
 
 
 def _check_format(fmt, param: str) -> None:
     if fmt is None:
         return
-    fmt = _object(fmt, param)
+    fmt = _known(_object(fmt, param), FORMAT_FIELDS, param)
     if fmt.get("type", "audio/pcm") != "audio/pcm":
         raise ClientEventError(f"{param}: only audio/pcm (pcm16, 24 kHz); {fmt.get('type')} is not served", f"{param}.type",
                                "unsupported")

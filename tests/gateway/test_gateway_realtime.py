@@ -85,6 +85,9 @@ def test_unsupported_and_malformed_events_get_error_events_naming_them_and_the_s
              "invalid_value", "session.tools[0].name"),
             ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
                 "format": {"type": "audio/pcmu"}}}}}, "unsupported", "session.audio.input.format.type"),
+            # the beta protocol's flat field: dropped, it would leave turn detection on
+            ({"type": "session.update", "session": {"type": "realtime", "turn_detection": None}},
+             "unknown_parameter", "session.turn_detection"),
             ({"type": "input_audio_buffer.append", "audio": "not base64!"}, "invalid_value", "audio"),
             ({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\x00\x01\x02").decode()},
              "invalid_value", "audio"),
@@ -95,6 +98,10 @@ def test_unsupported_and_malformed_events_get_error_events_naming_them_and_the_s
             conn.send(event)
         errors = [conn.recv() for _ in refused]
         assert [(e.type, e.error.code, e.error.param) for e in errors] == [("error", c, p) for _, c, p in refused]
+        conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": {
+            "type": "semantic_vad", "eagerness": "low"}}}})
+        detection = conn.recv().session.audio.input.turn_detection  # served as the detector's settings
+        assert (detection.type, detection.silence_duration_ms) == ("server_vad", 1000)
         conn.send({"type": "conversation.item.create", "item": {
             "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello"}]}})
         conn.send({"type": "response.create", "response": {"metadata": {"turn": "hello"}}})

@@ -218,3 +218,57 @@ def test_response_create_takes_metadata_within_the_apis_bounds_and_names_it_when
         with pytest.raises(ClientEventError) as refused:
             client_event({"type": "response.create", "response": {"metadata": bad}}, CONFIG, None)
         assert refused.value.param == "response.metadata"
+
+
+@pytest.mark.parametrize(("eagerness", "silence_ms"), [("low", 1000), ("medium", 500), ("auto", 500), ("high", 250),
+                                                       (None, 500)])
+def test_semantic_vad_is_served_as_the_detectors_settings_its_eagerness_the_silence_that_ends_a_turn(
+        eagerness, silence_ms):
+    detection = {"type": "semantic_vad", "create_response": False, "interrupt_response": True}
+    if eagerness is not None:
+        detection["eagerness"] = eagerness
+    update = client_event({"type": "session.update", "session": {
+        "type": "realtime", "audio": {"input": {"turn_detection": detection}}}}, CONFIG, None).update
+    assert update.turn_detection == omni_pb2.TurnDetection(
+        enabled=True, threshold=0.5, prefix_padding_ms=300, silence_duration_ms=silence_ms, create_response=False,
+        interrupt_response=True)
+
+
+@pytest.mark.parametrize(("session", "param"), [
+    ({"turn_detection": None}, "session.turn_detection"),  # the beta protocol's: dropped, detection would stay on
+    ({"modalities": ["text"]}, "session.modalities"),
+    ({"input_audio_format": "pcm16"}, "session.input_audio_format"),
+    ({"voice": "alloy"}, "session.voice"),
+    ({"temperature": 0.8}, "session.temperature"),
+    ({"no_such_field": 1}, "session.no_such_field"),
+    ({"audio": {"input": {"turn_detection": {"type": "semantic_vad", "threshold": 0.3}}}},
+     "session.audio.input.turn_detection.threshold"),
+    ({"audio": {"input": {"turn_detection": {"type": "server_vad", "eagerness": "low"}}}},
+     "session.audio.input.turn_detection.eagerness"),
+    ({"audio": {"input": {"turn_detection": {"type": "semantic_vad", "eagerness": "eager"}}}},
+     "session.audio.input.turn_detection.eagerness"),
+    ({"audio": {"input": {"echo_cancellation": True}}}, "session.audio.input.echo_cancellation"),
+    ({"audio": {"output": {"volume": 1}}}, "session.audio.output.volume"),
+    ({"audio": {"video": {}}}, "session.audio.video"),
+    ({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000, "channels": 2}}}},
+     "session.audio.input.format.channels"),
+    ({"tracing": "auto"}, "session.tracing"),
+])
+def test_session_update_refuses_every_key_it_does_not_serve_by_name(session, param):
+    with pytest.raises(ClientEventError) as refused:
+        client_event({"type": "session.update", "session": {"type": "realtime", **session}}, CONFIG, None)
+    assert refused.value.param == param
+
+
+def test_session_update_takes_every_ga_field_it_serves():
+    update = client_event({"type": "session.update", "session": {
+        "type": "realtime", "model": "gpt-realtime", "instructions": "Be brief.", "output_modalities": ["audio"],
+        "max_output_tokens": 64, "tools": [], "tool_choice": "auto", "truncation": "auto", "tracing": None,
+        "include": None, "prompt": None, "audio": {
+            "input": {"format": {"type": "audio/pcm", "rate": 24000}, "transcription": None, "noise_reduction": None,
+                      "turn_detection": {"type": "server_vad", "threshold": 0.6, "prefix_padding_ms": 200,
+                                         "silence_duration_ms": 700, "create_response": True,
+                                         "interrupt_response": False, "idle_timeout_ms": None}},
+            "output": {"format": {"type": "audio/pcm"}, "voice": "alloy", "speed": 1.0}}}}, CONFIG, None).update
+    assert update.instructions == "Be brief." and update.thinker_sampling.max_new_tokens == 64
+    assert (update.turn_detection.silence_duration_ms, update.turn_detection.interrupt_response) == (700, False)
