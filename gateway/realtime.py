@@ -167,6 +167,9 @@ async def client_to_session(ws: WebSocket, call, translator: Translator, send: S
                 await send.events([api_error_event(exc)])
                 continue
             try:
+                if event.get("type") == "conversation.item.retrieve":  # the gateway keeps the items: no session call
+                    await send.events([translator.retrieved(event)])
+                    continue
                 request = client_event(event, config, translator.last_item, translator.tools)
             except ClientEventError as exc:
                 exc.event_id = event.get("event_id") if isinstance(event.get("event_id"), str) else None

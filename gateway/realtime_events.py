@@ -3,8 +3,9 @@ functions and one small translator that remembers what the events need (each res
 the settings to show). The shapes are the pinned openai SDK's (openai/types/realtime/).
 
 In: `session.update`, `input_audio_buffer.append/commit/clear`, `conversation.item.create/truncate`,
-`response.create/cancel`. Everything else, and every field we cannot honour, is answered with an
-`error` event naming it (UNSUPPORTED_EVENTS, the checks below); the session goes on.
+`response.create/cancel`, and `conversation.item.retrieve`, which the translator answers from the
+items it sent. Everything else, and every field we cannot honour, is answered with an `error`
+event naming it (UNSUPPORTED_EVENTS, the checks below); the session goes on.
 
 Out: each response's lifecycle in the API's order (Translator). Function calling: the session's
 `tools` and `tool_choice` (gateway/tools.py), `function_call` and `function_call_output` items in;
@@ -36,7 +37,6 @@ TEXT, AUDIO = omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO
 # Client events of the Realtime API this gateway does not serve, and why (docs/sessions.md).
 UNSUPPORTED_EVENTS = {
     "conversation.item.delete": "items are kept in order and not deleted",
-    "conversation.item.retrieve": "items are not stored for retrieval (the audio was sent as it came)",
     "output_audio_buffer.clear": "WebRTC only",
     "transcription_session.update": "no transcription sessions",
 }
@@ -449,6 +449,9 @@ class Translator:
         self.max_output_tokens: int | str = "inf"  # the session's (from its created/updated events)
         self.responds_on_stop = True  # turn detection starts a response when speech stops (the same)
         self.tools: list[omni_pb2.Tool] = []  # the session's tools (from its created/updated events)
+        # item_id -> the item as the client was last told of it, which answers conversation.item.retrieve
+        # here (the session holds the same items, so this grows no more than the session does)
+        self.items: dict[str, dict] = {}
         # NOTE: the metadata of each response.create sent and not yet answered, oldest first. The
         # session answers each create in order, with its response_created or an error about
         # `create_response`; a response turn detection started (response_created right after the
@@ -537,6 +540,7 @@ class Translator:
             case "response_done":
                 return self.response_done(rid, body)
             case "truncated":
+                self.truncated(body)
                 return [{"type": "conversation.item.truncated", "item_id": body.item_id, "content_index": 0,
                          "audio_end_ms": body.audio_end_ms}]
             case "error":
@@ -559,8 +563,30 @@ class Translator:
 
     def item_events(self, item: dict, previous: str) -> list[dict]:
         self.last_item = item["id"]
-        return [{"type": t, "item": item, "previous_item_id": previous or None}
-                for t in ("conversation.item.added", "conversation.item.done")]
+        return [self.item_event(t, item, previous) for t in ("added", "done")]
+
+    def item_event(self, kind: str, item: dict, previous: str | None) -> dict:
+        """`conversation.item.added` or `.done`; the item kept for retrieval as this says it."""
+        self.items[item["id"]] = item
+        return {"type": f"conversation.item.{kind}", "item": item, "previous_item_id": previous or None}
+
+    def retrieved(self, event: dict) -> dict:
+        """`conversation.item.retrieve` answered from the items sent (their audio is not kept)."""
+        item_id = event.get("item_id")
+        if not isinstance(item_id, str):
+            raise ClientEventError("item_id must be a string", "item_id")
+        if item_id not in self.items:
+            raise ClientEventError(f"Error retrieving item: the item with id {item_id!r} does not exist.", "item_id",
+                                   "item_retrieve_invalid_item_id")
+        return {"type": "conversation.item.retrieved", "item": self.items[item_id]}
+
+    def truncated(self, cut: omni_pb2.ItemTruncated) -> None:
+        """A cut reply's kept item: its transcript what the conversation keeps of it."""
+        item = self.items.get(cut.item_id)
+        if item is not None and item.get("type") == "message" and item["content"]:
+            part = item["content"][0]
+            self.items[cut.item_id] = {**item, "content": [{**part, "transcript" if "transcript" in part else "text":
+                                                            cut.text}]}
 
     def response(self, rid: str, out: Output, status: str, output: list, **extra) -> dict:
         return {"id": rid, "object": "realtime.response", "status": status, "output": output,
@@ -592,7 +618,7 @@ class Translator:
         item = self.message(out, "in_progress")
         previous, self.last_item = self.last_item, out.item_id
         return [{"type": "response.output_item.added", "response_id": rid, "output_index": out.index, "item": item},
-                {"type": "conversation.item.added", "item": item, "previous_item_id": previous},
+                self.item_event("added", item, previous),
                 {"type": "response.content_part.added", **self.content_ids(rid, out), "part": self.part(out, "")}]
 
     def content_ids(self, rid: str, out: Output) -> dict:
@@ -621,12 +647,12 @@ class Translator:
         previous, self.last_item = self.last_item, call.item_id
         ids = {"response_id": rid, "item_id": call.item_id, "output_index": index, "call_id": call.call_id}
         return [{"type": "response.output_item.added", "response_id": rid, "output_index": index, "item": item},
-                {"type": "conversation.item.added", "item": item, "previous_item_id": previous},
+                self.item_event("added", item, previous),
                 {"type": "response.function_call_arguments.delta", **ids, "delta": call.arguments},
                 {"type": "response.function_call_arguments.done", **ids, "name": call.name,
                  "arguments": call.arguments},
                 {"type": "response.output_item.done", "response_id": rid, "output_index": index, "item": done},
-                {"type": "conversation.item.done", "item": done, "previous_item_id": previous}]
+                self.item_event("done", done, previous)]
 
     def audio_delta(self, rid: str, chunk) -> list[dict]:
         out = self.responses.get(rid)
@@ -675,7 +701,7 @@ class Translator:
             events = [{"type": "response.output_text.done", **ids, "text": text}]
         return [*events, {"type": "response.content_part.done", **ids, "part": self.part(out, text)},
                 {"type": "response.output_item.done", "response_id": rid, "output_index": out.index, "item": message},
-                {"type": "conversation.item.done", "item": message, "previous_item_id": None}]
+                self.item_event("done", message, None)]
 
 
 def done_text(message: dict) -> str:

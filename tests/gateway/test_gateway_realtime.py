@@ -113,6 +113,11 @@ def test_unsupported_and_malformed_events_get_error_events_naming_them_and_the_s
         assert [e.type for e in events[:3]] == ["conversation.item.added", "conversation.item.done", "response.created"]
         assert events[2].response.metadata == events[-1].response.metadata == {"turn": "hello"}
         assert events[-1].response.status in ("completed", "incomplete")
+        conn.send({"type": "conversation.item.retrieve", "item_id": events[-1].response.output[0].id})
+        retrieved = conn.recv()
+        assert retrieved.type == "conversation.item.retrieved" and retrieved.item == events[-1].response.output[0]
+        conn.send({"type": "conversation.item.retrieve", "item_id": "item_none"})
+        assert conn.recv().error.code == "item_retrieve_invalid_item_id"
 
 
 def test_the_sdks_async_client_cancels_a_response_with_response_cancel(async_client):

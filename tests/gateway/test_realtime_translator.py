@@ -272,3 +272,24 @@ def test_session_update_takes_every_ga_field_it_serves():
             "output": {"format": {"type": "audio/pcm"}, "voice": "alloy", "speed": 1.0}}}}, CONFIG, None).update
     assert update.instructions == "Be brief." and update.thinker_sampling.max_new_tokens == 64
     assert (update.turn_detection.silence_duration_ms, update.turn_detection.interrupt_response) == (700, False)
+
+
+def test_retrieve_answers_with_each_item_as_last_sent_and_names_an_unknown_one():
+    translator = Translator(CONFIG, "tiny")
+    translate(translator, session())
+    translate(translator, omni_pb2.SessionEvent(item_added=omni_pb2.ItemAdded(
+        item_id=USER, role=omni_pb2.ROLE_USER, text="Hi")), created(), text("Hello there"), call("{}"),
+        done("Hello there"))
+    assert translator.retrieved({"item_id": USER})["item"]["content"] == [{"type": "input_text", "text": "Hi"}]
+    message = translator.retrieved({"item_id": MSG})
+    SDK.validate_python({**message, "event_id": "event_x"})
+    assert message["type"] == "conversation.item.retrieved" and message["item"]["status"] == "completed"
+    assert message["item"]["content"] == [{"type": "output_audio", "transcript": "Hello there"}]
+    assert translator.retrieved({"item_id": CALL})["item"]["arguments"] == "{}"
+    translate(translator, omni_pb2.SessionEvent(truncated=omni_pb2.ItemTruncated(item_id=MSG, audio_end_ms=300,
+                                                                                 text="Hello")))
+    assert translator.retrieved({"item_id": MSG})["item"]["content"][0]["transcript"] == "Hello"
+    for bad, code in (({"item_id": "nope"}, "item_retrieve_invalid_item_id"), ({}, "invalid_value")):
+        with pytest.raises(ClientEventError) as refused:
+            translator.retrieved(bad)
+        assert (refused.value.param, refused.value.code) == ("item_id", code)
