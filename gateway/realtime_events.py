@@ -26,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from gateway import audio as audio_codec
+from gateway import g711
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.tools import tool_choice_to_proto, tools_to_proto
@@ -33,6 +34,10 @@ from omni.v1 import common_pb2, omni_pb2
 
 OUTPUT_RATE = 24000  # the pipeline's audio, and the Realtime API's pcm16
 INPUT_RATE = 24000  # the Realtime API's audio/pcm input (its only rate)
+# The audio formats served, by the API's type: pcm16 at 24 kHz, G.711 mu-law and A-law at 8 kHz
+# (gateway/g711.py converts them to and from pcm16). Formats are named by the type without `audio/`.
+FORMATS = {"audio/pcm": ("pcm", INPUT_RATE), "audio/pcmu": ("pcmu", g711.RATE), "audio/pcma": ("pcma", g711.RATE)}
+RATES = dict(FORMATS.values())  # a format's name -> its rate
 TEXT, AUDIO = omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO
 # Client events of the Realtime API this gateway does not serve, and why (docs/sessions.md).
 UNSUPPORTED_EVENTS = {
@@ -131,16 +136,21 @@ def decode_base64(value, param: str) -> bytes:
         raise ClientEventError(f"{param} is not valid base64", param) from None
 
 
-def pcm16_wav(pcm: bytes, param: str) -> bytes:
-    """An input_audio part's base64 pcm16 (24 kHz mono) as the wav the session takes."""
-    if len(pcm) % 2:
-        raise ClientEventError(f"{param}: {len(pcm)} bytes is not a whole number of pcm16 samples", param)
+def input_pcm16(data: bytes, input_format: str) -> bytes:
+    """Input audio in the session's input format (pcm, pcmu or pcma) as pcm16 at the format's rate."""
+    return g711.decode(data, input_format) if input_format in g711.LAWS else data
+
+
+def pcm16_wav(data: bytes, param: str, input_format: str = "pcm") -> bytes:
+    """An input_audio part's base64 audio (the input format, mono) as the wav the session takes."""
+    if input_format == "pcm" and len(data) % 2:
+        raise ClientEventError(f"{param}: {len(data)} bytes is not a whole number of pcm16 samples", param)
     buf = io.BytesIO()
     with wave.open(buf, "wb") as out:
         out.setnchannels(1)
         out.setsampwidth(2)
-        out.setframerate(INPUT_RATE)
-        out.writeframes(pcm)
+        out.setframerate(INPUT_RATE if input_format == "pcm" else g711.RATE)
+        out.writeframes(input_pcm16(data, input_format))
     return buf.getvalue()
 
 
@@ -210,7 +220,7 @@ def session_update(session: dict, config: GatewayConfig,
     audio = _known(_object(session.get("audio"), "session.audio"), AUDIO_FIELDS, "session.audio")
     _input(_object(audio.get("input"), "session.audio.input"), settings)
     output = _known(_object(audio.get("output"), "session.audio.output"), OUTPUT_FIELDS, "session.audio.output")
-    _check_format(output.get("format"), "session.audio.output.format")
+    audio_format(output.get("format"), "session.audio.output.format")  # the translator's, once the session took the update
     if output.get("speed") not in (None, 1, 1.0):
         raise ClientEventError("session.audio.output.speed must be 1.0 (no time-stretching)", "session.audio.output.speed",
                                "unsupported")
@@ -237,7 +247,10 @@ def _known(value: dict, fields: frozenset, param: str) -> dict:
 
 def _input(audio_in: dict, settings: omni_pb2.SessionSettings) -> None:
     _known(audio_in, INPUT_FIELDS, "session.audio.input")
-    _check_format(audio_in.get("format"), "session.audio.input.format")
+    input_format = audio_format(audio_in.get("format"), "session.audio.input.format")
+    if input_format is not None:  # the session reads pcm16 at the format's rate (the gateway decodes G.711)
+        settings.input_format.CopyFrom(omni_pb2.AudioFormat(encoding=omni_pb2.AUDIO_ENCODING_PCM16,
+                                                            sample_rate=RATES[input_format]))
     for name in ("transcription", "noise_reduction"):
         if audio_in.get(name) is not None:
             raise ClientEventError(f"session.audio.input.{name} is not supported", f"session.audio.input.{name}",
@@ -286,18 +299,29 @@ def _semantic_vad(eagerness, turn: omni_pb2.TurnDetection, param: str) -> None:
     turn.threshold, turn.prefix_padding_ms = SEMANTIC_VAD_THRESHOLD, SEMANTIC_VAD_PADDING_MS
 
 
-def _check_format(fmt, param: str) -> None:
+def audio_format(fmt, param: str) -> str | None:
+    """A format object's name (pcm, pcmu or pcma; None: unset); ClientEventError naming its field."""
     if fmt is None:
-        return
+        return None
     fmt = _known(_object(fmt, param), FORMAT_FIELDS, param)
-    if fmt.get("type", "audio/pcm") != "audio/pcm":
-        raise ClientEventError(f"{param}: only audio/pcm (pcm16, 24 kHz); {fmt.get('type')} is not served", f"{param}.type",
-                               "unsupported")
-    if fmt.get("rate", INPUT_RATE) != INPUT_RATE:
-        raise ClientEventError(f"{param}.rate must be 24000", f"{param}.rate")
+    kind = fmt.get("type", "audio/pcm")
+    if kind not in FORMATS:
+        raise ClientEventError(f"{param}.type: audio/pcm (pcm16, 24 kHz), audio/pcmu or audio/pcma (G.711, 8 kHz); "
+                               f"{kind!r} is not served", f"{param}.type", "unsupported")
+    name, rate = FORMATS[kind]
+    if fmt.get("rate", rate) != rate:
+        raise ClientEventError(f"{param}.rate must be {rate} for {kind}", f"{param}.rate")
+    return name
 
 
-def create_item(event: dict, last_item: str | None) -> omni_pb2.CreateItem:
+def requested_formats(event: dict) -> tuple[str | None, str | None]:
+    """A `session.update` (checked by session_update)'s input and output formats; None: unchanged."""
+    audio = _object(_object(event.get("session"), "session").get("audio"), "session.audio")
+    return tuple(audio_format(_object(audio.get(side), f"session.audio.{side}").get("format"),
+                              f"session.audio.{side}.format") for side in ("input", "output"))
+
+
+def create_item(event: dict, last_item: str | None, input_format: str = "pcm") -> omni_pb2.CreateItem:
     """`conversation.item.create` -> CreateItem (messages of text, and a user's input_audio)."""
     if event.get("previous_item_id") not in (None, "root", last_item):
         raise ClientEventError("items go after the last item only", "previous_item_id", "unsupported")
@@ -325,7 +349,7 @@ def create_item(event: dict, last_item: str | None) -> omni_pb2.CreateItem:
             message.content.add(text=part["transcript"])  # what the history keeps of an assistant's audio
         elif kind == "input_audio" and item["role"] == "user":
             pcm = decode_base64(part.get("audio"), f"item.content[{i}].audio")
-            message.content.add(audio=pcm16_wav(pcm, f"item.content[{i}].audio"))
+            message.content.add(audio=pcm16_wav(pcm, f"item.content[{i}].audio", input_format))
         else:
             raise ClientEventError(f"item.content[{i}].type {kind!r} is not supported here", f"item.content[{i}].type",
                                    "unsupported")
@@ -378,9 +402,10 @@ def response_metadata(event: dict) -> dict | None:
 
 
 def client_event(event: dict, config: GatewayConfig, last_item: str | None,
-                 tools: list[omni_pb2.Tool] | None = None) -> omni_pb2.SessionRequest:
+                 tools: list[omni_pb2.Tool] | None = None, input_format: str = "pcm") -> omni_pb2.SessionRequest:
     """One client event as a SessionRequest; ClientEventError for what we refuse.
-    `tools`: the session's tools as its last settings showed them."""
+    `tools`: the session's tools as its last settings showed them; `input_format`: the client's
+    input audio's (pcm, pcmu or pcma), which the session gets as pcm16."""
     kind = event.get("type")
     request = omni_pb2.SessionRequest()
     if isinstance(event.get("event_id"), str):
@@ -389,13 +414,13 @@ def client_event(event: dict, config: GatewayConfig, last_item: str | None,
         case "session.update":
             request.update.CopyFrom(session_update(event.get("session"), config, tools))
         case "input_audio_buffer.append":
-            request.append_audio.data = decode_base64(event.get("audio"), "audio")
+            request.append_audio.data = input_pcm16(decode_base64(event.get("audio"), "audio"), input_format)
         case "input_audio_buffer.commit":
             request.commit.SetInParent()
         case "input_audio_buffer.clear":
             request.clear.SetInParent()
         case "conversation.item.create":
-            request.create_item.CopyFrom(create_item(event, last_item))
+            request.create_item.CopyFrom(create_item(event, last_item, input_format))
         case "conversation.item.truncate":
             if not isinstance(event.get("item_id"), str):
                 raise ClientEventError("item_id must be a string", "item_id")
@@ -428,7 +453,9 @@ class Output:
     max_output_tokens: int | str
     index: int | None = None  # the message's output_index once its first content went out
     next_index: int = 0
-    held: bytes = b""  # pcm16 bytes held back (whole 3-byte groups go out)
+    format: str = "pcm"  # the audio's (the session's output format when the response began)
+    held: bytes = b""  # audio bytes held back (whole samples in whole 3-byte groups go out)
+    downsampler: g711.Downsampler = field(default_factory=g711.Downsampler)  # 24 kHz -> 8 kHz, for G.711
     calls: list[tuple[int, dict]] = field(default_factory=list)  # (output_index, the done function_call item)
 
 
@@ -458,7 +485,28 @@ class Translator:
         # committed of a detected stop) is nobody's request and takes none.
         self.requested: deque[dict | None] = deque()
         self.stopped_item: str | None = None  # the item of a speech_stopped just before
+        # The client's audio formats (pcm, pcmu, pcma): the session's output format is the
+        # gateway's alone; the input's as the session reads it now (`input_format`) and as the
+        # appends sent since are read (`sending_format`: the last update sent, until refused).
+        # Each update sent queues its formats; the session answers each in order, updated or an
+        # error about `update`.
+        self.input_format = self.output_format = self.sending_format = "pcm"
+        self.updates: deque[tuple[str | None, str | None]] = deque()
         self.detected_response = False  # the last event was the committed of a detected stop
+
+    def update_requested(self, formats: tuple[str | None, str | None]) -> None:
+        """A client's session.update about to be sent: its input and output formats (None: unchanged)."""
+        self.updates.append(formats)
+        self.sending_format = formats[0] or self.sending_format
+
+    def update_answered(self, taken: bool) -> None:
+        if not self.updates:
+            return  # the gateway's own update at the start
+        input_format, output_format = self.updates.popleft()
+        if taken:
+            self.input_format = input_format or self.input_format
+            self.output_format = output_format or self.output_format
+        self.sending_format = next((f for f, _ in reversed(self.updates) if f), self.input_format)
 
     def response_requested(self, metadata: dict | None) -> None:
         """A client's response.create about to be sent to the session."""
@@ -471,15 +519,17 @@ class Translator:
             "type": "server_vad", "threshold": round(turn.threshold, 4), "prefix_padding_ms": turn.prefix_padding_ms,
             "silence_duration_ms": turn.silence_duration_ms, "create_response": turn.create_response,
             "interrupt_response": turn.interrupt_response, "idle_timeout_ms": None}
-        pcm = {"type": "audio/pcm", "rate": INPUT_RATE}
+        formats = {name: {"type": kind, "rate": rate} if name == "pcm" else {"type": kind}
+                   for kind, (name, rate) in FORMATS.items()}
         return {
             "type": "realtime", "object": "realtime.session", "id": info.session_id, "model": self.model,
             "instructions": s.instructions, "output_modalities": ["audio"] if AUDIO in s.output_modalities else ["text"],
             "max_output_tokens": s.thinker_sampling.max_new_tokens if s.thinker_sampling.HasField("max_new_tokens")
             else "inf",
-            "audio": {"input": {"format": pcm, "turn_detection": detection, "transcription": None,
-                                "noise_reduction": None},
-                      "output": {"format": pcm, "voice": s.voice or self.config.default_voice, "speed": 1.0}},
+            "audio": {"input": {"format": formats[self.input_format], "turn_detection": detection,
+                                "transcription": None, "noise_reduction": None},
+                      "output": {"format": formats[self.output_format], "voice": s.voice or self.config.default_voice,
+                                 "speed": 1.0}},
             "tools": [{"type": "function", "name": t.name, "description": t.description,
                        "parameters": json.loads(t.parameters) if t.parameters else {}} for t in s.tools],
             "tool_choice": _CHOICES.get(s.tool_choice.mode, "auto") if s.tool_choice.mode != s.tool_choice.MODE_FUNCTION
@@ -494,6 +544,8 @@ class Translator:
         rid = event.response_id
         match kind:
             case "created" | "updated":
+                if kind == "updated":
+                    self.update_answered(True)
                 self.settings(body.settings)
                 return [{"type": f"session.{kind}", "session": self.session(body)}]
             case "speech_started":
@@ -546,6 +598,8 @@ class Translator:
             case "error":
                 if body.field == "create_response" and self.requested:
                     self.requested.popleft()  # that create was refused: it makes no response
+                elif body.field.startswith("update"):
+                    self.update_answered(False)
                 return [error_event(body.message, openai_param(body.field), OPENAI_CODES.get(body.code, body.code),
                                     body.event_id or None)]
             case "closed":
@@ -596,7 +650,7 @@ class Translator:
 
     def response_created(self, rid: str, body: omni_pb2.ResponseCreated, detected: bool) -> list[dict]:
         metadata = None if detected or not self.requested else self.requested.popleft()
-        out = Output(body.item_id, self.audio_out, metadata, self.max_output_tokens)
+        out = Output(body.item_id, self.audio_out, metadata, self.max_output_tokens, format=self.output_format)
         self.responses[rid] = out
         return [{"type": "response.created", "response": self.response(rid, out, "in_progress", [])}]
 
@@ -658,11 +712,15 @@ class Translator:
         out = self.responses.get(rid)
         if out is None:
             return []
+        samples = audio_codec.float_from_bytes(chunk.pcm)
+        if out.format in g711.LAWS:  # a byte a sample at 8 kHz
+            data, group = out.held + g711.encode(audio_codec.to_int16(out.downsampler(samples)), out.format), 3
+        else:
+            data, group = out.held + audio_codec.pcm16_bytes(samples), 6
         # NOTE: base64 of whole 3-byte groups, so clients that join the deltas' strings decode them.
-        pcm = out.held + audio_codec.pcm16_bytes(audio_codec.float_from_bytes(chunk.pcm))
-        cut = len(pcm) - len(pcm) % 6
-        out.held = pcm[cut:]
-        return self.audio_out_delta(rid, out, pcm[:cut])
+        cut = len(data) - len(data) % group
+        out.held = data[cut:]
+        return self.audio_out_delta(rid, out, data[:cut])
 
     def audio_out_delta(self, rid: str, out: Output, pcm: bytes) -> list[dict]:
         if not pcm:

@@ -17,17 +17,18 @@ import websockets.sync.client
 from gateway_procs import start_gateway
 from websockets.exceptions import InvalidStatus
 
+from gateway import g711
 from services.base.resample import resample
 from tests.sessions.procs import sessions as start_sessions
 
 SPEECH = sorted((Path(__file__).parents[2] / "bench" / "speech").glob("*.wav"))
 
 
-def speech_24k(i: int) -> bytes:
-    """A recording as the Realtime API's audio/pcm: 16-bit at 24 kHz."""
+def speech_24k(i: int, rate: int = 24000) -> bytes:
+    """A recording as the Realtime API's audio/pcm: 16-bit at 24 kHz (or `rate`)."""
     with wave.open(str(SPEECH[i])) as w:
         samples = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768
-    return np.clip(np.rint(resample(samples, 16000, 24000) * 32767), -32768, 32767).astype("<i2").tobytes()
+    return np.clip(np.rint(resample(samples, 16000, rate) * 32767), -32768, 32767).astype("<i2").tobytes()
 
 
 def appends(pcm: bytes, chunk_ms: int = 100) -> list[str]:
@@ -84,7 +85,7 @@ def test_unsupported_and_malformed_events_get_error_events_naming_them_and_the_s
             ({"type": "session.update", "session": {"type": "realtime", "tools": [{"type": "function", "name": ""}]}},
              "invalid_value", "session.tools[0].name"),
             ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
-                "format": {"type": "audio/pcmu"}}}}}, "unsupported", "session.audio.input.format.type"),
+                "format": {"type": "audio/g729"}}}}}, "unsupported", "session.audio.input.format.type"),
             # the beta protocol's flat field: dropped, it would leave turn detection on
             ({"type": "session.update", "session": {"type": "realtime", "turn_detection": None}},
              "unknown_parameter", "session.turn_detection"),
@@ -118,6 +119,33 @@ def test_unsupported_and_malformed_events_get_error_events_naming_them_and_the_s
         assert retrieved.type == "conversation.item.retrieved" and retrieved.item == events[-1].response.output[0]
         conn.send({"type": "conversation.item.retrieve", "item_id": "item_none"})
         assert conn.recv().error.code == "item_retrieve_invalid_item_id"
+
+
+def test_a_telephony_client_speaks_g711_mu_law_and_hears_a_law(client):
+    speech = g711.encode(np.frombuffer(speech_24k(0, g711.RATE), "<i2"), "pcmu")  # a byte a sample at 8 kHz
+    silence = g711.encode(np.zeros(g711.RATE, "<i2"), "pcmu")
+    with client.realtime.connect(model="tiny-qwen3-omni") as conn:
+        conn.recv()  # session.created
+        conn.session.update(session={**SETTINGS, "audio": {"input": {"format": {"type": "audio/pcmu"}},
+                                                           "output": {"format": {"type": "audio/pcma"}}}})
+        formats = conn.recv().session.audio
+        assert (formats.input.format.type, formats.output.format.type) == ("audio/pcmu", "audio/pcma")
+        stream = silence + speech + 2 * silence
+        for i in range(0, len(stream), 800):  # 100 ms appends
+            conn.input_audio_buffer.append(audio=base64.b64encode(stream[i:i + 800]).decode())
+        events = []
+        for event in conn:
+            events.append(event)
+            if event.type == "response.done":
+                break
+    speech_ms = len(speech) * 1000 // g711.RATE
+    [started] = [e for e in events if e.type == "input_audio_buffer.speech_started"]
+    [stopped] = [e for e in events if e.type == "input_audio_buffer.speech_stopped"]
+    # heard where the speech is in the 8 kHz stream: read as mu-law, not as pcm16 bytes
+    assert 1000 <= started.audio_start_ms < stopped.audio_end_ms <= 1000 + speech_ms + 1000
+    reply = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
+    samples = np.frombuffer(g711.decode(reply, "pcma"), "<i2").astype(np.float64)
+    assert len(reply) > 0 and np.sqrt(np.mean(samples ** 2)) > 0  # a byte a sample, A-law, not silence
 
 
 def test_the_sdks_async_client_cancels_a_response_with_response_cancel(async_client):

@@ -14,8 +14,9 @@ import pytest
 from openai.types.realtime.realtime_server_event import RealtimeServerEvent
 from pydantic import TypeAdapter
 
+from gateway import g711
 from gateway.config import GatewayConfig
-from gateway.realtime_events import ClientEventError, Translator, client_event, response_metadata
+from gateway.realtime_events import ClientEventError, Translator, client_event, requested_formats, response_metadata
 from omni.v1 import common_pb2, omni_pb2
 
 CONFIG = GatewayConfig(voices=("ethan",))
@@ -293,3 +294,48 @@ def test_retrieve_answers_with_each_item_as_last_sent_and_names_an_unknown_one()
         with pytest.raises(ClientEventError) as refused:
             translator.retrieved(bad)
         assert (refused.value.param, refused.value.code) == ("item_id", code)
+
+
+def test_g711_is_the_reference_companding_and_the_8_khz_stream_does_not_depend_on_chunk_edges():
+    codes = bytes(range(256))
+    ulaw, alaw = (np.frombuffer(g711.decode(codes, law), "<i2") for law in g711.LAWS)
+    assert (ulaw[0xFF], ulaw[0x80], ulaw[0x00], alaw[0xD5], alaw[0x55], alaw[0xAA]) == (0, 32124, -32124, 8, -8, 32256)
+    for law, table in (("pcmu", ulaw), ("pcma", alaw)):
+        assert np.array_equal(np.frombuffer(g711.decode(g711.encode(table, law), law), "<i2"), table)  # exact levels
+    audioop = pytest.importorskip("audioop")  # Python's own G.711 (3.11), bit for bit over every int16
+    every = np.arange(-32768, 32768).astype("<i2")
+    assert g711.encode(every, "pcmu") == audioop.lin2ulaw(every.tobytes(), 2)
+    assert g711.encode(every, "pcma") == audioop.lin2alaw(every.tobytes(), 2)
+    assert g711.decode(codes, "pcmu") == audioop.ulaw2lin(codes, 2) and g711.decode(codes, "pcma") == audioop.alaw2lin(codes, 2)
+    tone = np.sin(2 * np.pi * 440 * np.arange(24000) / 24000).astype(np.float32)
+    whole = g711.Downsampler()(tone)
+    chunked = g711.Downsampler()
+    assert np.array_equal(np.concatenate([chunked(tone[i:i + 1234]) for i in range(0, 24000, 1234)]), whole)
+    assert len(whole) == 8000 and 0.99 < np.abs(whole[100:]).max() < 1.01
+
+
+def test_g711_output_is_8_khz_bytes_once_the_session_took_the_update_and_input_reads_as_the_last_update_sent():
+    translator = Translator(CONFIG, "tiny")
+    translate(translator, session())
+    update = {"type": "session.update", "session": {"type": "realtime", "audio": {
+        "input": {"format": {"type": "audio/pcmu"}}, "output": {"format": {"type": "audio/pcma"}}}}}
+    request = client_event(update, CONFIG, None)
+    assert request.update.input_format == omni_pb2.AudioFormat(encoding=omni_pb2.AUDIO_ENCODING_PCM16, sample_rate=8000)
+    translator.update_requested(requested_formats(update))
+    assert translator.sending_format == "pcmu"  # appends from now on are read as mu-law
+    append = client_event({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\x80\xff").decode()},
+                          CONFIG, None, input_format=translator.sending_format)
+    assert np.frombuffer(append.append_audio.data, "<i2").tolist() == [32124, 0]
+    [updated] = translate(translator, session())
+    assert updated["session"]["audio"]["input"]["format"] == {"type": "audio/pcmu"}
+    assert updated["session"]["audio"]["output"]["format"] == {"type": "audio/pcma"}
+    events = translate(translator, created(), audio(2400), audio(1201), done("x"))
+    deltas = [base64.b64decode(e["delta"]) for e in events if e["type"] == "response.output_audio.delta"]
+    assert sum(map(len, deltas)) == 800 + 401  # a byte per 8 kHz sample (every third of 2400, then of 1201), all out
+    assert all(len(d) % 3 == 0 for d in deltas[:-1])  # whole base64 groups until the last
+    # refused (the buffer holds audio): the input stays mu-law, as the session reads it
+    translator.update_requested(("pcm", None))
+    assert translator.sending_format == "pcm"
+    translate(translator, omni_pb2.SessionEvent(error=omni_pb2.SessionError(
+        code="invalid_argument", message="the input buffer holds audio", field="update.input_format")))
+    assert (translator.sending_format, translator.input_format) == ("pcmu", "pcmu")
