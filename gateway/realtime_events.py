@@ -451,9 +451,10 @@ class Output:
     audio: bool  # audio out: the message's part is audio with a transcript, else text
     metadata: dict | None  # the client's response.create metadata, echoed in response.created and .done
     max_output_tokens: int | str
+    encoding: str = "pcm"  # the audio's format (the session's output format when the response began)
     index: int | None = None  # the message's output_index once its first content went out
+    previous: str | None = None  # the item before the message, once it went out
     next_index: int = 0
-    format: str = "pcm"  # the audio's (the session's output format when the response began)
     held: bytes = b""  # audio bytes held back (whole samples in whole 3-byte groups go out)
     downsampler: g711.Downsampler = field(default_factory=g711.Downsampler)  # 24 kHz -> 8 kHz, for G.711
     calls: list[tuple[int, dict]] = field(default_factory=list)  # (output_index, the done function_call item)
@@ -485,6 +486,7 @@ class Translator:
         # committed of a detected stop) is nobody's request and takes none.
         self.requested: deque[dict | None] = deque()
         self.stopped_item: str | None = None  # the item of a speech_stopped just before
+        self.detected_response = False  # the last event was the committed of a detected stop
         # The client's audio formats (pcm, pcmu, pcma): the session's output format is the
         # gateway's alone; the input's as the session reads it now (`input_format`) and as the
         # appends sent since are read (`sending_format`: the last update sent, until refused).
@@ -492,7 +494,6 @@ class Translator:
         # error about `update`.
         self.input_format = self.output_format = self.sending_format = "pcm"
         self.updates: deque[tuple[str | None, str | None]] = deque()
-        self.detected_response = False  # the last event was the committed of a detected stop
 
     def update_requested(self, formats: tuple[str | None, str | None]) -> None:
         """A client's session.update about to be sent: its input and output formats (None: unchanged)."""
@@ -500,6 +501,7 @@ class Translator:
         self.sending_format = formats[0] or self.sending_format
 
     def update_answered(self, taken: bool) -> None:
+        """The session took (updated) or refused (an error about `update`) the oldest update sent."""
         if not self.updates:
             return  # the gateway's own update at the start
         input_format, output_format = self.updates.popleft()
@@ -639,8 +641,8 @@ class Translator:
         item = self.items.get(cut.item_id)
         if item is not None and item.get("type") == "message" and item["content"]:
             part = item["content"][0]
-            self.items[cut.item_id] = {**item, "content": [{**part, "transcript" if "transcript" in part else "text":
-                                                            cut.text}]}
+            key = "transcript" if "transcript" in part else "text"
+            self.items[cut.item_id] = {**item, "content": [{**part, key: cut.text}]}
 
     def response(self, rid: str, out: Output, status: str, output: list, **extra) -> dict:
         return {"id": rid, "object": "realtime.response", "status": status, "output": output,
@@ -650,7 +652,7 @@ class Translator:
 
     def response_created(self, rid: str, body: omni_pb2.ResponseCreated, detected: bool) -> list[dict]:
         metadata = None if detected or not self.requested else self.requested.popleft()
-        out = Output(body.item_id, self.audio_out, metadata, self.max_output_tokens, format=self.output_format)
+        out = Output(body.item_id, self.audio_out, metadata, self.max_output_tokens, self.output_format)
         self.responses[rid] = out
         return [{"type": "response.created", "response": self.response(rid, out, "in_progress", [])}]
 
@@ -670,9 +672,9 @@ class Translator:
             return []
         out.index, out.next_index = out.next_index, out.next_index + 1
         item = self.message(out, "in_progress")
-        previous, self.last_item = self.last_item, out.item_id
+        out.previous, self.last_item = self.last_item, out.item_id
         return [{"type": "response.output_item.added", "response_id": rid, "output_index": out.index, "item": item},
-                self.item_event("added", item, previous),
+                self.item_event("added", item, out.previous),
                 {"type": "response.content_part.added", **self.content_ids(rid, out), "part": self.part(out, "")}]
 
     def content_ids(self, rid: str, out: Output) -> dict:
@@ -713,8 +715,8 @@ class Translator:
         if out is None:
             return []
         samples = audio_codec.float_from_bytes(chunk.pcm)
-        if out.format in g711.LAWS:  # a byte a sample at 8 kHz
-            data, group = out.held + g711.encode(audio_codec.to_int16(out.downsampler(samples)), out.format), 3
+        if out.encoding in g711.LAWS:  # a byte a sample at 8 kHz
+            data, group = out.held + g711.encode(audio_codec.to_int16(out.downsampler(samples)), out.encoding), 3
         else:
             data, group = out.held + audio_codec.pcm16_bytes(samples), 6
         # NOTE: base64 of whole 3-byte groups, so clients that join the deltas' strings decode them.
@@ -737,7 +739,7 @@ class Translator:
         output = list(out.calls)
         if out.index is not None:
             message = self.message(out, "completed" if status == "completed" else "incomplete", done.transcript)
-            events += self.close_message(rid, out, message)
+            events += self.close_message(rid, out, message, done.transcript)
             output.append((out.index, message))
         usage = done.final.usage
         usage_out = {"total_tokens": usage.prompt_tokens + usage.text_tokens + usage.codec_frames,
@@ -749,9 +751,9 @@ class Translator:
             status_details=details, usage=usage_out)})
         return events
 
-    def close_message(self, rid: str, out: Output, message: dict) -> list[dict]:
+    def close_message(self, rid: str, out: Output, message: dict, text: str) -> list[dict]:
         """The message's done events, each with its final transcript or text."""
-        ids, text = self.content_ids(rid, out), done_text(message)
+        ids = self.content_ids(rid, out)
         if out.audio:
             events = [{"type": "response.output_audio.done", **ids},
                       {"type": "response.output_audio_transcript.done", **ids, "transcript": text}]
@@ -759,12 +761,7 @@ class Translator:
             events = [{"type": "response.output_text.done", **ids, "text": text}]
         return [*events, {"type": "response.content_part.done", **ids, "part": self.part(out, text)},
                 {"type": "response.output_item.done", "response_id": rid, "output_index": out.index, "item": message},
-                self.item_event("done", message, None)]
-
-
-def done_text(message: dict) -> str:
-    part = message["content"][0]
-    return part.get("transcript", part.get("text", ""))
+                self.item_event("done", message, out.previous)]
 
 
 def response_status(done: omni_pb2.ResponseDone) -> tuple[str, dict]:

@@ -73,7 +73,8 @@ def types(events: list[dict]) -> list[str]:
 
 def test_a_spoken_reply_has_the_whole_lifecycle_in_the_apis_order_every_delta_naming_its_response_item_and_part():
     translator = Translator(CONFIG, "tiny")
-    translate(translator, session())
+    translate(translator, session(), omni_pb2.SessionEvent(item_added=omni_pb2.ItemAdded(
+        item_id=USER, role=omni_pb2.ROLE_USER, text="Hi")))
     events = translate(translator, created(), text("Hel"), audio(5), text("lo"), audio(7), done("Hello"))
     assert types(events) == [
         "response.created",
@@ -96,6 +97,7 @@ def test_a_spoken_reply_has_the_whole_lifecycle_in_the_apis_order_every_delta_na
     item = events[11]["item"]
     assert (events[11]["output_index"], item["id"], item["status"]) == (0, MSG, "completed")
     assert item["content"] == [{"type": "output_audio", "transcript": "Hello"}] and events[12]["item"] == item
+    assert item_added["previous_item_id"] == events[12]["previous_item_id"] == USER
     response = events[-1]["response"]
     assert (response["id"], response["status"], response["output"]) == (RID, "completed", [item])
     assert events[0]["response"]["id"] == RID and events[0]["response"]["status"] == "in_progress"
@@ -110,6 +112,8 @@ def test_a_text_reply_has_output_text_events_and_its_final_text():
         "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
         "response.content_part.done", "response.output_item.done", "conversation.item.done", "response.done"]
     assert events[3]["part"] == {"type": "text", "text": ""}
+    for event in events[3:8]:  # the part's events: added, deltas, done
+        assert (event["response_id"], event["item_id"], event["output_index"], event["content_index"]) == (RID, MSG, 0, 0)
     assert events[6]["text"] == "Hi there" and events[7]["part"] == {"type": "text", "text": "Hi there"}
     assert events[-1]["response"]["output"][0]["content"] == [{"type": "output_text", "text": "Hi there"}]
     assert events[-1]["response"]["output_modalities"] == ["text"]
