@@ -54,7 +54,7 @@ OPENAI_CODES = {
     "invalid_argument": "invalid_value",
 }
 # Session fields we refuse unless unset/null (the pipeline has no such feature).
-REFUSED_SESSION_FIELDS = ("prompt", "reasoning", "include", "parallel_tool_calls", "tracing")
+REFUSED_SESSION_FIELDS = ("prompt", "reasoning", "include", "parallel_tool_calls")
 # The GA protocol's fields of a session and of its parts (the SDK's RealtimeSessionCreateRequest):
 # any other key is refused by name (unknown_parameter, as OpenAI does), never dropped.
 SESSION_FIELDS = frozenset({"type", "model", "instructions", "output_modalities", "max_output_tokens", "audio", "tools",
@@ -186,6 +186,12 @@ def session_update(session: dict, config: GatewayConfig,
     for name in REFUSED_SESSION_FIELDS:
         if session.get(name) not in (None, []):
             raise ClientEventError(f"session.{name} is not supported", f"session.{name}", "unsupported")
+    # "auto" (the Agents SDK's default, sent at every connect) asks for the platform's default
+    # traces: there are none here, and session.updated says so (tracing null); a configuration of
+    # them (workflow name, group, metadata) is refused.
+    if session.get("tracing") not in (None, "auto"):
+        raise ClientEventError("session.tracing: no traces are kept here (null or 'auto' only)", "session.tracing",
+                               "unsupported")
     if "tools" in session:
         settings.tools.extend(tools_to_proto(session["tools"] or [], _fail, "session.tools", flat=True))
         settings.tools_set = True

@@ -257,7 +257,7 @@ def test_semantic_vad_is_served_as_the_detectors_settings_its_eagerness_the_sile
     ({"audio": {"video": {}}}, "session.audio.video"),
     ({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000, "channels": 2}}}},
      "session.audio.input.format.channels"),
-    ({"tracing": "auto"}, "session.tracing"),
+    ({"tracing": {"workflow_name": "agent"}}, "session.tracing"),
 ])
 def test_session_update_refuses_every_key_it_does_not_serve_by_name(session, param):
     with pytest.raises(ClientEventError) as refused:
@@ -268,7 +268,7 @@ def test_session_update_refuses_every_key_it_does_not_serve_by_name(session, par
 def test_session_update_takes_every_ga_field_it_serves():
     update = client_event({"type": "session.update", "session": {
         "type": "realtime", "model": "gpt-realtime", "instructions": "Be brief.", "output_modalities": ["audio"],
-        "max_output_tokens": 64, "tools": [], "tool_choice": "auto", "truncation": "auto", "tracing": None,
+        "max_output_tokens": 64, "tools": [], "tool_choice": "auto", "truncation": "auto", "tracing": "auto",
         "include": None, "prompt": None, "audio": {
             "input": {"format": {"type": "audio/pcm", "rate": 24000}, "transcription": None, "noise_reduction": None,
                       "turn_detection": {"type": "server_vad", "threshold": 0.6, "prefix_padding_ms": 200,
