@@ -20,7 +20,15 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from gateway.errors import APIError, from_rpc
 from gateway.process import Gateway
-from gateway.realtime_events import ClientEventError, Translator, api_error_event, client_event, event_id
+from gateway.realtime_events import (
+    ClientEventError,
+    Translator,
+    api_error_event,
+    client_event,
+    event_id,
+    requested_formats,
+    response_metadata,
+)
 from omni.v1 import omni_pb2
 from services.base.stages import SPEECH_SAMPLE_RATE
 from services.serving.replicas import Replica
@@ -168,11 +176,19 @@ async def client_to_session(ws: WebSocket, call, translator: Translator, send: S
                 await send.events([api_error_event(exc)])
                 continue
             try:
-                request = client_event(event, config, translator.last_item, translator.tools)
+                if event.get("type") == "conversation.item.retrieve":  # the gateway keeps the items: no session call
+                    await send.events([translator.retrieved(event)])
+                    continue
+                request = client_event(event, config, translator.last_item, translator.tools, translator.sending_format)
             except ClientEventError as exc:
                 exc.event_id = event.get("event_id") if isinstance(event.get("event_id"), str) else None
                 await send.events([api_error_event(exc)])
                 continue
+            # Before the write: the session answers it after.
+            if request.HasField("create_response"):
+                translator.response_requested(response_metadata(event))
+            elif request.HasField("update"):
+                translator.update_requested(requested_formats(event))
             await call.write(request)
     except (WebSocketDisconnect, SendTimeout, RuntimeError, asyncio.InvalidStateError, grpc.aio.AioRpcError):
         pass

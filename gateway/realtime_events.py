@@ -3,12 +3,14 @@ functions and one small translator that remembers what the events need (each res
 the settings to show). The shapes are the pinned openai SDK's (openai/types/realtime/).
 
 In: `session.update`, `input_audio_buffer.append/commit/clear`, `conversation.item.create/truncate`,
-`response.create/cancel`. Everything else, and every field we cannot honour, is answered with an
-`error` event naming it (UNSUPPORTED_EVENTS, the checks below); the session goes on.
+`response.create/cancel`, and `conversation.item.retrieve`, which the translator answers from the
+items it sent. Everything else, and every field we cannot honour, is answered with an `error`
+event naming it (UNSUPPORTED_EVENTS, the checks below); the session goes on.
 
-Function calling: the session's `tools` and `tool_choice` (gateway/tools.py), `function_call` and
-`function_call_output` items in; each call the session parsed out of a reply as a `function_call`
-output item (output_index 1, 2, ... after the reply's message), its arguments in one
+Out: each response's lifecycle in the API's order (Translator). Function calling: the session's
+`tools` and `tool_choice` (gateway/tools.py), `function_call` and `function_call_output` items in;
+each call the session parsed out of a reply as a `function_call` output item (after the reply's
+message, which is output_index 0 when it has content), its arguments in one
 `response.function_call_arguments.delta` and then `.done`.
 """
 
@@ -18,25 +20,68 @@ import base64
 import binascii
 import json
 import uuid
+from collections import deque
+from dataclasses import dataclass, field
 
 from gateway import audio as audio_codec
+from gateway import g711
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.tools import tool_choice_to_proto, tools_to_proto
-from omni.v1 import omni_pb2
+from omni.v1 import common_pb2, omni_pb2
 from services.base.stages import SPEECH_SAMPLE_RATE
 from services.base.wav import wav_file
 
+# The audio formats served, by the API's type: pcm16 at 24 kHz (the pipeline's rate), G.711 mu-law
+# and A-law at 8 kHz (gateway/g711.py converts them to and from pcm16). Formats are named by the type
+# without `audio/`.
+FORMATS = {"audio/pcm": ("pcm", SPEECH_SAMPLE_RATE), "audio/pcmu": ("pcmu", g711.RATE), "audio/pcma": ("pcma", g711.RATE)}
+RATES = dict(FORMATS.values())  # a format's name -> its rate
 TEXT, AUDIO = omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO
 # Client events of the Realtime API this gateway does not serve, and why (docs/sessions.md).
 UNSUPPORTED_EVENTS = {
     "conversation.item.delete": "items are kept in order and not deleted",
-    "conversation.item.retrieve": "items are not stored for retrieval (the audio was sent as it came)",
     "output_audio_buffer.clear": "WebRTC only",
     "transcription_session.update": "no transcription sessions",
 }
+# The sessions service's error codes -> OpenAI's, where the API has its own (clients match on them).
+OPENAI_CODES = {
+    "no_response": "response_cancel_not_active",
+    "no_input": "input_audio_buffer_commit_empty",
+    "response_in_progress": "conversation_already_has_active_response",
+    "unknown_item": "item_truncate_invalid_item_id",
+    "invalid_argument": "invalid_value",
+}
 # Session fields we refuse unless unset/null (the pipeline has no such feature).
 REFUSED_SESSION_FIELDS = ("prompt", "reasoning", "include", "parallel_tool_calls")
+# The GA protocol's fields of a session and of its parts (the SDK's RealtimeSessionCreateRequest):
+# any other key is refused by name (unknown_parameter, as OpenAI does), never dropped.
+SESSION_FIELDS = frozenset({"type", "model", "instructions", "output_modalities", "max_output_tokens", "audio", "tools",
+                            "tool_choice", "truncation", "tracing", "include", "prompt", "reasoning",
+                            "parallel_tool_calls"})
+AUDIO_FIELDS = frozenset({"input", "output"})
+INPUT_FIELDS = frozenset({"format", "noise_reduction", "transcription", "turn_detection"})
+OUTPUT_FIELDS = frozenset({"format", "speed", "voice"})
+FORMAT_FIELDS = frozenset({"type", "rate"})
+SERVER_VAD_FIELDS = frozenset({"type", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
+                               "interrupt_response", "idle_timeout_ms"})
+SEMANTIC_VAD_FIELDS = frozenset({"type", "eagerness", "create_response", "interrupt_response"})
+# The beta protocol's flat session fields, and where the GA protocol has each: a beta-era client's
+# `turn_detection: null` dropped would leave detection on, so each is refused, naming its GA place.
+BETA_SESSION_FIELDS = {
+    "modalities": "session.output_modalities", "voice": "session.audio.output.voice",
+    "input_audio_format": "session.audio.input.format", "output_audio_format": "session.audio.output.format",
+    "turn_detection": "session.audio.input.turn_detection",
+    "input_audio_transcription": "session.audio.input.transcription",
+    "input_audio_noise_reduction": "session.audio.input.noise_reduction",
+    "max_response_output_tokens": "session.max_output_tokens", "speed": "session.audio.output.speed",
+    "temperature": None,
+}
+# semantic_vad's eagerness -> the Silero detector's settings (docs/sessions.md, "Turn detection"):
+# no model here judges whether the words are finished, so eagerness sets how long a silence ends
+# the turn (low waits longer, high answers sooner); the threshold and padding are the defaults.
+EAGERNESS_SILENCE_MS = {"low": 1000, "medium": 500, "auto": 500, "high": 250}
+SEMANTIC_VAD_THRESHOLD, SEMANTIC_VAD_PADDING_MS = 0.5, 300
 _CHOICES = {omni_pb2.ToolChoice.MODE_NONE: "none", omni_pb2.ToolChoice.MODE_REQUIRED: "required"}
 # The session's field names (SessionError.field) -> the Realtime API's.
 _PARAMS = (
@@ -90,11 +135,16 @@ def decode_base64(value, param: str) -> bytes:
         raise ClientEventError(f"{param} is not valid base64", param) from None
 
 
-def pcm16_wav(pcm: bytes, param: str) -> bytes:
-    """An input_audio part's base64 pcm16 (24 kHz mono) as the wav the session takes."""
-    if len(pcm) % 2:
-        raise ClientEventError(f"{param}: {len(pcm)} bytes is not a whole number of pcm16 samples", param)
-    return wav_file(pcm, SPEECH_SAMPLE_RATE)
+def input_pcm16(data: bytes, input_format: str) -> bytes:
+    """Input audio in the session's input format (pcm, pcmu or pcma) as pcm16 at the format's rate."""
+    return g711.decode(data, input_format) if input_format in g711.LAWS else data
+
+
+def pcm16_wav(data: bytes, param: str, input_format: str = "pcm") -> bytes:
+    """An input_audio part's base64 audio (the input format, mono) as the wav the session takes."""
+    if input_format == "pcm" and len(data) % 2:
+        raise ClientEventError(f"{param}: {len(data)} bytes is not a whole number of pcm16 samples", param)
+    return wav_file(input_pcm16(data, input_format), RATES[input_format])
 
 
 def _object(value, param: str) -> dict:
@@ -117,9 +167,24 @@ def session_update(session: dict, config: GatewayConfig,
     settings = omni_pb2.SessionSettings()
     if session.get("type", "realtime") != "realtime":
         raise ClientEventError("only realtime sessions (no transcription sessions)", "session.type", "unsupported")
+    for name in session:
+        if name in BETA_SESSION_FIELDS:
+            ga = BETA_SESSION_FIELDS[name]
+            raise ClientEventError(f"session.{name} is a field of the beta protocol, not served here: "
+                                   + (f"the GA protocol's is {ga}" if ga else "the GA protocol has none"),
+                                   f"session.{name}", "unknown_parameter")
+    _known(session, SESSION_FIELDS, "session")
+    if not isinstance(session.get("model"), str | None):
+        raise ClientEventError("session.model must be a string (the one model served)", "session.model")
     for name in REFUSED_SESSION_FIELDS:
         if session.get(name) not in (None, []):
             raise ClientEventError(f"session.{name} is not supported", f"session.{name}", "unsupported")
+    # "auto" (the Agents SDK's default, sent at every connect) asks for the platform's default
+    # traces: there are none here, and session.updated says so (tracing null); a configuration of
+    # them (workflow name, group, metadata) is refused.
+    if session.get("tracing") not in (None, "auto"):
+        raise ClientEventError("session.tracing: no traces are kept here (null or 'auto' only)", "session.tracing",
+                               "unsupported")
     if "tools" in session:
         settings.tools.extend(tools_to_proto(session["tools"] or [], _fail, "session.tools", flat=True))
         settings.tools_set = True
@@ -151,10 +216,10 @@ def session_update(session: dict, config: GatewayConfig,
             settings.thinker_sampling.max_new_tokens = tokens
         else:
             settings.thinker_sampling.SetInParent()
-    audio = _object(session.get("audio"), "session.audio")
+    audio = _known(_object(session.get("audio"), "session.audio"), AUDIO_FIELDS, "session.audio")
     _input(_object(audio.get("input"), "session.audio.input"), settings)
-    output = _object(audio.get("output"), "session.audio.output")
-    _check_format(output.get("format"), "session.audio.output.format")
+    output = _known(_object(audio.get("output"), "session.audio.output"), OUTPUT_FIELDS, "session.audio.output")
+    audio_format(output.get("format"), "session.audio.output.format")  # the translator's, once the session took the update
     if output.get("speed") not in (None, 1, 1.0):
         raise ClientEventError("session.audio.output.speed must be 1.0 (no time-stretching)", "session.audio.output.speed",
                                "unsupported")
@@ -171,8 +236,20 @@ def session_update(session: dict, config: GatewayConfig,
     return settings
 
 
+def _known(value: dict, fields: frozenset, param: str) -> dict:
+    """`value`, once it holds none but `fields`: the first other key refused by name."""
+    for name in value:
+        if name not in fields:
+            raise ClientEventError(f"Unknown parameter: '{param}.{name}'", f"{param}.{name}", "unknown_parameter")
+    return value
+
+
 def _input(audio_in: dict, settings: omni_pb2.SessionSettings) -> None:
-    _check_format(audio_in.get("format"), "session.audio.input.format")
+    _known(audio_in, INPUT_FIELDS, "session.audio.input")
+    input_format = audio_format(audio_in.get("format"), "session.audio.input.format")
+    if input_format is not None:  # the session reads pcm16 at the format's rate (the gateway decodes G.711)
+        settings.input_format.CopyFrom(omni_pb2.AudioFormat(encoding=omni_pb2.AUDIO_ENCODING_PCM16,
+                                                            sample_rate=RATES[input_format]))
     for name in ("transcription", "noise_reduction"):
         if audio_in.get(name) is not None:
             raise ClientEventError(f"session.audio.input.{name} is not supported", f"session.audio.input.{name}",
@@ -183,42 +260,67 @@ def _input(audio_in: dict, settings: omni_pb2.SessionSettings) -> None:
     if detection is None:
         settings.turn_detection.enabled = False
         return
-    detection = _object(detection, "session.audio.input.turn_detection")
-    if detection.get("type", "server_vad") != "server_vad":
-        raise ClientEventError("only server_vad turn detection", "session.audio.input.turn_detection.type", "unsupported")
+    param = "session.audio.input.turn_detection"
+    detection = _object(detection, param)
+    kind = detection.get("type", "server_vad")
+    if kind not in ("server_vad", "semantic_vad"):
+        raise ClientEventError("turn_detection.type must be server_vad or semantic_vad", f"{param}.type")
+    _known(detection, SERVER_VAD_FIELDS if kind == "server_vad" else SEMANTIC_VAD_FIELDS, param)
     if detection.get("idle_timeout_ms") is not None:
-        raise ClientEventError("idle_timeout_ms is not supported", "session.audio.input.turn_detection.idle_timeout_ms",
-                               "unsupported")
+        raise ClientEventError("idle_timeout_ms is not supported", f"{param}.idle_timeout_ms", "unsupported")
     turn = settings.turn_detection
     turn.enabled = True
-    for name, kind in (("threshold", float), ("prefix_padding_ms", int), ("silence_duration_ms", int),
+    if kind == "semantic_vad":
+        _semantic_vad(detection.get("eagerness"), turn, f"{param}.eagerness")
+    for name, cast in (("threshold", float), ("prefix_padding_ms", int), ("silence_duration_ms", int),
                        ("create_response", bool), ("interrupt_response", bool)):
         value = detection.get(name)
         if value is None:
             continue
-        if kind is bool:
+        if cast is bool:
             ok, need = isinstance(value, bool), "a bool"
         else:
             ok = isinstance(value, int | float) and not isinstance(value, bool) and value >= 0 and (
-                kind is float or float(value).is_integer())
-            need = "a number >= 0" if kind is float else "an integer >= 0"
+                cast is float or float(value).is_integer())
+            need = "a number >= 0" if cast is float else "an integer >= 0"
         if not ok:
-            raise ClientEventError(f"{name} must be {need}", f"session.audio.input.turn_detection.{name}")
-        setattr(turn, name, kind(value))
+            raise ClientEventError(f"{name} must be {need}", f"{param}.{name}")
+        setattr(turn, name, cast(value))
 
 
-def _check_format(fmt, param: str) -> None:
+def _semantic_vad(eagerness, turn: omni_pb2.TurnDetection, param: str) -> None:
+    """semantic_vad as the detector's settings (EAGERNESS_SILENCE_MS); unset eagerness is auto."""
+    if eagerness is None:
+        eagerness = "auto"
+    if eagerness not in EAGERNESS_SILENCE_MS:
+        raise ClientEventError("eagerness must be low, medium, high or auto", param)
+    turn.silence_duration_ms = EAGERNESS_SILENCE_MS[eagerness]
+    turn.threshold, turn.prefix_padding_ms = SEMANTIC_VAD_THRESHOLD, SEMANTIC_VAD_PADDING_MS
+
+
+def audio_format(fmt, param: str) -> str | None:
+    """A format object's name (pcm, pcmu or pcma; None: unset); ClientEventError naming its field."""
     if fmt is None:
-        return
-    fmt = _object(fmt, param)
-    if fmt.get("type", "audio/pcm") != "audio/pcm":
-        raise ClientEventError(f"{param}: only audio/pcm (pcm16, 24 kHz); {fmt.get('type')} is not served", f"{param}.type",
-                               "unsupported")
-    if fmt.get("rate", SPEECH_SAMPLE_RATE) != SPEECH_SAMPLE_RATE:  # the Realtime API's only pcm rate is the pipeline's
-        raise ClientEventError(f"{param}.rate must be {SPEECH_SAMPLE_RATE}", f"{param}.rate")
+        return None
+    fmt = _known(_object(fmt, param), FORMAT_FIELDS, param)
+    kind = fmt.get("type", "audio/pcm")
+    if kind not in FORMATS:
+        raise ClientEventError(f"{param}.type: audio/pcm (pcm16, 24 kHz), audio/pcmu or audio/pcma (G.711, 8 kHz); "
+                               f"{kind!r} is not served", f"{param}.type", "unsupported")
+    name, rate = FORMATS[kind]
+    if fmt.get("rate", rate) != rate:
+        raise ClientEventError(f"{param}.rate must be {rate} for {kind}", f"{param}.rate")
+    return name
 
 
-def create_item(event: dict, last_item: str | None) -> omni_pb2.CreateItem:
+def requested_formats(event: dict) -> tuple[str | None, str | None]:
+    """A `session.update` (checked by session_update)'s input and output formats; None: unchanged."""
+    audio = _object(_object(event.get("session"), "session").get("audio"), "session.audio")
+    return tuple(audio_format(_object(audio.get(side), f"session.audio.{side}").get("format"),
+                              f"session.audio.{side}.format") for side in ("input", "output"))
+
+
+def create_item(event: dict, last_item: str | None, input_format: str = "pcm") -> omni_pb2.CreateItem:
     """`conversation.item.create` -> CreateItem (messages of text, and a user's input_audio)."""
     if event.get("previous_item_id") not in (None, "root", last_item):
         raise ClientEventError("items go after the last item only", "previous_item_id", "unsupported")
@@ -246,7 +348,7 @@ def create_item(event: dict, last_item: str | None) -> omni_pb2.CreateItem:
             message.content.add(text=part["transcript"])  # what the history keeps of an assistant's audio
         elif kind == "input_audio" and item["role"] == "user":
             pcm = decode_base64(part.get("audio"), f"item.content[{i}].audio")
-            message.content.add(audio=pcm16_wav(pcm, f"item.content[{i}].audio"))
+            message.content.add(audio=pcm16_wav(pcm, f"item.content[{i}].audio", input_format))
         else:
             raise ClientEventError(f"item.content[{i}].type {kind!r} is not supported here", f"item.content[{i}].type",
                                    "unsupported")
@@ -274,19 +376,35 @@ def _function_item(item: dict) -> omni_pb2.CreateItem:
 
 
 def response_create(event: dict) -> omni_pb2.CreateResponse:
-    """`response.create`: a response of the session's settings; per-response overrides are refused."""
+    """`response.create`: a response of the session's settings; per-response overrides are refused
+    (its `metadata` is the translator's to echo: response_metadata)."""
     response = _object(event.get("response"), "response")
     for name, value in response.items():
         if name not in ("metadata",) and value is not None:
             raise ClientEventError(f"response.{name} is not supported (a response uses the session's settings: "
                                    "session.update)", f"response.{name}", "unsupported")
+    response_metadata(event)
     return omni_pb2.CreateResponse()
 
 
+def response_metadata(event: dict) -> dict | None:
+    """A `response.create`'s `metadata`, as the API bounds it: at most 16 pairs, string keys of at
+    most 64 characters, string values of at most 512."""
+    metadata = _object(event.get("response"), "response").get("metadata")
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict) or len(metadata) > 16 or not all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in metadata.items()):
+        raise ClientEventError("response.metadata must be an object of at most 16 string values (keys of at most 64 "
+                               "characters, values of at most 512)", "response.metadata")
+    return metadata
+
+
 def client_event(event: dict, config: GatewayConfig, last_item: str | None,
-                 tools: list[omni_pb2.Tool] | None = None) -> omni_pb2.SessionRequest:
+                 tools: list[omni_pb2.Tool] | None = None, input_format: str = "pcm") -> omni_pb2.SessionRequest:
     """One client event as a SessionRequest; ClientEventError for what we refuse.
-    `tools`: the session's tools as its last settings showed them."""
+    `tools`: the session's tools as its last settings showed them; `input_format`: the client's
+    input audio's (pcm, pcmu or pcma), which the session gets as pcm16."""
     kind = event.get("type")
     request = omni_pb2.SessionRequest()
     if isinstance(event.get("event_id"), str):
@@ -295,13 +413,13 @@ def client_event(event: dict, config: GatewayConfig, last_item: str | None,
         case "session.update":
             request.update.CopyFrom(session_update(event.get("session"), config, tools))
         case "input_audio_buffer.append":
-            request.append_audio.data = decode_base64(event.get("audio"), "audio")
+            request.append_audio.data = input_pcm16(decode_base64(event.get("audio"), "audio"), input_format)
         case "input_audio_buffer.commit":
             request.commit.SetInParent()
         case "input_audio_buffer.clear":
             request.clear.SetInParent()
         case "conversation.item.create":
-            request.create_item.CopyFrom(create_item(event, last_item))
+            request.create_item.CopyFrom(create_item(event, last_item, input_format))
         case "conversation.item.truncate":
             if not isinstance(event.get("item_id"), str):
                 raise ClientEventError("item_id must be a string", "item_id")
@@ -322,18 +440,78 @@ def client_event(event: dict, config: GatewayConfig, last_item: str | None,
     return request
 
 
+@dataclass
+class Output:
+    """A response as the client has been told of it: its assistant message (opened at its first
+    content, so a reply that is only a call has no message) and its calls, each at the output
+    index it was given in the order they went out."""
+
+    item_id: str  # the assistant message's id (ResponseCreated.item_id)
+    audio: bool  # audio out: the message's part is audio with a transcript, else text
+    metadata: dict | None  # the client's response.create metadata, echoed in response.created and .done
+    max_output_tokens: int | str
+    encoding: str = "pcm"  # the audio's format (the session's output format when the response began)
+    index: int | None = None  # the message's output_index once its first content went out
+    previous: str | None = None  # the item before the message, once it went out
+    next_index: int = 0
+    held: bytes = b""  # audio bytes held back (whole samples in whole 3-byte groups go out)
+    downsampler: g711.Downsampler = field(default_factory=g711.Downsampler)  # 24 kHz -> 8 kHz, for G.711
+    calls: list[tuple[int, dict]] = field(default_factory=list)  # (output_index, the done function_call item)
+
+
 class Translator:
-    """The session's events -> the Realtime API's server events."""
+    """The session's events -> the Realtime API's server events, in the order the API documents:
+    per response `response.created`; the message's `response.output_item.added`,
+    `conversation.item.added` and `response.content_part.added` before its first delta; each call's
+    item added, arguments and item done; the message's `*.done` events with its final transcript
+    or text, `response.content_part.done`, `response.output_item.done` and `conversation.item.done`;
+    then `response.done`."""
 
     def __init__(self, config: GatewayConfig, model: str):
         self.config = config
         self.model = model
         self.last_item: str | None = None  # the conversation's last item id
-        self.responses: dict[str, tuple[str, bool]] = {}  # response_id -> (its item id, audio out)
-        self.audio_held: dict[str, bytes] = {}  # response_id -> pcm16 bytes held back (whole 3-byte groups go out)
+        self.responses: dict[str, Output] = {}  # response_id -> the response in progress
         self.audio_out = True  # the session's output modalities hold audio (from its created/updated events)
+        self.max_output_tokens: int | str = "inf"  # the session's (from its created/updated events)
+        self.responds_on_stop = True  # turn detection starts a response when speech stops (the same)
         self.tools: list[omni_pb2.Tool] = []  # the session's tools (from its created/updated events)
-        self.calls: dict[str, list[dict]] = {}  # response_id -> its function_call items
+        # item_id -> the item as the client was last told of it, which answers conversation.item.retrieve
+        # here (the session holds the same items, so this grows no more than the session does)
+        self.items: dict[str, dict] = {}
+        # NOTE: the metadata of each response.create sent and not yet answered, oldest first. The
+        # session answers each create in order, with its response_created or an error about
+        # `create_response`; a response turn detection started (response_created right after the
+        # committed of a detected stop) is nobody's request and takes none.
+        self.requested: deque[dict | None] = deque()
+        self.stopped_item: str | None = None  # the item of a speech_stopped just before
+        self.detected_response = False  # the last event was the committed of a detected stop
+        # The client's audio formats (pcm, pcmu, pcma): the session's output format is the
+        # gateway's alone; the input's as the session reads it now (`input_format`) and as the
+        # appends sent since are read (`sending_format`: the last update sent, until refused).
+        # Each update sent queues its formats; the session answers each in order, updated or an
+        # error about `update`.
+        self.input_format = self.output_format = self.sending_format = "pcm"
+        self.updates: deque[tuple[str | None, str | None]] = deque()
+
+    def update_requested(self, formats: tuple[str | None, str | None]) -> None:
+        """A client's session.update about to be sent: its input and output formats (None: unchanged)."""
+        self.updates.append(formats)
+        self.sending_format = formats[0] or self.sending_format
+
+    def update_answered(self, taken: bool) -> None:
+        """The session took (updated) or refused (an error about `update`) the oldest update sent."""
+        if not self.updates:
+            return  # the gateway's own update at the start
+        input_format, output_format = self.updates.popleft()
+        if taken:
+            self.input_format = input_format or self.input_format
+            self.output_format = output_format or self.output_format
+        self.sending_format = next((f for f, _ in reversed(self.updates) if f), self.input_format)
+
+    def response_requested(self, metadata: dict | None) -> None:
+        """A client's response.create about to be sent to the session."""
+        self.requested.append(metadata)
 
     def session(self, info: omni_pb2.SessionInfo) -> dict:
         s = info.settings
@@ -342,15 +520,17 @@ class Translator:
             "type": "server_vad", "threshold": round(turn.threshold, 4), "prefix_padding_ms": turn.prefix_padding_ms,
             "silence_duration_ms": turn.silence_duration_ms, "create_response": turn.create_response,
             "interrupt_response": turn.interrupt_response, "idle_timeout_ms": None}
-        pcm = {"type": "audio/pcm", "rate": SPEECH_SAMPLE_RATE}
+        formats = {name: {"type": kind, "rate": rate} if name == "pcm" else {"type": kind}
+                   for kind, (name, rate) in FORMATS.items()}
         return {
             "type": "realtime", "object": "realtime.session", "id": info.session_id, "model": self.model,
             "instructions": s.instructions, "output_modalities": ["audio"] if AUDIO in s.output_modalities else ["text"],
             "max_output_tokens": s.thinker_sampling.max_new_tokens if s.thinker_sampling.HasField("max_new_tokens")
             else "inf",
-            "audio": {"input": {"format": pcm, "turn_detection": detection, "transcription": None,
-                                "noise_reduction": None},
-                      "output": {"format": pcm, "voice": s.voice or self.config.default_voice, "speed": 1.0}},
+            "audio": {"input": {"format": formats[self.input_format], "turn_detection": detection,
+                                "transcription": None, "noise_reduction": None},
+                      "output": {"format": formats[self.output_format], "voice": s.voice or self.config.default_voice,
+                                 "speed": 1.0}},
             "tools": [{"type": "function", "name": t.name, "description": t.description,
                        "parameters": json.loads(t.parameters) if t.parameters else {}} for t in s.tools],
             "tool_choice": _CHOICES.get(s.tool_choice.mode, "auto") if s.tool_choice.mode != s.tool_choice.MODE_FUNCTION
@@ -360,20 +540,24 @@ class Translator:
 
     def server_events(self, event: omni_pb2.SessionEvent) -> list[dict]:
         kind = event.WhichOneof("event")
+        detected, self.detected_response = self.detected_response, False
         body = getattr(event, kind)
         rid = event.response_id
         match kind:
             case "created" | "updated":
-                self.audio_out = AUDIO in body.settings.output_modalities
-                self.tools = list(body.settings.tools)
+                if kind == "updated":
+                    self.update_answered(True)
+                self.settings(body.settings)
                 return [{"type": f"session.{kind}", "session": self.session(body)}]
             case "speech_started":
                 return [{"type": "input_audio_buffer.speech_started", "audio_start_ms": body.audio_start_ms,
                          "item_id": body.item_id}]
             case "speech_stopped":
+                self.stopped_item = body.item_id
                 return [{"type": "input_audio_buffer.speech_stopped", "audio_end_ms": body.audio_end_ms,
                          "item_id": body.item_id}]
             case "committed":
+                self.detected_response = self.responds_on_stop and body.item_id == self.stopped_item
                 item = {"id": body.item_id, "object": "realtime.item", "type": "message", "role": "user",
                         "status": "completed", "content": [{"type": "input_audio", "transcript": None}]}
                 return [{"type": "input_audio_buffer.committed", "item_id": body.item_id,
@@ -401,7 +585,7 @@ class Translator:
                         "status": "completed", "content": [{"type": part, "text": body.text}]}
                 return self.item_events(item, body.previous_item_id)
             case "response_created":
-                return self.response_created(rid, body)
+                return self.response_created(rid, body, detected)
             case "text":
                 return self.text_delta(rid, body)
             case "audio":
@@ -409,105 +593,188 @@ class Translator:
             case "response_done":
                 return self.response_done(rid, body)
             case "truncated":
+                self.truncated(body)
                 return [{"type": "conversation.item.truncated", "item_id": body.item_id, "content_index": 0,
                          "audio_end_ms": body.audio_end_ms}]
             case "error":
-                return [error_event(body.message, openai_param(body.field), body.code, body.event_id or None)]
+                if body.field == "create_response" and self.requested:
+                    self.requested.popleft()  # that create was refused: it makes no response
+                elif body.field.startswith("update"):
+                    self.update_answered(False)
+                return [error_event(body.message, openai_param(body.field), OPENAI_CODES.get(body.code, body.code),
+                                    body.event_id or None)]
             case "closed":
                 reason = omni_pb2.CloseReason.Name(body.reason).removeprefix("CLOSE_REASON_").lower()
                 return [error_event(body.message, None, f"session_{reason}", type_="server_error")]
         return []  # codec_frames: not part of the Realtime API
 
+    def settings(self, s: omni_pb2.SessionSettings) -> None:
+        """What the events need of the session's settings, from its created/updated events."""
+        self.audio_out = AUDIO in s.output_modalities
+        self.tools = list(s.tools)
+        self.max_output_tokens = s.thinker_sampling.max_new_tokens if s.thinker_sampling.HasField("max_new_tokens") \
+            else "inf"
+        self.responds_on_stop = s.turn_detection.enabled and s.turn_detection.create_response
+
     def item_events(self, item: dict, previous: str) -> list[dict]:
         self.last_item = item["id"]
-        return [{"type": t, "item": item, "previous_item_id": previous or None}
-                for t in ("conversation.item.added", "conversation.item.done")]
+        return [self.item_event(t, item, previous) for t in ("added", "done")]
 
-    def response(self, rid: str, status: str, output: list, audio: bool, **extra) -> dict:
+    def item_event(self, kind: str, item: dict, previous: str | None) -> dict:
+        """`conversation.item.added` or `.done`; the item kept for retrieval as this says it."""
+        self.items[item["id"]] = item
+        return {"type": f"conversation.item.{kind}", "item": item, "previous_item_id": previous or None}
+
+    def retrieved(self, event: dict) -> dict:
+        """`conversation.item.retrieve` answered from the items sent (their audio is not kept)."""
+        item_id = event.get("item_id")
+        if not isinstance(item_id, str):
+            raise ClientEventError("item_id must be a string", "item_id")
+        if item_id not in self.items:
+            raise ClientEventError(f"Error retrieving item: the item with id {item_id!r} does not exist.", "item_id",
+                                   "item_retrieve_invalid_item_id")
+        return {"type": "conversation.item.retrieved", "item": self.items[item_id]}
+
+    def truncated(self, cut: omni_pb2.ItemTruncated) -> None:
+        """A cut reply's kept item: its transcript what the conversation keeps of it."""
+        item = self.items.get(cut.item_id)
+        if item is not None and item.get("type") == "message" and item["content"]:
+            part = item["content"][0]
+            key = "transcript" if "transcript" in part else "text"
+            self.items[cut.item_id] = {**item, "content": [{**part, key: cut.text}]}
+
+    def response(self, rid: str, out: Output, status: str, output: list, **extra) -> dict:
         return {"id": rid, "object": "realtime.response", "status": status, "output": output,
-                "output_modalities": ["audio"] if audio else ["text"], "conversation_id": "conv_default",
-                "max_output_tokens": "inf", "metadata": None, "status_details": None, "usage": None, **extra}
+                "output_modalities": ["audio"] if out.audio else ["text"], "conversation_id": "conv_default",
+                "max_output_tokens": out.max_output_tokens, "metadata": out.metadata, "status_details": None,
+                "usage": None, **extra}
 
-    def response_created(self, rid: str, body: omni_pb2.ResponseCreated) -> list[dict]:
-        audio = self.audio_out
-        self.responses[rid] = (body.item_id, audio)
-        item = {"id": body.item_id, "object": "realtime.item", "type": "message", "role": "assistant",
-                "status": "in_progress", "content": []}
-        previous = self.last_item
-        self.last_item = body.item_id
-        return [{"type": "response.created", "response": self.response(rid, "in_progress", [], audio)},
-                {"type": "conversation.item.added", "item": item, "previous_item_id": previous}]
+    def response_created(self, rid: str, body: omni_pb2.ResponseCreated, detected: bool) -> list[dict]:
+        metadata = None if detected or not self.requested else self.requested.popleft()
+        out = Output(body.item_id, self.audio_out, metadata, self.max_output_tokens, self.output_format)
+        self.responses[rid] = out
+        return [{"type": "response.created", "response": self.response(rid, out, "in_progress", [])}]
+
+    def message(self, out: Output, status: str, transcript: str | None = None) -> dict:
+        content = [] if transcript is None else [
+            {"type": "output_audio", "transcript": transcript} if out.audio else {"type": "output_text", "text": transcript}]
+        return {"id": out.item_id, "object": "realtime.item", "type": "message", "role": "assistant",
+                "status": status, "content": content}
+
+    def part(self, out: Output, text: str) -> dict:
+        """The message's one content part as the content_part events show it."""
+        return {"type": "audio", "transcript": text} if out.audio else {"type": "text", "text": text}
+
+    def open_message(self, rid: str, out: Output) -> list[dict]:
+        """The message's item and part announced before its first content (nothing once it was)."""
+        if out.index is not None:
+            return []
+        out.index, out.next_index = out.next_index, out.next_index + 1
+        item = self.message(out, "in_progress")
+        out.previous, self.last_item = self.last_item, out.item_id
+        return [{"type": "response.output_item.added", "response_id": rid, "output_index": out.index, "item": item},
+                self.item_event("added", item, out.previous),
+                {"type": "response.content_part.added", **self.content_ids(rid, out), "part": self.part(out, "")}]
+
+    def content_ids(self, rid: str, out: Output) -> dict:
+        return {"response_id": rid, "item_id": out.item_id, "output_index": out.index, "content_index": 0}
 
     def text_delta(self, rid: str, delta: omni_pb2.TextDelta) -> list[dict]:
-        item_id, audio = self.responses.get(rid, ("", True))
+        out = self.responses.get(rid)
         text = delta.text
         if delta.token_ids and delta.token_ids[-1] == self.config.end_token_id:
             text = text.removesuffix(self.config.end_token_text)
-        if not text:
+        if out is None or not text:  # a response's output comes between its created and done
             return []
-        kind = "response.output_audio_transcript.delta" if audio else "response.output_text.delta"
-        return [{"type": kind, "response_id": rid, "item_id": item_id, "output_index": 0, "content_index": 0,
-                 "delta": text}]
+        kind = "response.output_audio_transcript.delta" if out.audio else "response.output_text.delta"
+        return [*self.open_message(rid, out), {"type": kind, **self.content_ids(rid, out), "delta": text}]
 
     def function_call(self, rid: str, call: omni_pb2.FunctionCall) -> list[dict]:
         """A call the reply made: its output item, its arguments (one delta, then done), the item done."""
-        calls = self.calls.setdefault(rid, [])
-        index = len(calls) + 1  # after the reply's message item
+        out = self.responses.get(rid)
+        if out is None:
+            return []
+        index, out.next_index = out.next_index, out.next_index + 1
         item = {"id": call.item_id, "object": "realtime.item", "type": "function_call", "status": "in_progress",
                 "call_id": call.call_id, "name": call.name, "arguments": ""}
         done = {**item, "status": "completed", "arguments": call.arguments}
-        calls.append(done)
-        previous = self.last_item
-        self.last_item = call.item_id
+        out.calls.append((index, done))
+        previous, self.last_item = self.last_item, call.item_id
         ids = {"response_id": rid, "item_id": call.item_id, "output_index": index, "call_id": call.call_id}
         return [{"type": "response.output_item.added", "response_id": rid, "output_index": index, "item": item},
-                {"type": "conversation.item.added", "item": item, "previous_item_id": previous},
+                self.item_event("added", item, previous),
                 {"type": "response.function_call_arguments.delta", **ids, "delta": call.arguments},
                 {"type": "response.function_call_arguments.done", **ids, "name": call.name,
                  "arguments": call.arguments},
                 {"type": "response.output_item.done", "response_id": rid, "output_index": index, "item": done},
-                {"type": "conversation.item.done", "item": done, "previous_item_id": previous}]
+                self.item_event("done", done, previous)]
 
     def audio_delta(self, rid: str, chunk) -> list[dict]:
-        item_id, _ = self.responses.get(rid, ("", True))
-        # NOTE: base64 of whole 3-byte groups, so clients that join the deltas' strings decode them.
-        pcm = self.audio_held.pop(rid, b"") + audio_codec.pcm16_bytes(audio_codec.float_from_bytes(chunk.pcm))
-        cut = len(pcm) - len(pcm) % 6
-        if len(pcm) > cut:
-            self.audio_held[rid] = pcm[cut:]
-        if not cut:
+        out = self.responses.get(rid)
+        if out is None:
             return []
-        return [{"type": "response.output_audio.delta", "response_id": rid, "item_id": item_id, "output_index": 0,
-                 "content_index": 0, "delta": base64.b64encode(pcm[:cut]).decode()}]
+        samples = audio_codec.float_from_bytes(chunk.pcm)
+        if out.encoding in g711.LAWS:  # a byte a sample at 8 kHz
+            data, group = out.held + g711.encode(audio_codec.to_int16(out.downsampler(samples)), out.encoding), 3
+        else:
+            data, group = out.held + audio_codec.pcm16_bytes(samples), 6
+        # NOTE: base64 of whole 3-byte groups, so clients that join the deltas' strings decode them.
+        cut = len(data) - len(data) % group
+        out.held = data[cut:]
+        return self.audio_out_delta(rid, out, data[:cut])
+
+    def audio_out_delta(self, rid: str, out: Output, pcm: bytes) -> list[dict]:
+        if not pcm:
+            return []
+        return [*self.open_message(rid, out), {"type": "response.output_audio.delta", **self.content_ids(rid, out),
+                                               "delta": base64.b64encode(pcm).decode()}]
 
     def response_done(self, rid: str, done: omni_pb2.ResponseDone) -> list[dict]:
-        item_id, audio = self.responses.pop(rid, (done.item_id, True))
-        events = []
-        held = self.audio_held.pop(rid, b"")
-        if held and done.status == omni_pb2.RESPONSE_STATUS_COMPLETED:
-            events.append({"type": "response.output_audio.delta", "response_id": rid, "item_id": item_id,
-                           "output_index": 0, "content_index": 0, "delta": base64.b64encode(held).decode()})
-        status = {omni_pb2.RESPONSE_STATUS_COMPLETED: "completed", omni_pb2.RESPONSE_STATUS_CANCELLED: "cancelled",
-                  omni_pb2.RESPONSE_STATUS_FAILED: "failed"}.get(done.status, "failed")
-        part = {"type": "output_audio", "transcript": done.transcript} if audio else \
-            {"type": "output_text", "text": done.transcript}
-        item = {"id": item_id, "object": "realtime.item", "type": "message", "role": "assistant",
-                "status": "completed" if status == "completed" else "incomplete", "content": [part]}
-        details = {"type": status, "reason": None, "error": None}
-        if status == "cancelled":
-            details["reason"] = "turn_detected" if done.cancel_reason == omni_pb2.CANCEL_REASON_TURN_DETECTED \
-                else "client_cancelled"
-        elif status == "failed":
-            details["error"] = {"type": "server_error", "code": done.error.code, "message": done.error.message}
+        out = self.responses.pop(rid, None) or Output(done.item_id, self.audio_out, None, self.max_output_tokens)
+        status, details = response_status(done)
+        events = self.audio_out_delta(rid, out, out.held) if status in ("completed", "incomplete") else []
+        if done.transcript:
+            events += self.open_message(rid, out)  # a message with content is in the output, deltas or not
+        output = list(out.calls)
+        if out.index is not None:
+            message = self.message(out, "completed" if status == "completed" else "incomplete", done.transcript)
+            events += self.close_message(rid, out, message, done.transcript)
+            output.append((out.index, message))
         usage = done.final.usage
         usage_out = {"total_tokens": usage.prompt_tokens + usage.text_tokens + usage.codec_frames,
                      "input_tokens": usage.prompt_tokens, "output_tokens": usage.text_tokens + usage.codec_frames,
                      "input_token_details": {"text_tokens": usage.prompt_tokens, "audio_tokens": 0, "cached_tokens": 0},
                      "output_token_details": {"text_tokens": usage.text_tokens, "audio_tokens": usage.codec_frames}}
-        events.append({"type": "conversation.item.done", "item": item, "previous_item_id": None})
         events.append({"type": "response.done", "response": self.response(
-            rid, status, [item, *self.calls.pop(rid, [])], audio, status_details=details, usage=usage_out)})
+            rid, out, status, [item for _, item in sorted(output, key=lambda pair: pair[0])],
+            status_details=details, usage=usage_out)})
         return events
+
+    def close_message(self, rid: str, out: Output, message: dict, text: str) -> list[dict]:
+        """The message's done events, each with its final transcript or text."""
+        ids = self.content_ids(rid, out)
+        if out.audio:
+            events = [{"type": "response.output_audio.done", **ids},
+                      {"type": "response.output_audio_transcript.done", **ids, "transcript": text}]
+        else:
+            events = [{"type": "response.output_text.done", **ids, "text": text}]
+        return [*events, {"type": "response.content_part.done", **ids, "part": self.part(out, text)},
+                {"type": "response.output_item.done", "response_id": rid, "output_index": out.index, "item": message},
+                self.item_event("done", message, out.previous)]
+
+
+def response_status(done: omni_pb2.ResponseDone) -> tuple[str, dict]:
+    """response.done's status and status_details: `incomplete` when the thinker stopped at its
+    token limit (max_output_tokens, or the thinker's own default)."""
+    if done.status == omni_pb2.RESPONSE_STATUS_COMPLETED:
+        if done.final.text_finish_reason == common_pb2.FINISH_REASON_LENGTH:
+            return "incomplete", {"type": "incomplete", "reason": "max_output_tokens", "error": None}
+        return "completed", {"type": "completed", "reason": None, "error": None}
+    if done.status == omni_pb2.RESPONSE_STATUS_CANCELLED:
+        reason = "turn_detected" if done.cancel_reason == omni_pb2.CANCEL_REASON_TURN_DETECTED else "client_cancelled"
+        return "cancelled", {"type": "cancelled", "reason": reason, "error": None}
+    return "failed", {"type": "failed", "reason": None,
+                      "error": {"type": "server_error", "code": done.error.code, "message": done.error.message}}
 
 
 def api_error_event(exc: ClientEventError) -> dict:

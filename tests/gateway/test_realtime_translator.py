@@ -1,0 +1,345 @@
+"""The Realtime API events the gateway's translator makes of the sessions service's stream
+(gateway/realtime_events.py), without processes: each test feeds it the SessionEvents a session
+sends and reads every field a client keys on (type, event_id once sent, response_id, item_id,
+output_index, content_index), the order of the events, the done events' final text, transcript
+and arguments, the metadata echo and the status. The shapes are checked by the pinned openai SDK's
+own parser of server events."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+from openai.types.realtime.realtime_server_event import RealtimeServerEvent
+from pydantic import TypeAdapter
+
+from gateway import g711
+from gateway.config import GatewayConfig
+from gateway.realtime_events import ClientEventError, Translator, client_event, requested_formats, response_metadata
+from omni.v1 import common_pb2, omni_pb2
+
+CONFIG = GatewayConfig(voices=("ethan",))
+RID, MSG, USER, CALL = "resp_1", "item_msg", "item_user", "item_call"
+SDK = TypeAdapter(RealtimeServerEvent)
+
+
+def translate(translator: Translator, *events: omni_pb2.SessionEvent) -> list[dict]:
+    """Every server event the translator makes of `events`, each parsed by the SDK as a client would."""
+    out = [e for event in events for e in translator.server_events(event)]
+    for event in out:
+        SDK.validate_python({**event, "event_id": "event_x"})
+    return out
+
+
+def session(audio: bool = True, vad: bool = False, max_tokens: int | None = None) -> omni_pb2.SessionEvent:
+    settings = omni_pb2.SessionSettings(
+        output_modalities=[omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO] if audio else [omni_pb2.MODALITY_TEXT],
+        turn_detection=omni_pb2.TurnDetection(enabled=vad, create_response=True, threshold=0.5,
+                                              silence_duration_ms=500, prefix_padding_ms=300, interrupt_response=True))
+    if max_tokens is not None:
+        settings.thinker_sampling.max_new_tokens = max_tokens
+    return omni_pb2.SessionEvent(updated=omni_pb2.SessionInfo(session_id="sess_1", settings=settings))
+
+
+def created(rid: str = RID, item: str = MSG) -> omni_pb2.SessionEvent:
+    return omni_pb2.SessionEvent(response_id=rid, response_created=omni_pb2.ResponseCreated(item_id=item))
+
+
+def text(t: str, rid: str = RID) -> omni_pb2.SessionEvent:
+    return omni_pb2.SessionEvent(response_id=rid, text=omni_pb2.TextDelta(text=t, token_ids=[1]))
+
+
+def audio(samples: int, rid: str = RID) -> omni_pb2.SessionEvent:
+    pcm = np.full(samples, 0.25, "<f4").tobytes()
+    return omni_pb2.SessionEvent(response_id=rid, audio=common_pb2.AudioChunk(pcm=pcm, sample_rate=24000,
+                                                                              num_samples=samples))
+
+
+def call(arguments: str, rid: str = RID) -> omni_pb2.SessionEvent:
+    return omni_pb2.SessionEvent(response_id=rid, function_call=omni_pb2.FunctionCall(
+        item_id=CALL, call_id="call_1", name="get_weather", arguments=arguments))
+
+
+def done(transcript: str, status=omni_pb2.RESPONSE_STATUS_COMPLETED, finish=common_pb2.FINISH_REASON_STOP,
+         rid: str = RID, **kw) -> omni_pb2.SessionEvent:
+    return omni_pb2.SessionEvent(response_id=rid, response_done=omni_pb2.ResponseDone(
+        item_id=MSG, status=status, transcript=transcript, final=omni_pb2.Final(text_finish_reason=finish), **kw))
+
+
+def types(events: list[dict]) -> list[str]:
+    return [e["type"] for e in events]
+
+
+def test_a_spoken_reply_has_the_whole_lifecycle_in_the_apis_order_every_delta_naming_its_response_item_and_part():
+    translator = Translator(CONFIG, "tiny")
+    translate(translator, session(), omni_pb2.SessionEvent(item_added=omni_pb2.ItemAdded(
+        item_id=USER, role=omni_pb2.ROLE_USER, text="Hi")))
+    events = translate(translator, created(), text("Hel"), audio(5), text("lo"), audio(7), done("Hello"))
+    assert types(events) == [
+        "response.created",
+        "response.output_item.added", "conversation.item.added", "response.content_part.added",
+        "response.output_audio_transcript.delta", "response.output_audio.delta",
+        "response.output_audio_transcript.delta", "response.output_audio.delta",
+        "response.output_audio.done", "response.output_audio_transcript.done", "response.content_part.done",
+        "response.output_item.done", "conversation.item.done", "response.done"]
+    ids = {"response_id": RID, "item_id": MSG, "output_index": 0, "content_index": 0}
+    for event in events[3:-3]:  # the part's events: added, deltas, done
+        assert {k: event[k] for k in ids} == ids, event
+    added, item_added = events[1], events[2]
+    assert (added["response_id"], added["output_index"], added["item"]["id"]) == (RID, 0, MSG)
+    assert added["item"]["status"] == "in_progress" and item_added["item"]["id"] == MSG
+    assert events[3]["part"] == {"type": "audio", "transcript": ""}
+    transcript = "".join(e["delta"] for e in events if e["type"] == "response.output_audio_transcript.delta")
+    sent = b"".join(base64.b64decode(e["delta"]) for e in events if e["type"] == "response.output_audio.delta")
+    assert transcript == "Hello" and len(sent) == 2 * 12  # every sample out, the held bytes at the end
+    assert events[9]["transcript"] == "Hello" and events[10]["part"] == {"type": "audio", "transcript": "Hello"}
+    item = events[11]["item"]
+    assert (events[11]["output_index"], item["id"], item["status"]) == (0, MSG, "completed")
+    assert item["content"] == [{"type": "output_audio", "transcript": "Hello"}] and events[12]["item"] == item
+    assert item_added["previous_item_id"] == events[12]["previous_item_id"] == USER
+    response = events[-1]["response"]
+    assert (response["id"], response["status"], response["output"]) == (RID, "completed", [item])
+    assert events[0]["response"]["id"] == RID and events[0]["response"]["status"] == "in_progress"
+
+
+def test_a_text_reply_has_output_text_events_and_its_final_text():
+    translator = Translator(CONFIG, "tiny")
+    translate(translator, session(audio=False))
+    events = translate(translator, created(), text("Hi"), text(" there"), done("Hi there"))
+    assert types(events) == [
+        "response.created", "response.output_item.added", "conversation.item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done", "conversation.item.done", "response.done"]
+    assert events[3]["part"] == {"type": "text", "text": ""}
+    for event in events[3:8]:  # the part's events: added, deltas, done
+        assert (event["response_id"], event["item_id"], event["output_index"], event["content_index"]) == (RID, MSG, 0, 0)
+    assert events[6]["text"] == "Hi there" and events[7]["part"] == {"type": "text", "text": "Hi there"}
+    assert events[-1]["response"]["output"][0]["content"] == [{"type": "output_text", "text": "Hi there"}]
+    assert events[-1]["response"]["output_modalities"] == ["text"]
+
+
+def test_calls_follow_the_message_at_their_own_output_indexes_with_their_own_lifecycle():
+    translator = Translator(CONFIG, "tiny")
+    translate(translator, session())
+    events = translate(translator, created(), text("Sure."), call('{"city": "Rome"}'), audio(6), done("Sure."))
+    calls = [e for e in events if e.get("item_id") == CALL or e.get("item", {}).get("id") == CALL]
+    assert types(calls) == ["response.output_item.added", "conversation.item.added",
+                            "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                            "response.output_item.done", "conversation.item.done"]
+    for event in calls:
+        assert event.get("output_index", 1) == 1 and event.get("response_id", RID) == RID
+    assert calls[3]["arguments"] == '{"city": "Rome"}' and calls[3]["call_id"] == "call_1"
+    assert calls[3]["name"] == "get_weather"
+    audio_deltas = [e for e in events if e["type"] == "response.output_audio.delta"]
+    assert audio_deltas and all((e["item_id"], e["output_index"]) == (MSG, 0) for e in audio_deltas)
+    output = events[-1]["response"]["output"]
+    assert [(o["type"], o["id"]) for o in output] == [("message", MSG), ("function_call", CALL)]
+    assert output[1]["arguments"] == '{"city": "Rome"}' and output[1]["status"] == "completed"
+
+
+def test_a_reply_that_is_only_a_call_has_no_message_and_the_call_at_output_index_0():
+    translator = Translator(CONFIG, "tiny")
+    translate(translator, session())
+    events = translate(translator, created(), call("{}"), done(""))
+    assert types(events) == ["response.created", "response.output_item.added", "conversation.item.added",
+                             "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                             "response.output_item.done", "conversation.item.done", "response.done"]
+    assert {e["output_index"] for e in events if "output_index" in e} == {0}
+    assert [o["type"] for o in events[-1]["response"]["output"]] == ["function_call"]
+
+
+def test_a_reply_stopped_by_its_token_limit_is_incomplete_and_the_limit_shown():
+    translator = Translator(CONFIG, "tiny")
+    translate(translator, session(max_tokens=6))
+    events = translate(translator, created(), text("a b c"), done("a b c", finish=common_pb2.FINISH_REASON_LENGTH))
+    response = events[-1]["response"]
+    assert response["status"] == "incomplete" and response["max_output_tokens"] == 6
+    assert response["status_details"] == {"type": "incomplete", "reason": "max_output_tokens", "error": None}
+    assert response["output"][0]["status"] == "incomplete"
+    assert events[0]["response"]["max_output_tokens"] == 6
+
+
+def test_a_cancelled_reply_closes_its_message_with_what_the_history_keeps():
+    translator = Translator(CONFIG, "tiny")
+    translate(translator, session(vad=True))
+    events = translate(translator, created(), text("One two"), audio(6),
+                       done("One", status=omni_pb2.RESPONSE_STATUS_CANCELLED,
+                            cancel_reason=omni_pb2.CANCEL_REASON_TURN_DETECTED))
+    assert types(events)[-6:] == ["response.output_audio.done", "response.output_audio_transcript.done",
+                                  "response.content_part.done", "response.output_item.done",
+                                  "conversation.item.done", "response.done"]
+    assert events[-5]["transcript"] == "One"
+    response = events[-1]["response"]
+    assert (response["status"], response["status_details"]["reason"]) == ("cancelled", "turn_detected")
+    assert response["output"][0]["status"] == "incomplete"
+
+
+def test_a_reply_cancelled_before_any_content_has_no_output():
+    translator = Translator(CONFIG, "tiny")
+    translate(translator, session())
+    events = translate(translator, created(), done("", status=omni_pb2.RESPONSE_STATUS_CANCELLED,
+                                                   cancel_reason=omni_pb2.CANCEL_REASON_CLIENT))
+    assert types(events) == ["response.created", "response.done"]
+    assert events[-1]["response"]["output"] == [] and events[-1]["response"]["status"] == "cancelled"
+
+
+def test_metadata_is_echoed_on_the_response_the_client_asked_for_not_on_one_turn_detection_started():
+    translator = Translator(CONFIG, "tiny")
+    translate(translator, session(vad=True))
+    translator.response_requested({"topic": "first"})
+    translator.response_requested({"topic": "second"})
+    # Turn detection starts a response before the session reads the client's creates: the first
+    # create is refused (a response is in progress), the second makes the next response.
+    detected = translate(translator,
+                         omni_pb2.SessionEvent(speech_stopped=omni_pb2.SpeechStopped(item_id=USER, audio_end_ms=900)),
+                         omni_pb2.SessionEvent(committed=omni_pb2.InputCommitted(item_id=USER)), created("resp_vad"))
+    assert detected[-1]["type"] == "response.created" and detected[-1]["response"]["metadata"] is None
+    refused = translate(translator, omni_pb2.SessionEvent(error=omni_pb2.SessionError(
+        code="response_in_progress", message="a response is in progress", field="create_response")),
+        done("", rid="resp_vad"))
+    assert refused[0]["error"]["code"] == "conversation_already_has_active_response"
+    events = translate(translator, created("resp_2", "item_2"), text("Hi", "resp_2"), done("Hi", rid="resp_2"))
+    assert events[0]["response"]["metadata"] == {"topic": "second"}
+    assert events[-1]["response"]["metadata"] == {"topic": "second"}
+
+
+def test_the_sessions_error_codes_are_openais_where_the_api_has_its_own():
+    translator = Translator(CONFIG, "tiny")
+    codes = {ours: translate(translator, omni_pb2.SessionEvent(error=omni_pb2.SessionError(
+        code=ours, message="m", field="commit", event_id="ev_1")))[0]["error"] for ours in (
+        "no_response", "no_input", "unknown_item", "invalid_argument", "input_too_fast")}
+    assert {k: v["code"] for k, v in codes.items()} == {
+        "no_response": "response_cancel_not_active", "no_input": "input_audio_buffer_commit_empty",
+        "unknown_item": "item_truncate_invalid_item_id", "invalid_argument": "invalid_value",
+        "input_too_fast": "input_too_fast"}
+    assert codes["no_input"]["event_id"] == "ev_1"
+
+
+def test_response_create_takes_metadata_within_the_apis_bounds_and_names_it_when_not():
+    event = {"type": "response.create", "response": {"metadata": {"k": "v"}}}
+    assert client_event(event, CONFIG, None).HasField("create_response") and response_metadata(event) == {"k": "v"}
+    for bad in ({"k": 1}, {"k" * 65: "v"}, {str(i): "v" for i in range(17)}, "text"):
+        with pytest.raises(ClientEventError) as refused:
+            client_event({"type": "response.create", "response": {"metadata": bad}}, CONFIG, None)
+        assert refused.value.param == "response.metadata"
+
+
+@pytest.mark.parametrize(("eagerness", "silence_ms"), [("low", 1000), ("medium", 500), ("auto", 500), ("high", 250),
+                                                       (None, 500)])
+def test_semantic_vad_is_served_as_the_detectors_settings_its_eagerness_the_silence_that_ends_a_turn(
+        eagerness, silence_ms):
+    detection = {"type": "semantic_vad", "create_response": False, "interrupt_response": True}
+    if eagerness is not None:
+        detection["eagerness"] = eagerness
+    update = client_event({"type": "session.update", "session": {
+        "type": "realtime", "audio": {"input": {"turn_detection": detection}}}}, CONFIG, None).update
+    assert update.turn_detection == omni_pb2.TurnDetection(
+        enabled=True, threshold=0.5, prefix_padding_ms=300, silence_duration_ms=silence_ms, create_response=False,
+        interrupt_response=True)
+
+
+@pytest.mark.parametrize(("session", "param"), [
+    ({"turn_detection": None}, "session.turn_detection"),  # the beta protocol's: dropped, detection would stay on
+    ({"modalities": ["text"]}, "session.modalities"),
+    ({"input_audio_format": "pcm16"}, "session.input_audio_format"),
+    ({"voice": "alloy"}, "session.voice"),
+    ({"temperature": 0.8}, "session.temperature"),
+    ({"no_such_field": 1}, "session.no_such_field"),
+    ({"audio": {"input": {"turn_detection": {"type": "semantic_vad", "threshold": 0.3}}}},
+     "session.audio.input.turn_detection.threshold"),
+    ({"audio": {"input": {"turn_detection": {"type": "server_vad", "eagerness": "low"}}}},
+     "session.audio.input.turn_detection.eagerness"),
+    ({"audio": {"input": {"turn_detection": {"type": "semantic_vad", "eagerness": "eager"}}}},
+     "session.audio.input.turn_detection.eagerness"),
+    ({"audio": {"input": {"echo_cancellation": True}}}, "session.audio.input.echo_cancellation"),
+    ({"audio": {"output": {"volume": 1}}}, "session.audio.output.volume"),
+    ({"audio": {"video": {}}}, "session.audio.video"),
+    ({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000, "channels": 2}}}},
+     "session.audio.input.format.channels"),
+    ({"tracing": {"workflow_name": "agent"}}, "session.tracing"),
+])
+def test_session_update_refuses_every_key_it_does_not_serve_by_name(session, param):
+    with pytest.raises(ClientEventError) as refused:
+        client_event({"type": "session.update", "session": {"type": "realtime", **session}}, CONFIG, None)
+    assert refused.value.param == param
+
+
+def test_session_update_takes_every_ga_field_it_serves():
+    update = client_event({"type": "session.update", "session": {
+        "type": "realtime", "model": "gpt-realtime", "instructions": "Be brief.", "output_modalities": ["audio"],
+        "max_output_tokens": 64, "tools": [], "tool_choice": "auto", "truncation": "auto", "tracing": "auto",
+        "include": None, "prompt": None, "audio": {
+            "input": {"format": {"type": "audio/pcm", "rate": 24000}, "transcription": None, "noise_reduction": None,
+                      "turn_detection": {"type": "server_vad", "threshold": 0.6, "prefix_padding_ms": 200,
+                                         "silence_duration_ms": 700, "create_response": True,
+                                         "interrupt_response": False, "idle_timeout_ms": None}},
+            "output": {"format": {"type": "audio/pcm"}, "voice": "alloy", "speed": 1.0}}}}, CONFIG, None).update
+    assert update.instructions == "Be brief." and update.thinker_sampling.max_new_tokens == 64
+    assert (update.turn_detection.silence_duration_ms, update.turn_detection.interrupt_response) == (700, False)
+
+
+def test_retrieve_answers_with_each_item_as_last_sent_and_names_an_unknown_one():
+    translator = Translator(CONFIG, "tiny")
+    translate(translator, session())
+    translate(translator, omni_pb2.SessionEvent(item_added=omni_pb2.ItemAdded(
+        item_id=USER, role=omni_pb2.ROLE_USER, text="Hi")), created(), text("Hello there"), call("{}"),
+        done("Hello there"))
+    assert translator.retrieved({"item_id": USER})["item"]["content"] == [{"type": "input_text", "text": "Hi"}]
+    message = translator.retrieved({"item_id": MSG})
+    SDK.validate_python({**message, "event_id": "event_x"})
+    assert message["type"] == "conversation.item.retrieved" and message["item"]["status"] == "completed"
+    assert message["item"]["content"] == [{"type": "output_audio", "transcript": "Hello there"}]
+    assert translator.retrieved({"item_id": CALL})["item"]["arguments"] == "{}"
+    translate(translator, omni_pb2.SessionEvent(truncated=omni_pb2.ItemTruncated(item_id=MSG, audio_end_ms=300,
+                                                                                 text="Hello")))
+    assert translator.retrieved({"item_id": MSG})["item"]["content"][0]["transcript"] == "Hello"
+    for bad, code in (({"item_id": "nope"}, "item_retrieve_invalid_item_id"), ({}, "invalid_value")):
+        with pytest.raises(ClientEventError) as refused:
+            translator.retrieved(bad)
+        assert (refused.value.param, refused.value.code) == ("item_id", code)
+
+
+def test_g711_is_the_reference_companding_and_the_8_khz_stream_does_not_depend_on_chunk_edges():
+    codes = bytes(range(256))
+    ulaw, alaw = (np.frombuffer(g711.decode(codes, law), "<i2") for law in g711.LAWS)
+    assert (ulaw[0xFF], ulaw[0x80], ulaw[0x00], alaw[0xD5], alaw[0x55], alaw[0xAA]) == (0, 32124, -32124, 8, -8, 32256)
+    for law, table in (("pcmu", ulaw), ("pcma", alaw)):
+        assert np.array_equal(np.frombuffer(g711.decode(g711.encode(table, law), law), "<i2"), table)  # exact levels
+    audioop = pytest.importorskip("audioop")  # Python's own G.711 (3.11), bit for bit over every int16
+    every = np.arange(-32768, 32768).astype("<i2")
+    assert g711.encode(every, "pcmu") == audioop.lin2ulaw(every.tobytes(), 2)
+    assert g711.encode(every, "pcma") == audioop.lin2alaw(every.tobytes(), 2)
+    assert g711.decode(codes, "pcmu") == audioop.ulaw2lin(codes, 2) and g711.decode(codes, "pcma") == audioop.alaw2lin(codes, 2)
+    tone = np.sin(2 * np.pi * 440 * np.arange(24000) / 24000).astype(np.float32)
+    whole = g711.Downsampler()(tone)
+    chunked = g711.Downsampler()
+    assert np.array_equal(np.concatenate([chunked(tone[i:i + 1234]) for i in range(0, 24000, 1234)]), whole)
+    assert len(whole) == 8000 and 0.99 < np.abs(whole[100:]).max() < 1.01
+
+
+def test_g711_output_is_8_khz_bytes_once_the_session_took_the_update_and_input_reads_as_the_last_update_sent():
+    translator = Translator(CONFIG, "tiny")
+    translate(translator, session())
+    update = {"type": "session.update", "session": {"type": "realtime", "audio": {
+        "input": {"format": {"type": "audio/pcmu"}}, "output": {"format": {"type": "audio/pcma"}}}}}
+    request = client_event(update, CONFIG, None)
+    assert request.update.input_format == omni_pb2.AudioFormat(encoding=omni_pb2.AUDIO_ENCODING_PCM16, sample_rate=8000)
+    translator.update_requested(requested_formats(update))
+    assert translator.sending_format == "pcmu"  # appends from now on are read as mu-law
+    append = client_event({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\x80\xff").decode()},
+                          CONFIG, None, input_format=translator.sending_format)
+    assert np.frombuffer(append.append_audio.data, "<i2").tolist() == [32124, 0]
+    [updated] = translate(translator, session())
+    assert updated["session"]["audio"]["input"]["format"] == {"type": "audio/pcmu"}
+    assert updated["session"]["audio"]["output"]["format"] == {"type": "audio/pcma"}
+    events = translate(translator, created(), audio(2400), audio(1201), done("x"))
+    deltas = [base64.b64decode(e["delta"]) for e in events if e["type"] == "response.output_audio.delta"]
+    assert sum(map(len, deltas)) == 800 + 401  # a byte per 8 kHz sample (every third of 2400, then of 1201), all out
+    assert all(len(d) % 3 == 0 for d in deltas[:-1])  # whole base64 groups until the last
+    # refused (the buffer holds audio): the input stays mu-law, as the session reads it
+    translator.update_requested(("pcm", None))
+    assert translator.sending_format == "pcm"
+    translate(translator, omni_pb2.SessionEvent(error=omni_pb2.SessionError(
+        code="invalid_argument", message="the input buffer holds audio", field="update.input_format")))
+    assert (translator.sending_format, translator.input_format) == ("pcmu", "pcmu")
