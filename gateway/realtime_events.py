@@ -40,7 +40,6 @@ RATES = dict(FORMATS.values())  # a format's name -> its rate
 TEXT, AUDIO = omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO
 # Client events of the Realtime API this gateway does not serve, and why (docs/sessions.md).
 UNSUPPORTED_EVENTS = {
-    "conversation.item.delete": "items are kept in order and not deleted",
     "output_audio_buffer.clear": "WebRTC only",
     "transcription_session.update": "no transcription sessions",
 }
@@ -93,6 +92,8 @@ _PARAMS = (
     ("create_item.item_id", "item.id"),
     ("truncate.audio_end_ms", "audio_end_ms"),
     ("truncate.item_id", "item_id"),
+    ("delete_item.item_id", "item_id"),
+    ("update.truncation", "session.truncation"),
     ("thinker_sampling.max_new_tokens", "session.max_output_tokens"),
     ("voice", "session.audio.output.voice"),
 )
@@ -192,9 +193,8 @@ def session_update(session: dict, config: GatewayConfig,
     if session.get("tool_choice") is not None:
         settings.tool_choice.CopyFrom(tool_choice_to_proto(session["tool_choice"], tools or [], _fail,
                                                            "session.tool_choice", flat=True))
-    if session.get("truncation") not in (None, "disabled", "auto"):
-        raise ClientEventError("only truncation 'disabled' (or 'auto', which never truncates here)",
-                               "session.truncation", "unsupported")
+    if session.get("truncation") is not None:
+        settings.truncation.CopyFrom(truncation(session["truncation"]))
     if "instructions" in session:
         if not isinstance(session["instructions"], str | None):
             raise ClientEventError("session.instructions must be a string", "session.instructions")
@@ -296,6 +296,30 @@ def _semantic_vad(eagerness, turn: omni_pb2.TurnDetection, param: str) -> None:
         raise ClientEventError("eagerness must be low, medium, high or auto", param)
     turn.silence_duration_ms = EAGERNESS_SILENCE_MS[eagerness]
     turn.threshold, turn.prefix_padding_ms = SEMANTIC_VAD_THRESHOLD, SEMANTIC_VAD_PADDING_MS
+
+
+def truncation(value) -> omni_pb2.Truncation:
+    """`session.truncation`: "auto" (the oldest turns dropped to 0.8 of them when a turn does not fit),
+    "disabled", or a retention_ratio object; ClientEventError naming the field."""
+    if value in ("auto", "disabled"):
+        return omni_pb2.Truncation(enabled=value == "auto")
+    value = _known(_object(value, "session.truncation"), frozenset({"type", "retention_ratio"}), "session.truncation")
+    if value.get("type") != "retention_ratio":
+        raise ClientEventError("session.truncation must be 'auto', 'disabled' or {type: 'retention_ratio', ...}",
+                               "session.truncation.type")
+    ratio = value.get("retention_ratio")
+    if not isinstance(ratio, int | float) or isinstance(ratio, bool) or not 0 < ratio < 1:
+        raise ClientEventError("retention_ratio must be a number above 0 and below 1",
+                               "session.truncation.retention_ratio")
+    return omni_pb2.Truncation(enabled=True, retention_ratio=ratio)
+
+
+def truncation_of(settings: omni_pb2.SessionSettings):
+    """The session's truncation as the API shows it."""
+    cut = settings.truncation
+    if not cut.enabled:
+        return "disabled"
+    return {"type": "retention_ratio", "retention_ratio": round(cut.retention_ratio, 4)}
 
 
 def audio_format(fmt, param: str) -> str | None:
@@ -420,6 +444,10 @@ def client_event(event: dict, config: GatewayConfig, last_item: str | None,
             request.clear.SetInParent()
         case "conversation.item.create":
             request.create_item.CopyFrom(create_item(event, last_item, input_format))
+        case "conversation.item.delete":
+            if not isinstance(event.get("item_id"), str):
+                raise ClientEventError("item_id must be a string", "item_id")
+            request.delete_item.item_id = event["item_id"]
         case "conversation.item.truncate":
             if not isinstance(event.get("item_id"), str):
                 raise ClientEventError("item_id must be a string", "item_id")
@@ -535,7 +563,7 @@ class Translator:
                        "parameters": json.loads(t.parameters) if t.parameters else {}} for t in s.tools],
             "tool_choice": _CHOICES.get(s.tool_choice.mode, "auto") if s.tool_choice.mode != s.tool_choice.MODE_FUNCTION
             else {"type": "function", "name": s.tool_choice.function},
-            "tracing": None, "truncation": "disabled",
+            "tracing": None, "truncation": truncation_of(s),
         }
 
     def server_events(self, event: omni_pb2.SessionEvent) -> list[dict]:
@@ -592,6 +620,13 @@ class Translator:
                 return self.audio_delta(rid, body)
             case "response_done":
                 return self.response_done(rid, body)
+            case "item_deleted":
+                self.items.pop(body.item_id, None)
+                if self.last_item == body.item_id:  # the next item goes after the one before it
+                    self.last_item = next(reversed(self.items), None)
+                return [{"type": "conversation.item.deleted", "item_id": body.item_id}]
+            case "conversation_truncated":
+                return []  # the API has no event for it: the items stay, the model no longer sees them
             case "truncated":
                 self.truncated(body)
                 return [{"type": "conversation.item.truncated", "item_id": body.item_id, "content_index": 0,
@@ -601,7 +636,9 @@ class Translator:
                     self.requested.popleft()  # that create was refused: it makes no response
                 elif body.field.startswith("update"):
                     self.update_answered(False)
-                return [error_event(body.message, openai_param(body.field), OPENAI_CODES.get(body.code, body.code),
+                code = "item_delete_invalid_item_id" if body.code == "unknown_item" and \
+                    body.field.startswith("delete_item") else OPENAI_CODES.get(body.code, body.code)
+                return [error_event(body.message, openai_param(body.field), code,
                                     body.event_id or None)]
             case "closed":
                 reason = omni_pb2.CloseReason.Name(body.reason).removeprefix("CLOSE_REASON_").lower()

@@ -105,6 +105,7 @@ class Conversation:
     def __init__(self):
         self.items: list[Item] = []
         self._by_id: dict[str, Item] = {}  # item_id -> its item
+        self.dropped: set[str] = set()  # items a truncation took out of what the turns send
 
     def add(self, item: Item) -> str:
         """Append `item`; the id of the item before it ('' for the first)."""
@@ -116,9 +117,28 @@ class Conversation:
     def find(self, item_id: str) -> Item | None:
         return self._by_id.get(item_id)
 
+    def delete(self, item_id: str) -> None:
+        item = self._by_id.pop(item_id)
+        self.items.remove(item)
+        self.dropped.discard(item_id)
+
     def messages(self) -> list[omni_pb2.Message]:
-        """The history a turn sends: every item's message, in order."""
-        return [m for m in (item.message() for item in self.items) if m is not None]
+        """The history a turn sends: every item's message not dropped, in order."""
+        return [m for m in (item.message() for item in self.items if item.item_id not in self.dropped) if m is not None]
+
+    def drop_oldest_turns(self, ratio: float) -> list[str]:
+        """Take the oldest turns out of what is sent, whole, keeping the newest `ratio` of them (at
+        least one dropped, the last always kept); the ids dropped, none where only one turn is left.
+        A turn is a user item and what follows it up to the next; system items are never dropped."""
+        sent = [item for item in self.items if item.item_id not in self.dropped]
+        starts = [i for i, item in enumerate(sent) if item.role == omni_pb2.ROLE_USER]
+        if len(starts) <= 1:
+            return []
+        keep = min(max(int(len(starts) * ratio), 1), len(starts) - 1)
+        cut = starts[len(starts) - keep]
+        dropped = [item.item_id for item in sent[:cut] if item.role != omni_pb2.ROLE_SYSTEM]
+        self.dropped.update(dropped)
+        return dropped
 
     @property
     def last_reply(self) -> Item | None:

@@ -26,6 +26,8 @@ class SessionMetrics:
             self.turns.labels(status)  # a series from the start (the dashboard's rate by status)
         self.turn_retries = Counter("omni_session_turn_retries", "Turns whose router call failed UNAVAILABLE before any "
                                     "output and were sent again, to the next router target", registry=r)
+        self.truncations = Counter("omni_session_truncations", "Turns that did not fit a stage's per-request cache "
+                                   "and dropped the conversation's oldest turns (`truncation`)", registry=r)
         self.barge_ins = Counter("omni_session_barge_ins",
                                  "Speech that started while a response was playing (it was cancelled)", registry=r)
         self.first_audio = Histogram("omni_session_first_audio_seconds",

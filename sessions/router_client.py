@@ -19,7 +19,7 @@ import grpc
 from omni.v1 import omni_pb2, omni_pb2_grpc
 from services.serving.channels import RotatingChannels
 from services.serving.security import TLSConfig
-from services.serving.status import field_violations
+from services.serving.status import CONTEXT_FULL, error_info, field_violations
 from sessions.metrics import SessionMetrics
 
 log = logging.getLogger("sessions")
@@ -44,6 +44,13 @@ class TurnFailed(Exception):
 
     def trailing_metadata(self):
         return self._metadata
+
+    @property
+    def context_full(self) -> bool:
+        """The turn's prompt did not fit a stage's per-request cache (`ContextFull`): a shorter
+        history would."""
+        info = error_info(self)
+        return self._code is grpc.StatusCode.INVALID_ARGUMENT and info is not None and info.reason == CONTEXT_FULL
 
     def as_error(self) -> omni_pb2.SessionError:
         """The session's error event: the status's name, its message, the field an INVALID_ARGUMENT names."""

@@ -366,6 +366,18 @@ class RealtimeSession:
                                                    f"{item.reply.audio_ms} ms of audio", "truncate.audio_end_ms")
         self.truncate(item, truncate.audio_end_ms)
 
+    def on_delete_item(self, delete: omni_pb2.DeleteItem) -> None:
+        item = self.conversation.find(delete.item_id)
+        if item is None:
+            raise MessageError("unknown_item", f"no item {delete.item_id!r}", "delete_item.item_id")
+        if self.response is not None and not self.response.ended and self.response.item is item:
+            raise MessageError("invalid_argument", "the response in progress writes this item: cancel it first",
+                               "delete_item.item_id")
+        if self.playback is not None and self.playback.item is item:
+            self.playback = None  # nothing left to cut at a barge-in
+        self.conversation.delete(item.item_id)
+        self.emit(omni_pb2.SessionEvent(item_deleted=omni_pb2.ItemDeleted(item_id=item.item_id)))
+
     # ---- input audio and turn detection ----
 
     def speech_started(self, sample: int) -> None:
@@ -416,45 +428,72 @@ class RealtimeSession:
 
     async def run_response(self, response: Response, request: omni_pb2.GenerateRequest) -> None:
         """The turn's request through the router, its output into the outbox."""
-        reply, final = response.item.reply, None
-        calls = ToolCallParser() if reply.tools else None
-        try:
-            async with aclosing(self.router.generate(request, self.turn())) as outputs:
-                async for output in outputs:
-                    kind = output.WhichOneof("event")
-                    event = omni_pb2.SessionEvent(response_id=response.response_id)
-                    if kind == "text" and calls is not None:
-                        reply.add_text(output.text)
-                        if output.text.text != END_TEXT:  # the end token's text: not the reply's
-                            self.emit_parsed(response, calls.feed(output.text.text), output.text)
-                        continue
-                    if kind == "text":
-                        reply.add_text(output.text)
-                        event.text.CopyFrom(output.text)
-                    elif kind == "audio":
-                        reply.add_audio(output.audio)
-                        event.audio.CopyFrom(output.audio)
-                    elif kind == "codec_frames":
-                        event.codec_frames.CopyFrom(output.codec_frames)
-                    else:
-                        final = output.final
-                        continue
-                    self.emit(event)
-        except TurnFailed as failed:
-            # That turn alone fails: an `error` event (the router's status), its response_done failed
-            # with the same error, and the session goes on.
-            error = failed.as_error()
-            self.emit(omni_pb2.SessionEvent(response_id=response.response_id, error=error))
-            self.end_response(response, FAILED, error=error)
-            return
-        except Exception as exc:  # a bug here must not end the session silently
-            log.exception("session %s: response %s failed", self.session_id, response.response_id)
-            status, _ = status_for(exc)
-            self.end_response(response, FAILED, error=omni_pb2.SessionError(code="internal", message=status.message))
-            return
+        calls = ToolCallParser() if response.item.reply.tools else None
+        while True:
+            try:
+                final = await self.stream_response(response, request, calls)
+                break
+            except TurnFailed as failed:
+                if self.truncated_to_fit(response, failed):  # refused before any output: again, shorter
+                    request = self.settings.request(response.response_id, self.conversation.messages())
+                    continue
+                # That turn alone fails: an `error` event (the router's status), its response_done
+                # failed with the same error, and the session goes on.
+                error = failed.as_error()
+                self.emit(omni_pb2.SessionEvent(response_id=response.response_id, error=error))
+                self.end_response(response, FAILED, error=error)
+                return
+            except Exception as exc:  # a bug here must not end the session silently
+                log.exception("session %s: response %s failed", self.session_id, response.response_id)
+                status, _ = status_for(exc)
+                self.end_response(response, FAILED, error=omni_pb2.SessionError(code="internal", message=status.message))
+                return
         if calls is not None:
             self.emit_parsed(response, calls.finish(), None)
         self.end_response(response, COMPLETED, final=final)
+
+    async def stream_response(self, response: Response, request: omni_pb2.GenerateRequest,
+                              calls: ToolCallParser | None) -> omni_pb2.Final | None:
+        """One router call of the turn, its output into the outbox; its Final."""
+        reply, final = response.item.reply, None
+        async with aclosing(self.router.generate(request, self.turn())) as outputs:
+            async for output in outputs:
+                kind = output.WhichOneof("event")
+                event = omni_pb2.SessionEvent(response_id=response.response_id)
+                if kind == "text" and calls is not None:
+                    reply.add_text(output.text)
+                    if output.text.text != END_TEXT:  # the end token's text: not the reply's
+                        self.emit_parsed(response, calls.feed(output.text.text), output.text)
+                    continue
+                if kind == "text":
+                    reply.add_text(output.text)
+                    event.text.CopyFrom(output.text)
+                elif kind == "audio":
+                    reply.add_audio(output.audio)
+                    event.audio.CopyFrom(output.audio)
+                elif kind == "codec_frames":
+                    event.codec_frames.CopyFrom(output.codec_frames)
+                else:
+                    final = output.final
+                    continue
+                self.emit(event)
+        return final
+
+    def truncated_to_fit(self, response: Response, failed: TurnFailed) -> bool:
+        """Where the turn's prompt did not fit a stage's per-request cache (`TurnFailed.context_full`:
+        refused before any work) and the session truncates: its oldest turns taken out of what is sent
+        (`Conversation.drop_oldest_turns`), said, and True (send the turn again); else False."""
+        if not (failed.context_full and self.settings.retention_ratio):
+            return False
+        dropped = self.conversation.drop_oldest_turns(self.settings.retention_ratio)
+        if not dropped:
+            return False
+        log.info("session %s: turn %s did not fit (%s); its %d oldest items no longer sent", self.session_id,
+                 response.response_id, failed, len(dropped))
+        self.metrics.truncations.inc()
+        self.emit(omni_pb2.SessionEvent(response_id=response.response_id, conversation_truncated=(
+            omni_pb2.ConversationTruncated(item_ids=dropped))))
+        return True
 
     def turn(self) -> Turn:
         """A turn's call: the caller's bearer token on to the router, within the session's deadline."""
@@ -528,3 +567,4 @@ class RealtimeSession:
             self.playback = None
         self.emit(omni_pb2.SessionEvent(truncated=omni_pb2.ItemTruncated(
             item_id=item.item_id, audio_end_ms=item.reply.audio_end_ms, text=item.reply.content)))
+

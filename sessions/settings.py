@@ -15,6 +15,7 @@ from sessions.turn_detection import TurnDetectionSettings
 _MODES = omni_pb2.ToolChoice
 
 TEXT, AUDIO = omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO
+DEFAULT_RETENTION = 0.8  # of the conversation's turns kept when a turn does not fit (`Truncation`)
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,8 @@ class Settings:
     # Serialized omni.v1.Tool each, and omni.v1.ToolChoice (b"": auto).
     tools: tuple[bytes, ...] = ()
     tool_choice: bytes = b""
+    # A turn that does not fit: its oldest turns dropped to this share of the turns (0: it fails).
+    retention_ratio: float = DEFAULT_RETENTION
 
     @property
     def calls_tools(self) -> bool:
@@ -65,6 +68,8 @@ class Settings:
             raise InvalidArgument(f"{field_}.tools_set", "must be true to set the tools")
         if proto.HasField("tool_choice"):
             changes["tool_choice"] = proto.tool_choice.SerializeToString(deterministic=True)
+        if proto.HasField("truncation"):
+            changes["retention_ratio"] = retention(proto.truncation, f"{field_}.truncation")
         settings = replace(self, **changes)
         settings.check_tool_choice(f"{field_}.tool_choice")
         return settings
@@ -87,7 +92,8 @@ class Settings:
             thinker_sampling=common_pb2.SamplingParams.FromString(self.thinker_sampling),
             talker_sampling=common_pb2.SamplingParams.FromString(self.talker_sampling),
             tools=[omni_pb2.Tool.FromString(t) for t in self.tools], tools_set=True,
-            tool_choice=omni_pb2.ToolChoice.FromString(self.tool_choice))
+            tool_choice=omni_pb2.ToolChoice.FromString(self.tool_choice),
+            truncation=omni_pb2.Truncation(enabled=self.retention_ratio > 0, retention_ratio=self.retention_ratio))
         if self.voice is not None:
             settings.voice = self.voice
         return settings
@@ -105,3 +111,13 @@ class Settings:
         if self.voice is not None:
             request.voice = self.voice
         return request
+
+
+def retention(truncation: omni_pb2.Truncation, where: str) -> float:
+    """The share of turns a truncation keeps (0: truncation off); InvalidArgument naming the field."""
+    if not truncation.enabled:
+        return 0.0
+    ratio = truncation.retention_ratio or DEFAULT_RETENTION
+    if not 0 < ratio < 1:
+        raise InvalidArgument(f"{where}.retention_ratio", f"must be above 0 and below 1, got {ratio}")
+    return ratio

@@ -19,6 +19,11 @@ class InvalidArgument(UserError):
         self.description = message
 
 
+class ContextFull(InvalidArgument):
+    """A prompt and its max_new_tokens do not fit a stage's per-request cache: nothing else is wrong,
+    and a shorter history would fit (a realtime session drops its oldest turns and sends it again)."""
+
+
 def run_cli(fn: Callable[[], None]) -> int:
     try:
         fn()

@@ -21,12 +21,13 @@ from google.protobuf import duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from services.base.errors import InvalidArgument
+from services.base.errors import ContextFull, InvalidArgument
 
 DOMAIN = "omni-serve"
 STAGE_UNAVAILABLE = "STAGE_UNAVAILABLE"  # ErrorInfo.reason: a stage could not be reached or died
 STREAM_IDLE = "STREAM_IDLE"  # ErrorInfo.reason: a peer made no progress for the idle timeout
 REPLAY_DIVERGED = "REPLAY_DIVERGED"  # ErrorInfo.reason: a replayed stage parted from what was delivered
+CONTEXT_FULL = "CONTEXT_FULL"  # ErrorInfo.reason of an INVALID_ARGUMENT: the prompt does not fit (ContextFull)
 _DETAILS_KEY = "grpc-status-details-bin"
 
 
@@ -109,7 +110,8 @@ def bad_request(field: str, description: str) -> error_details_pb2.BadRequest:
 def status_for(exc: BaseException) -> tuple[status_pb2.Status, tuple]:
     """(google.rpc.Status, trailing metadata to pass through) for an error ending a call."""
     if isinstance(exc, InvalidArgument):
-        return _pack(grpc.StatusCode.INVALID_ARGUMENT, str(exc), bad_request(exc.field, exc.description)), ()
+        full = (_error_info(CONTEXT_FULL),) if isinstance(exc, ContextFull) else ()
+        return _pack(grpc.StatusCode.INVALID_ARGUMENT, str(exc), bad_request(exc.field, exc.description), *full), ()
     if isinstance(exc, WireError):
         return _pack(grpc.StatusCode.INVALID_ARGUMENT, f"malformed tensor: {exc}", bad_request("tensor", str(exc))), ()
     if isinstance(exc, StageUnavailable):

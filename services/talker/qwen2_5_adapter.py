@@ -6,7 +6,7 @@ the voice already chose the thinker's bos row), and each later token brings its 
 from __future__ import annotations
 
 from omni.v1 import stages_pb2
-from services.base.errors import InvalidArgument
+from services.base.errors import ContextFull, InvalidArgument
 from services.runtime.chunking import ChunkPolicy
 from services.serving.convert import sampling_from_proto
 from services.serving.wire import tensor_from_proto
@@ -33,9 +33,9 @@ def qwen2_5_job_from_proto(start: stages_pb2.TalkerStart, model_config, config: 
     job = Qwen2_5TalkerJob(prompt_hidden=prompt_hidden, text_embeds=text_embeds, sampling=sampling)
     needed = job.prompt_len + sampling.max_new_tokens
     if needed > config.engine.max_model_len:
-        raise InvalidArgument("talker_sampling.max_new_tokens",
-                              f"talker prompt + max_new_tokens ({needed}) exceeds the talker's per-request cache "
-                              f"({config.engine.max_model_len})")
+        raise ContextFull("talker_sampling.max_new_tokens",
+                          f"talker prompt + max_new_tokens ({needed}) exceeds the talker's per-request cache "
+                          f"({config.engine.max_model_len})")
     return job
 
 

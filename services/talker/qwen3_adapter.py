@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from omni.v1 import stages_pb2
-from services.base.errors import InvalidArgument
+from services.base.errors import ContextFull, InvalidArgument
 from services.runtime.chunking import ChunkPolicy
 from services.runtime.inputs.prompt import resolve_voice
 from services.runtime.model.qwen3_omni import seconds_per_frame, talker_prompt_len
@@ -48,9 +48,9 @@ def talker_job_from_proto(start: stages_pb2.TalkerStart, model_config, config: T
     prompt_len = talker_prompt_len(ids, model_config)
     needed = prompt_len + sampling.max_new_tokens
     if needed > config.engine.max_model_len:
-        raise InvalidArgument("talker_sampling.max_new_tokens",
-                              f"talker prompt + max_new_tokens ({needed}) exceeds the talker's per-request cache "
-                              f"({config.engine.max_model_len})")
+        raise ContextFull("talker_sampling.max_new_tokens",
+                          f"talker prompt + max_new_tokens ({needed}) exceeds the talker's per-request cache "
+                          f"({config.engine.max_model_len})")
     return TalkerJob(
         prompt_token_ids=ids, prompt_embeds=embeds, multimodal_positions=positions,
         multimodal_hidden=mm_hidden, tts_embeds=tts, speaker_id=speaker_id, sampling=sampling, prompt_len=prompt_len,

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 
 from omni.v1 import common_pb2, omni_pb2
-from services.base.errors import InvalidArgument
+from services.base.errors import ContextFull, InvalidArgument
 from services.base.tool_calls import call_opening, check_tools
 from services.runtime.inputs.prompt import ChatMessage, Part, PromptBuilder, Role
 from services.runtime.lm.prefix.keys import PromptPrefix
@@ -186,15 +186,15 @@ class Admission:
             prompt = self.build_prompt(self.prompts, messages, tools=tools.tools, reply_prefix=tools.reply_prefix)
         capacity = self.config.engine.max_model_len
         if prompt.num_tokens + sampling.max_new_tokens > capacity:
-            raise InvalidArgument("thinker_sampling.max_new_tokens",
-                                  f"prompt ({prompt.num_tokens} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
-                                  f"exceeds the thinker's per-request cache ({capacity})")
+            raise ContextFull("thinker_sampling.max_new_tokens",
+                              f"prompt ({prompt.num_tokens} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
+                              f"exceeds the thinker's per-request cache ({capacity})")
         if talker_sampling is not None and request.talker_sampling.HasField("max_new_tokens"):
             needed = talker_sampling.max_new_tokens + self.adapter.talker_prompt_len(prompt)
             if needed > talker.max_model_len:
-                raise InvalidArgument("talker_sampling.max_new_tokens",
-                                      f"talker prompt + max_new_tokens ({needed}) exceeds the talker's per-request "
-                                      f"cache ({talker.max_model_len})")
+                raise ContextFull("talker_sampling.max_new_tokens",
+                                  f"talker prompt + max_new_tokens ({needed}) exceeds the talker's per-request "
+                                  f"cache ({talker.max_model_len})")
         job = self.adapter.job(prompt, sampling, audio, forced, voice)
         if self.caches_prefixes:
             job = dataclasses.replace(job, prefix=prompt_prefix(request, prompt.input_ids[0], self.im_start,

@@ -343,3 +343,48 @@ def test_g711_output_is_8_khz_bytes_once_the_session_took_the_update_and_input_r
     translate(translator, omni_pb2.SessionEvent(error=omni_pb2.SessionError(
         code="invalid_argument", message="the input buffer holds audio", field="update.input_format")))
     assert (translator.sending_format, translator.input_format) == ("pcmu", "pcmu")
+
+
+def test_an_item_deleted_is_said_and_the_next_item_goes_after_the_one_before_it():
+    translator = Translator(CONFIG, "tiny")
+    for item_id, previous in (("item_a", ""), ("item_b", "item_a")):
+        translate(translator, omni_pb2.SessionEvent(item_added=omni_pb2.ItemAdded(
+            item_id=item_id, previous_item_id=previous, role=omni_pb2.ROLE_USER, text="hi")))
+    assert client_event({"type": "conversation.item.delete", "item_id": "item_b"}, CONFIG, None).delete_item.item_id == \
+        "item_b"
+    deleted = translate(translator, omni_pb2.SessionEvent(item_deleted=omni_pb2.ItemDeleted(item_id="item_b")))
+    assert deleted == [{"type": "conversation.item.deleted", "item_id": "item_b"}]
+    assert translator.last_item == "item_a" and "item_b" not in translator.items
+    unknown = translate(translator, omni_pb2.SessionEvent(error=omni_pb2.SessionError(
+        code="unknown_item", message="m", field="delete_item.item_id")))[0]["error"]
+    assert (unknown["code"], unknown["param"]) == ("item_delete_invalid_item_id", "item_id")
+    with pytest.raises(ClientEventError) as refused:
+        client_event({"type": "conversation.item.delete"}, CONFIG, None)
+    assert refused.value.param == "item_id"
+
+
+@pytest.mark.parametrize(("given", "enabled", "ratio", "shown"), [
+    ("auto", True, 0.0, {"type": "retention_ratio", "retention_ratio": 0.8}),
+    ("disabled", False, 0.0, "disabled"),
+    ({"type": "retention_ratio", "retention_ratio": 0.5}, True, 0.5, {"type": "retention_ratio", "retention_ratio": 0.5}),
+])
+def test_truncation_is_the_sessions_retention_and_shown_as_it_is(given, enabled, ratio, shown):
+    update = client_event({"type": "session.update", "session": {"type": "realtime", "truncation": given}}, CONFIG, None)
+    assert (update.update.truncation.enabled, update.update.truncation.retention_ratio) == (enabled, pytest.approx(ratio))
+    settings = omni_pb2.SessionSettings(truncation=omni_pb2.Truncation(
+        enabled=enabled, retention_ratio=ratio or (0.8 if enabled else 0)))
+    shown_now = Translator(CONFIG, "tiny").session(omni_pb2.SessionInfo(session_id="s", settings=settings))["truncation"]
+    assert shown_now == shown
+
+
+@pytest.mark.parametrize(("bad", "param"), [
+    ({"type": "retention_ratio", "retention_ratio": 1.5}, "session.truncation.retention_ratio"),
+    ({"type": "retention_ratio"}, "session.truncation.retention_ratio"),
+    ({"type": "tokens"}, "session.truncation.type"),
+    ({"type": "retention_ratio", "retention_ratio": 0.5, "token_limits": {}}, "session.truncation.token_limits"),
+    ("sometimes", "session.truncation"),
+])
+def test_a_truncation_we_cannot_serve_is_refused_naming_its_field(bad, param):
+    with pytest.raises(ClientEventError) as refused:
+        client_event({"type": "session.update", "session": {"type": "realtime", "truncation": bad}}, CONFIG, None)
+    assert refused.value.param == param

@@ -43,3 +43,32 @@ def test_a_text_only_reply_keeps_its_text_when_cut():
     reply.add_text(omni_pb2.TextDelta(text="Hello", token_ids=[1]))
     reply.cut(0)
     assert reply.text == "Hello"
+
+
+def turns(n: int) -> Conversation:
+    """A system item, then `n` turns of a user item and its reply."""
+    conversation = Conversation()
+    conversation.add(Item("sys", omni_pb2.ROLE_SYSTEM, [omni_pb2.Content(text="be brief")]))
+    for i in range(n):
+        conversation.add(Item(f"u{i}", omni_pb2.ROLE_USER, [omni_pb2.Content(text=f"q{i}")]))
+        conversation.add(Item(f"a{i}", omni_pb2.ROLE_ASSISTANT, [omni_pb2.Content(text=f"r{i}")]))
+    return conversation
+
+
+def test_a_truncation_drops_the_oldest_turns_whole_and_keeps_system_items_and_the_newest():
+    conversation = turns(10)
+    assert conversation.drop_oldest_turns(0.8) == [f"{kind}{i}" for i in (0, 1) for kind in "ua"]
+    assert [m.content[0].text for m in conversation.messages()][:3] == ["be brief", "q2", "r2"]
+    assert conversation.drop_oldest_turns(0.5) == [f"{kind}{i}" for i in (2, 3, 4, 5) for kind in "ua"]
+    for _ in range(3):  # at least one turn a time, never the last
+        conversation.drop_oldest_turns(0.99)
+    assert [m.content[0].text for m in conversation.messages()] == ["be brief", "q9", "r9"]
+    assert conversation.drop_oldest_turns(0.5) == []
+    assert len(conversation.items) == 21  # the items stay: only what is sent changed
+
+
+def test_a_deleted_item_is_no_longer_sent_and_the_next_goes_after_the_one_before_it():
+    conversation = turns(2)
+    conversation.delete("a1")
+    assert conversation.find("a1") is None and [m.content[0].text for m in conversation.messages()][-1] == "q1"
+    assert conversation.add(Item("u2", omni_pb2.ROLE_USER, [omni_pb2.Content(text="q2")])) == "u1"

@@ -303,3 +303,25 @@ def test_a_client_that_cancels_its_call_mid_reply_frees_the_response_in_every_st
     cancelled = time.monotonic()
     assert wait_idle(stack, timeout_s=20) == {"thinker": 0, "talker": 0, "code2wav": 0}
     assert time.monotonic() - cancelled < 5, "the reply ran on after its session's call was cancelled"
+
+
+def test_a_deleted_item_is_not_seen_by_the_next_turn(session, omni):
+    """Greedy: after a user item is deleted, the turn equals the one-shot request without it."""
+    call = session(turn_detection=MANUAL, thinker_sampling=sampling(6), talker_sampling=sampling(8),
+                   return_codec_frames=True)
+    texts = ("Forget this one.", "What is two and two?")
+    for text in texts:
+        call.send(create_item=omni_pb2.CreateItem(message=omni_pb2.Message(
+            role=omni_pb2.ROLE_USER, content=[omni_pb2.Content(text=text)])))
+    first = call.next_event("item_added").item_added.item_id
+    call.next_event("item_added")
+    call.send(delete_item=omni_pb2.DeleteItem(item_id=first))
+    assert call.next_event("item_deleted").item_deleted.item_id == first
+    call.send(delete_item=omni_pb2.DeleteItem(item_id=first), event_id="again")
+    error = call.next_event("error").error
+    assert (error.code, error.field, error.event_id) == ("unknown_item", "delete_item.item_id", "again")
+    call.send(create_response=omni_pb2.CreateResponse())
+    created = call.next_event("response_created")
+    ids, frames, done = call.response(created.response_id)
+    kept = [omni_pb2.Message(role=omni_pb2.ROLE_USER, content=[omni_pb2.Content(text=texts[1])])]
+    assert done.status == omni_pb2.RESPONSE_STATUS_COMPLETED and (ids, frames) == one_shot(omni, kept, 6, 8)
