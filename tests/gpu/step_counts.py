@@ -323,7 +323,7 @@ def talker_engine(config, model, batch: int, counter: StepCounter, max_model_len
         job = TalkerJob([1] * LENGTH, torch.zeros(LENGTH, 8), [], torch.zeros(0, 8), torch.zeros(3, 8), 0,
                         SamplingConfig(max_new_tokens=100, repetition_penalty=1.05), LENGTH)
         engine.scheduler.add(rid, LENGTH, 100)
-        engine._requests[rid] = TalkerState(job=job, rows=[row, row, row], started=True, codes=[1], frames=1,
+        engine._requests[rid] = TalkerState(job=job, rows=[row, row, row], codes=[1], frames=1,
                                             next_codec_embed=row, tts=(row, row, row), slot=slot)
         engine.positions.set(slot, torch.full((4, 1, 1), LENGTH - 1, device=DEVICE))
         engine.cache.lengths[slot] = LENGTH

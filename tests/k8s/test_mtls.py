@@ -233,7 +233,7 @@ def running(rendered, tiny_checkpoint, tmp_path_factory):
     cluster = LoopbackCluster(objects, root, tiny_checkpoint)
     pki.write(cluster, "ca1", ("ca1",))
     try:
-        for component in ("code2wav", "talker", "thinker", "router"):
+        for component in ("code2wav", "talker", "thinker", "router", "sessions"):  # sessions: ready at once
             cluster.start(component)
         yield cluster, pki
     finally:
@@ -244,7 +244,7 @@ def work_port(cluster: LoopbackCluster, component: str) -> str:
     return f"127.0.0.1:{cluster.pods[component].ports['grpc']}"
 
 
-@pytest.mark.slow  # the pod specs' 4 processes on loopback (`running`): ~50 s of make test's 2 cores
+@pytest.mark.slow  # the pod specs' 5 processes on loopback (`running`): ~50 s of make test's 2 cores
 def test_a_request_goes_through_the_pod_specs_with_mutual_tls_on_every_hop(running):
     cluster, _ = running
     channel, stub = connect(work_port(cluster, "router"), client_tls(cluster))
@@ -278,6 +278,8 @@ def test_a_client_without_a_pipeline_certificate_is_refused_by_every_component(r
         with channel, pytest.raises(grpc.RpcError) as info:
             if component == "router":
                 collect(omni_pb2_grpc.OmniStub(channel), build_request("hi", max_new_tokens=2), timeout=10)
+            elif component == "sessions":
+                omni_pb2_grpc.SessionsStub(channel).GetLoad(common_pb2.LoadRequest(), timeout=10)
             else:
                 stage_stub(component, channel).GetLoad(common_pb2.LoadRequest(), timeout=10)
         assert info.value.code() is grpc.StatusCode.UNAVAILABLE, component
@@ -314,7 +316,7 @@ def test_rotated_certificates_are_taken_without_a_restart_and_a_stream_in_flight
     cluster, pki = running
     pids = {c: p.popen.pid for c, p in cluster.pods.items()}
     old_client = client_tls(cluster)
-    old_stage_client = {s: client_tls(cluster, server_name=f"omni-{s}") for s in STAGES}
+    old_stage_client = {s: client_tls(cluster, server_name=f"omni-{s}") for s in (*STAGES, "sessions")}
     old_leaves = {c: ssl.PEM_cert_to_DER_cert(pki.leaves[f"omni-{c}", "ca1"][0].decode()) for c in COMPONENTS}
     channel, stub = connect(work_port(cluster, "router"), old_client)
     call = stub.Generate(build_request("hello", max_new_tokens=6, talker_max_new_tokens=LONG_STREAM_FRAMES),
