@@ -31,8 +31,8 @@ from services.serving.grpc_server import (
     ServerHandle,
     build_server,
     channel_options,
+    run_process,
     serve_until_signal,
-    setup_logging,
     write_port_file,
 )
 from services.serving.prefix_keys import message_keys
@@ -47,7 +47,6 @@ from services.serving.status import (
     StageUnavailable,
     error_info,
 )
-from services.serving.tracing import setup as setup_tracing
 
 log = logging.getLogger("router")
 SERVICE = omni_pb2.DESCRIPTOR.services_by_name["Omni"].full_name
@@ -235,13 +234,7 @@ async def serve(config: RouterConfig, port_file: str | None = None) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
-    def run() -> None:
-        config = config_from_args(args)
-        setup_logging("router", config.serving.tracing.log_format)
-        setup_tracing("router", config.serving.tracing, config.serving.port)
-        asyncio.run(serve(config, args.port_file))
-
-    return run_cli(run)
+    return run_cli(lambda: run_process("router", serve, config_from_args(args), args.port_file))
 
 
 if __name__ == "__main__":

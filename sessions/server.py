@@ -27,13 +27,12 @@ from services.serving.grpc_server import (
     ServerHandle,
     build_server,
     channel_options,
+    run_process,
     serve_until_signal,
-    setup_logging,
     write_port_file,
 )
 from services.serving.security import BearerTokenInterceptor, load_tokens
 from services.serving.status import Overloaded, abort_for
-from services.serving.tracing import setup as setup_tracing
 from sessions.config import DEFAULT_PORT, SessionConfig, SessionsConfig, parse_routers
 from sessions.metrics import SessionMetrics
 from sessions.router_client import RouterClient
@@ -143,13 +142,7 @@ async def serve(config: SessionsConfig, port_file: str | None = None) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
-    def run() -> None:
-        config = config_from_args(args)
-        setup_logging("sessions", config.serving.tracing.log_format)
-        setup_tracing("sessions", config.serving.tracing, config.serving.port)
-        asyncio.run(serve(config, args.port_file))
-
-    return run_cli(run)
+    return run_cli(lambda: run_process("sessions", serve, config_from_args(args), args.port_file))
 
 
 if __name__ == "__main__":

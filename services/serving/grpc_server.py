@@ -24,6 +24,7 @@ from services.serving.open_streams import OpenStreams
 from services.serving.placement import Placement
 from services.serving.security import TLSConfig
 from services.serving.tracing import log_formatter, server_interceptors
+from services.serving.tracing import setup as setup_tracing
 
 log = logging.getLogger(__name__)
 
@@ -180,3 +181,11 @@ def write_port_file(path: str | None, port: int) -> None:
     tmp = Path(f"{path}.tmp{os.getpid()}")
     tmp.write_text(f"{port}\n")
     tmp.replace(path)
+
+
+def run_process(name: str, serve, config, port_file: str | None) -> None:
+    """A service process until SIGTERM: logging and tracing set up under `name`, then the coroutine
+    `serve(config, port_file)` run (`config.serving` is its ServingConfig)."""
+    setup_logging(name, config.serving.tracing.log_format)
+    setup_tracing(name, config.serving.tracing, config.serving.port)
+    asyncio.run(serve(config, port_file))

@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from services.base.engine import Engine
 from services.serving.config import ServingConfig
 from services.serving.engine_loop import EngineLoop
-from services.serving.grpc_server import (
-    ServerHandle,
-    build_server,
-    serve_until_signal,
-    setup_logging,
-    write_port_file,
-)
+from services.serving.grpc_server import ServerHandle, build_server, run_process, serve_until_signal, write_port_file
 from services.serving.metrics import StageMetrics
-from services.serving.tracing import setup as setup_tracing
 
 
 def start_stage(stage: str, engine: Engine, serving: ServingConfig, service: str,
@@ -38,10 +29,8 @@ def start_stage(stage: str, engine: Engine, serving: ServingConfig, service: str
 def serve_stage(name: str, create_server, config, port_file: str | None) -> None:
     """Run a stage service until SIGTERM / SIGINT: build it, serve, drain, stop its engine loop.
     `create_server(config)` returns (ServerHandle, EngineLoop); `config.serving` is its ServingConfig."""
-    setup_logging(name, config.serving.tracing.log_format)
-    setup_tracing(name, config.serving.tracing, config.serving.port)
 
-    async def serve() -> None:
+    async def serve(config, port_file: str | None) -> None:
         handle, loop = await create_server(config)
 
         def stop() -> None:
@@ -52,4 +41,4 @@ def serve_stage(name: str, create_server, config, port_file: str | None) -> None
                                  on_started=lambda: write_port_file(port_file, handle.port), on_stop=stop,
                                  light_load_cpus=config.serving.light_load_cpus)
 
-    asyncio.run(serve())
+    run_process(name, serve, config, port_file)
