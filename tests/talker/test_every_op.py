@@ -54,6 +54,7 @@ def qwen2_5_job(config, seed: int):
     return work, [ReplyPart(torch.randn(hidden, generator=gen)) for _ in range(2)] + [TextEnd()]
 
 
+@pytest.mark.slow  # make test's budget: the Qwen3-Omni talker's audit above covers the same kernels
 @pytest.mark.parametrize("gemm", [False, True], ids=["on", "gemm"])
 def test_every_op_of_a_qwen2_5_talker_decode_batch_keeps_each_row_s_bits(tiny_qwen2_5_checkpoint, gemm, monkeypatch):
     _, model, config = load_engine_stages(tiny_qwen2_5_checkpoint)

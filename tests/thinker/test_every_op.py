@@ -99,6 +99,7 @@ def test_every_op_of_a_thinker_decode_batch_keeps_each_row_s_bits(family, gemm, 
         assert_same_bits(together[rid], run(made, {rid: jobs[rid]})[rid], f"{rid} in a batch of {BATCH}")
 
 
+@pytest.mark.slow  # make test's budget: the talkers' odd and even hits stay in it (tests/talker/test_prefix_cache.py)
 def test_every_op_of_chunked_prefills_and_prefix_hits_at_odd_and_even_block_counts_keeps_the_cold_bits(
         family, monkeypatch):
     """gemm: a shared system prompt cached by a first request; then a request whose hit cuts after
