@@ -118,9 +118,11 @@ def verdict(name: str, args: tuple, kwargs: dict) -> str | None:
             ok = first.ndim <= 1 or all(s == 1 for s in first.shape[:-1])  # a whole reduction of one row
         else:
             ok = _last_dim(kwargs, args, first.ndim) or _within_rows(kwargs, args, first)
-        if ok and first.shape[-1] <= ATEN_GRAIN_SIZE if first.ndim else ok:
-            return None
-        return f"{name} over {tuple(first.shape)} not along its last dimension"
+        if not ok:
+            return f"{name} over {tuple(first.shape)} not along its last dimension"
+        if first.ndim and first.shape[-1] > ATEN_GRAIN_SIZE:
+            return f"{name} over rows of {first.shape[-1]}: past ATen's grain size, a row may be split across threads"
+        return None
     if name in PRODUCTS:
         if name in ("mm", "bmm", "addmm", "baddbmm", "matmul") and _inner(name, tensors) == 1:
             return None

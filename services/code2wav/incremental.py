@@ -55,7 +55,6 @@ import itertools
 import logging
 import math
 import weakref
-from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -139,18 +138,12 @@ class _Pool:
 class _Carry:
     """One call's histories in layer order: each streamed layer takes the call's rows of its
     history ([G, ...]: None for a first block, which reads none) and gives the one after the
-    block, written back to the pool when the call is done (`write`). `rows`: the dense
-    convolutions run one request's row at a time (the check's choice, plan.py)."""
+    block, written back to the pool when the call is done (`write`)."""
 
     def __init__(self, pool: _Pool, read: torch.Tensor | None):
         self._sources = iter(pool.rows(read) if read is not None else [None] * len(pool.histories))
         self._targets = iter(pool.histories)
         self._after: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def conv(self, conv: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """conv(x [G, C, T]) (per row with the shape the row has alone where the call's rows are
-        kept apart: `rows_apart`)."""
-        return conv(x)
 
     def take(self) -> torch.Tensor | None:
         return next(self._sources)
@@ -181,11 +174,11 @@ class _CausalConv:
 
     def __call__(self, x: torch.Tensor, carry: _Carry) -> torch.Tensor:
         if not self.keep:
-            return carry.conv(self.conv, x)
+            return self.conv(x)
         history = carry.take()
         full = F.pad(x, (self.keep, 0)) if history is None else torch.cat([history, x], dim=-1)
         carry.give(full[..., full.shape[-1] - self.keep:])
-        return carry.conv(self.conv, full)
+        return self.conv(full)
 
 
 class _TransConv:
@@ -212,7 +205,7 @@ class _TransConv:
         # Raw outputs before `first` were made by the previous block (or are the trimmed left pad),
         # those from `end` on need the next input.
         first = self.left_pad if history is None else history.shape[-1] * self.stride
-        return carry.conv(self.conv, full)[..., first:full.shape[-1] * self.stride]
+        return self.conv(full)[..., first:full.shape[-1] * self.stride]
 
 
 class _ConvNeXt:

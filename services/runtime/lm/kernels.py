@@ -162,6 +162,11 @@ def row_alone(function, *args):
     return function(*args)
 
 
+def each_row(function, rows: torch.Tensor, *rest) -> torch.Tensor:
+    """`function(row, *rest)` for each row of `rows` (dim 0: one request each) alone, concatenated."""
+    return torch.cat([row_alone(function, rows[i:i + 1], *rest) for i in range(rows.shape[0])])
+
+
 def linear_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """rows [B, T, K] (or [R, K]) -> each row through `F.linear` alone, [1, T, K] (or [1, K]) as its
     own request's forward calls it: the ROWS linear."""
@@ -217,7 +222,7 @@ def exact_activation(name: str, input: torch.Tensor) -> torch.Tensor:
         return invariant_gemm.elementwise(name, input)
     if not getattr(_local, "active", False) or input.ndim < 2 or input.shape[0] <= 1 or whole_vectors(input):
         return original(input)
-    return torch.cat([row_alone(original, input[i:i + 1]) for i in range(input.shape[0])])
+    return each_row(original, input)
 
 
 def _exact_sigmoid(input: torch.Tensor) -> torch.Tensor:
@@ -260,7 +265,7 @@ class _RowsApart(TorchFunctionMode):
             return func(*args, **kwargs)
         batch = first.shape[0]
         if func in self.CONVOLUTIONS or (func in self.ELEMENTWISE and not whole_vectors(first)):
-            return torch.cat([row_alone(partial(func, **kwargs), first[i:i + 1], *args[1:]) for i in range(batch)])
+            return each_row(partial(func, **kwargs), first, *args[1:])
         if func is F.scaled_dot_product_attention:
             mask = kwargs.pop("attn_mask", None)
             q, k, v = args[:3]
