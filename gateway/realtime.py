@@ -27,7 +27,6 @@ from gateway.realtime_events import (
     client_event,
     event_id,
     requested_formats,
-    response_metadata,
 )
 from omni.v1 import omni_pb2
 from services.base.stages import SPEECH_SAMPLE_RATE
@@ -185,9 +184,7 @@ async def client_to_session(ws: WebSocket, call, translator: Translator, send: S
                 await send.events([api_error_event(exc)])
                 continue
             # Before the write: the session answers it after.
-            if request.HasField("create_response"):
-                translator.response_requested(response_metadata(event))
-            elif request.HasField("update"):
+            if request.HasField("update"):
                 translator.update_requested(requested_formats(event))
             await call.write(request)
     except (WebSocketDisconnect, SendTimeout, RuntimeError, asyncio.InvalidStateError, grpc.aio.AioRpcError):

@@ -64,6 +64,14 @@ OUTPUT_FIELDS = frozenset({"format", "speed", "voice"})
 FORMAT_FIELDS = frozenset({"type", "rate"})
 SERVER_VAD_FIELDS = frozenset({"type", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
                                "interrupt_response", "idle_timeout_ms"})
+# audio.input.transcription (the SDK's AudioTranscription): model, language and prompt served; the
+# others (other models' features) refused unless unset.
+TRANSCRIPTION_FIELDS = frozenset({"model", "language", "prompt", "delay", "keywords", "languages"})
+# response.create's `response` (the SDK's RealtimeResponseCreateParams): the REFUSED_RESPONSE_FIELDS
+# refused unless unset, as a session's.
+RESPONSE_FIELDS = frozenset({"audio", "conversation", "input", "instructions", "max_output_tokens", "metadata",
+                             "output_modalities", "prompt", "tool_choice", "tools", "parallel_tool_calls", "reasoning"})
+REFUSED_RESPONSE_FIELDS = ("audio", "prompt", "parallel_tool_calls", "reasoning")
 SEMANTIC_VAD_FIELDS = frozenset({"type", "eagerness", "create_response", "interrupt_response"})
 # The beta protocol's flat session fields, and where the GA protocol has each: a beta-era client's
 # `turn_detection: null` dropped would leave detection on, so each is refused, naming its GA place.
@@ -94,6 +102,10 @@ _PARAMS = (
     ("truncate.item_id", "item_id"),
     ("delete_item.item_id", "item_id"),
     ("update.truncation", "session.truncation"),
+    ("update.input_transcription", "session.audio.input.transcription"),
+    ("create_response.max_output_tokens", "response.max_output_tokens"),
+    ("create_response.input", "response.input"),
+    ("create_response", "response"),
     ("thinker_sampling.max_new_tokens", "session.max_output_tokens"),
     ("voice", "session.audio.output.voice"),
 )
@@ -199,20 +211,10 @@ def session_update(session: dict, config: GatewayConfig,
         if not isinstance(session["instructions"], str | None):
             raise ClientEventError("session.instructions must be a string", "session.instructions")
         settings.instructions = session["instructions"] or ""
-    if "output_modalities" in session and session["output_modalities"] is not None:
-        modalities = session["output_modalities"]
-        if modalities == ["audio"]:
-            settings.output_modalities.extend([TEXT, AUDIO])
-        elif modalities == ["text"]:
-            settings.output_modalities.append(TEXT)
-        else:
-            raise ClientEventError('session.output_modalities must be ["audio"] or ["text"]', "session.output_modalities")
+    settings.output_modalities.extend(output_modalities(session.get("output_modalities"), "session.output_modalities"))
     if "max_output_tokens" in session:
-        tokens = session["max_output_tokens"]
-        if tokens not in (None, "inf"):
-            if not isinstance(tokens, int) or isinstance(tokens, bool) or not 1 <= tokens <= 4096:
-                raise ClientEventError("session.max_output_tokens must be an integer in [1, 4096] or 'inf'",
-                                       "session.max_output_tokens")
+        tokens = max_output_tokens(session["max_output_tokens"], "session.max_output_tokens")
+        if tokens:
             settings.thinker_sampling.max_new_tokens = tokens
         else:
             settings.thinker_sampling.SetInParent()
@@ -236,6 +238,41 @@ def session_update(session: dict, config: GatewayConfig,
     return settings
 
 
+def output_modalities(modalities, param: str) -> list[int]:
+    """`output_modalities` (["audio"]: text and audio; ["text"]) as the session's ([]: unset)."""
+    if modalities is None:
+        return []
+    if modalities not in (["audio"], ["text"]):
+        raise ClientEventError(f'{param} must be ["audio"] or ["text"]', param)
+    return [TEXT, AUDIO] if modalities == ["audio"] else [TEXT]
+
+
+def max_output_tokens(tokens, param: str) -> int:
+    """`max_output_tokens`: an integer in [1, 4096], or 'inf' (0: the thinker's own limit)."""
+    if tokens in (None, "inf"):
+        return 0
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or not 1 <= tokens <= 4096:
+        raise ClientEventError(f"{param} must be an integer in [1, 4096] or 'inf'", param)
+    return tokens
+
+
+def input_transcription(value) -> omni_pb2.InputTranscription:
+    """`audio.input.transcription`: any `model` (the checkpoint transcribes: there is one model),
+    `language` and `prompt` taken into the thinker's transcription instruction; null: off."""
+    param = "session.audio.input.transcription"
+    if value is None:
+        return omni_pb2.InputTranscription(enabled=False)
+    value = _known(_object(value, param), TRANSCRIPTION_FIELDS, param)
+    for name in ("delay", "keywords", "languages"):
+        if value.get(name) is not None:
+            raise ClientEventError(f"{param}.{name} is not supported", f"{param}.{name}", "unsupported")
+    for name in ("model", "language", "prompt"):
+        if not isinstance(value.get(name), str | None):
+            raise ClientEventError(f"{param}.{name} must be a string", f"{param}.{name}")
+    return omni_pb2.InputTranscription(enabled=True, language=value.get("language") or "",
+                                       prompt=value.get("prompt") or "")
+
+
 def _known(value: dict, fields: frozenset, param: str) -> dict:
     """`value`, once it holds none but `fields`: the first other key refused by name."""
     for name in value:
@@ -250,10 +287,11 @@ def _input(audio_in: dict, settings: omni_pb2.SessionSettings) -> None:
     if input_format is not None:  # the session reads pcm16 at the format's rate (the gateway decodes G.711)
         settings.input_format.CopyFrom(omni_pb2.AudioFormat(encoding=omni_pb2.AUDIO_ENCODING_PCM16,
                                                             sample_rate=RATES[input_format]))
-    for name in ("transcription", "noise_reduction"):
-        if audio_in.get(name) is not None:
-            raise ClientEventError(f"session.audio.input.{name} is not supported", f"session.audio.input.{name}",
-                                   "unsupported")
+    if "transcription" in audio_in:
+        settings.input_transcription.CopyFrom(input_transcription(audio_in["transcription"]))
+    if audio_in.get("noise_reduction") is not None:
+        raise ClientEventError("session.audio.input.noise_reduction is not supported",
+                               "session.audio.input.noise_reduction", "unsupported")
     if "turn_detection" not in audio_in:
         return
     detection = audio_in["turn_detection"]
@@ -349,79 +387,105 @@ def create_item(event: dict, last_item: str | None, input_format: str = "pcm") -
     if event.get("previous_item_id") not in (None, "root", last_item):
         raise ClientEventError("items go after the last item only", "previous_item_id", "unsupported")
     item = _object(event.get("item"), "item")
+    create = omni_pb2.CreateItem(message=item_message(item, "item", input_format))
+    if isinstance(item.get("id"), str) and item["id"]:
+        create.item_id = item["id"]
+    return create
+
+
+def item_message(item: dict, param: str, input_format: str = "pcm") -> omni_pb2.Message:
+    """An item the client gives (`param`: where) as a Message: messages of text and a user's
+    input_audio, function_call and function_call_output items."""
     if item.get("type") in ("function_call", "function_call_output"):
-        return _function_item(item)
+        return _function_item(item, param)
     if item.get("type") != "message":
-        raise ClientEventError(f"item.type {item.get('type')!r} is not supported (message, function_call and "
-                               "function_call_output items)", "item.type", "unsupported")
+        raise ClientEventError(f"{param}.type {item.get('type')!r} is not supported (message, function_call and "
+                               "function_call_output items)", f"{param}.type", "unsupported")
     roles = {"user": omni_pb2.ROLE_USER, "system": omni_pb2.ROLE_SYSTEM, "assistant": omni_pb2.ROLE_ASSISTANT}
     if item.get("role") not in roles:
-        raise ClientEventError("item.role must be user, system or assistant", "item.role")
+        raise ClientEventError(f"{param}.role must be user, system or assistant", f"{param}.role")
     message = omni_pb2.Message(role=roles[item["role"]])
     content = item.get("content")
     if not isinstance(content, list) or not content:
-        raise ClientEventError("item.content must be a non-empty list", "item.content")
+        raise ClientEventError(f"{param}.content must be a non-empty list", f"{param}.content")
     for i, part in enumerate(content):
-        part = _object(part, f"item.content[{i}]")
+        at = f"{param}.content[{i}]"
+        part = _object(part, at)
         kind = part.get("type")
         if kind in ("input_text", "text", "output_text"):
             if not isinstance(part.get("text"), str):
-                raise ClientEventError(f"item.content[{i}].text must be a string", f"item.content[{i}].text")
+                raise ClientEventError(f"{at}.text must be a string", f"{at}.text")
             message.content.add(text=part["text"])
         elif kind == "output_audio" and isinstance(part.get("transcript"), str):
             message.content.add(text=part["transcript"])  # what the history keeps of an assistant's audio
         elif kind == "input_audio" and item["role"] == "user":
-            pcm = decode_base64(part.get("audio"), f"item.content[{i}].audio")
-            message.content.add(audio=pcm16_wav(pcm, f"item.content[{i}].audio", input_format))
+            pcm = decode_base64(part.get("audio"), f"{at}.audio")
+            message.content.add(audio=pcm16_wav(pcm, f"{at}.audio", input_format))
         else:
-            raise ClientEventError(f"item.content[{i}].type {kind!r} is not supported here", f"item.content[{i}].type",
-                                   "unsupported")
-    create = omni_pb2.CreateItem(message=message)
-    if isinstance(item.get("id"), str) and item["id"]:
-        create.item_id = item["id"]
-    return create
+            raise ClientEventError(f"{at}.type {kind!r} is not supported here", f"{at}.type", "unsupported")
+    return message
 
 
-def _function_item(item: dict) -> omni_pb2.CreateItem:
+def _function_item(item: dict, param: str) -> omni_pb2.Message:
     """A `function_call` item (an assistant's call) or `function_call_output` (a tool's result)."""
     for name in ("call_id", "name", "arguments") if item["type"] == "function_call" else ("call_id", "output"):
         if not isinstance(item.get(name), str) or (name != "output" and name != "arguments" and not item[name]):
-            raise ClientEventError(f"item.{name} is required (a string)", f"item.{name}")
+            raise ClientEventError(f"{param}.{name} is required (a string)", f"{param}.{name}")
     if item["type"] == "function_call":
-        message = omni_pb2.Message(role=omni_pb2.ROLE_ASSISTANT, tool_calls=[omni_pb2.ToolCall(
+        return omni_pb2.Message(role=omni_pb2.ROLE_ASSISTANT, tool_calls=[omni_pb2.ToolCall(
             id=item["call_id"], name=item["name"], arguments=item["arguments"])])
-    else:
-        message = omni_pb2.Message(role=omni_pb2.ROLE_TOOL, tool_call_id=item["call_id"],
-                                   content=[omni_pb2.Content(text=item["output"])])
-    create = omni_pb2.CreateItem(message=message)
-    if isinstance(item.get("id"), str) and item["id"]:
-        create.item_id = item["id"]
+    return omni_pb2.Message(role=omni_pb2.ROLE_TOOL, tool_call_id=item["call_id"],
+                            content=[omni_pb2.Content(text=item["output"])])
+
+
+def response_create(event: dict, tools: list[omni_pb2.Tool] | None = None,
+                    input_format: str = "pcm") -> omni_pb2.CreateResponse:
+    """`response.create` -> CreateResponse: the session's settings, and each override the
+    `response` sets (the sessions service checks them against the session); `conversation: "none"`
+    an out-of-band response; `input` its own prompt (items, or `item_reference`s). `tools`: the
+    session's (what a tool_choice may name when the response sets none)."""
+    response = _known(_object(event.get("response"), "response"), RESPONSE_FIELDS, "response")
+    create = omni_pb2.CreateResponse()
+    for name in REFUSED_RESPONSE_FIELDS:
+        if response.get(name) is not None:
+            raise ClientEventError(f"response.{name} is not supported", f"response.{name}", "unsupported")
+    if response.get("instructions") is not None:
+        if not isinstance(response["instructions"], str):
+            raise ClientEventError("response.instructions must be a string", "response.instructions")
+        create.instructions = response["instructions"]
+    create.output_modalities.extend(output_modalities(response.get("output_modalities"), "response.output_modalities"))
+    if "max_output_tokens" in response:
+        create.max_output_tokens = max_output_tokens(response["max_output_tokens"], "response.max_output_tokens")
+    if response.get("tools") is not None:
+        create.tools.extend(tools_to_proto(response["tools"], _fail, "response.tools", flat=True))
+        create.tools_set, tools = True, list(create.tools)
+    if response.get("tool_choice") is not None:
+        create.tool_choice.CopyFrom(tool_choice_to_proto(response["tool_choice"], tools or [], _fail,
+                                                         "response.tool_choice", flat=True))
+    metadata = response.get("metadata")
+    if metadata is not None:
+        if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                     for k, v in metadata.items()):
+            raise ClientEventError("response.metadata must be an object of string values", "response.metadata")
+        create.metadata.update(metadata)  # its bounds: the sessions service's
+    conversation = response.get("conversation", "auto")
+    if conversation not in (None, "auto", "none"):
+        raise ClientEventError("response.conversation must be 'auto' or 'none' (the session has one conversation)",
+                               "response.conversation", "unsupported")
+    create.out_of_band = conversation == "none"
+    if response.get("input") is not None:
+        if not isinstance(response["input"], list):
+            raise ClientEventError("response.input must be a list of items", "response.input")
+        create.input_set = True
+        for i, item in enumerate(response["input"]):
+            item = _object(item, f"response.input[{i}]")
+            if item.get("type") == "item_reference":
+                if not isinstance(item.get("id"), str):
+                    raise ClientEventError("an item_reference names an item by its id", f"response.input[{i}].id")
+                create.input.add(item_reference=item["id"])
+            else:
+                create.input.add(message=item_message(item, f"response.input[{i}]", input_format))
     return create
-
-
-def response_create(event: dict) -> omni_pb2.CreateResponse:
-    """`response.create`: a response of the session's settings; per-response overrides are refused
-    (its `metadata` is the translator's to echo: response_metadata)."""
-    response = _object(event.get("response"), "response")
-    for name, value in response.items():
-        if name not in ("metadata",) and value is not None:
-            raise ClientEventError(f"response.{name} is not supported (a response uses the session's settings: "
-                                   "session.update)", f"response.{name}", "unsupported")
-    response_metadata(event)
-    return omni_pb2.CreateResponse()
-
-
-def response_metadata(event: dict) -> dict | None:
-    """A `response.create`'s `metadata`, as the API bounds it: at most 16 pairs, string keys of at
-    most 64 characters, string values of at most 512."""
-    metadata = _object(event.get("response"), "response").get("metadata")
-    if metadata is None:
-        return None
-    if not isinstance(metadata, dict) or len(metadata) > 16 or not all(
-            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in metadata.items()):
-        raise ClientEventError("response.metadata must be an object of at most 16 string values (keys of at most 64 "
-                               "characters, values of at most 512)", "response.metadata")
-    return metadata
 
 
 def client_event(event: dict, config: GatewayConfig, last_item: str | None,
@@ -458,7 +522,7 @@ def client_event(event: dict, config: GatewayConfig, last_item: str | None,
                 raise ClientEventError("an assistant item has one content part: content_index 0", "content_index")
             request.truncate.item_id, request.truncate.audio_end_ms = event["item_id"], end
         case "response.create":
-            request.create_response.CopyFrom(response_create(event))
+            request.create_response.CopyFrom(response_create(event, tools, input_format))
         case "response.cancel":
             request.cancel_response.SetInParent()
         case str() if kind in UNSUPPORTED_EVENTS:
@@ -484,6 +548,7 @@ class Output:
     next_index: int = 0
     held: bytes = b""  # audio bytes held back (whole samples in whole 3-byte groups go out)
     downsampler: g711.Downsampler = field(default_factory=g711.Downsampler)  # 24 kHz -> 8 kHz, for G.711
+    out_of_band: bool = False  # conversation "none": its items are not the conversation's (no conversation.item.*)
     calls: list[tuple[int, dict]] = field(default_factory=list)  # (output_index, the done function_call item)
 
 
@@ -502,18 +567,10 @@ class Translator:
         self.responses: dict[str, Output] = {}  # response_id -> the response in progress
         self.audio_out = True  # the session's output modalities hold audio (from its created/updated events)
         self.max_output_tokens: int | str = "inf"  # the session's (from its created/updated events)
-        self.responds_on_stop = True  # turn detection starts a response when speech stops (the same)
         self.tools: list[omni_pb2.Tool] = []  # the session's tools (from its created/updated events)
         # item_id -> the item as the client was last told of it, which answers conversation.item.retrieve
         # here (the session holds the same items, so this grows no more than the session does)
         self.items: dict[str, dict] = {}
-        # NOTE: the metadata of each response.create sent and not yet answered, oldest first. The
-        # session answers each create in order, with its response_created or an error about
-        # `create_response`; a response turn detection started (response_created right after the
-        # committed of a detected stop) is nobody's request and takes none.
-        self.requested: deque[dict | None] = deque()
-        self.stopped_item: str | None = None  # the item of a speech_stopped just before
-        self.detected_response = False  # the last event was the committed of a detected stop
         # The client's audio formats (pcm, pcmu, pcma): the session's output format is the
         # gateway's alone; the input's as the session reads it now (`input_format`) and as the
         # appends sent since are read (`sending_format`: the last update sent, until refused).
@@ -537,10 +594,6 @@ class Translator:
             self.output_format = output_format or self.output_format
         self.sending_format = next((f for f, _ in reversed(self.updates) if f), self.input_format)
 
-    def response_requested(self, metadata: dict | None) -> None:
-        """A client's response.create about to be sent to the session."""
-        self.requested.append(metadata)
-
     def session(self, info: omni_pb2.SessionInfo) -> dict:
         s = info.settings
         turn = s.turn_detection
@@ -556,7 +609,9 @@ class Translator:
             "max_output_tokens": s.thinker_sampling.max_new_tokens if s.thinker_sampling.HasField("max_new_tokens")
             else "inf",
             "audio": {"input": {"format": formats[self.input_format], "turn_detection": detection,
-                                "transcription": None, "noise_reduction": None},
+                                "transcription": {"model": self.model, "language": s.input_transcription.language or None,
+                                                  "prompt": s.input_transcription.prompt or None}
+                                if s.input_transcription.enabled else None, "noise_reduction": None},
                       "output": {"format": formats[self.output_format], "voice": s.voice or self.config.default_voice,
                                  "speed": 1.0}},
             "tools": [{"type": "function", "name": t.name, "description": t.description,
@@ -568,7 +623,6 @@ class Translator:
 
     def server_events(self, event: omni_pb2.SessionEvent) -> list[dict]:
         kind = event.WhichOneof("event")
-        detected, self.detected_response = self.detected_response, False
         body = getattr(event, kind)
         rid = event.response_id
         match kind:
@@ -581,11 +635,9 @@ class Translator:
                 return [{"type": "input_audio_buffer.speech_started", "audio_start_ms": body.audio_start_ms,
                          "item_id": body.item_id}]
             case "speech_stopped":
-                self.stopped_item = body.item_id
                 return [{"type": "input_audio_buffer.speech_stopped", "audio_end_ms": body.audio_end_ms,
                          "item_id": body.item_id}]
             case "committed":
-                self.detected_response = self.responds_on_stop and body.item_id == self.stopped_item
                 item = {"id": body.item_id, "object": "realtime.item", "type": "message", "role": "user",
                         "status": "completed", "content": [{"type": "input_audio", "transcript": None}]}
                 return [{"type": "input_audio_buffer.committed", "item_id": body.item_id,
@@ -613,7 +665,7 @@ class Translator:
                         "status": "completed", "content": [{"type": part, "text": body.text}]}
                 return self.item_events(item, body.previous_item_id)
             case "response_created":
-                return self.response_created(rid, body, detected)
+                return self.response_created(rid, body)
             case "text":
                 return self.text_delta(rid, body)
             case "audio":
@@ -625,6 +677,21 @@ class Translator:
                 if self.last_item == body.item_id:  # the next item goes after the one before it
                     self.last_item = next(reversed(self.items), None)
                 return [{"type": "conversation.item.deleted", "item_id": body.item_id}]
+            case "transcription_delta":
+                return [{"type": "conversation.item.input_audio_transcription.delta", "item_id": body.item_id,
+                         "content_index": body.content_index, "delta": body.delta}]
+            case "transcription_completed":
+                self.transcribed(body.item_id, body.content_index, body.transcript)
+                usage = body.final.usage
+                return [{"type": "conversation.item.input_audio_transcription.completed", "item_id": body.item_id,
+                         "content_index": body.content_index, "transcript": body.transcript, "usage": {
+                             "type": "tokens", "input_tokens": usage.prompt_tokens, "output_tokens": usage.text_tokens,
+                             "total_tokens": usage.prompt_tokens + usage.text_tokens}}]
+            case "transcription_failed":
+                return [{"type": "conversation.item.input_audio_transcription.failed", "item_id": body.item_id,
+                         "content_index": body.content_index, "error": {
+                             "type": "server_error", "code": body.error.code, "message": body.error.message,
+                             "param": openai_param(body.error.field)}}]
             case "conversation_truncated":
                 return []  # the API has no event for it: the items stay, the model no longer sees them
             case "truncated":
@@ -632,9 +699,7 @@ class Translator:
                 return [{"type": "conversation.item.truncated", "item_id": body.item_id, "content_index": 0,
                          "audio_end_ms": body.audio_end_ms}]
             case "error":
-                if body.field == "create_response" and self.requested:
-                    self.requested.popleft()  # that create was refused: it makes no response
-                elif body.field.startswith("update"):
+                if body.field.startswith("update"):
                     self.update_answered(False)
                 code = "item_delete_invalid_item_id" if body.code == "unknown_item" and \
                     body.field.startswith("delete_item") else OPENAI_CODES.get(body.code, body.code)
@@ -651,7 +716,6 @@ class Translator:
         self.tools = list(s.tools)
         self.max_output_tokens = s.thinker_sampling.max_new_tokens if s.thinker_sampling.HasField("max_new_tokens") \
             else "inf"
-        self.responds_on_stop = s.turn_detection.enabled and s.turn_detection.create_response
 
     def item_events(self, item: dict, previous: str) -> list[dict]:
         self.last_item = item["id"]
@@ -661,6 +725,14 @@ class Translator:
         """`conversation.item.added` or `.done`; the item kept for retrieval as this says it."""
         self.items[item["id"]] = item
         return {"type": f"conversation.item.{kind}", "item": item, "previous_item_id": previous or None}
+
+    def conversation_item(self, out: Output, kind: str, item: dict, previous: str | None) -> list[dict]:
+        """A response's item in the conversation (`conversation.item.added` / `.done`): none for an
+        out-of-band response's, which the conversation does not hold."""
+        if out.out_of_band:
+            return []
+        self.last_item = item["id"]
+        return [self.item_event(kind, item, previous)]
 
     def retrieved(self, event: dict) -> dict:
         """`conversation.item.retrieve` answered from the items sent (their audio is not kept)."""
@@ -672,6 +744,14 @@ class Translator:
                                    "item_retrieve_invalid_item_id")
         return {"type": "conversation.item.retrieved", "item": self.items[item_id]}
 
+    def transcribed(self, item_id: str, index: int, transcript: str) -> None:
+        """A user item's audio part transcribed: retrieval shows its transcript."""
+        item = self.items.get(item_id)
+        if item is not None and index < len(item.get("content", ())):
+            content = list(item["content"])
+            content[index] = {**content[index], "transcript": transcript}
+            self.items[item_id] = {**item, "content": content}
+
     def truncated(self, cut: omni_pb2.ItemTruncated) -> None:
         """A cut reply's kept item: its transcript what the conversation keeps of it."""
         item = self.items.get(cut.item_id)
@@ -682,13 +762,16 @@ class Translator:
 
     def response(self, rid: str, out: Output, status: str, output: list, **extra) -> dict:
         return {"id": rid, "object": "realtime.response", "status": status, "output": output,
-                "output_modalities": ["audio"] if out.audio else ["text"], "conversation_id": "conv_default",
+                "output_modalities": ["audio"] if out.audio else ["text"],
+                "conversation_id": None if out.out_of_band else "conv_default",
                 "max_output_tokens": out.max_output_tokens, "metadata": out.metadata, "status_details": None,
                 "usage": None, **extra}
 
-    def response_created(self, rid: str, body: omni_pb2.ResponseCreated, detected: bool) -> list[dict]:
-        metadata = None if detected or not self.requested else self.requested.popleft()
-        out = Output(body.item_id, self.audio_out, metadata, self.max_output_tokens, self.output_format)
+    def response_created(self, rid: str, body: omni_pb2.ResponseCreated) -> list[dict]:
+        """A response, as made: the session's settings with its response.create's overrides."""
+        out = Output(body.item_id, AUDIO in body.output_modalities, dict(body.metadata) or None,
+                     body.max_output_tokens if body.HasField("max_output_tokens") else "inf", self.output_format,
+                     body.out_of_band)
         self.responses[rid] = out
         return [{"type": "response.created", "response": self.response(rid, out, "in_progress", [])}]
 
@@ -708,9 +791,9 @@ class Translator:
             return []
         out.index, out.next_index = out.next_index, out.next_index + 1
         item = self.message(out, "in_progress")
-        out.previous, self.last_item = self.last_item, out.item_id
+        out.previous = self.last_item
         return [{"type": "response.output_item.added", "response_id": rid, "output_index": out.index, "item": item},
-                self.item_event("added", item, out.previous),
+                *self.conversation_item(out, "added", item, out.previous),
                 {"type": "response.content_part.added", **self.content_ids(rid, out), "part": self.part(out, "")}]
 
     def content_ids(self, rid: str, out: Output) -> dict:
@@ -736,15 +819,15 @@ class Translator:
                 "call_id": call.call_id, "name": call.name, "arguments": ""}
         done = {**item, "status": "completed", "arguments": call.arguments}
         out.calls.append((index, done))
-        previous, self.last_item = self.last_item, call.item_id
+        previous = self.last_item
         ids = {"response_id": rid, "item_id": call.item_id, "output_index": index, "call_id": call.call_id}
         return [{"type": "response.output_item.added", "response_id": rid, "output_index": index, "item": item},
-                self.item_event("added", item, previous),
+                *self.conversation_item(out, "added", item, previous),
                 {"type": "response.function_call_arguments.delta", **ids, "delta": call.arguments},
                 {"type": "response.function_call_arguments.done", **ids, "name": call.name,
                  "arguments": call.arguments},
                 {"type": "response.output_item.done", "response_id": rid, "output_index": index, "item": done},
-                self.item_event("done", done, previous)]
+                *self.conversation_item(out, "done", done, previous)]
 
     def audio_delta(self, rid: str, chunk) -> list[dict]:
         out = self.responses.get(rid)
@@ -797,7 +880,7 @@ class Translator:
             events = [{"type": "response.output_text.done", **ids, "text": text}]
         return [*events, {"type": "response.content_part.done", **ids, "part": self.part(out, text)},
                 {"type": "response.output_item.done", "response_id": rid, "output_index": out.index, "item": message},
-                self.item_event("done", message, out.previous)]
+                *self.conversation_item(out, "done", message, out.previous)]
 
 
 def response_status(done: omni_pb2.ResponseDone) -> tuple[str, dict]:

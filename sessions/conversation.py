@@ -82,6 +82,7 @@ class Item:
     reply: Reply | None = None  # an assistant reply the pipeline made
     tool_calls: list[omni_pb2.ToolCall] = field(default_factory=list)  # a client's assistant item's calls
     tool_call_id: str = ""  # a tool's result (ROLE_TOOL): the call it answers
+    transcript: str | None = None  # a committed audio turn's, once transcribed (input_transcription)
 
     def message(self) -> omni_pb2.Message | None:
         """The item as a Generate message (None: a reply of which nothing was heard). A reply's

@@ -1,5 +1,5 @@
 """The sessions service's Prometheus metrics: sessions open and ended, turns by status and their
-retries, barge-ins, end of speech to first audio, what turn detection costs (its CPU over the
+retries, transcriptions of the user's turns, barge-ins, end of speech to first audio, what turn detection costs (its CPU over the
 seconds of audio it heard) and the event loop's lag."""
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ class SessionMetrics:
                                     "output and were sent again, to the next router target", registry=r)
         self.truncations = Counter("omni_session_truncations", "Turns that did not fit a stage's per-request cache "
                                    "and dropped the conversation's oldest turns (`truncation`)", registry=r)
+        self.transcriptions = Counter("omni_session_transcriptions", "Transcriptions of committed input audio turns "
+                                      "(input_transcription), by status: completed, failed", ["status"], registry=r)
+        for status in ("completed", "failed"):
+            self.transcriptions.labels(status)
         self.barge_ins = Counter("omni_session_barge_ins",
                                  "Speech that started while a response was playing (it was cancelled)", registry=r)
         self.first_audio = Histogram("omni_session_first_audio_seconds",

@@ -32,7 +32,7 @@ import uuid
 from collections import deque
 from concurrent.futures import Executor
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -49,6 +49,7 @@ from sessions.input_audio import InputAudio, InputPace
 from sessions.metrics import SessionMetrics
 from sessions.router_client import RouterClient, Turn, TurnFailed
 from sessions.settings import AUDIO, Settings
+from sessions.transcription import Transcription
 from sessions.turn_detection import SpeechStart
 
 log = logging.getLogger("sessions")
@@ -59,6 +60,8 @@ INBOX = 32
 COMPLETED, CANCELLED, FAILED = (omni_pb2.RESPONSE_STATUS_COMPLETED, omni_pb2.RESPONSE_STATUS_CANCELLED,
                                 omni_pb2.RESPONSE_STATUS_FAILED)
 RESPONSE_OUTPUT = ("text", "audio", "codec_frames", "function_call")  # events dropped unsent when their response is cancelled
+# A response.create's metadata, as the Realtime API bounds it: pairs, and each key's and value's characters.
+MAX_METADATA, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 
 def new_id(prefix: str) -> str:
@@ -77,8 +80,13 @@ class MessageError(Exception):
 class Response:
     response_id: str
     item: Item  # the assistant item its reply becomes
+    settings: Settings  # the session's, with the create_response's overrides
+    input: list[omni_pb2.Message] | None = None  # its own prompt (None: the conversation's)
     task: asyncio.Task | None = None
     ended: bool = False
+    # Set once its first audio (text, for a text-only reply) was written or it ended: what a
+    # transcription started beside it waits for.
+    first_output: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @dataclass
@@ -131,6 +139,7 @@ class RealtimeSession:
         self.input.configure(self.settings.input_format, self.settings.turn_detection)
         self.speech_item: str | None = None  # the item id of the speech in progress
         self.speech_stopped_at: float | None = None  # monotonic time of the last stop: end of speech -> first audio
+        self.transcriptions: set[asyncio.Task] = set()  # the committed turns' transcriptions running
 
     # ---- the call ----
 
@@ -170,6 +179,8 @@ class RealtimeSession:
             self.outbox_ready.set()
             while not self.inbox.empty():  # a reader waiting for room gets it, and then keeps nothing
                 self.inbox.get_nowait()
+            for task in self.transcriptions:
+                task.cancel()  # its Generate call with it: the thinker frees it
             let_end(reader)
             if self.writing_since is None:
                 writer.cancel()
@@ -231,7 +242,12 @@ class RealtimeSession:
             self.close(omni_pb2.CLOSE_REASON_IDLE_TIMEOUT, f"no input for {self.config.idle_timeout_s:g} s")
 
     def written(self, event: omni_pb2.SessionEvent) -> None:
-        """The server's audio clock: what of the last reply the client has, and since when."""
+        """The server's audio clock: what of the last reply the client has, and since when; a
+        response's first output."""
+        response = self.response
+        if response is not None and event.response_id == response.response_id and event.WhichOneof("event") == (
+                "audio" if AUDIO in response.settings.output_modalities else "text"):
+            response.first_output.set()
         playback = self.playback
         if event.WhichOneof("event") != "audio" or playback is None or event.response_id != playback.response_id:
             return
@@ -316,25 +332,7 @@ class RealtimeSession:
 
     def on_create_item(self, create: omni_pb2.CreateItem) -> None:
         message = create.message
-        if message.role not in (omni_pb2.ROLE_SYSTEM, omni_pb2.ROLE_USER, omni_pb2.ROLE_ASSISTANT, omni_pb2.ROLE_TOOL):
-            raise MessageError("invalid_argument", "role must be system, user, assistant or tool",
-                               "create_item.message.role")
-        for i, part in enumerate(message.content):
-            kind = part.WhichOneof("part")
-            if kind != "text" and not (kind == "audio" and message.role == omni_pb2.ROLE_USER):
-                raise MessageError("unsupported", f"a {kind or 'empty'} part (an item holds text parts, and a user "
-                                                  "item audio parts)", f"create_item.message.content[{i}]")
-        if message.tool_calls and message.role != omni_pb2.ROLE_ASSISTANT:
-            raise MessageError("invalid_argument", "only an assistant item makes calls", "create_item.message.tool_calls")
-        for k, call in enumerate(message.tool_calls):
-            if not call.name:
-                raise MessageError("invalid_argument", "a call names its function",
-                                   f"create_item.message.tool_calls[{k}].name")
-        if (message.role == omni_pb2.ROLE_TOOL) != bool(message.tool_call_id):
-            raise MessageError("invalid_argument", "a tool's result (and only it) names the call it answers",
-                               "create_item.message.tool_call_id")
-        if not message.content and not message.tool_calls:
-            raise MessageError("invalid_argument", "the item has no content", "create_item.message.content")
+        check_message(message, "create_item.message")
         item_id = create.item_id if create.HasField("item_id") and create.item_id else new_id("item")
         if self.conversation.find(item_id) is not None:
             raise MessageError("invalid_argument", f"item {item_id} exists", "create_item.item_id")
@@ -345,10 +343,28 @@ class RealtimeSession:
             item_id=item_id, previous_item_id=previous, role=message.role, text=item.text,
             tool_calls=message.tool_calls, tool_call_id=message.tool_call_id)))
 
-    def on_create_response(self, _: omni_pb2.CreateResponse) -> None:
+    def on_create_response(self, create: omni_pb2.CreateResponse) -> None:
         if self.response is not None and not self.response.ended:
             raise MessageError("response_in_progress", "a response is in progress: cancel it first", "create_response")
-        self.create_response()
+        settings = self.settings.for_response(create)
+        check_metadata(create.metadata)
+        prompt = None
+        if create.input_set:
+            prompt = [self.response_input(part, f"create_response.input[{i}]") for i, part in enumerate(create.input)]
+            prompt = [m for m in prompt if m is not None]
+        self.create_response(settings, prompt, create)
+
+    def response_input(self, part: omni_pb2.ResponseInput, where: str) -> omni_pb2.Message | None:
+        """One item of a response's own input as a Generate message (None: a reply of which nothing was heard)."""
+        if part.WhichOneof("item") == "item_reference":
+            item = self.conversation.find(part.item_reference)
+            if item is None:
+                raise MessageError("unknown_item", f"no item {part.item_reference!r}", f"{where}.item_reference")
+            return item.message()
+        if part.WhichOneof("item") is None:
+            raise MessageError("invalid_argument", "an input item is a message or an item_reference", where)
+        check_message(part.message, f"{where}.message")
+        return part.message
 
     def on_cancel_response(self, _: omni_pb2.CancelResponse) -> None:
         if self.response is None or self.response.ended:
@@ -396,7 +412,7 @@ class RealtimeSession:
         self.commit_input(item_id)
         # With barge-in off, speech during a response adds its item; the next response hears it.
         if self.settings.turn_detection.create_response and (self.response is None or self.response.ended):
-            self.create_response()
+            self.create_response(self.settings)
 
     def commit_input(self, item_id: str) -> None:
         """The input buffer becomes a user item (its audio as a wav at the input rate); the buffer empties."""
@@ -407,23 +423,69 @@ class RealtimeSession:
         self.speech_item = None
         self.emit(omni_pb2.SessionEvent(committed=omni_pb2.InputCommitted(
             item_id=item_id, previous_item_id=previous, audio_ms=audio_ms)))
+        if self.settings.transcription is not None:
+            task = asyncio.create_task(self.transcribe(item, audio_ms, self.settings.transcription))
+            self.transcriptions.add(task)
+            task.add_done_callback(self.transcriptions.discard)
+
+    async def transcribe(self, item: Item, audio_ms: int, transcription: Transcription) -> None:
+        """A committed turn's transcript: the thinker's text-only pass over its audio, as deltas,
+        then completed (failed: its error; the session goes on). It runs beside the response: when
+        one is in progress as it starts (turn detection's, created right after the commit), it waits
+        for that response's first audio, so it never delays it."""
+        response = self.response
+        if response is not None and not response.ended:
+            await response.first_output.wait()
+        request = transcription.request(new_id("transcribe"), item.content[0].audio, audio_ms)
+        ids = {"item_id": item.item_id, "content_index": 0}
+        pieces, final = [], None
+        try:
+            async with aclosing(self.router.generate(request, self.turn())) as outputs:
+                async for output in outputs:
+                    if output.WhichOneof("event") == "final":
+                        final = output.final
+                    elif output.WhichOneof("event") == "text" and output.text.text not in ("", END_TEXT):
+                        pieces.append(output.text.text)
+                        self.emit(omni_pb2.SessionEvent(transcription_delta=omni_pb2.TranscriptionDelta(
+                            **ids, delta=output.text.text)))
+        except Exception as exc:
+            if isinstance(exc, TurnFailed):
+                error = exc.as_error()
+            else:  # a bug here must not end the session silently
+                log.exception("session %s: the transcription of %s failed", self.session_id, item.item_id)
+                error = omni_pb2.SessionError(code="internal", message=status_for(exc)[0].message)
+            self.metrics.transcriptions.labels("failed").inc()
+            self.emit(omni_pb2.SessionEvent(transcription_failed=omni_pb2.TranscriptionFailed(**ids, error=error)))
+            return
+        item.transcript = "".join(pieces)
+        self.metrics.transcriptions.labels("completed").inc()
+        self.emit(omni_pb2.SessionEvent(transcription_completed=omni_pb2.TranscriptionCompleted(
+            **ids, transcript=item.transcript, final=final)))
 
     # ---- responses ----
 
-    def create_response(self) -> None:
+    def create_response(self, settings: Settings, prompt: list[omni_pb2.Message] | None = None,
+                        create: omni_pb2.CreateResponse | None = None) -> None:
+        """A response of `settings` to `prompt` (None: the conversation); `create`: the client's
+        request (its metadata; out of band, the reply is not added to the conversation)."""
         if self.turns >= self.config.max_turns:
             self.close(omni_pb2.CLOSE_REASON_TURN_LIMIT, f"the session made its {self.config.max_turns} responses")
             return
         self.turns += 1
         response_id = new_id("resp")
-        request = self.settings.request(response_id, self.conversation.messages())
-        item = Item(new_id("item"), omni_pb2.ROLE_ASSISTANT, reply=Reply(tools=self.settings.calls_tools))
-        self.conversation.add(item)
-        self.response = response = Response(response_id, item)
-        if AUDIO in self.settings.output_modalities:
+        request = settings.request(response_id, self.conversation.messages() if prompt is None else prompt)
+        item = Item(new_id("item"), omni_pb2.ROLE_ASSISTANT, reply=Reply(tools=settings.calls_tools))
+        out_of_band = create is not None and create.out_of_band
+        if not out_of_band:
+            self.conversation.add(item)
+        self.response = response = Response(response_id, item, settings, prompt)
+        if AUDIO in settings.output_modalities:
             self.playback = Playback(item, response_id)
-        self.emit(omni_pb2.SessionEvent(response_id=response_id,
-                                        response_created=omni_pb2.ResponseCreated(item_id=item.item_id)))
+        created = omni_pb2.ResponseCreated(item_id=item.item_id, output_modalities=settings.output_modalities,
+                                           out_of_band=out_of_band, metadata=dict(create.metadata) if create else None)
+        if settings.max_output_tokens is not None:
+            created.max_output_tokens = settings.max_output_tokens
+        self.emit(omni_pb2.SessionEvent(response_id=response_id, response_created=created))
         response.task = asyncio.create_task(self.run_response(response, request))
 
     async def run_response(self, response: Response, request: omni_pb2.GenerateRequest) -> None:
@@ -434,8 +496,9 @@ class RealtimeSession:
                 final = await self.stream_response(response, request, calls)
                 break
             except TurnFailed as failed:
-                if self.truncated_to_fit(response, failed):  # refused before any output: again, shorter
-                    request = self.settings.request(response.response_id, self.conversation.messages())
+                # Refused before any output (a response of the conversation): again, shorter.
+                if response.input is None and self.truncated_to_fit(response, failed):
+                    request = response.settings.request(response.response_id, self.conversation.messages())
                     continue
                 # That turn alone fails: an `error` event (the router's status), its response_done
                 # failed with the same error, and the session goes on.
@@ -519,6 +582,7 @@ class RealtimeSession:
         if response.ended:
             return
         response.ended = True
+        response.first_output.set()
         reply = response.item.reply
         self.metrics.turns.labels(omni_pb2.ResponseStatus.Name(status).removeprefix("RESPONSE_STATUS_").lower()).inc()
         done = omni_pb2.ResponseDone(item_id=response.item.item_id, status=status, cancel_reason=reason,
@@ -568,3 +632,34 @@ class RealtimeSession:
         self.emit(omni_pb2.SessionEvent(truncated=omni_pb2.ItemTruncated(
             item_id=item.item_id, audio_end_ms=item.reply.audio_end_ms, text=item.reply.content)))
 
+
+
+def check_message(message: omni_pb2.Message, where: str) -> None:
+    """An item the client gives (a conversation item, a response's input): MessageError naming its field."""
+    if message.role not in (omni_pb2.ROLE_SYSTEM, omni_pb2.ROLE_USER, omni_pb2.ROLE_ASSISTANT, omni_pb2.ROLE_TOOL):
+        raise MessageError("invalid_argument", "role must be system, user, assistant or tool", f"{where}.role")
+    for i, part in enumerate(message.content):
+        kind = part.WhichOneof("part")
+        if kind != "text" and not (kind == "audio" and message.role == omni_pb2.ROLE_USER):
+            raise MessageError("unsupported", f"a {kind or 'empty'} part (an item holds text parts, and a user "
+                                              "item audio parts)", f"{where}.content[{i}]")
+    if message.tool_calls and message.role != omni_pb2.ROLE_ASSISTANT:
+        raise MessageError("invalid_argument", "only an assistant item makes calls", f"{where}.tool_calls")
+    for k, call in enumerate(message.tool_calls):
+        if not call.name:
+            raise MessageError("invalid_argument", "a call names its function", f"{where}.tool_calls[{k}].name")
+    if (message.role == omni_pb2.ROLE_TOOL) != bool(message.tool_call_id):
+        raise MessageError("invalid_argument", "a tool's result (and only it) names the call it answers",
+                           f"{where}.tool_call_id")
+    if not message.content and not message.tool_calls:
+        raise MessageError("invalid_argument", "the item has no content", f"{where}.content")
+
+
+def check_metadata(metadata) -> None:
+    """A response's metadata within the Realtime API's bounds: MessageError naming the field."""
+    if len(metadata) > MAX_METADATA:
+        raise MessageError("invalid_argument", f"at most {MAX_METADATA} pairs", "create_response.metadata")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY or len(value) > MAX_METADATA_VALUE:
+            raise MessageError("invalid_argument", f"keys of at most {MAX_METADATA_KEY} characters, values of at most "
+                                                   f"{MAX_METADATA_VALUE}", f"create_response.metadata.{key[:64]}")

@@ -10,6 +10,7 @@ from omni.v1 import common_pb2, omni_pb2
 from services.base.errors import InvalidArgument
 from services.base.tool_calls import check_tools
 from sessions.audio import DEFAULT_FORMAT, InputFormat, input_format
+from sessions.transcription import Transcription
 from sessions.turn_detection import TurnDetectionSettings
 
 _MODES = omni_pb2.ToolChoice
@@ -34,6 +35,7 @@ class Settings:
     tool_choice: bytes = b""
     # A turn that does not fit: its oldest turns dropped to this share of the turns (0: it fails).
     retention_ratio: float = DEFAULT_RETENTION
+    transcription: Transcription | None = None  # each committed audio turn transcribed (None: off)
 
     @property
     def calls_tools(self) -> bool:
@@ -70,9 +72,37 @@ class Settings:
             changes["tool_choice"] = proto.tool_choice.SerializeToString(deterministic=True)
         if proto.HasField("truncation"):
             changes["retention_ratio"] = retention(proto.truncation, f"{field_}.truncation")
+        if proto.HasField("input_transcription"):
+            changes["transcription"] = Transcription.of(proto.input_transcription, f"{field_}.input_transcription")
         settings = replace(self, **changes)
         settings.check_tool_choice(f"{field_}.tool_choice")
         return settings
+
+    def for_response(self, create: omni_pb2.CreateResponse) -> Settings:
+        """These settings with a response's overrides, each checked (InvalidArgument naming the
+        `create_response` field)."""
+        overrides = omni_pb2.SessionSettings(output_modalities=create.output_modalities, tools=create.tools,
+                                             tools_set=create.tools_set)
+        if create.HasField("instructions"):
+            overrides.instructions = create.instructions
+        if create.HasField("tool_choice"):
+            overrides.tool_choice.CopyFrom(create.tool_choice)
+        if create.HasField("max_output_tokens"):
+            sampling = common_pb2.SamplingParams.FromString(self.thinker_sampling)
+            if create.max_output_tokens:
+                sampling.max_new_tokens = create.max_output_tokens
+            else:
+                sampling.ClearField("max_new_tokens")
+            overrides.thinker_sampling.CopyFrom(sampling)
+        if create.tools_set and not create.HasField("tool_choice"):
+            overrides.tool_choice.CopyFrom(omni_pb2.ToolChoice())  # the session's choice may name a tool it drops
+        return self.updated(overrides, "create_response")
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        """The thinker's token limit these settings ask for (None: the thinker's own)."""
+        sampling = common_pb2.SamplingParams.FromString(self.thinker_sampling)
+        return sampling.max_new_tokens if sampling.HasField("max_new_tokens") else None
 
     def check_tool_choice(self, where: str) -> None:
         choice = omni_pb2.ToolChoice.FromString(self.tool_choice)
@@ -93,7 +123,8 @@ class Settings:
             talker_sampling=common_pb2.SamplingParams.FromString(self.talker_sampling),
             tools=[omni_pb2.Tool.FromString(t) for t in self.tools], tools_set=True,
             tool_choice=omni_pb2.ToolChoice.FromString(self.tool_choice),
-            truncation=omni_pb2.Truncation(enabled=self.retention_ratio > 0, retention_ratio=self.retention_ratio))
+            truncation=omni_pb2.Truncation(enabled=self.retention_ratio > 0, retention_ratio=self.retention_ratio),
+            input_transcription=self.transcription.to_proto() if self.transcription else omni_pb2.InputTranscription())
         if self.voice is not None:
             settings.voice = self.voice
         return settings

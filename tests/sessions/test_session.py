@@ -143,6 +143,20 @@ def test_speech_over_a_playing_reply_cancels_it_in_every_stage_and_cuts_the_hist
     (omni_pb2.SessionRequest(create_item=omni_pb2.CreateItem(message=omni_pb2.Message(
         role=omni_pb2.ROLE_USER, content=[omni_pb2.Content(image=b"png")]))), "unsupported",
      "create_item.message.content[0]"),
+    # a response's overrides, each checked against the session before any work
+    (omni_pb2.SessionRequest(create_response=omni_pb2.CreateResponse(output_modalities=[omni_pb2.MODALITY_AUDIO])),
+     "invalid_argument", "create_response.output_modalities"),
+    (omni_pb2.SessionRequest(create_response=omni_pb2.CreateResponse(tool_choice=omni_pb2.ToolChoice(
+        mode=omni_pb2.ToolChoice.MODE_FUNCTION, function="nope"))), "invalid_argument", "create_response.tool_choice"),
+    (omni_pb2.SessionRequest(create_response=omni_pb2.CreateResponse(metadata={str(i): "v" for i in range(17)})),
+     "invalid_argument", "create_response.metadata"),
+    (omni_pb2.SessionRequest(create_response=omni_pb2.CreateResponse(input_set=True, input=[
+        omni_pb2.ResponseInput(item_reference="nope")])), "unknown_item", "create_response.input[0].item_reference"),
+    (omni_pb2.SessionRequest(create_response=omni_pb2.CreateResponse(input_set=True, input=[omni_pb2.ResponseInput(
+        message=omni_pb2.Message(role=omni_pb2.ROLE_USER, content=[omni_pb2.Content(image=b"png")]))])),
+     "unsupported", "create_response.input[0].message.content[0]"),
+    (omni_pb2.SessionRequest(update=omni_pb2.SessionSettings(input_transcription=omni_pb2.InputTranscription(
+        enabled=True, language="English!"))), "invalid_argument", "update.input_transcription.language"),
 ])
 def test_a_bad_message_gets_an_error_event_naming_the_field_and_the_session_goes_on(session, message, code, field):
     call = session(turn_detection=MANUAL, thinker_sampling=sampling(2), output_modalities=[omni_pb2.MODALITY_TEXT])
