@@ -771,7 +771,7 @@ class Translator:
         """A response, as made: the session's settings with its response.create's overrides."""
         out = Output(body.item_id, AUDIO in body.output_modalities, dict(body.metadata) or None,
                      body.max_output_tokens if body.HasField("max_output_tokens") else "inf", self.output_format,
-                     body.out_of_band)
+                     out_of_band=body.out_of_band)
         self.responses[rid] = out
         return [{"type": "response.created", "response": self.response(rid, out, "in_progress", [])}]
 

@@ -170,6 +170,56 @@ def test_the_sdks_async_client_cancels_a_response_with_response_cancel(async_cli
         assert response.status_details.reason == "client_cancelled"
 
 
+def test_the_sdks_async_client_gets_the_users_transcript_and_an_out_of_band_answer_with_its_own_settings(async_client):
+    """A spoken turn with input transcription: its transcript names the committed item and becomes
+    the item's; then an out-of-band response to that item (an item_reference) with its own
+    instructions, modalities, token limit and metadata: answered, and the conversation untouched."""
+    async def run():
+        async with async_client().realtime.connect(model="tiny-qwen3-omni") as conn:
+            await conn.recv()
+            await conn.session.update(session={**SETTINGS, "audio": {"input": {"transcription": {
+                "model": "gpt-4o-transcribe", "language": "en"}}}})
+            updated = await conn.recv()
+            assert updated.session.audio.input.transcription.model == "tiny-qwen3-omni"
+            for chunk in appends(bytes(24000) + speech_24k(0) + bytes(2 * 24000)):
+                await conn.input_audio_buffer.append(audio=chunk)
+            events, done, transcribed = [], None, None
+            async for event in conn:
+                events.append(event)
+                done = event if event.type == "response.done" else done
+                if event.type == "conversation.item.input_audio_transcription.completed":
+                    transcribed = event
+                if done and transcribed:
+                    break
+            [committed] = [e for e in events if e.type == "input_audio_buffer.committed"]
+            await conn.conversation.item.retrieve(item_id=committed.item_id)
+            retrieved = await conn.recv()
+            await conn.response.create(response={
+                "conversation": "none", "instructions": "Summarize in one word.", "output_modalities": ["text"],
+                "max_output_tokens": 3, "metadata": {"purpose": "summary"},
+                "input": [{"type": "item_reference", "id": committed.item_id}]})
+            oob = []
+            async for event in conn:
+                oob.append(event)
+                if event.type == "response.done":
+                    break
+            await conn.conversation.item.retrieve(item_id=oob[-1].response.output[0].id)
+            return events, committed, transcribed, retrieved, oob, await conn.recv()
+
+    events, committed, transcribed, retrieved, oob, gone = asyncio.run(run())
+    deltas = [e for e in events if e.type == "conversation.item.input_audio_transcription.delta"]
+    assert {(e.item_id, e.content_index) for e in deltas + [transcribed]} == {(committed.item_id, 0)}
+    assert "".join(e.delta for e in deltas) == transcribed.transcript
+    assert retrieved.item.content[0].transcript == transcribed.transcript
+    # out of band: its own settings, its output, no conversation item
+    assert not [e for e in oob if e.type.startswith("conversation.")]
+    response = oob[-1].response
+    assert (response.conversation_id, response.metadata, response.output_modalities, response.max_output_tokens) == (
+        None, {"purpose": "summary"}, ["text"], 3)
+    assert response.status in ("completed", "incomplete") and response.output[0].content[0].type == "output_text"
+    assert gone.type == "error" and gone.error.code == "item_retrieve_invalid_item_id"
+
+
 def test_a_refused_bearer_token_is_a_401_in_the_handshake(gateway, tmp_path):
     tokens = tmp_path / "tokens"
     tokens.write_text("secret\n")

@@ -16,7 +16,7 @@ from pydantic import TypeAdapter
 
 from gateway import g711
 from gateway.config import GatewayConfig
-from gateway.realtime_events import ClientEventError, Translator, client_event, requested_formats, response_metadata
+from gateway.realtime_events import ClientEventError, Translator, client_event, requested_formats
 from omni.v1 import common_pb2, omni_pb2
 
 CONFIG = GatewayConfig(voices=("ethan",))
@@ -42,8 +42,14 @@ def session(audio: bool = True, vad: bool = False, max_tokens: int | None = None
     return omni_pb2.SessionEvent(updated=omni_pb2.SessionInfo(session_id="sess_1", settings=settings))
 
 
-def created(rid: str = RID, item: str = MSG) -> omni_pb2.SessionEvent:
-    return omni_pb2.SessionEvent(response_id=rid, response_created=omni_pb2.ResponseCreated(item_id=item))
+def created(rid: str = RID, item: str = MSG, audio: bool = True, max_tokens: int | None = None,
+            **kw) -> omni_pb2.SessionEvent:
+    """A response as the session makes it: its settings (the session's and its create's) in the event."""
+    body = omni_pb2.ResponseCreated(item_id=item, output_modalities=[omni_pb2.MODALITY_TEXT] + (
+        [omni_pb2.MODALITY_AUDIO] if audio else []), **kw)
+    if max_tokens is not None:
+        body.max_output_tokens = max_tokens
+    return omni_pb2.SessionEvent(response_id=rid, response_created=body)
 
 
 def text(t: str, rid: str = RID) -> omni_pb2.SessionEvent:
@@ -106,7 +112,7 @@ def test_a_spoken_reply_has_the_whole_lifecycle_in_the_apis_order_every_delta_na
 def test_a_text_reply_has_output_text_events_and_its_final_text():
     translator = Translator(CONFIG, "tiny")
     translate(translator, session(audio=False))
-    events = translate(translator, created(), text("Hi"), text(" there"), done("Hi there"))
+    events = translate(translator, created(audio=False), text("Hi"), text(" there"), done("Hi there"))
     assert types(events) == [
         "response.created", "response.output_item.added", "conversation.item.added", "response.content_part.added",
         "response.output_text.delta", "response.output_text.delta", "response.output_text.done",
@@ -152,7 +158,7 @@ def test_a_reply_that_is_only_a_call_has_no_message_and_the_call_at_output_index
 def test_a_reply_stopped_by_its_token_limit_is_incomplete_and_the_limit_shown():
     translator = Translator(CONFIG, "tiny")
     translate(translator, session(max_tokens=6))
-    events = translate(translator, created(), text("a b c"), done("a b c", finish=common_pb2.FINISH_REASON_LENGTH))
+    events = translate(translator, created(max_tokens=6), text("a b c"), done("a b c", finish=common_pb2.FINISH_REASON_LENGTH))
     response = events[-1]["response"]
     assert response["status"] == "incomplete" and response["max_output_tokens"] == 6
     assert response["status_details"] == {"type": "incomplete", "reason": "max_output_tokens", "error": None}
@@ -187,21 +193,44 @@ def test_a_reply_cancelled_before_any_content_has_no_output():
 def test_metadata_is_echoed_on_the_response_the_client_asked_for_not_on_one_turn_detection_started():
     translator = Translator(CONFIG, "tiny")
     translate(translator, session(vad=True))
-    translator.response_requested({"topic": "first"})
-    translator.response_requested({"topic": "second"})
-    # Turn detection starts a response before the session reads the client's creates: the first
-    # create is refused (a response is in progress), the second makes the next response.
-    detected = translate(translator,
-                         omni_pb2.SessionEvent(speech_stopped=omni_pb2.SpeechStopped(item_id=USER, audio_end_ms=900)),
-                         omni_pb2.SessionEvent(committed=omni_pb2.InputCommitted(item_id=USER)), created("resp_vad"))
-    assert detected[-1]["type"] == "response.created" and detected[-1]["response"]["metadata"] is None
-    refused = translate(translator, omni_pb2.SessionEvent(error=omni_pb2.SessionError(
-        code="response_in_progress", message="a response is in progress", field="create_response")),
-        done("", rid="resp_vad"))
-    assert refused[0]["error"]["code"] == "conversation_already_has_active_response"
-    events = translate(translator, created("resp_2", "item_2"), text("Hi", "resp_2"), done("Hi", rid="resp_2"))
-    assert events[0]["response"]["metadata"] == {"topic": "second"}
-    assert events[-1]["response"]["metadata"] == {"topic": "second"}
+    detected = translate(translator, created("resp_vad"), done("", rid="resp_vad"))
+    assert detected[0]["response"]["metadata"] is None and detected[-1]["response"]["metadata"] is None
+    events = translate(translator, created("resp_2", "item_2", metadata={"topic": "second"}), text("Hi", "resp_2"),
+                       done("Hi", rid="resp_2"))
+    assert events[0]["response"]["metadata"] == events[-1]["response"]["metadata"] == {"topic": "second"}
+
+
+def test_an_out_of_band_response_has_its_output_and_no_conversation_item():
+    translator = Translator(CONFIG, "tiny")
+    translate(translator, session(), omni_pb2.SessionEvent(item_added=omni_pb2.ItemAdded(
+        item_id=USER, role=omni_pb2.ROLE_USER, text="Hi")))
+    events = translate(translator, created(audio=False, out_of_band=True), text("Hi"), call("{}"), done("Hi"))
+    assert not [t for t in types(events) if t.startswith("conversation.")]
+    response = events[-1]["response"]
+    assert response["conversation_id"] is None and [o["id"] for o in response["output"]] == [MSG, CALL]
+    assert translator.last_item == USER  # the next item goes after the conversation's last
+    with pytest.raises(ClientEventError):
+        translator.retrieved({"item_id": MSG})
+
+
+def test_the_users_transcript_names_its_item_and_part_and_becomes_the_items():
+    translator = Translator(CONFIG, "tiny")
+    translate(translator, session(), omni_pb2.SessionEvent(committed=omni_pb2.InputCommitted(item_id=USER)))
+    ids = {"item_id": USER, "content_index": 0}
+    events = translate(translator, *(omni_pb2.SessionEvent(transcription_delta=omni_pb2.TranscriptionDelta(
+        **ids, delta=d)) for d in ("Hel", "lo")), omni_pb2.SessionEvent(
+        transcription_completed=omni_pb2.TranscriptionCompleted(**ids, transcript="Hello", final=omni_pb2.Final(
+            usage=omni_pb2.Usage(prompt_tokens=40, text_tokens=2)))))
+    assert [(e["type"], e["item_id"], e["content_index"]) for e in events] == [
+        ("conversation.item.input_audio_transcription.delta", USER, 0)] * 2 + [
+        ("conversation.item.input_audio_transcription.completed", USER, 0)]
+    assert [e["delta"] for e in events[:2]] == ["Hel", "lo"] and events[-1]["transcript"] == "Hello"
+    assert events[-1]["usage"] == {"type": "tokens", "input_tokens": 40, "output_tokens": 2, "total_tokens": 42}
+    assert translator.retrieved({"item_id": USER})["item"]["content"] == [{"type": "input_audio", "transcript": "Hello"}]
+    [failed] = translate(translator, omni_pb2.SessionEvent(transcription_failed=omni_pb2.TranscriptionFailed(
+        **ids, error=omni_pb2.SessionError(code="unavailable", message="router gone"))))
+    assert (failed["type"], failed["item_id"], failed["error"]["code"]) == (
+        "conversation.item.input_audio_transcription.failed", USER, "unavailable")
 
 
 def test_the_sessions_error_codes_are_openais_where_the_api_has_its_own():
@@ -216,13 +245,59 @@ def test_the_sessions_error_codes_are_openais_where_the_api_has_its_own():
     assert codes["no_input"]["event_id"] == "ev_1"
 
 
-def test_response_create_takes_metadata_within_the_apis_bounds_and_names_it_when_not():
-    event = {"type": "response.create", "response": {"metadata": {"k": "v"}}}
-    assert client_event(event, CONFIG, None).HasField("create_response") and response_metadata(event) == {"k": "v"}
-    for bad in ({"k": 1}, {"k" * 65: "v"}, {str(i): "v" for i in range(17)}, "text"):
+def test_response_create_carries_every_override_to_the_session():
+    tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
+    create = client_event({"type": "response.create", "response": {
+        "instructions": "Be terse.", "output_modalities": ["text"], "max_output_tokens": "inf", "tools": tools,
+        "tool_choice": {"type": "function", "name": "get_weather"}, "metadata": {"k": "v"}, "conversation": "none",
+        "input": [{"type": "item_reference", "id": USER},
+                  {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Why?"}]}]}},
+        CONFIG, None).create_response
+    assert (create.instructions, list(create.output_modalities), create.max_output_tokens) == (
+        "Be terse.", [omni_pb2.MODALITY_TEXT], 0)
+    assert create.tools_set and [t.name for t in create.tools] == ["get_weather"]
+    assert create.tool_choice.function == "get_weather" and dict(create.metadata) == {"k": "v"}
+    assert create.out_of_band and create.input_set and create.input[0].item_reference == USER
+    assert create.input[1].message.content[0].text == "Why?"
+    plain = client_event({"type": "response.create"}, CONFIG, None).create_response
+    assert plain == omni_pb2.CreateResponse()  # the session's settings and conversation
+
+
+@pytest.mark.parametrize(("response", "param"), [
+    ({"metadata": {"k": 1}}, "response.metadata"),  # its bounds: the session's (tests/sessions)
+    ({"metadata": "text"}, "response.metadata"),
+    ({"conversation": "conv_other"}, "response.conversation"),
+    ({"audio": {"output": {"voice": "alloy"}}}, "response.audio"),
+    ({"no_such_field": 1}, "response.no_such_field"),
+    ({"output_modalities": ["audio", "text"]}, "response.output_modalities"),
+    ({"max_output_tokens": 0}, "response.max_output_tokens"),
+    ({"tool_choice": "required"}, "response.tool_choice"),  # the session has no tools
+    ({"input": [{"type": "item_reference"}]}, "response.input[0].id"),
+    ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_image"}]}]},
+     "response.input[0].content[0].type"),
+])
+def test_response_create_refuses_a_wrong_override_by_name(response, param):
+    with pytest.raises(ClientEventError) as refused:
+        client_event({"type": "response.create", "response": response}, CONFIG, None)
+    assert refused.value.param == param
+
+
+def test_input_transcription_is_taken_with_any_model_name_and_shown_as_the_checkpoints():
+    update = client_event({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
+        "transcription": {"model": "gpt-4o-mini-transcribe", "language": "en", "prompt": "weather"}}}}},
+        CONFIG, None).update
+    assert update.input_transcription == omni_pb2.InputTranscription(enabled=True, language="en", prompt="weather")
+    off = client_event({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
+        "transcription": None}}}}, CONFIG, None).update
+    assert off.HasField("input_transcription") and not off.input_transcription.enabled
+    shown = Translator(CONFIG, "tiny").session(omni_pb2.SessionInfo(session_id="s", settings=omni_pb2.SessionSettings(
+        input_transcription=update.input_transcription)))["audio"]["input"]["transcription"]
+    assert shown == {"model": "tiny", "language": "en", "prompt": "weather"}
+    for bad, param in (({"delay": "low"}, "delay"), ({"language": 1}, "language"), ({"diarize": True}, "diarize")):
         with pytest.raises(ClientEventError) as refused:
-            client_event({"type": "response.create", "response": {"metadata": bad}}, CONFIG, None)
-        assert refused.value.param == "response.metadata"
+            client_event({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
+                "transcription": bad}}}}, CONFIG, None)
+        assert refused.value.param == f"session.audio.input.transcription.{param}"
 
 
 @pytest.mark.parametrize(("eagerness", "silence_ms"), [("low", 1000), ("medium", 500), ("auto", 500), ("high", 250),
