@@ -48,9 +48,10 @@ OPENAI_CODES = {
     "no_response": "response_cancel_not_active",
     "no_input": "input_audio_buffer_commit_empty",
     "response_in_progress": "conversation_already_has_active_response",
-    "unknown_item": "item_truncate_invalid_item_id",
     "invalid_argument": "invalid_value",
 }
+# An unknown item's code, by the session message that named it (a response's input reference: invalid_value).
+UNKNOWN_ITEM_CODES = {"truncate": "item_truncate_invalid_item_id", "delete_item": "item_delete_invalid_item_id"}
 # Session fields we refuse unless unset/null (the pipeline has no such feature).
 REFUSED_SESSION_FIELDS = ("prompt", "reasoning", "include", "parallel_tool_calls")
 # The GA protocol's fields of a session and of its parts (the SDK's RealtimeSessionCreateRequest):
@@ -130,9 +131,18 @@ def error_event(message: str, param: str | None, code: str, client_event_id: str
         "type": type_, "code": code, "message": message, "param": param, "event_id": client_event_id}}
 
 
+def openai_code(error: omni_pb2.SessionError) -> str:
+    """A session error's code as OpenAI's: an unknown item's by the event that named it."""
+    if error.code == "unknown_item":
+        return UNKNOWN_ITEM_CODES.get(error.field.split(".")[0], "invalid_value")
+    return OPENAI_CODES.get(error.code, error.code)
+
+
 def openai_param(field: str) -> str | None:
     if not field:
         return None
+    if field.startswith("create_response.input["):  # an input item is the item itself, a reference its id
+        field = field.replace(".message", "", 1).replace(".item_reference", ".id", 1)
     for ours, theirs in _PARAMS:
         if field.startswith(ours):
             return theirs + field[len(ours):]
@@ -701,10 +711,7 @@ class Translator:
             case "error":
                 if body.field.startswith("update"):
                     self.update_answered(False)
-                code = "item_delete_invalid_item_id" if body.code == "unknown_item" and \
-                    body.field.startswith("delete_item") else OPENAI_CODES.get(body.code, body.code)
-                return [error_event(body.message, openai_param(body.field), code,
-                                    body.event_id or None)]
+                return [error_event(body.message, openai_param(body.field), openai_code(body), body.event_id or None)]
             case "closed":
                 reason = omni_pb2.CloseReason.Name(body.reason).removeprefix("CLOSE_REASON_").lower()
                 return [error_event(body.message, None, f"session_{reason}", type_="server_error")]

@@ -237,11 +237,17 @@ def test_the_sessions_error_codes_are_openais_where_the_api_has_its_own():
     translator = Translator(CONFIG, "tiny")
     codes = {ours: translate(translator, omni_pb2.SessionEvent(error=omni_pb2.SessionError(
         code=ours, message="m", field="commit", event_id="ev_1")))[0]["error"] for ours in (
-        "no_response", "no_input", "unknown_item", "invalid_argument", "input_too_fast")}
+        "no_response", "no_input", "invalid_argument", "input_too_fast")}
     assert {k: v["code"] for k, v in codes.items()} == {
         "no_response": "response_cancel_not_active", "no_input": "input_audio_buffer_commit_empty",
-        "unknown_item": "item_truncate_invalid_item_id", "invalid_argument": "invalid_value",
-        "input_too_fast": "input_too_fast"}
+        "invalid_argument": "invalid_value", "input_too_fast": "input_too_fast"}
+    unknown = {field: translate(translator, omni_pb2.SessionEvent(error=omni_pb2.SessionError(
+        code="unknown_item", message="m", field=field)))[0]["error"] for field in (
+        "truncate.item_id", "delete_item.item_id", "create_response.input[0].item_reference")}
+    assert {field: (e["code"], e["param"]) for field, e in unknown.items()} == {
+        "truncate.item_id": ("item_truncate_invalid_item_id", "item_id"),
+        "delete_item.item_id": ("item_delete_invalid_item_id", "item_id"),
+        "create_response.input[0].item_reference": ("invalid_value", "response.input[0].id")}
     assert codes["no_input"]["event_id"] == "ev_1"
 
 
