@@ -2,16 +2,21 @@
 functions and one small translator that remembers what the events need (each response's item, its modalities,
 the settings to show). The shapes are the pinned openai SDK's (openai/types/realtime/).
 
-In: `session.update`, `input_audio_buffer.append/commit/clear`, `conversation.item.create/truncate`,
-`response.create/cancel`, and `conversation.item.retrieve`, which the translator answers from the
-items it sent. Everything else, and every field we cannot honour, is answered with an `error`
-event naming it (UNSUPPORTED_EVENTS, the checks below); the session goes on.
+In: `session.update` (`audio.input.transcription` too: the session transcribes each committed
+turn), `input_audio_buffer.append/commit/clear`, `conversation.item.create/truncate/delete`,
+`response.create` (with its per-response overrides, out of band and with its own input: the
+sessions service checks them against the session) and `response.cancel`, and
+`conversation.item.retrieve`, which the translator answers from the items it sent. Everything
+else, and every field we cannot honour, is answered with an `error` event naming it
+(UNSUPPORTED_EVENTS, the checks below); the session goes on.
 
 Out: each response's lifecycle in the API's order (Translator). Function calling: the session's
 `tools` and `tool_choice` (gateway/tools.py), `function_call` and `function_call_output` items in;
 each call the session parsed out of a reply as a `function_call` output item (after the reply's
 message, which is output_index 0 when it has content), its arguments in one
-`response.function_call_arguments.delta` and then `.done`.
+`response.function_call_arguments.delta` and then `.done`. An out-of-band response's items are
+not the conversation's: no `conversation.item.*` events for them. The user's transcript: the
+`conversation.item.input_audio_transcription.*` events, the transcript the user item's.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import numpy as np
 from omni.v1 import omni_pb2
 from sessions.audio import wav_bytes
 from sessions.transcription import Transcription
+from tests.sessions import procs
 from tests.sessions.session_support import MANUAL, RATE, SessionCall, one_shot, sampling, silence, speech
 
 
@@ -112,3 +113,28 @@ def test_a_detected_turns_transcript_runs_beside_its_response_after_its_first_au
         assert first_audio < first_delta  # the response's first audio went out before the transcript began
     finally:
         call.close()
+
+
+def test_a_transcription_that_fails_is_transcription_failed_naming_the_item_and_the_session_goes_on():
+    """No router to answer (a dead address): the pass fails UNAVAILABLE after its one retry."""
+    service = procs.sessions(f"127.0.0.1:{procs.free_port()}")
+    call = SessionCall(service.target)
+    try:
+        call.next_event("created")
+        call.send(update=omni_pb2.SessionSettings(turn_detection=MANUAL,
+                                                   input_transcription=omni_pb2.InputTranscription(enabled=True)))
+        call.next_event("updated")
+        call.speak(speech(1))
+        call.send(commit=omni_pb2.CommitInput())
+        committed = call.next_event("committed").committed
+        failed = call.next_event("transcription_failed", "transcription_completed")
+        assert failed.WhichOneof("event") == "transcription_failed"
+        assert (failed.transcription_failed.item_id, failed.transcription_failed.content_index) == (committed.item_id, 0)
+        assert failed.transcription_failed.error.code == "unavailable"
+        call.send(clear=omni_pb2.ClearInput())
+        call.next_event("cleared")  # the session goes on
+        seen = procs.metrics(service.metrics_url)
+        assert seen[("omni_session_transcriptions_total", (("status", "failed"),))] == 1
+    finally:
+        call.close()
+        service.stop()

@@ -267,19 +267,23 @@ def test_input_faster_than_the_bound_is_refused_and_the_session_goes_on(session,
         paced.stop()
 
 
-def test_turn_detection_reports_its_cpu_per_second_of_audio_and_the_loop_its_lag(session, stack):
+def test_turn_detection_reports_its_cpu_per_second_of_audio_the_loop_its_lag_and_the_transcriptions(session, stack):
     service = procs.sessions(stack.target)
     try:
-        call = session(service.target, turn_detection=omni_pb2.TurnDetection(create_response=False))
+        call = session(service.target, turn_detection=omni_pb2.TurnDetection(create_response=False),
+                       input_transcription=omni_pb2.InputTranscription(enabled=True))
         pcm = silence(0.5) + speech(0) + silence(1.0)
         call.speak(pcm)
         call.next_event("committed")
         call.send(clear=omni_pb2.ClearInput())
         call.next_event("cleared")  # every append before it was handled
+        call.next_event("transcription_completed")
         seen = procs.metrics(service.metrics_url)
         assert seen[("omni_session_turn_detection_audio_seconds_total", ())] == pytest.approx(len(pcm) / 2 / RATE)
         assert seen[("omni_session_turn_detection_cpu_seconds_total", ())] > 0
         assert seen[("omni_session_loop_lag_seconds_count", ())] > 0
+        assert seen[("omni_session_transcriptions_total", (("status", "completed"),))] == 1
+        assert seen[("omni_session_transcriptions_total", (("status", "failed"),))] == 0
     finally:
         service.stop()
 
