@@ -469,7 +469,7 @@ def response_create(event: dict, tools: list[omni_pb2.Tool] | None = None,
             raise ClientEventError("response.instructions must be a string", "response.instructions")
         create.instructions = response["instructions"]
     create.output_modalities.extend(output_modalities(response.get("output_modalities"), "response.output_modalities"))
-    if "max_output_tokens" in response:
+    if response.get("max_output_tokens") is not None:
         create.max_output_tokens = max_output_tokens(response["max_output_tokens"], "response.max_output_tokens")
     if response.get("tools") is not None:
         create.tools.extend(tools_to_proto(response["tools"], _fail, "response.tools", flat=True))

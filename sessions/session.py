@@ -479,7 +479,7 @@ class RealtimeSession:
         if not out_of_band:
             self.conversation.add(item)
         self.response = response = Response(response_id, item, settings, prompt)
-        if AUDIO in settings.output_modalities:
+        if AUDIO in settings.output_modalities and not out_of_band:  # an out-of-band reply is not the history's to cut
             self.playback = Playback(item, response_id)
         created = omni_pb2.ResponseCreated(item_id=item.item_id, output_modalities=settings.output_modalities,
                                            out_of_band=out_of_band, metadata=dict(create.metadata) if create else None)
