@@ -36,7 +36,7 @@ class SessionMetrics:
         # Their ratio is turn detection's CPU per second of audio (docs/sessions.md, "What turn detection costs").
         self.detection_cpu = Counter("omni_session_turn_detection_cpu_seconds",
                                      "CPU time of the detection thread in turn detection (resampling, windows, "
-                                     "Silero; ggml's own worker threads not counted)", registry=r)
+                                     "Silero, whose onnxruntime session runs on that thread)", registry=r)
         self.detected_audio = Counter("omni_session_turn_detection_audio_seconds",
                                       "Seconds of input audio turn detection heard", registry=r)
         self.loop_lag = Histogram("omni_session_loop_lag_seconds", "How late the event loop ran a timer due every "

@@ -20,6 +20,7 @@ from sessions.turn_detection import (
     SpeechStop,
     TurnDetectionSettings,
     TurnDetector,
+    onnx_model,
     silero,
 )
 
@@ -90,11 +91,36 @@ def test_silero_hears_each_recording_between_silences_as_one_turn():
 
 def test_a_window_of_digital_silence_is_silence_without_the_model_which_starts_over_at_the_next_sound():
     vad, asked = Silero(), []
-    model = vad.detector
-    real = model.process_samples
-    model.process_samples = lambda window: asked.append(window) or real(window)
+
+    class Counting:  # the process's one model, each call seen
+        def run(self, outputs, feeds):
+            asked.append(feeds["input"])
+            return onnx_model().run(outputs, feeds)
+
+    vad.model = Counting()
     assert vad(np.full(WINDOW, SILENT_PEAK - 1, np.int16)) == 0.0 and not asked
     with wave.open(str(SPEECH[0])) as w:
         speech = np.frombuffer(w.readframes(WINDOW * 20), "<i2")[-WINDOW:]
     fresh = Silero()(speech)  # a new detector's first window
-    assert vad(speech) == fresh and len(asked) == 1 and asked[0].dtype == np.float32
+    assert vad(speech) == fresh and len(asked) == 1
+    assert asked[0].dtype == np.float32 and asked[0].shape == (1, Silero.CONTEXT + WINDOW)
+
+
+def test_the_model_carries_its_state_and_context_from_window_to_window_as_silero_vads_own_wrapper():
+    """Each window after the previous one's last 64 samples, with the state it left: the same
+    probabilities as the model given the windows one stream at a time by hand, and not those of
+    windows heard each alone (so the state is really carried)."""
+    with wave.open(str(SPEECH[0])) as w:
+        speech = np.frombuffer(w.readframes(WINDOW * 12), "<i2")
+    windows = speech.reshape(-1, WINDOW)
+    vad = Silero()
+    heard = [vad(window) for window in windows]
+    state, context, by_hand = np.zeros((2, 1, 128), np.float32), np.zeros(64, np.float32), []
+    for window in windows:
+        scaled = window.astype(np.float32) / np.float32(32767)
+        out, state = onnx_model().run(None, {"input": np.concatenate((context, scaled))[None], "state": state,
+                                             "sr": np.array(16000, np.int64)})
+        context = scaled[-64:]
+        by_hand.append(float(out[0, 0]))
+    assert heard == by_hand
+    assert heard != [Silero()(window) for window in windows]
