@@ -28,6 +28,9 @@ class SessionMetrics:
                                     "output and were sent again, to the next router target", registry=r)
         self.truncations = Counter("omni_session_truncations", "Turns that did not fit a stage's per-request cache "
                                    "and dropped the conversation's oldest turns (`truncation`)", registry=r)
+        self.held_answers = Counter("omni_session_held_answers", "Answers started at a turn's first silent window: "
+                                    "released when the silence setting confirmed the turn, or dropped (speech "
+                                    "resumed, a client message)", ["outcome"], registry=r)
         self.barge_ins = Counter("omni_session_barge_ins",
                                  "Speech that started while a response was playing (it was cancelled)", registry=r)
         self.first_audio = Histogram("omni_session_first_audio_seconds",

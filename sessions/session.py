@@ -32,7 +32,7 @@ import uuid
 from collections import deque
 from concurrent.futures import Executor
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -49,7 +49,7 @@ from sessions.input_audio import InputAudio, InputPace
 from sessions.metrics import SessionMetrics
 from sessions.router_client import RouterClient, Turn, TurnFailed
 from sessions.settings import AUDIO, Settings
-from sessions.turn_detection import SpeechStart
+from sessions.turn_detection import WINDOW_MS, SilenceStart, SpeechResumed, SpeechStart
 
 log = logging.getLogger("sessions")
 TICK_S = 0.25  # how often the loop checks the idle and send timeouts
@@ -79,6 +79,22 @@ class Response:
     item: Item  # the assistant item its reply becomes
     task: asyncio.Task | None = None
     ended: bool = False
+    status: int = 0  # how it ended (omni_pb2.ResponseStatus)
+
+
+@dataclass
+class Held:
+    """A turn's answer started at the first silent window of its speech, before the silence setting
+    confirmed the turn's end: its user item and reply are in the conversation, its events held
+    back (`events`); released at the speech stop, dropped if anything else comes first (the speech
+    resumes, any client message but an append), its call then cancelled in every stage."""
+
+    response: Response
+    user: Item  # the committed input it answers: the audio up to the end of the first silent window
+    end: int  # the absolute input sample that audio ends at
+    previous: str  # the item before the user item
+    dropped: frozenset[str]  # the conversation's truncation when it started (a truncation it makes is undone with it)
+    events: list[omni_pb2.SessionEvent] = field(default_factory=list)
 
 
 @dataclass
@@ -126,11 +142,12 @@ class RealtimeSession:
         self.turns = 0
         self.response: Response | None = None
         self.playback: Playback | None = None
-        self.input = InputAudio(vad_factory)
+        self.input = InputAudio(vad_factory, max(-(-config.early_response_after_ms // WINDOW_MS), 1))
         self.pace = InputPace(config.max_input_realtime, config.input_burst_s)
         self.input.configure(self.settings.input_format, self.settings.turn_detection)
         self.speech_item: str | None = None  # the item id of the speech in progress
         self.speech_stopped_at: float | None = None  # monotonic time of the last stop: end of speech -> first audio
+        self.held: Held | None = None  # an answer started before the turn's end was confirmed
 
     # ---- the call ----
 
@@ -164,6 +181,7 @@ class RealtimeSession:
                 outcome = omni_pb2.CloseReason.Name(self.closed.reason).removeprefix("CLOSE_REASON_").lower()
                 await self.flush()  # the closing event, for at most the send timeout
         finally:
+            self.drop_held()
             if self.response is not None and not self.response.ended:
                 self.cancel_response(omni_pb2.CANCEL_REASON_CLIENT, cut=False)
             self.closed = self.closed or omni_pb2.SessionClosed()
@@ -207,6 +225,9 @@ class RealtimeSession:
             await asyncio.sleep(0.01)
 
     def emit(self, event: omni_pb2.SessionEvent) -> None:
+        if self.held is not None and event.response_id == self.held.response.response_id:
+            self.held.events.append(event)  # sent if the turn's end is confirmed
+            return
         self.outbox.append(event)
         self.outbox_ready.set()
 
@@ -216,6 +237,7 @@ class RealtimeSession:
 
     def close(self, reason: int, message: str) -> None:
         log.info("session %s closed: %s", self.session_id, message)
+        self.drop_held()
         if self.response is not None and not self.response.ended:
             self.cancel_response(omni_pb2.CANCEL_REASON_CLIENT, cut=False)
         self.closed = omni_pb2.SessionClosed(reason=reason, message=message)
@@ -253,6 +275,8 @@ class RealtimeSession:
         try:
             if kind is None:
                 raise MessageError("unknown_event", "the message sets no event", "event")
+            if kind != "append_audio":  # the held answer was made from the session as it was
+                self.drop_held()
             handled = getattr(self, f"on_{kind}")(getattr(request, kind))
             if inspect.isawaitable(handled):  # an append: its turn detection, on the detection thread
                 await handled
@@ -294,6 +318,10 @@ class RealtimeSession:
         for event, sample in events:
             if isinstance(event, SpeechStart):
                 self.speech_started(sample)
+            elif isinstance(event, SilenceStart):
+                self.hold_answer(self.input.sample(event.end_ms))
+            elif isinstance(event, SpeechResumed):
+                self.drop_held()
             else:
                 self.speech_stopped(sample)
         self.input.trim()
@@ -393,20 +421,72 @@ class RealtimeSession:
         self.emit(omni_pb2.SessionEvent(speech_stopped=omni_pb2.SpeechStopped(
             audio_end_ms=self.input.ms(sample), item_id=item_id)))
         self.speech_stopped_at = time.monotonic()
+        if self.held is not None:
+            self.release_held()
+            return
         self.commit_input(item_id)
         # With barge-in off, speech during a response adds its item; the next response hears it.
         if self.settings.turn_detection.create_response and (self.response is None or self.response.ended):
             self.create_response()
 
+    def user_item(self, item_id: str, samples) -> Item:
+        """Input audio as a user item: a wav at the input rate."""
+        return Item(item_id, omni_pb2.ROLE_USER, [omni_pb2.Content(audio=wav_bytes(samples, self.input.rate))])
+
     def commit_input(self, item_id: str) -> None:
-        """The input buffer becomes a user item (its audio as a wav at the input rate); the buffer empties."""
+        """The input buffer becomes a user item; the buffer empties."""
         samples = self.input.take()
-        item = Item(item_id, omni_pb2.ROLE_USER, [omni_pb2.Content(audio=wav_bytes(samples, self.input.rate))])
-        audio_ms = len(samples) * 1000 // self.input.rate
-        previous = self.conversation.add(item)
+        item = self.user_item(item_id, samples)
+        self.committed(item, self.conversation.add(item), len(samples))
+
+    def committed(self, item: Item, previous: str, samples: int) -> None:
         self.speech_item = None
         self.emit(omni_pb2.SessionEvent(committed=omni_pb2.InputCommitted(
-            item_id=item_id, previous_item_id=previous, audio_ms=audio_ms)))
+            item_id=item.item_id, previous_item_id=previous, audio_ms=samples * 1000 // self.input.rate)))
+
+    # ---- the answer held back until the turn's end is confirmed ----
+
+    def hold_answer(self, end: int) -> None:
+        """Speech went quiet (its first silent window, ending at input sample `end`): start the turn's
+        answer now, on the audio up to there, its events held back (`Held`)."""
+        if not (self.config.early_response and self.settings.turn_detection.create_response) \
+                or self.closed is not None or self.turns >= self.config.max_turns \
+                or self.response is not None and not self.response.ended:
+            return
+        samples = self.input.upto(end)
+        user = self.user_item(self.speech_item or new_id("item"), samples)
+        dropped = frozenset(self.conversation.dropped)
+        previous = self.conversation.add(user)
+        response, request = self.new_response()
+        self.held = Held(response, user, self.input.start + len(samples), previous, dropped)
+        response.task = asyncio.create_task(self.run_response(response, request))
+
+    def release_held(self) -> None:
+        """The silence setting confirmed the turn's end: its user item committed and its answer sent,
+        what it made so far at once and the rest as it comes."""
+        held, self.held = self.held, None
+        samples = self.input.take(held.end)  # what the answer heard; the silence after it is trimmed as any
+        self.committed(held.user, held.previous, len(samples))
+        response = held.response
+        self.start_response(response)
+        for event in held.events:
+            self.emit(event)
+        if response.ended:
+            self.count_turn(response)
+        self.metrics.held_answers.labels("released").inc()
+
+    def drop_held(self) -> None:
+        """The held answer is not the turn's (speech resumed, or the client sent something): its call
+        cancelled (every stage frees it), its items out of the conversation, its events dropped."""
+        held, self.held = self.held, None
+        if held is None:
+            return
+        held.response.task.cancel()
+        held.response.ended = True
+        self.conversation.delete(held.response.item.item_id)
+        self.conversation.delete(held.user.item_id)
+        self.conversation.dropped = set(held.dropped)
+        self.metrics.held_answers.labels("dropped").inc()
 
     # ---- responses ----
 
@@ -414,17 +494,26 @@ class RealtimeSession:
         if self.turns >= self.config.max_turns:
             self.close(omni_pb2.CLOSE_REASON_TURN_LIMIT, f"the session made its {self.config.max_turns} responses")
             return
-        self.turns += 1
+        response, request = self.new_response()
+        self.start_response(response)
+        response.task = asyncio.create_task(self.run_response(response, request))
+
+    def new_response(self) -> tuple[Response, omni_pb2.GenerateRequest]:
+        """A response to the conversation as it is, its (empty) reply item added after it, and its request."""
         response_id = new_id("resp")
         request = self.settings.request(response_id, self.conversation.messages())
         item = Item(new_id("item"), omni_pb2.ROLE_ASSISTANT, reply=Reply(tools=self.settings.calls_tools))
         self.conversation.add(item)
-        self.response = response = Response(response_id, item)
+        return Response(response_id, item), request
+
+    def start_response(self, response: Response) -> None:
+        """`response` is the session's: counted, said, its audio on the playback clock."""
+        self.turns += 1
+        self.response = response
         if AUDIO in self.settings.output_modalities:
-            self.playback = Playback(item, response_id)
-        self.emit(omni_pb2.SessionEvent(response_id=response_id,
-                                        response_created=omni_pb2.ResponseCreated(item_id=item.item_id)))
-        response.task = asyncio.create_task(self.run_response(response, request))
+            self.playback = Playback(response.item, response.response_id)
+        self.emit(omni_pb2.SessionEvent(response_id=response.response_id,
+                                        response_created=omni_pb2.ResponseCreated(item_id=response.item.item_id)))
 
     async def run_response(self, response: Response, request: omni_pb2.GenerateRequest) -> None:
         """The turn's request through the router, its output into the outbox."""
@@ -518,9 +607,10 @@ class RealtimeSession:
                      error: omni_pb2.SessionError | None = None, reason: int = 0) -> None:
         if response.ended:
             return
-        response.ended = True
+        response.ended, response.status = True, status
         reply = response.item.reply
-        self.metrics.turns.labels(omni_pb2.ResponseStatus.Name(status).removeprefix("RESPONSE_STATUS_").lower()).inc()
+        if self.held is None or self.held.response is not response:  # a held answer counts once released
+            self.count_turn(response)
         done = omni_pb2.ResponseDone(item_id=response.item.item_id, status=status, cancel_reason=reason,
                                      transcript=reply.content, audio_ms=reply.audio_ms)
         if final is not None:
@@ -528,6 +618,9 @@ class RealtimeSession:
         if error is not None:
             done.error.CopyFrom(error)
         self.emit(omni_pb2.SessionEvent(response_id=response.response_id, response_done=done))
+
+    def count_turn(self, response: Response) -> None:
+        self.metrics.turns.labels(omni_pb2.ResponseStatus.Name(response.status).removeprefix("RESPONSE_STATUS_").lower()).inc()
 
     def cancel_response(self, reason: int, cut: bool = True) -> None:
         """Cancel the response in progress everywhere (its request's call, so every stage frees it),

@@ -87,12 +87,34 @@ class SpeechStop:
     at_ms: int  # where the silence that ended it began
 
 
-class TurnDetector:
-    """Feeds 16 kHz samples to `vad` one window at a time; returns speech starts and stops."""
+@dataclass(frozen=True)
+class SilenceStart:
+    """Speech went quiet for `TurnDetector.hold_windows` windows (by default its first silent window);
+    it may still resume before the silence setting."""
 
-    def __init__(self, settings: TurnDetectionSettings, vad: Callable[[np.ndarray], float]):
+    at_ms: int  # where the silence began
+    end_ms: int  # where the window that made it a SilenceStart ends: what had been heard then
+
+
+@dataclass(frozen=True)
+class SpeechResumed:
+    """Speech came back before the silence setting was reached: the SilenceStart before was not its end."""
+
+    at_ms: int
+
+
+Event = SpeechStart | SpeechStop | SilenceStart | SpeechResumed
+
+
+class TurnDetector:
+    """Feeds 16 kHz samples to `vad` one window at a time; returns speech starts and stops, and
+    between them each silence that lasted `hold_windows` windows (SilenceStart: a session starts
+    its answer there) and speech that came back after one (SpeechResumed)."""
+
+    def __init__(self, settings: TurnDetectionSettings, vad: Callable[[np.ndarray], float], hold_windows: int = 1):
         self.settings = settings
         self.vad = vad  # int16 [512] at 16 kHz -> speech probability
+        self.hold_windows = hold_windows
         self.pending = np.zeros(0, np.int16)  # samples short of a window
         self.windows = 0  # windows heard since the start
         self.speaking = False
@@ -103,9 +125,9 @@ class TurnDetector:
         self.speaking = False
         self.silence_from = None
 
-    def feed(self, samples: np.ndarray) -> list[SpeechStart | SpeechStop]:
+    def feed(self, samples: np.ndarray) -> list[Event]:
         self.pending = np.concatenate((self.pending, samples))
-        events: list[SpeechStart | SpeechStop] = []
+        events: list[Event] = []
         settings = self.settings
         silence_windows = -(-settings.silence_duration_ms // WINDOW_MS)
         quiet = max(settings.threshold - HYSTERESIS, 0.01)
@@ -120,10 +142,15 @@ class TurnDetector:
                     events.append(SpeechStart(window * WINDOW_MS))
                 continue
             if probability >= settings.threshold:
+                if self.silence_from is not None and window - self.silence_from >= self.hold_windows:
+                    events.append(SpeechResumed(window * WINDOW_MS))  # after a SilenceStart
                 self.silence_from = None
             elif probability < quiet and self.silence_from is None:
                 self.silence_from = window
-            if self.silence_from is not None and window + 1 - self.silence_from >= silence_windows:
+            silent = window + 1 - self.silence_from if self.silence_from is not None else 0
+            if silent == self.hold_windows < silence_windows:
+                events.append(SilenceStart(self.silence_from * WINDOW_MS, (window + 1) * WINDOW_MS))
+            if self.silence_from is not None and silent >= silence_windows:
                 events.append(SpeechStop(self.silence_from * WINDOW_MS))
                 self.speaking, self.silence_from = False, None
         self.pending = self.pending[done:]

@@ -15,7 +15,9 @@ from sessions.turn_detection import (
     SILENT_PEAK,
     WINDOW,
     WINDOW_MS,
+    SilenceStart,
     Silero,
+    SpeechResumed,
     SpeechStart,
     SpeechStop,
     TurnDetectionSettings,
@@ -42,14 +44,18 @@ def test_speech_stops_after_the_silence_setting_and_is_reported_where_the_silenc
     probabilities = [0.1, 0.9, 0.9, 0.9] + [0.1] * 5 + [0.1]
     detector = TurnDetector(settings, scripted(probabilities))
     events = detector.feed(windows(len(probabilities)))
-    assert events == [SpeechStart(1 * WINDOW_MS), SpeechStop(4 * WINDOW_MS)]
+    assert events == [SpeechStart(1 * WINDOW_MS), SilenceStart(4 * WINDOW_MS, 5 * WINDOW_MS), SpeechStop(4 * WINDOW_MS)]
 
 
 def test_a_dip_shorter_than_the_silence_setting_does_not_end_speech():
     settings = TurnDetectionSettings(silence_duration_ms=160)
-    probabilities = [0.9, 0.1, 0.1, 0.1, 0.9, 0.9, 0.2, 0.9]
+    probabilities = [0.9, 0.1, 0.1, 0.1, 0.9, 0.4, 0.2, 0.9]
     detector = TurnDetector(settings, scripted(probabilities))
-    assert detector.feed(windows(len(probabilities))) == [SpeechStart(0)]
+    # Each silence that began is said, and the speech that came back (a held answer is dropped there);
+    # 0.4 is neither speech nor silence (between threshold - 0.15 and the threshold): nothing.
+    assert detector.feed(windows(len(probabilities))) == [
+        SpeechStart(0), SilenceStart(1 * WINDOW_MS, 2 * WINDOW_MS), SpeechResumed(4 * WINDOW_MS),
+        SilenceStart(6 * WINDOW_MS, 7 * WINDOW_MS), SpeechResumed(7 * WINDOW_MS)]
     assert detector.speaking
 
 
@@ -83,6 +89,7 @@ def test_silero_hears_each_recording_between_silences_as_one_turn():
     events = []
     for i in range(0, len(audio), 320):  # 20 ms appends, as a microphone sends them
         events += detector.feed(audio[i:i + 320])
+    events = [e for e in events if isinstance(e, SpeechStart | SpeechStop)]
     assert [type(e) for e in events] == [SpeechStart, SpeechStop] * len(SPEECH), events
     for (start, stop), (began, ended) in zip(zip(events[::2], events[1::2]), spans):
         assert began - 100 <= start.at_ms <= began + 300, (start, began)
@@ -124,3 +131,16 @@ def test_the_model_carries_its_state_and_context_from_window_to_window_as_silero
         by_hand.append(float(out[0, 0]))
     assert heard == by_hand
     assert heard != [Silero()(window) for window in windows]
+
+
+def test_a_silence_start_comes_after_the_hold_windows_and_a_resume_only_after_one():
+    settings = TurnDetectionSettings(silence_duration_ms=160)  # 5 windows
+    probabilities = [0.9, 0.1, 0.1, 0.9, 0.1, 0.1, 0.1, 0.9, 0.1, 0.1, 0.1, 0.1, 0.1]
+    detector = TurnDetector(settings, scripted(probabilities), hold_windows=3)
+    assert detector.feed(windows(len(probabilities))) == [
+        SpeechStart(0),  # the two-window dip: no SilenceStart, so no resume either
+        SilenceStart(4 * WINDOW_MS, 7 * WINDOW_MS), SpeechResumed(7 * WINDOW_MS),
+        SilenceStart(8 * WINDOW_MS, 11 * WINDOW_MS), SpeechStop(8 * WINDOW_MS)]
+    # A hold as long as the silence setting says nothing before the stop.
+    detector = TurnDetector(settings, scripted([0.9] + [0.1] * 5), hold_windows=5)
+    assert detector.feed(windows(6)) == [SpeechStart(0), SpeechStop(1 * WINDOW_MS)]
