@@ -95,6 +95,7 @@ _PARAMS = (
     ("truncate.item_id", "item_id"),
     ("delete_item.item_id", "item_id"),
     ("update.truncation", "session.truncation"),
+    ("update.tools", "session.tools"),
     ("thinker_sampling.max_new_tokens", "session.max_output_tokens"),
     ("voice", "session.audio.output.voice"),
 )

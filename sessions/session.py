@@ -263,8 +263,11 @@ class RealtimeSession:
         except MessageError as exc:
             self.error(exc.code, exc.message, exc.field, request.event_id)
 
-    def on_update(self, update: omni_pb2.SessionSettings) -> None:
+    async def on_update(self, update: omni_pb2.SessionSettings) -> None:
         settings = self.settings.updated(update)
+        if update.tools and await self.router.takes_tools(self.turn()) is False:  # refused here, not on each turn
+            raise MessageError("invalid_argument", "the pipeline does not take tools (its thinker backend or "
+                                                   "chat template cannot render them)", "update.tools")
         if settings.input_format != self.settings.input_format and self.input.held:
             raise MessageError("invalid_argument", "the input buffer holds audio: commit or clear it before changing "
                                                    "the input format", "update.input_format")
