@@ -85,6 +85,7 @@ def test_a_grpc_client_gets_the_call_as_events_and_the_same_token_ids(omni):
     assert "".join(d.arguments for d in with_tools.tool_call_deltas) == call.arguments
     again = spoken(omni, "What is the weather in Rome?", audio=False)
     assert again.tool_calls[0].id != call.id  # each request its own ids (the router's request ids)
+    assert omni.GetModelInfo(omni_pb2.ModelInfoRequest(), timeout=30).tools  # this pipeline takes tools
 
 
 def test_the_talker_speaks_the_text_before_a_call_and_nothing_of_the_call(omni):
