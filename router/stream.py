@@ -270,10 +270,14 @@ class RouterStream:
         self.spans.open("migrate", **{"omni.peer": Stage.THINKER, "omni.from_replica": thinker.address,
                                       "omni.to_replica": fallback.address, "omni.move": self.moves,
                                       "omni.reason": str(failure)})
+        self.begin_replay()
+        self.thinker_request = as_replay(self.thinker_request)
+
+    def begin_replay(self) -> None:
+        """The next thinker's stream repeats what was passed up: `pass_up` drops and checks it."""
         self.text.begin_replay()
         self.calls.begin_replay()
         self.resume.begin_replay()
-        self.thinker_request = as_replay(self.thinker_request)
 
     def close(self, outcome: grpc.StatusCode) -> None:
         """However the call ended: its trace and count, and its places on the replicas and in flight."""
