@@ -51,10 +51,12 @@ def test_streamed_calls_come_as_deltas(client, prompt, content, cities):
         delta = chunk.choices[0].delta
         text += delta.content or ""
         for part in delta.tool_calls or []:
-            entry = calls.setdefault(part.index, {"id": part.id, "name": part.function.name, "arguments": ""})
+            entry = calls.setdefault(part.index, {"id": part.id, "name": part.function.name, "arguments": "", "pieces": 0})
             entry["arguments"] += part.function.arguments or ""
+            entry["pieces"] += 1
         finish = chunk.choices[0].finish_reason or finish
     assert text == content and finish == "tool_calls"
+    assert all(c["pieces"] > 2 for c in calls.values())  # the arguments streamed as the model wrote them
     assert [json.loads(calls[k]["arguments"])["city"] for k in sorted(calls)] == cities
     assert all(c["id"].startswith("call_") and c["name"] == "get_weather" for c in calls.values())
 
