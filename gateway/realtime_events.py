@@ -9,9 +9,10 @@ event naming it (UNSUPPORTED_EVENTS, the checks below); the session goes on.
 
 Out: each response's lifecycle in the API's order (Translator). Function calling: the session's
 `tools` and `tool_choice` (gateway/tools.py), `function_call` and `function_call_output` items in;
-each call the session parsed out of a reply as a `function_call` output item (after the reply's
-message, which is output_index 0 when it has content), its arguments in one
-`response.function_call_arguments.delta` and then `.done`.
+each call of a reply (the thinker parses them: the session's `function_call_delta` and
+`function_call` events) as a `function_call` output item (after the reply's message, which is
+output_index 0 when it has content), its arguments in `response.function_call_arguments.delta`s as
+the model writes them and then `.done`.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ _PARAMS = (
     ("truncate.item_id", "item_id"),
     ("delete_item.item_id", "item_id"),
     ("update.truncation", "session.truncation"),
+    ("update.tools", "session.tools"),
     ("thinker_sampling.max_new_tokens", "session.max_output_tokens"),
     ("voice", "session.audio.output.voice"),
 )
@@ -485,6 +487,7 @@ class Output:
     held: bytes = b""  # audio bytes held back (whole samples in whole 3-byte groups go out)
     downsampler: g711.Downsampler = field(default_factory=g711.Downsampler)  # 24 kHz -> 8 kHz, for G.711
     calls: list[tuple[int, dict]] = field(default_factory=list)  # (output_index, the done function_call item)
+    open_calls: dict[str, tuple[int, str | None]] = field(default_factory=dict)  # a call's item -> (output_index, item before)
 
 
 class Translator:
@@ -604,8 +607,8 @@ class Translator:
                             "arguments": call.arguments}
                     events += self.item_events(item, body.previous_item_id if k == 0 else self.last_item)
                 return events
-            case "function_call":
-                return self.function_call(rid, body)
+            case "function_call_delta" | "function_call":
+                return self.function_call(rid, body, done=kind == "function_call")
             case "item_added":
                 role = omni_pb2.Role.Name(body.role).removeprefix("ROLE_").lower()
                 part = "output_text" if role == "assistant" else "input_text"
@@ -726,25 +729,35 @@ class Translator:
         kind = "response.output_audio_transcript.delta" if out.audio else "response.output_text.delta"
         return [*self.open_message(rid, out), {"type": kind, **self.content_ids(rid, out), "delta": text}]
 
-    def function_call(self, rid: str, call: omni_pb2.FunctionCall) -> list[dict]:
-        """A call the reply made: its output item, its arguments (one delta, then done), the item done."""
+    def function_call(self, rid: str, call: omni_pb2.FunctionCall, done: bool) -> list[dict]:
+        """A call the reply made, as the thinker streams it: its output item added at its first
+        event, each piece of its arguments a delta, then (`done`) its arguments and its item done. A
+        call that comes whole has its arguments as one delta."""
         out = self.responses.get(rid)
         if out is None:
             return []
-        index, out.next_index = out.next_index, out.next_index + 1
+        events = []
         item = {"id": call.item_id, "object": "realtime.item", "type": "function_call", "status": "in_progress",
                 "call_id": call.call_id, "name": call.name, "arguments": ""}
-        done = {**item, "status": "completed", "arguments": call.arguments}
-        out.calls.append((index, done))
-        previous, self.last_item = self.last_item, call.item_id
+        opened = call.item_id not in out.open_calls
+        if opened:
+            index, out.next_index = out.next_index, out.next_index + 1
+            out.open_calls[call.item_id] = (index, self.last_item)
+            self.last_item = call.item_id
+            events += [{"type": "response.output_item.added", "response_id": rid, "output_index": index, "item": item},
+                       self.item_event("added", item, out.open_calls[call.item_id][1])]
+        index, previous = out.open_calls[call.item_id]
         ids = {"response_id": rid, "item_id": call.item_id, "output_index": index, "call_id": call.call_id}
-        return [{"type": "response.output_item.added", "response_id": rid, "output_index": index, "item": item},
-                self.item_event("added", item, previous),
-                {"type": "response.function_call_arguments.delta", **ids, "delta": call.arguments},
-                {"type": "response.function_call_arguments.done", **ids, "name": call.name,
-                 "arguments": call.arguments},
-                {"type": "response.output_item.done", "response_id": rid, "output_index": index, "item": done},
-                self.item_event("done", done, previous)]
+        if call.arguments and (not done or opened):
+            events.append({"type": "response.function_call_arguments.delta", **ids, "delta": call.arguments})
+        if not done:
+            return events
+        item = {**item, "status": "completed", "arguments": call.arguments}
+        out.calls.append((index, item))
+        return [*events, {"type": "response.function_call_arguments.done", **ids, "name": call.name,
+                          "arguments": call.arguments},
+                {"type": "response.output_item.done", "response_id": rid, "output_index": index, "item": item},
+                self.item_event("done", item, previous)]
 
     def audio_delta(self, rid: str, chunk) -> list[dict]:
         out = self.responses.get(rid)

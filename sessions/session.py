@@ -7,10 +7,11 @@ holds no place there), and prefix caching and prefix routing carry a session's t
 any conversation. A turn whose call fails ends that response alone (an `error` event, then its
 `response_done` failed with the same error); the session goes on.
 
-With tools in the settings, each reply's text is parsed for Qwen's tool calls as it streams
-(services/base/tool_calls.py): its content goes out as text events, each call as a
-`function_call` event once whole; the history keeps the reply's text as the model wrote it, calls
-and all, so the next turn's prompt holds the call the tool's result (a ROLE_TOOL item) answers.
+With tools in the settings, the thinker parses each reply's tool calls (services/thinker/tool_calls.py):
+its text deltas are the reply's content, and each call's `tool_call_delta` and `tool_call` events go
+out as `function_call_delta` and `function_call` events (the call's own item); the history keeps
+the calls as the reply's message's, so the next turn's prompt holds the call the tool's result (a
+ROLE_TOOL item) answers.
 
 Three tasks: the reader (the client's messages into the inbox, which is bounded, so a client
 that sends faster than the session handles is held back by gRPC's flow control; never cancelled,
@@ -38,13 +39,12 @@ import grpc
 
 from omni.v1 import omni_pb2
 from services.base.errors import InvalidArgument
-from services.base.tool_calls import ParsedCall, ToolCallParser
 from services.serving.grpc_server import time_remaining
 from services.serving.status import status_for
 from services.serving.streams import let_end
 from sessions.audio import decode, wav_bytes
 from sessions.config import SessionConfig
-from sessions.conversation import END_TEXT, Conversation, Item, Reply
+from sessions.conversation import Conversation, Item, Reply
 from sessions.input_audio import InputAudio, InputPace
 from sessions.metrics import SessionMetrics
 from sessions.router_client import RouterClient, Turn, TurnFailed
@@ -58,7 +58,8 @@ TICK_S = 0.25  # how often the loop checks the idle and send timeouts
 INBOX = 32
 COMPLETED, CANCELLED, FAILED = (omni_pb2.RESPONSE_STATUS_COMPLETED, omni_pb2.RESPONSE_STATUS_CANCELLED,
                                 omni_pb2.RESPONSE_STATUS_FAILED)
-RESPONSE_OUTPUT = ("text", "audio", "codec_frames", "function_call")  # events dropped unsent when their response is cancelled
+# Events dropped unsent when their response is cancelled.
+RESPONSE_OUTPUT = ("text", "audio", "codec_frames", "function_call_delta", "function_call")
 
 
 def new_id(prefix: str) -> str:
@@ -80,6 +81,7 @@ class Response:
     task: asyncio.Task | None = None
     ended: bool = False
     status: int = 0  # how it ended (omni_pb2.ResponseStatus)
+    call_items: dict[str, str] = field(default_factory=dict)  # a call's id -> its item's id
 
 
 @dataclass
@@ -285,8 +287,11 @@ class RealtimeSession:
         except MessageError as exc:
             self.error(exc.code, exc.message, exc.field, request.event_id)
 
-    def on_update(self, update: omni_pb2.SessionSettings) -> None:
+    async def on_update(self, update: omni_pb2.SessionSettings) -> None:
         settings = self.settings.updated(update)
+        if update.tools and await self.router.takes_tools(self.turn()) is False:  # refused here, not on each turn
+            raise MessageError("invalid_argument", "the pipeline does not take tools (its thinker backend or "
+                                                   "chat template cannot render them)", "update.tools")
         if settings.input_format != self.settings.input_format and self.input.held:
             raise MessageError("invalid_argument", "the input buffer holds audio: commit or clear it before changing "
                                                    "the input format", "update.input_format")
@@ -502,7 +507,7 @@ class RealtimeSession:
         """A response to the conversation as it is, its (empty) reply item added after it, and its request."""
         response_id = new_id("resp")
         request = self.settings.request(response_id, self.conversation.messages())
-        item = Item(new_id("item"), omni_pb2.ROLE_ASSISTANT, reply=Reply(tools=self.settings.calls_tools))
+        item = Item(new_id("item"), omni_pb2.ROLE_ASSISTANT, reply=Reply())
         self.conversation.add(item)
         return Response(response_id, item), request
 
@@ -517,10 +522,9 @@ class RealtimeSession:
 
     async def run_response(self, response: Response, request: omni_pb2.GenerateRequest) -> None:
         """The turn's request through the router, its output into the outbox."""
-        calls = ToolCallParser() if response.item.reply.tools else None
         while True:
             try:
-                final = await self.stream_response(response, request, calls)
+                final = await self.stream_response(response, request)
                 break
             except TurnFailed as failed:
                 if self.truncated_to_fit(response, failed):  # refused before any output: again, shorter
@@ -537,23 +541,15 @@ class RealtimeSession:
                 status, _ = status_for(exc)
                 self.end_response(response, FAILED, error=omni_pb2.SessionError(code="internal", message=status.message))
                 return
-        if calls is not None:
-            self.emit_parsed(response, calls.finish(), None)
         self.end_response(response, COMPLETED, final=final)
 
-    async def stream_response(self, response: Response, request: omni_pb2.GenerateRequest,
-                              calls: ToolCallParser | None) -> omni_pb2.Final | None:
+    async def stream_response(self, response: Response, request: omni_pb2.GenerateRequest) -> omni_pb2.Final | None:
         """One router call of the turn, its output into the outbox; its Final."""
         reply, final = response.item.reply, None
         async with aclosing(self.router.generate(request, self.turn())) as outputs:
             async for output in outputs:
                 kind = output.WhichOneof("event")
                 event = omni_pb2.SessionEvent(response_id=response.response_id)
-                if kind == "text" and calls is not None:
-                    reply.add_text(output.text)
-                    if output.text.text != END_TEXT:  # the end token's text: not the reply's
-                        self.emit_parsed(response, calls.feed(output.text.text), output.text)
-                    continue
                 if kind == "text":
                     reply.add_text(output.text)
                     event.text.CopyFrom(output.text)
@@ -562,6 +558,8 @@ class RealtimeSession:
                     event.audio.CopyFrom(output.audio)
                 elif kind == "codec_frames":
                     event.codec_frames.CopyFrom(output.codec_frames)
+                elif kind in ("tool_call_delta", "tool_call"):
+                    event = self.call_event(response, kind, getattr(output, kind))
                 else:
                     final = output.final
                     continue
@@ -589,19 +587,18 @@ class RealtimeSession:
         auth = [(k, v) for k, v in (self.context.invocation_metadata() or ()) if k == "authorization"]
         return Turn(metadata=tuple(auth), timeout_s=time_remaining(self.context))
 
-    def emit_parsed(self, response: Response, parsed: list, delta: omni_pb2.TextDelta | None) -> None:
-        """A reply's parsed text out: content as text events (the delta's ids on the first), each
-        call as a function_call event."""
-        ids = list(delta.token_ids) if delta is not None else []
-        for piece in parsed:
-            event = omni_pb2.SessionEvent(response_id=response.response_id)
-            if isinstance(piece, ParsedCall):
-                event.function_call.CopyFrom(omni_pb2.FunctionCall(
-                    item_id=new_id("item"), call_id=new_id("call"), name=piece.name, arguments=piece.arguments))
-            else:
-                event.text.CopyFrom(omni_pb2.TextDelta(text=piece, token_ids=ids))
-                ids = []
-            self.emit(event)
+    def call_event(self, response: Response, kind: str, call) -> omni_pb2.SessionEvent:
+        """A call of the reply (the thinker's delta or whole call) as the session's event, on the
+        call's own item; a whole call joins the reply (the history's message holds it)."""
+        item_id = response.call_items.setdefault(call.id, new_id("item"))
+        event = omni_pb2.SessionEvent(response_id=response.response_id)
+        out = omni_pb2.FunctionCall(item_id=item_id, call_id=call.id, name=call.name, arguments=call.arguments)
+        if kind == "tool_call":
+            response.item.reply.calls.append(call)
+            event.function_call.CopyFrom(out)
+        else:
+            event.function_call_delta.CopyFrom(out)
+        return event
 
     def end_response(self, response: Response, status: int, final: omni_pb2.Final | None = None,
                      error: omni_pb2.SessionError | None = None, reason: int = 0) -> None:
@@ -612,7 +609,7 @@ class RealtimeSession:
         if self.held is None or self.held.response is not response:  # a held answer counts once released
             self.count_turn(response)
         done = omni_pb2.ResponseDone(item_id=response.item.item_id, status=status, cancel_reason=reason,
-                                     transcript=reply.content, audio_ms=reply.audio_ms)
+                                     transcript=reply.text, audio_ms=reply.audio_ms)
         if final is not None:
             done.final.CopyFrom(final)
         if error is not None:
@@ -659,5 +656,5 @@ class RealtimeSession:
         if self.playback is not None and self.playback.item is item:
             self.playback = None
         self.emit(omni_pb2.SessionEvent(truncated=omni_pb2.ItemTruncated(
-            item_id=item.item_id, audio_end_ms=item.reply.audio_end_ms, text=item.reply.content)))
+            item_id=item.item_id, audio_end_ms=item.reply.audio_end_ms, text=item.reply.text)))
 

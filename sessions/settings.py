@@ -35,11 +35,6 @@ class Settings:
     # A turn that does not fit: its oldest turns dropped to this share of the turns (0: it fails).
     retention_ratio: float = DEFAULT_RETENTION
 
-    @property
-    def calls_tools(self) -> bool:
-        """A reply may call a tool: its text is parsed for calls."""
-        return bool(self.tools) and omni_pb2.ToolChoice.FromString(self.tool_choice).mode != _MODES.MODE_NONE
-
     def updated(self, proto: omni_pb2.SessionSettings, field_: str = "update") -> Settings:
         """These settings with what `proto` sets, each checked (InvalidArgument names the field)."""
         changes: dict = {}
