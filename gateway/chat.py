@@ -1,10 +1,11 @@
 """`POST /v1/chat/completions`: text, or text and audio, as one chat.completion or streamed as SSE
 chunks (docs/gateway.md).
 
-With tools, the reply's text is parsed for Qwen's tool calls (services/base/tool_calls.py): its
-content is the message's content (or audio transcript), each call a `tool_calls` entry, streamed
-as two deltas once the call is whole (its id and name, then its arguments), and the finish reason
-"tool_calls". The pipeline speaks none of a call (services/thinker/stream.py)."""
+With tools, the thinker parses the reply's calls (services/thinker/tool_calls.py): its text deltas
+are the message's content (or audio transcript), and each call (its `tool_call_delta` and
+`tool_call` events) a `tool_calls` entry, streamed as its id and name, then its arguments as the
+model writes them, and the finish reason "tool_calls". The pipeline speaks none of a call
+(services/thinker/stream.py)."""
 
 from __future__ import annotations
 
@@ -25,9 +26,8 @@ from gateway.convert import chat_to_proto, check_size
 from gateway.process import Gateway
 from gateway.router_call import Call
 from gateway.schemas import CHAT_REFUSED, ChatCompletionRequest, check_refused
-from gateway.tools import call_id, openai_call
+from gateway.tools import openai_call
 from omni.v1 import common_pb2, omni_pb2
-from services.base.tool_calls import ParsedCall, ToolCallParser
 
 AUDIO_TTL_S = 3600  # `expires_at` of a returned audio: the gateway stores nothing, the id is informational
 AUDIO_PLACEHOLDER = "\x00audio\x00"  # where a non-streamed reply's base64 goes into its JSON text
@@ -41,12 +41,11 @@ async def chat_completions(body: ChatCompletionRequest, http: Request) -> Respon
     call = Call(gateway, request, http, "chat")
     await call.start(http)
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-    tools = bool(request.tools) and request.tool_choice.mode != omni_pb2.ToolChoice.MODE_NONE
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return CallStream(call, _chunks(call, gateway.config, completion_id, audio, include_usage, tools),
+        return CallStream(call, _chunks(call, gateway.config, completion_id, audio, include_usage),
                           "text/event-stream", gateway.config.send_timeout_s, {"Cache-Control": "no-cache"})
-    return await _completion(call, http, gateway.config, completion_id, audio, fmt, tools)
+    return await _completion(call, http, gateway.config, completion_id, audio, fmt)
 
 
 async def _to_proto(body: ChatCompletionRequest, config: GatewayConfig) -> tuple[omni_pb2.GenerateRequest, bool, str]:
@@ -64,9 +63,9 @@ async def _to_proto(body: ChatCompletionRequest, config: GatewayConfig) -> tuple
 
 
 async def _completion(call: Call, http: Request, config: GatewayConfig, completion_id: str, audio: bool,
-                      fmt: str, tools: bool) -> Response:
+                      fmt: str) -> Response:
     """The whole reply as one chat.completion."""
-    text, chunks = [], []
+    text, chunks, calls = [], [], []
     try:
         async for response in call.collected(http):
             kind = response.WhichOneof("event")
@@ -74,16 +73,11 @@ async def _completion(call: Call, http: Request, config: GatewayConfig, completi
                 text.append(reply_text(response.text, config))
             elif kind == "audio":
                 chunks.append(audio_codec.float_from_bytes(response.audio.pcm))
+            elif kind == "tool_call":
+                calls.append(openai_call(response.tool_call))
     finally:
         call.cancel()
-    content, calls = "".join(text), []
-    if tools:
-        parser = ToolCallParser()
-        pieces = parser.feed(content) + parser.finish()
-        content = "".join(p for p in pieces if isinstance(p, str))
-        calls = [openai_call(p, k, call_id()) for k, p in enumerate(p for p in pieces if isinstance(p, ParsedCall))]
-        for entry in calls:
-            del entry["index"]
+    content = "".join(text)
     message: dict = {"role": "assistant", "content": content or (None if calls else ""), "refusal": None}
     if calls:
         message["tool_calls"] = calls
@@ -103,12 +97,10 @@ async def _completion(call: Call, http: Request, config: GatewayConfig, completi
     return Response(rendered, media_type="application/json")
 
 
-async def _chunks(call: Call, config: GatewayConfig, completion_id: str, audio: bool, include_usage: bool,
-                  tools: bool):
+async def _chunks(call: Call, config: GatewayConfig, completion_id: str, audio: bool, include_usage: bool):
     """The reply as chat.completion.chunk events as the pipeline makes it, then `data: [DONE]`."""
     created = int(time.time())
-    parser = ToolCallParser() if tools else None
-    calls = 0
+    calls: dict[str, int] = {}  # a call's id -> its index in the reply
     audio_id = f"audio_{uuid.uuid4().hex}"
     sent_id = False  # OpenAI sends the audio's id and expires_at once: the SDK's stream helper adds them up
     held = b""  # pcm16 bytes held back so that every delta's base64 is unpadded (whole 3-byte groups)
@@ -125,31 +117,27 @@ async def _chunks(call: Call, config: GatewayConfig, completion_id: str, audio: 
             return {"audio": {"id": audio_id, "expires_at": created + AUDIO_TTL_S, **fields}}
         return {"audio": fields}
 
-    def text_chunks(pieces: list) -> list[str]:
-        """Parsed text: content (or transcript) deltas, and each call as two tool_calls deltas."""
-        nonlocal calls
-        out = []
-        for piece in pieces:
-            if isinstance(piece, str):
-                out.append(chunk(audio_delta({"transcript": piece}) if audio else {"content": piece}))
-                continue
-            head = openai_call(piece, calls, call_id())
-            head["function"]["arguments"] = ""
-            out.append(chunk({"tool_calls": [head]}))
-            out.append(chunk({"tool_calls": [{"index": calls, "function": {"arguments": piece.arguments}}]}))
-            calls += 1
-        return out
+    def call_chunk(kind: str, event) -> str | None:
+        """A call's first delta: its id, name and arguments so far; then its arguments' pieces. A
+        call that comes whole (no delta before it) is one chunk; one that streamed has no more."""
+        if event.id not in calls:
+            calls[event.id] = len(calls)
+            return chunk({"tool_calls": [openai_call(event, calls[event.id])]})
+        if kind == "tool_call_delta" and event.arguments:
+            return chunk({"tool_calls": [{"index": calls[event.id], "function": {"arguments": event.arguments}}]})
+        return None
 
     try:
         yield chunk({"role": "assistant", "content": "" if not audio else None})
         async for response in call.responses():
             kind = response.WhichOneof("event")
             text = reply_text(response.text, config) if kind == "text" else ""
-            if text and parser is not None:
-                for event in text_chunks(parser.feed(text)):
-                    yield event
-            elif text:
+            if text:
                 yield chunk(audio_delta({"transcript": text}) if audio else {"content": text})
+            elif kind in ("tool_call_delta", "tool_call"):
+                event = call_chunk(kind, getattr(response, kind))
+                if event is not None:
+                    yield event
             elif kind == "audio":
                 # NOTE: the helper concatenates the deltas' base64 strings; that decodes only if
                 # no delta but the last ends in padding, so each carries a multiple of 6 bytes.
@@ -158,12 +146,9 @@ async def _chunks(call: Call, config: GatewayConfig, completion_id: str, audio: 
                 pcm, held = pcm[:cut], pcm[cut:]
                 if pcm:
                     yield chunk(audio_delta({"data": base64.b64encode(pcm).decode()}))
-        if parser is not None:
-            for event in text_chunks(parser.finish()):
-                yield event
         if held:
             yield chunk(audio_delta({"data": base64.b64encode(held).decode()}))
-        yield chunk({}, _finish_reason(call.final, audio, calls > 0))
+        yield chunk({}, _finish_reason(call.final, audio, bool(calls)))
         if include_usage:
             yield sse({"id": completion_id, "object": "chat.completion.chunk", "created": created,
                        "model": config.model, "choices": [], "usage": _usage(call.usage)})

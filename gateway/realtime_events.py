@@ -12,10 +12,11 @@ else, and every field we cannot honour, is answered with an `error` event naming
 
 Out: each response's lifecycle in the API's order (Translator). Function calling: the session's
 `tools` and `tool_choice` (gateway/tools.py), `function_call` and `function_call_output` items in;
-each call the session parsed out of a reply as a `function_call` output item (after the reply's
-message, which is output_index 0 when it has content), its arguments in one
-`response.function_call_arguments.delta` and then `.done`. An out-of-band response's items are
-not the conversation's: no `conversation.item.*` events for them. The user's transcript: the
+each call of a reply (the thinker parses them: the session's `function_call_delta` and
+`function_call` events) as a `function_call` output item (after the reply's message, which is
+output_index 0 when it has content), its arguments in `response.function_call_arguments.delta`s as
+the model writes them and then `.done`. An out-of-band response's items are not the
+conversation's: no `conversation.item.*` events for them. The user's transcript: the
 `conversation.item.input_audio_transcription.*` events, the transcript the user item's.
 """
 
@@ -108,6 +109,7 @@ _PARAMS = (
     ("truncate.item_id", "item_id"),
     ("delete_item.item_id", "item_id"),
     ("update.truncation", "session.truncation"),
+    ("update.tools", "session.tools"),
     ("update.input_transcription", "session.audio.input.transcription"),
     ("create_response.max_output_tokens", "response.max_output_tokens"),
     ("create_response.input", "response.input"),
@@ -565,6 +567,7 @@ class Output:
     downsampler: g711.Downsampler = field(default_factory=g711.Downsampler)  # 24 kHz -> 8 kHz, for G.711
     out_of_band: bool = False  # conversation "none": its items are not the conversation's (no conversation.item.*)
     calls: list[tuple[int, dict]] = field(default_factory=list)  # (output_index, the done function_call item)
+    open_calls: dict[str, tuple[int, str | None]] = field(default_factory=dict)  # a call's item -> (output_index, item before)
 
 
 class Translator:
@@ -671,8 +674,8 @@ class Translator:
                             "arguments": call.arguments}
                     events += self.item_events(item, body.previous_item_id if k == 0 else self.last_item)
                 return events
-            case "function_call":
-                return self.function_call(rid, body)
+            case "function_call_delta" | "function_call":
+                return self.function_call(rid, body, done=kind == "function_call")
             case "item_added":
                 role = omni_pb2.Role.Name(body.role).removeprefix("ROLE_").lower()
                 part = "output_text" if role == "assistant" else "input_text"
@@ -743,7 +746,8 @@ class Translator:
         out-of-band response's, which the conversation does not hold."""
         if out.out_of_band:
             return []
-        self.last_item = item["id"]
+        if kind == "added":
+            self.last_item = item["id"]
         return [self.item_event(kind, item, previous)]
 
     def retrieved(self, event: dict) -> dict:
@@ -821,25 +825,34 @@ class Translator:
         kind = "response.output_audio_transcript.delta" if out.audio else "response.output_text.delta"
         return [*self.open_message(rid, out), {"type": kind, **self.content_ids(rid, out), "delta": text}]
 
-    def function_call(self, rid: str, call: omni_pb2.FunctionCall) -> list[dict]:
-        """A call the reply made: its output item, its arguments (one delta, then done), the item done."""
+    def function_call(self, rid: str, call: omni_pb2.FunctionCall, done: bool) -> list[dict]:
+        """A call the reply made, as the thinker streams it: its output item added at its first
+        event, each piece of its arguments a delta, then (`done`) its arguments and its item done. A
+        call that comes whole has its arguments as one delta."""
         out = self.responses.get(rid)
         if out is None:
             return []
-        index, out.next_index = out.next_index, out.next_index + 1
+        events = []
         item = {"id": call.item_id, "object": "realtime.item", "type": "function_call", "status": "in_progress",
                 "call_id": call.call_id, "name": call.name, "arguments": ""}
-        done = {**item, "status": "completed", "arguments": call.arguments}
-        out.calls.append((index, done))
-        previous = self.last_item
+        opened = call.item_id not in out.open_calls
+        if opened:
+            index, out.next_index = out.next_index, out.next_index + 1
+            out.open_calls[call.item_id] = (index, self.last_item)
+            events += [{"type": "response.output_item.added", "response_id": rid, "output_index": index, "item": item},
+                       *self.conversation_item(out, "added", item, out.open_calls[call.item_id][1])]
+        index, previous = out.open_calls[call.item_id]
         ids = {"response_id": rid, "item_id": call.item_id, "output_index": index, "call_id": call.call_id}
-        return [{"type": "response.output_item.added", "response_id": rid, "output_index": index, "item": item},
-                *self.conversation_item(out, "added", item, previous),
-                {"type": "response.function_call_arguments.delta", **ids, "delta": call.arguments},
-                {"type": "response.function_call_arguments.done", **ids, "name": call.name,
-                 "arguments": call.arguments},
-                {"type": "response.output_item.done", "response_id": rid, "output_index": index, "item": done},
-                *self.conversation_item(out, "done", done, previous)]
+        if call.arguments and (not done or opened):
+            events.append({"type": "response.function_call_arguments.delta", **ids, "delta": call.arguments})
+        if not done:
+            return events
+        item = {**item, "status": "completed", "arguments": call.arguments}
+        out.calls.append((index, item))
+        return [*events, {"type": "response.function_call_arguments.done", **ids, "name": call.name,
+                          "arguments": call.arguments},
+                {"type": "response.output_item.done", "response_id": rid, "output_index": index, "item": item},
+                *self.conversation_item(out, "done", item, previous)]
 
     def audio_delta(self, rid: str, chunk) -> list[dict]:
         out = self.responses.get(rid)

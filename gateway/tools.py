@@ -11,12 +11,11 @@ pipeline's (services/base/tool_calls.py `check_tool`), so both APIs refuse the s
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Callable
 
 from omni.v1 import omni_pb2
 from services.base.errors import InvalidArgument
-from services.base.tool_calls import ParsedCall, check_tool
+from services.base.tool_calls import check_tool
 
 Fail = Callable[[str, str], Exception]
 _MODES = {"auto": omni_pb2.ToolChoice.MODE_AUTO, "none": omni_pb2.ToolChoice.MODE_NONE,
@@ -97,10 +96,8 @@ def tool_calls_to_proto(calls, fail: Fail, param: str) -> list[omni_pb2.ToolCall
     return out
 
 
-def call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def openai_call(call: ParsedCall, index: int, id_: str) -> dict:
-    """A parsed call as chat completions' `tool_calls` entry (`index` for a streamed delta)."""
-    return {"index": index, "id": id_, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+def openai_call(call: omni_pb2.ToolCall | omni_pb2.ToolCallDelta, index: int | None = None) -> dict:
+    """The thinker's call (whole, or its first delta) as chat completions' `tool_calls` entry
+    (`index` for a streamed delta)."""
+    entry = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return entry if index is None else {"index": index, **entry}

@@ -1,4 +1,5 @@
-"""The router: the client-facing `omni.v1.Omni/Generate`.
+"""The router: the client-facing `omni.v1.Omni/Generate` (and `GetModelInfo`, from the thinker
+replicas' load reports).
 
 Admits the request (bounded in-flight count and queue; RESOURCE_EXHAUSTED beyond them), picks
 the least-loaded healthy replica of each stage, puts that route in the call to the thinker, and
@@ -97,6 +98,12 @@ class OmniServicer(omni_pb2_grpc.OmniServicer):
         async with aclosing(RouterStream(self, request, context).run()) as responses:
             async for response in responses:
                 yield response
+
+    async def GetModelInfo(self, request: omni_pb2.ModelInfoRequest, context) -> omni_pb2.ModelInfo:
+        """From the thinker replicas' last load reports: tools are taken when every one that said takes them."""
+        said = [r.load.tools for r in self.stages[Stage.THINKER].replicas.values()
+                if r.healthy and r.load is not None and r.load.HasField("tools")]
+        return omni_pb2.ModelInfo(tools=all(said)) if said else omni_pb2.ModelInfo()
 
     def note_failure(self, exc: grpc.aio.AioRpcError, route: dict[str, Replica]) -> None:
         """Mark the replica an UNAVAILABLE's ErrorInfo names (or the thinker, if it died itself) as failed."""

@@ -98,6 +98,7 @@ class RouterStream:
         self.spans: RequestTrace | None = None
         # What the client has, across moves to other thinker replicas.
         self.text, self.resume = Passed(Stage.THINKER, "text"), Resume(Stage.THINKER)
+        self.calls = Passed(Stage.THINKER, "tool calls")  # tool_call_delta and tool_call events, one unit each
         self.tried: set[str] = set()
         self.moves = 0
         self.moved_at: float | None = None  # perf_counter of the last move, until the new replica's first output
@@ -194,6 +195,9 @@ class RouterStream:
                 ids = response.text.token_ids
                 if self.text.admit(b"".join(i.to_bytes(4, "little", signed=True) for i in ids), len(ids)):
                     return None
+            case "tool_call_delta" | "tool_call":  # a replay makes the same events (the ids too: proto)
+                if self.calls.admit(response.SerializeToString(deterministic=True), 1):
+                    return None
             case "audio":
                 chunk = self.resume.audio_chunk(response.audio)
                 if chunk is None:
@@ -206,6 +210,7 @@ class RouterStream:
                 return omni_pb2.GenerateResponse(request_id=response.request_id, codec_frames=frames)
             case "final":
                 self.text.check_complete()
+                self.calls.check_complete()
                 self.resume.finish()
                 response.final.migrations += self.moves
         return response
@@ -265,9 +270,14 @@ class RouterStream:
         self.spans.open("migrate", **{"omni.peer": Stage.THINKER, "omni.from_replica": thinker.address,
                                       "omni.to_replica": fallback.address, "omni.move": self.moves,
                                       "omni.reason": str(failure)})
-        self.text.begin_replay()
-        self.resume.begin_replay()
+        self.begin_replay()
         self.thinker_request = as_replay(self.thinker_request)
+
+    def begin_replay(self) -> None:
+        """The next thinker's stream repeats what was passed up: `pass_up` drops and checks it."""
+        self.text.begin_replay()
+        self.calls.begin_replay()
+        self.resume.begin_replay()
 
     def close(self, outcome: grpc.StatusCode) -> None:
         """However the call ended: its trace and count, and its places on the replicas and in flight."""

@@ -24,6 +24,11 @@ class SessionConfig:
     # `input_burst_s` seconds any client may send at once (a buffered microphone, a short recording).
     max_input_realtime: float = 2.0
     input_burst_s: float = 10.0
+    # With turn detection's create_response: each turn's answer starts once its speech went quiet for
+    # `early_response_after_ms` (rounded up to whole 32 ms windows: by default the first silent
+    # window), held back until the silence setting confirms the turn (docs/sessions.md).
+    early_response: bool = True
+    early_response_after_ms: int = 32
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from omni.v1 import common_pb2, omni_pb2
-from services.base.tool_calls import ToolCallParser
 
 END_TEXT = "<|im_end|>"  # both families' end-of-turn token: the chat template writes it, the reply does not keep it
 
@@ -26,12 +25,12 @@ class Reply:
     """An assistant reply as it streamed, and where it was cut."""
 
     pieces: list[str] = field(default_factory=list)  # each generated token's text, in order (the end token left out)
+    calls: list[omni_pb2.ToolCall] = field(default_factory=list)  # the tool calls it made (the thinker's events)
     audio_samples: int = 0  # sent to the client
     sample_rate: int = 0
     samples_per_frame: int = 0  # 0: not known (the cut is then proportional)
     kept: int | None = None  # tokens the history keeps (None: every one)
     audio_end_ms: int | None = None  # where it was cut
-    tools: bool = False  # it may hold calls: `text` is the model's own (calls and all), `content` without them
 
     def add_text(self, delta: omni_pb2.TextDelta) -> None:
         if delta.text == END_TEXT:
@@ -53,12 +52,9 @@ class Reply:
         return "".join(self.pieces[:self.kept])
 
     @property
-    def content(self) -> str:
-        """The reply's text without its tool calls (what a transcript shows)."""
-        if not self.tools:
-            return self.text
-        parser = ToolCallParser()
-        return "".join(p for p in parser.feed(self.text) + parser.finish() if isinstance(p, str))
+    def kept_calls(self) -> list[omni_pb2.ToolCall]:
+        """Its calls, unless it was cut before its end (the calls follow the text it spoke)."""
+        return self.calls if self.kept is None or self.kept >= len(self.pieces) else []
 
     def cut(self, audio_end_ms: int) -> None:
         """Keep what the listener heard of it: its audio up to `audio_end_ms`, and the tokens the
@@ -86,19 +82,20 @@ class Item:
 
     def message(self) -> omni_pb2.Message | None:
         """The item as a Generate message (None: a reply of which nothing was heard). A reply's
-        calls stay in its text as the model wrote them."""
+        calls are its message's, which the chat template renders as the model wrote them."""
         if self.reply is None:
             return omni_pb2.Message(role=self.role, content=self.content, tool_calls=self.tool_calls,
                                     tool_call_id=self.tool_call_id)
-        text = self.reply.text
-        if not text:
+        text, calls = self.reply.text, self.reply.kept_calls
+        if not text and not calls:
             return None
-        return omni_pb2.Message(role=self.role, content=[omni_pb2.Content(text=text)])
+        return omni_pb2.Message(role=self.role, content=[omni_pb2.Content(text=text)] if text else [],
+                                tool_calls=calls)
 
     @property
     def text(self) -> str:
         if self.reply is not None:
-            return self.reply.content
+            return self.reply.text
         return "".join(part.text for part in self.content if part.WhichOneof("part") == "text")
 
 

@@ -13,12 +13,13 @@ from collections.abc import Callable
 import numpy as np
 
 from sessions.audio import InputFormat, Resampler
-from sessions.turn_detection import SpeechStart, SpeechStop, TurnDetectionSettings, TurnDetector
+from sessions.turn_detection import Event, TurnDetectionSettings, TurnDetector
 
 
 class InputAudio:
-    def __init__(self, vad_factory: Callable[[], Callable[[np.ndarray], float]]):
+    def __init__(self, vad_factory: Callable[[], Callable[[np.ndarray], float]], hold_windows: int = 1):
         self.vad_factory = vad_factory  # () -> a fresh detector: int16 [512] at 16 kHz -> speech probability
+        self.hold_windows = hold_windows  # silent windows before a SilenceStart (TurnDetector)
         # The buffer: int16 arrays in order, joined once when taken (an append never copies what is held).
         self.chunks: list[np.ndarray] = []
         self.held = 0  # samples in the buffer
@@ -35,7 +36,7 @@ class InputAudio:
         self.rate = fmt.sample_rate
         self.padding = detection.prefix_padding_ms * self.rate // 1000
         self.resampler = Resampler(self.rate)
-        self.detector = TurnDetector(detection, self.vad_factory()) if detection.enabled else None
+        self.detector = TurnDetector(detection, self.vad_factory(), self.hold_windows) if detection.enabled else None
         self.origin = self.total
 
     @property
@@ -53,15 +54,15 @@ class InputAudio:
         """An absolute sample as milliseconds of the session's input."""
         return sample * 1000 // self.rate
 
-    def append(self, samples: np.ndarray) -> list[tuple[SpeechStart | SpeechStop, int]]:
-        """Buffer int16 `samples`; the detector's speech starts and stops in them, each with its absolute sample."""
+    def append(self, samples: np.ndarray) -> list[tuple[Event, int]]:
+        """Buffer int16 `samples`; the detector's events in them, each with its absolute sample."""
         self.chunks.append(samples)
         self.held += len(samples)
         self.total += len(samples)
         if self.detector is None:
             return []
         events = self.detector.feed(self.resampler.feed(samples))
-        return [(event, self.origin + event.at_ms * self.rate // 1000) for event in events]
+        return [(event, self.sample(event.at_ms)) for event in events]
 
     @property
     def speaking(self) -> bool:
@@ -86,13 +87,24 @@ class InputAudio:
         if self.detector is not None and not self.detector.speaking:
             self.keep_from(self.total - self.padding)
 
-    def take(self) -> np.ndarray:
-        """The buffer's samples, int16 [held], and an empty buffer from the next sample on."""
+    def sample(self, ms: int) -> int:
+        """The absolute sample of the detector's `ms` (its clock starts at `origin`)."""
+        return self.origin + ms * self.rate // 1000
+
+    def upto(self, sample: int) -> np.ndarray:
+        """The buffer's samples before the absolute `sample`, int16; the buffer unchanged."""
+        return self.samples[:max(min(sample, self.total) - self.start, 0)]
+
+    def take(self, upto: int | None = None) -> np.ndarray:
+        """The buffer's samples (those before the absolute sample `upto`, when given), int16; the
+        buffer holds what is left, from the next sample on."""
         samples = self.samples
-        self.chunks, self.held, self.start = [], 0, self.total
+        taken = samples if upto is None else self.upto(upto)
+        rest = samples[len(taken):]
+        self.chunks, self.held, self.start = [rest] if len(rest) else [], len(rest), self.start + len(taken)
         if self.detector is not None:
             self.detector.reset()
-        return samples
+        return taken
 
     def clear(self) -> None:
         self.take()

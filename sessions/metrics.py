@@ -32,6 +32,9 @@ class SessionMetrics:
                                       "(input_transcription), by status: completed, failed", ["status"], registry=r)
         for status in ("completed", "failed"):
             self.transcriptions.labels(status)
+        self.held_answers = Counter("omni_session_held_answers", "Answers started at a turn's first silent window: "
+                                    "released when the silence setting confirmed the turn, or dropped (speech "
+                                    "resumed, a client message)", ["outcome"], registry=r)
         self.barge_ins = Counter("omni_session_barge_ins",
                                  "Speech that started while a response was playing (it was cancelled)", registry=r)
         self.first_audio = Histogram("omni_session_first_audio_seconds",
@@ -40,7 +43,7 @@ class SessionMetrics:
         # Their ratio is turn detection's CPU per second of audio (docs/sessions.md, "What turn detection costs").
         self.detection_cpu = Counter("omni_session_turn_detection_cpu_seconds",
                                      "CPU time of the detection thread in turn detection (resampling, windows, "
-                                     "Silero; ggml's own worker threads not counted)", registry=r)
+                                     "Silero, whose onnxruntime session runs on that thread)", registry=r)
         self.detected_audio = Counter("omni_session_turn_detection_audio_seconds",
                                       "Seconds of input audio turn detection heard", registry=r)
         self.loop_lag = Histogram("omni_session_loop_lag_seconds", "How late the event loop ran a timer due every "

@@ -78,6 +78,18 @@ class RouterClient:
     async def close(self) -> None:
         await self.channels.close()
 
+    async def takes_tools(self, turn: Turn) -> bool | None:
+        """Whether the pipeline takes requests with tools (Omni/GetModelInfo of the next router);
+        None: not known (no thinker reported yet, or the router did not answer within 2 s)."""
+        target = self.targets[self.next]
+        try:
+            info = await omni_pb2_grpc.OmniStub(self.channels.get(target)).GetModelInfo(
+                omni_pb2.ModelInfoRequest(), metadata=turn.metadata or None, timeout=2.0)
+        except grpc.aio.AioRpcError as err:
+            log.warning("router %s did not say whether it takes tools (%s)", target, err.code().name)
+            return None
+        return info.tools if info.HasField("tools") else None
+
     async def generate(self, request: omni_pb2.GenerateRequest, turn: Turn):
         """The router's responses to `request`, to the Final; TurnFailed when the call fails."""
         first, self.next = self.next, (self.next + 1) % len(self.targets)

@@ -7,10 +7,11 @@ holds no place there), and prefix caching and prefix routing carry a session's t
 any conversation. A turn whose call fails ends that response alone (an `error` event, then its
 `response_done` failed with the same error); the session goes on.
 
-With tools in the settings, each reply's text is parsed for Qwen's tool calls as it streams
-(services/base/tool_calls.py): its content goes out as text events, each call as a
-`function_call` event once whole; the history keeps the reply's text as the model wrote it, calls
-and all, so the next turn's prompt holds the call the tool's result (a ROLE_TOOL item) answers.
+With tools in the settings, the thinker parses each reply's tool calls (services/thinker/tool_calls.py):
+its text deltas are the reply's content, and each call's `tool_call_delta` and `tool_call` events go
+out as `function_call_delta` and `function_call` events (the call's own item); the history keeps
+the calls as the reply's message's, so the next turn's prompt holds the call the tool's result (a
+ROLE_TOOL item) answers.
 
 Three tasks: the reader (the client's messages into the inbox, which is bounded, so a client
 that sends faster than the session handles is held back by gRPC's flow control; never cancelled,
@@ -38,7 +39,6 @@ import grpc
 
 from omni.v1 import omni_pb2
 from services.base.errors import InvalidArgument
-from services.base.tool_calls import ParsedCall, ToolCallParser
 from services.serving.grpc_server import time_remaining
 from services.serving.status import status_for
 from services.serving.streams import let_end
@@ -50,7 +50,7 @@ from sessions.metrics import SessionMetrics
 from sessions.router_client import RouterClient, Turn, TurnFailed
 from sessions.settings import AUDIO, Settings
 from sessions.transcription import Transcription
-from sessions.turn_detection import SpeechStart
+from sessions.turn_detection import WINDOW_MS, SilenceStart, SpeechResumed, SpeechStart
 
 log = logging.getLogger("sessions")
 TICK_S = 0.25  # how often the loop checks the idle and send timeouts
@@ -59,7 +59,8 @@ TICK_S = 0.25  # how often the loop checks the idle and send timeouts
 INBOX = 32
 COMPLETED, CANCELLED, FAILED = (omni_pb2.RESPONSE_STATUS_COMPLETED, omni_pb2.RESPONSE_STATUS_CANCELLED,
                                 omni_pb2.RESPONSE_STATUS_FAILED)
-RESPONSE_OUTPUT = ("text", "audio", "codec_frames", "function_call")  # events dropped unsent when their response is cancelled
+# Events dropped unsent when their response is cancelled.
+RESPONSE_OUTPUT = ("text", "audio", "codec_frames", "function_call_delta", "function_call")
 # A response.create's metadata, as the Realtime API bounds it: pairs, and each key's and value's characters.
 MAX_METADATA, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
@@ -81,12 +82,30 @@ class Response:
     response_id: str
     item: Item  # the assistant item its reply becomes
     settings: Settings  # the session's, with the create_response's overrides
+    created: omni_pb2.ResponseCreated  # its response_created event: what it was made with
     input: list[omni_pb2.Message] | None = None  # its own prompt (None: the conversation's)
     task: asyncio.Task | None = None
     ended: bool = False
+    status: int = 0  # how it ended (omni_pb2.ResponseStatus)
+    call_items: dict[str, str] = field(default_factory=dict)  # a call's id -> its item's id
     # Set once its first audio (text, for a text-only reply) was written or it ended: what a
     # transcription started beside it waits for.
     first_output: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class Held:
+    """A turn's answer started at the first silent window of its speech, before the silence setting
+    confirmed the turn's end: its user item and reply are in the conversation, its events held
+    back (`events`); released at the speech stop, dropped if anything else comes first (the speech
+    resumes, any client message but an append), its call then cancelled in every stage."""
+
+    response: Response
+    user: Item  # the committed input it answers: the audio up to the end of the first silent window
+    end: int  # the absolute input sample that audio ends at
+    previous: str  # the item before the user item
+    dropped: frozenset[str]  # the conversation's truncation when it started (a truncation it makes is undone with it)
+    events: list[omni_pb2.SessionEvent] = field(default_factory=list)
 
 
 @dataclass
@@ -134,11 +153,12 @@ class RealtimeSession:
         self.turns = 0
         self.response: Response | None = None
         self.playback: Playback | None = None
-        self.input = InputAudio(vad_factory)
+        self.input = InputAudio(vad_factory, max(-(-config.early_response_after_ms // WINDOW_MS), 1))
         self.pace = InputPace(config.max_input_realtime, config.input_burst_s)
         self.input.configure(self.settings.input_format, self.settings.turn_detection)
         self.speech_item: str | None = None  # the item id of the speech in progress
         self.speech_stopped_at: float | None = None  # monotonic time of the last stop: end of speech -> first audio
+        self.held: Held | None = None  # an answer started before the turn's end was confirmed
         self.transcriptions: set[asyncio.Task] = set()  # the committed turns' transcriptions running
 
     # ---- the call ----
@@ -173,6 +193,7 @@ class RealtimeSession:
                 outcome = omni_pb2.CloseReason.Name(self.closed.reason).removeprefix("CLOSE_REASON_").lower()
                 await self.flush()  # the closing event, for at most the send timeout
         finally:
+            self.drop_held()
             if self.response is not None and not self.response.ended:
                 self.cancel_response(omni_pb2.CANCEL_REASON_CLIENT, cut=False)
             self.closed = self.closed or omni_pb2.SessionClosed()
@@ -218,6 +239,9 @@ class RealtimeSession:
             await asyncio.sleep(0.01)
 
     def emit(self, event: omni_pb2.SessionEvent) -> None:
+        if self.held is not None and event.response_id == self.held.response.response_id:
+            self.held.events.append(event)  # sent if the turn's end is confirmed
+            return
         self.outbox.append(event)
         self.outbox_ready.set()
 
@@ -227,6 +251,7 @@ class RealtimeSession:
 
     def close(self, reason: int, message: str) -> None:
         log.info("session %s closed: %s", self.session_id, message)
+        self.drop_held()
         if self.response is not None and not self.response.ended:
             self.cancel_response(omni_pb2.CANCEL_REASON_CLIENT, cut=False)
         self.closed = omni_pb2.SessionClosed(reason=reason, message=message)
@@ -269,6 +294,8 @@ class RealtimeSession:
         try:
             if kind is None:
                 raise MessageError("unknown_event", "the message sets no event", "event")
+            if kind != "append_audio":  # the held answer was made from the session as it was
+                self.drop_held()
             handled = getattr(self, f"on_{kind}")(getattr(request, kind))
             if inspect.isawaitable(handled):  # an append: its turn detection, on the detection thread
                 await handled
@@ -277,8 +304,11 @@ class RealtimeSession:
         except MessageError as exc:
             self.error(exc.code, exc.message, exc.field, request.event_id)
 
-    def on_update(self, update: omni_pb2.SessionSettings) -> None:
+    async def on_update(self, update: omni_pb2.SessionSettings) -> None:
         settings = self.settings.updated(update)
+        if update.tools and await self.router.takes_tools(self.turn()) is False:  # refused here, not on each turn
+            raise MessageError("invalid_argument", "the pipeline does not take tools (its thinker backend or "
+                                                   "chat template cannot render them)", "update.tools")
         if settings.input_format != self.settings.input_format and self.input.held:
             raise MessageError("invalid_argument", "the input buffer holds audio: commit or clear it before changing "
                                                    "the input format", "update.input_format")
@@ -310,6 +340,10 @@ class RealtimeSession:
         for event, sample in events:
             if isinstance(event, SpeechStart):
                 self.speech_started(sample)
+            elif isinstance(event, SilenceStart):
+                self.hold_answer(self.input.sample(event.end_ms))
+            elif isinstance(event, SpeechResumed):
+                self.drop_held()
             else:
                 self.speech_stopped(sample)
         self.input.trim()
@@ -343,10 +377,13 @@ class RealtimeSession:
             item_id=item_id, previous_item_id=previous, role=message.role, text=item.text,
             tool_calls=message.tool_calls, tool_call_id=message.tool_call_id)))
 
-    def on_create_response(self, create: omni_pb2.CreateResponse) -> None:
+    async def on_create_response(self, create: omni_pb2.CreateResponse) -> None:
         if self.response is not None and not self.response.ended:
             raise MessageError("response_in_progress", "a response is in progress: cancel it first", "create_response")
         settings = self.settings.for_response(create)
+        if create.tools and await self.router.takes_tools(self.turn()) is False:  # as on_update's
+            raise MessageError("invalid_argument", "the pipeline does not take tools (its thinker backend or "
+                                                   "chat template cannot render them)", "create_response.tools")
         check_metadata(create.metadata)
         prompt = None
         if create.input_set:
@@ -409,20 +446,29 @@ class RealtimeSession:
         self.emit(omni_pb2.SessionEvent(speech_stopped=omni_pb2.SpeechStopped(
             audio_end_ms=self.input.ms(sample), item_id=item_id)))
         self.speech_stopped_at = time.monotonic()
+        if self.held is not None:
+            self.release_held()
+            return
         self.commit_input(item_id)
         # With barge-in off, speech during a response adds its item; the next response hears it.
         if self.settings.turn_detection.create_response and (self.response is None or self.response.ended):
-            self.create_response(self.settings)
+            self.create_response()
+
+    def user_item(self, item_id: str, samples) -> Item:
+        """Input audio as a user item: a wav at the input rate."""
+        return Item(item_id, omni_pb2.ROLE_USER, [omni_pb2.Content(audio=wav_bytes(samples, self.input.rate))])
 
     def commit_input(self, item_id: str) -> None:
-        """The input buffer becomes a user item (its audio as a wav at the input rate); the buffer empties."""
+        """The input buffer becomes a user item; the buffer empties."""
         samples = self.input.take()
-        item = Item(item_id, omni_pb2.ROLE_USER, [omni_pb2.Content(audio=wav_bytes(samples, self.input.rate))])
-        audio_ms = len(samples) * 1000 // self.input.rate
-        previous = self.conversation.add(item)
+        item = self.user_item(item_id, samples)
+        self.committed(item, self.conversation.add(item), len(samples))
+
+    def committed(self, item: Item, previous: str, samples: int) -> None:
         self.speech_item = None
+        audio_ms = samples * 1000 // self.input.rate
         self.emit(omni_pb2.SessionEvent(committed=omni_pb2.InputCommitted(
-            item_id=item_id, previous_item_id=previous, audio_ms=audio_ms)))
+            item_id=item.item_id, previous_item_id=previous, audio_ms=audio_ms)))
         if self.settings.transcription is not None:
             task = asyncio.create_task(self.transcribe(item, audio_ms, self.settings.transcription))
             self.transcriptions.add(task)
@@ -462,38 +508,93 @@ class RealtimeSession:
         self.emit(omni_pb2.SessionEvent(transcription_completed=omni_pb2.TranscriptionCompleted(
             **ids, transcript=item.transcript, final=final)))
 
+    # ---- the answer held back until the turn's end is confirmed ----
+
+    def hold_answer(self, end: int) -> None:
+        """Speech went quiet (its first silent window, ending at input sample `end`): start the turn's
+        answer now, on the audio up to there, its events held back (`Held`)."""
+        if not (self.config.early_response and self.settings.turn_detection.create_response) \
+                or self.closed is not None or self.turns >= self.config.max_turns \
+                or self.response is not None and not self.response.ended:
+            return
+        samples = self.input.upto(end)
+        user = self.user_item(self.speech_item or new_id("item"), samples)
+        dropped = frozenset(self.conversation.dropped)
+        previous = self.conversation.add(user)
+        response, request = self.new_response(self.settings)
+        self.held = Held(response, user, self.input.start + len(samples), previous, dropped)
+        response.task = asyncio.create_task(self.run_response(response, request))
+
+    def release_held(self) -> None:
+        """The silence setting confirmed the turn's end: its user item committed and its answer sent,
+        what it made so far at once and the rest as it comes."""
+        held, self.held = self.held, None
+        samples = self.input.take(held.end)  # what the answer heard; the silence after it is trimmed as any
+        self.committed(held.user, held.previous, len(samples))
+        response = held.response
+        self.start_response(response)
+        for event in held.events:
+            self.emit(event)
+        if response.ended:
+            self.count_turn(response)
+        self.metrics.held_answers.labels("released").inc()
+
+    def drop_held(self) -> None:
+        """The held answer is not the turn's (speech resumed, or the client sent something): its call
+        cancelled (every stage frees it), its items out of the conversation, its events dropped."""
+        held, self.held = self.held, None
+        if held is None:
+            return
+        held.response.task.cancel()
+        held.response.ended = True
+        self.conversation.delete(held.response.item.item_id)
+        self.conversation.delete(held.user.item_id)
+        self.conversation.dropped = set(held.dropped)
+        self.metrics.held_answers.labels("dropped").inc()
+
     # ---- responses ----
 
-    def create_response(self, settings: Settings, prompt: list[omni_pb2.Message] | None = None,
+    def create_response(self, settings: Settings | None = None, prompt: list[omni_pb2.Message] | None = None,
                         create: omni_pb2.CreateResponse | None = None) -> None:
-        """A response of `settings` to `prompt` (None: the conversation); `create`: the client's
-        request (its metadata; out of band, the reply is not added to the conversation)."""
+        """A response (new_response's arguments; `settings` None: the session's)."""
         if self.turns >= self.config.max_turns:
             self.close(omni_pb2.CLOSE_REASON_TURN_LIMIT, f"the session made its {self.config.max_turns} responses")
             return
-        self.turns += 1
+        response, request = self.new_response(settings or self.settings, prompt, create)
+        self.start_response(response)
+        response.task = asyncio.create_task(self.run_response(response, request))
+
+    def new_response(self, settings: Settings, prompt: list[omni_pb2.Message] | None = None,
+                     create: omni_pb2.CreateResponse | None = None) -> tuple[Response, omni_pb2.GenerateRequest]:
+        """A response of `settings` to `prompt` (None: the conversation as it is), its (empty) reply
+        item added after it unless `create` asks for one out of band, and its request; `create`: the
+        client's (its metadata)."""
         response_id = new_id("resp")
         request = settings.request(response_id, self.conversation.messages() if prompt is None else prompt)
-        item = Item(new_id("item"), omni_pb2.ROLE_ASSISTANT, reply=Reply(tools=settings.calls_tools))
+        item = Item(new_id("item"), omni_pb2.ROLE_ASSISTANT, reply=Reply())
         out_of_band = create is not None and create.out_of_band
         if not out_of_band:
             self.conversation.add(item)
-        self.response = response = Response(response_id, item, settings, prompt)
-        if AUDIO in settings.output_modalities and not out_of_band:  # an out-of-band reply is not the history's to cut
-            self.playback = Playback(item, response_id)
         created = omni_pb2.ResponseCreated(item_id=item.item_id, output_modalities=settings.output_modalities,
                                            out_of_band=out_of_band, metadata=dict(create.metadata) if create else None)
         if settings.max_output_tokens is not None:
             created.max_output_tokens = settings.max_output_tokens
-        self.emit(omni_pb2.SessionEvent(response_id=response_id, response_created=created))
-        response.task = asyncio.create_task(self.run_response(response, request))
+        return Response(response_id, item, settings, created, prompt), request
+
+    def start_response(self, response: Response) -> None:
+        """`response` is the session's: counted, said, its audio on the playback clock (an
+        out-of-band reply's not: it is not the history's to cut)."""
+        self.turns += 1
+        self.response = response
+        if AUDIO in response.settings.output_modalities and not response.created.out_of_band:
+            self.playback = Playback(response.item, response.response_id)
+        self.emit(omni_pb2.SessionEvent(response_id=response.response_id, response_created=response.created))
 
     async def run_response(self, response: Response, request: omni_pb2.GenerateRequest) -> None:
         """The turn's request through the router, its output into the outbox."""
-        calls = ToolCallParser() if response.item.reply.tools else None
         while True:
             try:
-                final = await self.stream_response(response, request, calls)
+                final = await self.stream_response(response, request)
                 break
             except TurnFailed as failed:
                 # Refused before any output (a response of the conversation): again, shorter.
@@ -511,23 +612,15 @@ class RealtimeSession:
                 status, _ = status_for(exc)
                 self.end_response(response, FAILED, error=omni_pb2.SessionError(code="internal", message=status.message))
                 return
-        if calls is not None:
-            self.emit_parsed(response, calls.finish(), None)
         self.end_response(response, COMPLETED, final=final)
 
-    async def stream_response(self, response: Response, request: omni_pb2.GenerateRequest,
-                              calls: ToolCallParser | None) -> omni_pb2.Final | None:
+    async def stream_response(self, response: Response, request: omni_pb2.GenerateRequest) -> omni_pb2.Final | None:
         """One router call of the turn, its output into the outbox; its Final."""
         reply, final = response.item.reply, None
         async with aclosing(self.router.generate(request, self.turn())) as outputs:
             async for output in outputs:
                 kind = output.WhichOneof("event")
                 event = omni_pb2.SessionEvent(response_id=response.response_id)
-                if kind == "text" and calls is not None:
-                    reply.add_text(output.text)
-                    if output.text.text != END_TEXT:  # the end token's text: not the reply's
-                        self.emit_parsed(response, calls.feed(output.text.text), output.text)
-                    continue
                 if kind == "text":
                     reply.add_text(output.text)
                     event.text.CopyFrom(output.text)
@@ -536,6 +629,8 @@ class RealtimeSession:
                     event.audio.CopyFrom(output.audio)
                 elif kind == "codec_frames":
                     event.codec_frames.CopyFrom(output.codec_frames)
+                elif kind in ("tool_call_delta", "tool_call"):
+                    event = self.call_event(response, kind, getattr(output, kind))
                 else:
                     final = output.final
                     continue
@@ -563,35 +658,38 @@ class RealtimeSession:
         auth = [(k, v) for k, v in (self.context.invocation_metadata() or ()) if k == "authorization"]
         return Turn(metadata=tuple(auth), timeout_s=time_remaining(self.context))
 
-    def emit_parsed(self, response: Response, parsed: list, delta: omni_pb2.TextDelta | None) -> None:
-        """A reply's parsed text out: content as text events (the delta's ids on the first), each
-        call as a function_call event."""
-        ids = list(delta.token_ids) if delta is not None else []
-        for piece in parsed:
-            event = omni_pb2.SessionEvent(response_id=response.response_id)
-            if isinstance(piece, ParsedCall):
-                event.function_call.CopyFrom(omni_pb2.FunctionCall(
-                    item_id=new_id("item"), call_id=new_id("call"), name=piece.name, arguments=piece.arguments))
-            else:
-                event.text.CopyFrom(omni_pb2.TextDelta(text=piece, token_ids=ids))
-                ids = []
-            self.emit(event)
+    def call_event(self, response: Response, kind: str, call) -> omni_pb2.SessionEvent:
+        """A call of the reply (the thinker's delta or whole call) as the session's event, on the
+        call's own item; a whole call joins the reply (the history's message holds it)."""
+        item_id = response.call_items.setdefault(call.id, new_id("item"))
+        event = omni_pb2.SessionEvent(response_id=response.response_id)
+        out = omni_pb2.FunctionCall(item_id=item_id, call_id=call.id, name=call.name, arguments=call.arguments)
+        if kind == "tool_call":
+            response.item.reply.calls.append(call)
+            event.function_call.CopyFrom(out)
+        else:
+            event.function_call_delta.CopyFrom(out)
+        return event
 
     def end_response(self, response: Response, status: int, final: omni_pb2.Final | None = None,
                      error: omni_pb2.SessionError | None = None, reason: int = 0) -> None:
         if response.ended:
             return
-        response.ended = True
+        response.ended, response.status = True, status
         response.first_output.set()
         reply = response.item.reply
-        self.metrics.turns.labels(omni_pb2.ResponseStatus.Name(status).removeprefix("RESPONSE_STATUS_").lower()).inc()
+        if self.held is None or self.held.response is not response:  # a held answer counts once released
+            self.count_turn(response)
         done = omni_pb2.ResponseDone(item_id=response.item.item_id, status=status, cancel_reason=reason,
-                                     transcript=reply.content, audio_ms=reply.audio_ms)
+                                     transcript=reply.text, audio_ms=reply.audio_ms)
         if final is not None:
             done.final.CopyFrom(final)
         if error is not None:
             done.error.CopyFrom(error)
         self.emit(omni_pb2.SessionEvent(response_id=response.response_id, response_done=done))
+
+    def count_turn(self, response: Response) -> None:
+        self.metrics.turns.labels(omni_pb2.ResponseStatus.Name(response.status).removeprefix("RESPONSE_STATUS_").lower()).inc()
 
     def cancel_response(self, reason: int, cut: bool = True) -> None:
         """Cancel the response in progress everywhere (its request's call, so every stage frees it),
@@ -630,8 +728,7 @@ class RealtimeSession:
         if self.playback is not None and self.playback.item is item:
             self.playback = None
         self.emit(omni_pb2.SessionEvent(truncated=omni_pb2.ItemTruncated(
-            item_id=item.item_id, audio_end_ms=item.reply.audio_end_ms, text=item.reply.content)))
-
+            item_id=item.item_id, audio_end_ms=item.reply.audio_end_ms, text=item.reply.text)))
 
 
 def check_message(message: omni_pb2.Message, where: str) -> None:

@@ -37,11 +37,6 @@ class Settings:
     retention_ratio: float = DEFAULT_RETENTION
     transcription: Transcription | None = None  # each committed audio turn transcribed (None: off)
 
-    @property
-    def calls_tools(self) -> bool:
-        """A reply may call a tool: its text is parsed for calls."""
-        return bool(self.tools) and omni_pb2.ToolChoice.FromString(self.tool_choice).mode != _MODES.MODE_NONE
-
     def updated(self, proto: omni_pb2.SessionSettings, field_: str = "update") -> Settings:
         """These settings with what `proto` sets, each checked (InvalidArgument names the field)."""
         changes: dict = {}

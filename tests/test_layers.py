@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL_LIBRARIES = frozenset({"torch", "transformers", "numpy"})  # what a process without a model never loads
+MODEL_LIBRARIES = frozenset({"torch", "transformers", "numpy", "onnxruntime"})  # what a process without a model never loads
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,8 @@ RULES = {
     # Processes that start in well under a second with no GPU image: the base and the plumbing only.
     "router": Rule(PLUMBING, frozenset()),
     "gateway": Rule(PLUMBING, frozenset({"numpy"}), never=("services.serving.wire",)),  # numpy: audio encoding
-    "sessions": Rule(PLUMBING, frozenset({"numpy"}), never=("services.serving.wire",)),  # numpy: its audio as arrays
+    # numpy: its audio as arrays; onnxruntime: turn detection's model
+    "sessions": Rule(PLUMBING, frozenset({"numpy", "onnxruntime"}), never=("services.serving.wire",)),
     "bench": Rule(MODEL_SIDE | STAGES | {"services.tools"}),
     "bench.probes": Rule(MODEL_SIDE | STAGES | {"services.tools", "bench", "sessions"}),  # sessions: turn detection's cost
 }

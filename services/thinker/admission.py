@@ -201,15 +201,23 @@ class Admission:
                                                                 tools.tools is not None))
         return Prepared(job, audio, tools.tools is not None, tools.reply_prefix)
 
+    @property
+    def tools_refused(self) -> str | None:
+        """Why this stage refuses every request with tools (None: it takes them). Reported on
+        GetLoad, so the router can tell the sessions service before a session sets tools."""
+        if self.config.backend is not Backend.TRANSFORMERS:
+            return f"not supported by the {self.config.backend} thinker backend"
+        if not self.prompts.renders_tools:
+            return "the checkpoint's chat template does not render tools"
+        return None
+
     def _tools(self, request: omni_pb2.GenerateRequest) -> Tools:
         """The request's tools checked (before anything is decoded), against what this stage can render."""
         tools = Tools.of(request)
         if not request.tools:
             return tools
-        if self.config.backend is not Backend.TRANSFORMERS:
-            raise InvalidArgument("tools", f"not supported by the {self.config.backend} thinker backend")
-        if not self.prompts.renders_tools:
-            raise InvalidArgument("tools", "the checkpoint's chat template does not render tools")
+        if self.tools_refused is not None:
+            raise InvalidArgument("tools", self.tools_refused)
         for i, tool in enumerate(request.tools):
             self.prompts.check_text(tool.description, f"tools[{i}].description")
             self.prompts.check_text(tool.parameters, f"tools[{i}].parameters")

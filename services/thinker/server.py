@@ -97,6 +97,7 @@ class ThinkerServicer(stages_pb2_grpc.ThinkerServicer):
     async def GetLoad(self, request, context):
         report = self.loop.load_report(Stage.THINKER, self.config.engine.num_slots, self.handle.draining,
                                        reset_peak=request.reset_peak)
+        report.tools = self.admission.tools_refused is None
         if self.prefix_pool is not None:
             epoch, seq, full, held = self.prefix_pool.index.report(request.prefix_epoch, request.prefix_since)
             report.prefix.CopyFrom(common_pb2.PrefixReport(

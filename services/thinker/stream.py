@@ -5,10 +5,13 @@ down and the audio up, move the talker stream to a fallback replica if its repli
 `ThinkerStream.run` is the request's whole path; each event the stream's sink hands out goes to
 one `on_*` method, which returns the responses it makes for the caller.
 
-With tools (services/base/tool_calls.py) the talker speaks the reply's text up to its first
-<tool_call> only: the tokens pass a `SpeechGate`, the talker's text ends where the call shows
-(its stream is cancelled when nothing came before: a reply that is only a call makes no audio),
-and the caller still gets every token's text.
+With tools (services/thinker/tool_calls.py) the reply's text is parsed for Qwen's calls: each
+token's id still comes in its own text delta, in order, but the delta's text is the content only,
+and the calls come as `tool_call_delta` and `tool_call` responses after the delta of the token
+that wrote them (content a token writes after a call's end comes in that token's delta, before the
+call's last events). The talker speaks the reply's text up to its first <tool_call> only: the
+tokens pass a `SpeechGate`, the talker's text ends where the call shows (its stream is cancelled
+when nothing came before: a reply that is only a call makes no audio).
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import grpc
 from omni.v1 import common_pb2, omni_pb2, stages_pb2, stages_pb2_grpc
 from services.base.errors import InvalidArgument
 from services.base.stages import SPEECH_SAMPLE_RATE, Stage
-from services.base.tool_calls import SpeechGate
 from services.runtime.inputs.detokenizer import IncrementalDetokenizer
 from services.runtime.inputs.prompt import PromptBuilder
 from services.serving import tracing
@@ -40,6 +42,7 @@ from services.thinker.adapter import ThinkerAdapter
 from services.thinker.admission import Admission, Prepared, wants_audio
 from services.thinker.config import ThinkerConfig
 from services.thinker.engine import Finished, ReleaseText, Token
+from services.thinker.tool_calls import Call, CallDelta, SpeechGate, ToolCallParser, call_id
 
 Responses = list[omni_pb2.GenerateResponse]
 
@@ -84,7 +87,8 @@ class ThinkerStream:
         self.talker_done: stages_pb2.TalkerFinal | None = None
         self.ttft = self.ttfp = None  # ms from receipt
         self.previous_id: int | None = None  # the last id fed (Qwen2.5-Omni's TextToken for it comes one token later)
-        self.gate: SpeechGate | None = None  # with tools: which tokens the talker may speak
+        self.gate: SpeechGate | None = None  # with tools and audio: which tokens the talker may speak
+        self.calls: ToolCallParser | None = None  # with tools: the reply's calls out of its text
         self.fed = 0  # tokens the talker was given
 
     async def run(self):
@@ -122,8 +126,10 @@ class ThinkerStream:
             self.spans.finish("invalid_argument" if isinstance(exc, InvalidArgument) else "unavailable")
             await abort_for(self.context, exc)
         self.spans.phase("prepare", self.received_ns, audio=self.prepared.audio)
-        if self.prepared.tools and self.prepared.audio:
-            self.gate = SpeechGate()
+        if self.prepared.tools:
+            self.calls = ToolCallParser()
+            if self.prepared.audio:
+                self.gate = SpeechGate()
 
     def start(self) -> None:
         self.added_ns = now_ns()
@@ -207,8 +213,30 @@ class ThinkerStream:
             await self.feed_talker(token, text)
         if token.index == 0:
             text = self.prepared.reply_prefix + text  # the reply's start, from the prompt
+        if self.calls is not None:
+            return self.parsed(token, text)
         return [omni_pb2.GenerateResponse(request_id=self.request_id, text=omni_pb2.TextDelta(
             text=text, token_ids=[token.token_id]))]
+
+    def parsed(self, token: Token, text: str) -> Responses:
+        """A token of a reply with tools: its delta (its id, the content it released), then the
+        call events it released (the module docstring)."""
+        end = token.last and token.token_id == self.servicer.adapter.end_token_id()
+        pieces = self.calls.feed("" if end else text)
+        if token.last:
+            pieces += self.calls.finish()
+        content = "".join(p for p in pieces if isinstance(p, str)) + (text if end else "")
+        out = [omni_pb2.GenerateResponse(request_id=self.request_id, text=omni_pb2.TextDelta(
+            text=content, token_ids=[token.token_id]))]
+        for piece in pieces:
+            if isinstance(piece, CallDelta):
+                out.append(omni_pb2.GenerateResponse(request_id=self.request_id, tool_call_delta=omni_pb2.ToolCallDelta(
+                    index=piece.index, id=call_id(self.request_id, piece.index), name=piece.name,
+                    arguments=piece.arguments)))
+            elif isinstance(piece, Call):
+                out.append(omni_pb2.GenerateResponse(request_id=self.request_id, tool_call=omni_pb2.ToolCall(
+                    id=call_id(self.request_id, piece.index), name=piece.name, arguments=piece.arguments)))
+        return out
 
     async def feed_talker(self, token: Token, text: str) -> None:
         """The tokens the talker may speak now (all of them without tools; the module docstring)."""

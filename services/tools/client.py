@@ -81,6 +81,8 @@ class ClientResult:
     text_times: list[float] = field(default_factory=list)  # perf_counter per text delta
     audio_times: list[float] = field(default_factory=list)  # perf_counter per audio chunk
     final: omni_pb2.Final | None = None
+    tool_call_deltas: list[omni_pb2.ToolCallDelta] = field(default_factory=list)  # as they streamed
+    tool_calls: list[omni_pb2.ToolCall] = field(default_factory=list)  # each call whole
 
     @property
     def audio(self) -> np.ndarray:
@@ -140,6 +142,10 @@ def collect(stub: omni_pb2_grpc.OmniStub, request: omni_pb2.GenerateRequest, tim
             groups = response.codec_frames.num_code_groups
             ids = list(response.codec_frames.ids)
             result.codec_frames.extend(ids[i:i + groups] for i in range(0, len(ids), groups))
+        elif kind == "tool_call_delta":
+            result.tool_call_deltas.append(response.tool_call_delta)
+        elif kind == "tool_call":
+            result.tool_calls.append(response.tool_call)
         elif kind == "final":
             result.final = response.final
         if on_event is not None:
@@ -156,6 +162,8 @@ def _progress(kind: str, response, result: ClientResult) -> None:
     if kind == "text":
         sys.stdout.write(response.text.text)
         sys.stdout.flush()
+    elif kind == "tool_call":
+        sys.stdout.write(f"\n[call {response.tool_call.name}({response.tool_call.arguments})]\n")
     elif kind == "audio":
         sys.stderr.write(f"\r\x1b[2K[audio] {len(result.audio_chunks)} chunks, {result.audio_seconds:.2f} s\r")
         sys.stderr.flush()

@@ -62,9 +62,10 @@ def audio(samples: int, rid: str = RID) -> omni_pb2.SessionEvent:
                                                                               num_samples=samples))
 
 
-def call(arguments: str, rid: str = RID) -> omni_pb2.SessionEvent:
-    return omni_pb2.SessionEvent(response_id=rid, function_call=omni_pb2.FunctionCall(
-        item_id=CALL, call_id="call_1", name="get_weather", arguments=arguments))
+def call(arguments: str, rid: str = RID, delta: bool = False) -> omni_pb2.SessionEvent:
+    """The session's whole call, or (`delta`) a piece of its arguments."""
+    body = omni_pb2.FunctionCall(item_id=CALL, call_id="call_1", name="get_weather", arguments=arguments)
+    return omni_pb2.SessionEvent(response_id=rid, **{"function_call_delta" if delta else "function_call": body})
 
 
 def done(transcript: str, status=omni_pb2.RESPONSE_STATUS_COMPLETED, finish=common_pb2.FINISH_REASON_STOP,
@@ -142,6 +143,23 @@ def test_calls_follow_the_message_at_their_own_output_indexes_with_their_own_lif
     output = events[-1]["response"]["output"]
     assert [(o["type"], o["id"]) for o in output] == [("message", MSG), ("function_call", CALL)]
     assert output[1]["arguments"] == '{"city": "Rome"}' and output[1]["status"] == "completed"
+
+
+def test_a_streamed_calls_arguments_come_as_their_pieces_then_whole():
+    translator = Translator(CONFIG, "tiny")
+    translate(translator, session(audio=False))
+    events = translate(translator, created(), text("Sure."), call("", delta=True), call('{"city"', delta=True),
+                       call(': "Rome"}', delta=True), call('{"city": "Rome"}'), done("Sure."))
+    calls = [e for e in events if e.get("item_id") == CALL or e.get("item", {}).get("id") == CALL]
+    assert types(calls) == ["response.output_item.added", "conversation.item.added",
+                            "response.function_call_arguments.delta", "response.function_call_arguments.delta",
+                            "response.function_call_arguments.done", "response.output_item.done",
+                            "conversation.item.done"]
+    for event in calls[2:5]:
+        assert (event["response_id"], event["item_id"], event["output_index"], event["call_id"]) == (RID, CALL, 1, "call_1")
+    assert "".join(e["delta"] for e in calls[2:4]) == calls[4]["arguments"] == '{"city": "Rome"}'
+    assert calls[0]["item"]["arguments"] == "" and calls[5]["item"]["arguments"] == '{"city": "Rome"}'
+    assert events[-1]["response"]["output"][1]["arguments"] == '{"city": "Rome"}'
 
 
 def test_a_reply_that_is_only_a_call_has_no_message_and_the_call_at_output_index_0():

@@ -1,5 +1,6 @@
 """A session's history (sessions/conversation.py): a reply cut where the listener was keeps the
-tokens the frames heard were made from, one a frame."""
+tokens the frames heard were made from, one a frame; a reply's tool calls (the thinker's events)
+are its message's, unless it was cut before its end."""
 
 from __future__ import annotations
 
@@ -43,6 +44,22 @@ def test_a_text_only_reply_keeps_its_text_when_cut():
     reply.add_text(omni_pb2.TextDelta(text="Hello", token_ids=[1]))
     reply.cut(0)
     assert reply.text == "Hello"
+
+
+def test_a_replys_calls_are_its_messages_unless_it_was_cut_before_its_end():
+    call = omni_pb2.ToolCall(id="call_1", name="get_weather", arguments='{"city": "Rome"}')
+    reply = reply_of(["Sure", ".", "", "", END_TEXT], frames=2)  # the call's tokens carry no text
+    reply.calls.append(call)
+    item = Item("a", omni_pb2.ROLE_ASSISTANT, reply=reply)
+    message = item.message()
+    assert [c.text for c in message.content] == ["Sure."] and list(message.tool_calls) == [call]
+    reply.cut(audio_end_ms=80)  # one frame heard: "Sure" only, and not the call after it
+    assert [c.text for c in item.message().content] == ["Sure"] and not item.message().tool_calls
+    only_call = Reply()
+    only_call.add_text(omni_pb2.TextDelta(text="", token_ids=[7]))
+    only_call.calls.append(call)
+    message = Item("b", omni_pb2.ROLE_ASSISTANT, reply=only_call).message()
+    assert not message.content and list(message.tool_calls) == [call]
 
 
 def turns(n: int) -> Conversation:

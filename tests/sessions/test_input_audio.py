@@ -6,7 +6,7 @@ import numpy as np
 
 from sessions.audio import PCM16, InputFormat
 from sessions.input_audio import InputAudio, InputPace
-from sessions.turn_detection import WINDOW, SpeechStart, SpeechStop, TurnDetectionSettings
+from sessions.turn_detection import WINDOW, SilenceStart, SpeechStart, SpeechStop, TurnDetectionSettings
 
 
 def scripted(probabilities):
@@ -22,7 +22,8 @@ def test_a_detected_turn_keeps_the_prefix_padding_before_the_speech_and_nothing_
     audio.configure(InputFormat(PCM16, 16000), settings)
     samples = np.arange(len(probabilities) * WINDOW, dtype=np.int16)
     events = audio.append(samples)
-    assert [(type(e), at) for e, at in events] == [(SpeechStart, 5 * WINDOW), (SpeechStop, 8 * WINDOW)]
+    assert [(type(e), at) for e, at in events] == [(SpeechStart, 5 * WINDOW), (SilenceStart, 8 * WINDOW),
+                                                   (SpeechStop, 8 * WINDOW)]
     audio.keep_from(events[0][1] - audio.padding)
     kept = audio.take()
     assert kept[0] == 3 * WINDOW and kept[-1] == samples[-1]  # from 64 ms before the start to what came

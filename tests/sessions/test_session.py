@@ -343,3 +343,78 @@ def test_a_deleted_item_is_not_seen_by_the_next_turn(session, omni):
     ids, frames, done = call.response(created.response_id)
     kept = [omni_pb2.Message(role=omni_pb2.ROLE_USER, content=[omni_pb2.Content(text=texts[1])])]
     assert done.status == omni_pb2.RESPONSE_STATUS_COMPLETED and (ids, frames) == one_shot(omni, kept, 6, 8)
+
+
+def held_answers(service) -> dict[str, float]:
+    seen = procs.metrics(service.metrics_url)
+    return {outcome: seen.get(("omni_session_held_answers_total", (("outcome", outcome),)), 0)
+            for outcome in ("released", "dropped")}
+
+
+def spoken_item(pcm: bytes, started: omni_pb2.SpeechStarted, committed: omni_pb2.InputCommitted) -> bytes:
+    """The committed item's audio, cut from what was sent: from the prefix padding (300 ms) before
+    the speech start, its `audio_ms` long (every position a whole number of 16 kHz samples)."""
+    begin = (started.audio_start_ms - 300) * RATE // 1000 * 2
+    return pcm[begin:begin + committed.audio_ms * RATE // 1000 * 2]
+
+
+@pytest.mark.parametrize("after_ms", [32, 160])
+def test_a_detected_turn_is_answered_from_its_first_silent_window_and_equals_the_one_shot_request(
+        session, stack, omni, after_ms):
+    """The answer starts once the speech went quiet (by default its first silent window) and is held
+    back until the silence setting confirms the turn: then the item (the audio up to there) is
+    committed, the response created and what it made sent. Greedy, it equals one Generate of that item."""
+    service = procs.sessions(stack.target, "--early-response-after-ms", str(after_ms))
+    try:
+        call = session(service.target, thinker_sampling=sampling(6), talker_sampling=sampling(12),
+                       return_codec_frames=True)
+        pcm = silence(0.5) + speech(0) + silence(1.0)
+        call.speak(pcm)
+        started = call.next_event("speech_started").speech_started
+        stopped = call.next_event("speech_stopped").speech_stopped
+        committed = call.next_event("committed").committed
+        created = call.next_event("response_created")
+        ids, frames, done = call.response(created.response_id)
+        assert done.status == omni_pb2.RESPONSE_STATUS_COMPLETED and ids and frames
+        # The item ends `after_ms` into the silence that the stop reports (whole windows of 32 ms).
+        assert started.audio_start_ms - 300 + committed.audio_ms == stopped.audio_end_ms + after_ms
+        mine = [e for e in call.events if e.response_id == created.response_id]
+        assert mine[0] is created and call.events.index(committed_event(call)) < call.events.index(created)
+        item = wav_bytes(np.frombuffer(spoken_item(pcm, started, committed), "<i2"), RATE)
+        user = omni_pb2.Message(role=omni_pb2.ROLE_USER, content=[omni_pb2.Content(audio=item)])
+        assert (ids, frames) == one_shot(omni, [user], 6, 12)
+        assert held_answers(service)["released"] == 1  # and one dropped at each pause of the speech before
+    finally:
+        service.stop()
+
+
+def committed_event(call: SessionCall) -> omni_pb2.SessionEvent:
+    return next(e for e in call.events if e.WhichOneof("event") == "committed")
+
+
+def test_speech_that_resumes_drops_the_held_answer_in_every_stage_and_the_turn_is_the_whole_utterance(
+        session, stack, omni):
+    """A pause shorter than the silence setting starts an answer that is then dropped (its call
+    cancelled: no stage holds it); the turn is one item, both utterances, answered once, and equals
+    the one-shot request of that item."""
+    service = procs.sessions(stack.target)
+    try:
+        call = session(service.target, thinker_sampling=sampling(6), talker_sampling=sampling(12),
+                       return_codec_frames=True)
+        pcm = silence(0.5) + speech(0) + silence(0.25) + speech(1) + silence(1.0)
+        call.speak(pcm)
+        started = call.next_event("speech_started").speech_started
+        committed = call.next_event("committed").committed
+        created = call.next_event("response_created")
+        ids, frames, _ = call.response(created.response_id)
+        assert committed.audio_ms * RATE // 1000 * 2 > len(speech(0)) + len(speech(1))
+        item = wav_bytes(np.frombuffer(spoken_item(pcm, started, committed), "<i2"), RATE)
+        user = omni_pb2.Message(role=omni_pb2.ROLE_USER, content=[omni_pb2.Content(audio=item)])
+        assert (ids, frames) == one_shot(omni, [user], 6, 12)
+        kinds = [e.WhichOneof("event") for e in call.events]
+        assert kinds.count("speech_started") == kinds.count("committed") == kinds.count("response_created") == 1
+        held = held_answers(service)
+        assert held["released"] == 1 and held["dropped"] >= 1, held
+        assert wait_idle(stack) == {"thinker": 0, "talker": 0, "code2wav": 0}
+    finally:
+        service.stop()
