@@ -17,6 +17,7 @@ from openai.types.realtime import InputAudioBufferTimeoutTriggered
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from gateway.client_secrets import ClientSecret, mint, signing_keys, verify
+from tests.sessions.procs import router as start_router
 from tests.sessions.procs import sessions as start_sessions
 
 TOKEN = "server-token"
@@ -24,19 +25,35 @@ SECRET_SESSION = {"type": "realtime", "instructions": "Answer in one word.", "ou
                   "max_output_tokens": 3, "audio": {"input": {"turn_detection": None}}}
 
 
+def wait_for_sessions(gateway, headers: dict | None = None) -> None:
+    """Until the gateway's poll found its sessions replica ready (a session opens)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            websockets.sync.client.connect(f"ws://127.0.0.1:{gateway.port}/v1/realtime?model=x",
+                                           additional_headers=headers or {}).close()
+            return
+        except (InvalidStatus, OSError):
+            assert time.monotonic() < deadline, "the gateway never took a session"
+            time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def replicas(gw_stack, tmp_path_factory):
-    """Two gateway replicas with the same token in front of a sessions service that takes that token alone."""
+    """Two gateway replicas with the same token, their sessions' turns going to a router that takes that
+    token alone (so a turn runs only if the gateway passed its own token on, never the client's secret)."""
     folder = tmp_path_factory.mktemp("secrets")
     tokens = folder / "tokens"
     tokens.write_text(TOKEN + "\n")
-    sessions = start_sessions(gw_stack.target, "--auth-token-file", str(tokens))
+    router = start_router(gw_stack, "--auth-token-file", str(tokens))
+    sessions = start_sessions(router.target)
     gateways = [start_gateway(gw_stack.target, folder, "--sessions", sessions.target, "--auth-token-file", str(tokens),
                               "--model-name", "tiny-qwen3-omni") for _ in range(2)]
-    yield gateways
     for gateway in gateways:
-        gateway.stop()
-    sessions.stop()
+        wait_for_sessions(gateway, {"Authorization": f"Bearer {TOKEN}"})
+    yield gateways
+    for process in (*gateways, sessions, router):
+        process.stop()
 
 
 def sdk(gateway, key: str) -> openai.OpenAI:
@@ -58,7 +75,7 @@ def test_a_client_secret_minted_at_one_replica_opens_a_session_at_another_with_i
             assert (session.instructions, session.output_modalities, session.max_output_tokens) == (
                 "Answer in one word.", ["text"], 3)
             assert session.audio.input.turn_detection is None
-            # A turn: the sessions service took the gateway's own token, which went on to the router.
+            # A turn: the router (which takes the server's token alone) got the gateway's own token.
             conn.conversation.item.create(item={"type": "message", "role": "user",
                                                 "content": [{"type": "input_text", "text": "hello"}]})
             conn.response.create()
@@ -150,6 +167,7 @@ def short_sessions_gateway(gw_stack, tmp_path_factory):
     """A gateway in front of a sessions service whose sessions last at most 2 s."""
     sessions = start_sessions(gw_stack.target, "--session-max-duration-s", "2")
     gateway = start_gateway(gw_stack.target, tmp_path_factory.mktemp("short"), "--sessions", sessions.target)
+    wait_for_sessions(gateway)
     yield gateway
     gateway.stop()
     sessions.stop()
