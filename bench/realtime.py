@@ -321,13 +321,13 @@ class ServiceMetrics:
 def render(results: list[RealtimeResult], leaked: dict[str, int]) -> str:
     lines = [f"realtime sessions (turn detection silence {SILENCE_MS} ms; end of speech -> first audio includes it; "
              "detection: CPU ms per s of audio; lag: event-loop lag p99, sessions service / router)",
-             f"{'path':<10}{'N':>4}{'first audio p50':>17}{'p90':>8}{'barge-in p50':>14}{'p90':>8}{'cancel p50':>12}"
+             f"{'path':<10}{'N':>4}{'first audio p50':>17}{'p90':>10}{'barge-in p50':>14}{'p90':>9}{'cancel p50':>12}"
              f"{'barge-ins':>11}{'underruns':>11}{'replies':>9}{'detection':>11}{'lag':>16}"]
     for r in results:
         lag = f"{_ms(r.sessions_lag_p99_ms)} / {_ms(r.router_lag_p99_ms)}"
         detection = "-" if r.detection_cpu_ms_per_s is None else f"{r.detection_cpu_ms_per_s:.1f}"
-        lines.append(f"{r.path:<10}{r.sessions:>4}{_ms(r.first_audio_ms_p50):>17}{_ms(r.first_audio_ms_p90):>8}"
-                     f"{_ms(r.barge_in_ms_p50):>14}{_ms(r.barge_in_ms_p90):>8}{_ms(r.cancel_ms_p50):>12}"
+        lines.append(f"{r.path:<10}{r.sessions:>4}{_ms(r.first_audio_ms_p50):>17}{_ms(r.first_audio_ms_p90):>10}"
+                     f"{_ms(r.barge_in_ms_p50):>14}{_ms(r.barge_in_ms_p90):>9}{_ms(r.cancel_ms_p50):>12}"
                      f"{r.barge_ins:>11}{r.underruns:>11}"
                      f"{r.replies:>9}{detection:>11}{lag:>16}")
         for error in r.errors:

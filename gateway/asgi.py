@@ -110,11 +110,11 @@ def authorized(header: bytes | str | None, tokens: tuple[bytes, ...]) -> bool:
 class BearerAuth:
     """Plain ASGI middleware: with tokens configured, every route but the probes (`open_paths`) needs
     `Authorization: Bearer <token>`; else 401 in OpenAI's shape, before the body is read (a
-    WebSocket's handshake is answered with the 401 instead of being upgraded). `secret_ok(path,
-    header)` lets a WebSocket in with a client secret instead, where it says so (gateway/client_secrets.py)."""
+    WebSocket's handshake is answered with the 401 instead of being upgraded). `secret_ok(scope)`
+    lets a WebSocket in with a client secret instead, where it says so (gateway/client_secrets.py)."""
 
     def __init__(self, app, tokens: tuple[bytes, ...], open_paths: tuple[str, ...], denied,
-                 secret_ok=lambda path, header: False):
+                 secret_ok=lambda scope: False):
         self.app = app
         self.tokens = tokens
         self.open_paths = open_paths
@@ -125,7 +125,7 @@ class BearerAuth:
         if scope["type"] not in ("http", "websocket") or not self.tokens or scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
         header = dict(scope.get("headers", ())).get(b"authorization")
-        if authorized(header, self.tokens) or (scope["type"] == "websocket" and self.secret_ok(scope["path"], header)):
+        if authorized(header, self.tokens) or (scope["type"] == "websocket" and self.secret_ok(scope)):
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":
             return await WebSocket(scope, receive, send).send_denial_response(self.denied())

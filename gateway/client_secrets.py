@@ -36,6 +36,7 @@ from gateway.realtime_events import ClientEventError, session_update
 
 PATH = "/v1/realtime/client_secrets"
 PREFIX = "ek_"
+SUBPROTOCOL_KEY = "openai-insecure-api-key."  # a browser's key, in the WebSocket's subprotocols
 MIN_S, MAX_S, DEFAULT_S = 10, 7200, 600  # OpenAI's bounds and default of expires_after.seconds
 # A secret travels in the WebSocket handshake's Authorization header, which servers bound (8 KiB a
 # line in `websockets`): a session too large for it is refused at minting (set the rest with session.update).
@@ -90,12 +91,16 @@ def verify(value: str, keys: tuple[bytes, ...], now: float | None = None) -> Cli
     return ClientSecret(body["exp"], body["session"])
 
 
-def presented(header: str | bytes | None) -> str | None:
-    """The client secret an `Authorization: Bearer ek_...` header presents, or None."""
-    if isinstance(header, bytes):
-        header = header.decode("latin-1")
-    if header and header.startswith("Bearer " + PREFIX):
+def presented(headers: dict[bytes, bytes]) -> str | None:
+    """The client secret a WebSocket handshake's headers present, or None: `Authorization: Bearer
+    ek_...`, or (a browser, which cannot set that header) the subprotocol `openai-insecure-api-key.ek_...`
+    as OpenAI's browser clients send it, beside `realtime`."""
+    header = headers.get(b"authorization", b"").decode("latin-1")
+    if header.startswith("Bearer " + PREFIX):
         return header[len("Bearer "):]
+    for protocol in headers.get(b"sec-websocket-protocol", b"").decode("latin-1").split(","):
+        if protocol.strip().startswith(SUBPROTOCOL_KEY + PREFIX):
+            return protocol.strip()[len(SUBPROTOCOL_KEY):]
     return None
 
 

@@ -52,7 +52,7 @@ PATH = "/v1/realtime"
 def secret_ok(config: GatewayConfig):
     """BearerAuth's test of a client secret: valid on /v1/realtime alone."""
     keys = signing_keys(config.auth_tokens)
-    return lambda path, header: path == PATH and (value := presented(header)) is not None and \
+    return lambda scope: scope["path"] == PATH and (value := presented(dict(scope["headers"]))) is not None and \
         verify(value, keys) is not None
 
 
@@ -61,7 +61,7 @@ async def realtime(ws: WebSocket) -> None:
     gateway: Gateway = ws.app.state.gateway
     auth = ws.headers.get("authorization")
     secret = None
-    if (value := presented(auth)) is not None:
+    if (value := presented(dict(ws.scope["headers"]))) is not None:
         secret = verify(value, signing_keys(gateway.config.auth_tokens))
         if secret is None:  # expired or not ours (checked here too when the server has no tokens)
             await ws.send_denial_response(APIError(401, "the client secret is expired or invalid", "invalid_request_error",
@@ -118,7 +118,8 @@ async def run_session(ws: WebSocket, gateway: Gateway, replica: Replica, stub, a
         await ws.send_denial_response(APIError(400, f"the client secret's session: {error.message}",
                                                "invalid_request_error", openai_param(error.field)).response())
         return
-    await ws.accept()
+    # A browser offers `realtime` beside its key (client_secrets.presented): the one subprotocol chosen.
+    await ws.accept(subprotocol="realtime" if "realtime" in ws.scope.get("subprotocols", ()) else None)
     gateway.metrics.requests.labels("realtime", "101").inc()
     gateway.metrics.in_flight.inc()
     send = Sender(ws, config.send_timeout_s)

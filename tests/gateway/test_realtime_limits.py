@@ -101,6 +101,20 @@ def test_a_tampered_or_missing_secret_is_a_401_in_the_handshake(replicas):
         assert refused.value.response.status_code == 401
 
 
+def test_a_browser_presents_its_secret_as_a_subprotocol_as_openais_browser_clients_do(replicas):
+    """A browser's WebSocket cannot set Authorization: it offers `realtime` and `openai-insecure-api-key.<secret>`."""
+    with sdk(replicas[0], TOKEN) as server:
+        value = server.realtime.client_secrets.create(session=SECRET_SESSION).value
+    url = f"ws://127.0.0.1:{replicas[1].port}/v1/realtime?model=x"
+    with websockets.sync.client.connect(url, subprotocols=["realtime", f"openai-insecure-api-key.{value}"]) as ws:
+        assert ws.subprotocol == "realtime"
+        created = json.loads(ws.recv(timeout=30))
+        assert (created["type"], created["session"]["instructions"]) == ("session.created", "Answer in one word.")
+    with pytest.raises(InvalidStatus) as refused:  # the server's own token never goes this way
+        websockets.sync.client.connect(url, subprotocols=["realtime", f"openai-insecure-api-key.{TOKEN}"])
+    assert refused.value.response.status_code == 401
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"expires_after": {"anchor": "created_at", "seconds": 5}}, "expires_after.seconds"),
     ({"expires_after": {"anchor": "now"}}, "expires_after.anchor"),
