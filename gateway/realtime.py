@@ -50,10 +50,14 @@ PATH = "/v1/realtime"
 
 
 def secret_ok(config: GatewayConfig):
-    """BearerAuth's test of a client secret: valid on /v1/realtime alone."""
+    """BearerAuth's test of a client secret: one that is valid, on /v1/realtime alone."""
     keys = signing_keys(config.auth_tokens)
-    return lambda scope: scope["path"] == PATH and (value := presented(dict(scope["headers"]))) is not None and \
-        verify(value, keys) is not None
+
+    def ok(scope) -> bool:
+        value = presented(dict(scope["headers"])) if scope["path"] == PATH else None
+        return value is not None and verify(value, keys) is not None
+
+    return ok
 
 
 @routes.websocket(PATH)
