@@ -50,7 +50,7 @@ class BenchConfig:
     conversations: int = 0  # --conversations: the conversation mode (bench/conversations.py) instead
     turns: int = 8
     routing_conversations: int = 16
-    realtime: int = 0  # --realtime N: realtime sessions (bench/realtime.py) at 1 and N at once instead
+    realtime: tuple[int, ...] = ()  # --realtime: realtime sessions (bench/realtime.py) at these levels instead
 
     @property
     def gateway(self) -> bool:
@@ -148,21 +148,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, default=8, help="conversation mode: turns per conversation (default 8)")
     p.add_argument("--routing-conversations", type=int, default=16,
                    help="conversation mode: conversations at once in the routing comparison (default 16)")
-    p.add_argument("--realtime", type=int, default=0,
-                   help="realtime mode (bench/realtime.py) instead of the systems above: 1, then this many voice "
-                        "sessions at once speaking real speech, over gRPC and through the gateway's WebSocket "
-                        "(--turns utterances each)")
+    p.add_argument("--realtime", default="",
+                   help="realtime mode (bench/realtime.py) instead of the systems above: voice sessions at once "
+                        "speaking real speech, over gRPC and through the gateway's WebSocket (--turns utterances "
+                        "each), at these levels (1,8,32), or at 1 and then N for a single N")
     return p
 
 
-def _levels(text: str) -> tuple[int, ...]:
+def _levels(text: str, flag: str = "--concurrency") -> tuple[int, ...]:
     try:
         levels = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise UserError(f"--concurrency {text!r}: expected comma-separated integers like 1,4,16") from None
+        raise UserError(f"{flag} {text!r}: expected comma-separated integers like 1,4,16") from None
     if not levels or any(n < 1 for n in levels):
-        raise UserError(f"--concurrency {text!r}: levels must be >= 1")
+        raise UserError(f"{flag} {text!r}: levels must be >= 1")
     return tuple(sorted(set(levels)))
+
+
+def realtime_levels(text: str) -> tuple[int, ...]:
+    """`--realtime`: a list of levels as given (1,8,32); one N alone means 1 and N; "" none."""
+    if not text.strip():
+        return ()
+    levels = _levels(text, "--realtime")
+    return levels if "," in text else tuple(sorted({1, *levels}))
 
 
 def _systems(skip: str, gateway: bool = False, gemm: bool = False) -> tuple[System, ...]:
@@ -214,5 +222,6 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         prebuffer_ms=args.prebuffer_ms, timeout_s=args.timeout, gateway_url=args.gateway_url, preset=preset.name,
         cpu_layout=args.cpu_layout, exact_batching=getattr(args, "exact_batching", "auto"),
         conversations=getattr(args, "conversations", 0), turns=getattr(args, "turns", 8),
-        routing_conversations=getattr(args, "routing_conversations", 16), realtime=getattr(args, "realtime", 0),
+        routing_conversations=getattr(args, "routing_conversations", 16),
+        realtime=realtime_levels(str(getattr(args, "realtime", "") or "")),
     )

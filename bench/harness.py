@@ -304,8 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     def go() -> None:
         config = config_from_args(args)
         if config.realtime:
-            levels = tuple(sorted({1, config.realtime}))
-            results, leaked = realtime.run_realtime(config.checkpoint, levels, config.turns, max_tokens=16,
+            results, leaked = realtime.run_realtime(config.checkpoint, config.realtime, config.turns, max_tokens=16,
                                                     max_frames=300, barge_after_s=0.3)
             print(realtime.render(results, leaked))
             path = Path(config.out) / "realtime.json"

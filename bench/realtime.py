@@ -10,6 +10,8 @@ through the gateway's /v1/realtime WebSocket; the figures of a voice agent:
   to its `response.done` (cancelled);
 - underruns: a client that plays each reply from its first chunk in real time, and a chunk that
   came after the audio before it had played out;
+- turn detection's CPU per second of audio heard, and the sessions service's and the router's
+  event-loop lag p99 over the level (from their /metrics, differences of two scrapes);
 - leaked slots: after the run, requests each stage replica still holds (GetLoad), and the router's
   places in flight.
 
@@ -24,13 +26,14 @@ import base64
 import json
 import time
 import wave
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import grpc
 import numpy as np
 import websockets
 
+from bench.stage_metrics import histogram_quantile, scrape
 from omni.v1 import omni_pb2, omni_pb2_grpc
 from services.base.resample import resample
 
@@ -253,6 +256,9 @@ class RealtimeResult:
     underruns: int
     replies: int
     errors: list[str]
+    detection_cpu_ms_per_s: float | None = None  # turn detection's CPU per second of audio heard
+    sessions_lag_p99_ms: float | None = None  # event-loop lag p99 (its histogram bucket's bound)
+    router_lag_p99_ms: float | None = None
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -283,15 +289,47 @@ async def run_sessions(path: str, sessions: int, turns: int, target: str, ws_url
         errors=sorted({e for s in speakers for e in s.figures.errors}))
 
 
+class ServiceMetrics:
+    """The sessions service's and the router's /metrics, scraped around each level."""
+
+    SESSIONS_LAG, ROUTER_LAG = "omni_session_loop_lag_seconds", "omni_router_loop_lag_seconds"
+    CPU, AUDIO = "omni_session_turn_detection_cpu_seconds_total", "omni_session_turn_detection_audio_seconds_total"
+
+    def __init__(self, host: str, sessions_port: int, router_port: int):
+        self.urls = (f"http://{host}:{sessions_port}/metrics", f"http://{host}:{router_port}/metrics")
+
+    def snapshot(self) -> tuple[dict, dict]:
+        return tuple(scrape(url) for url in self.urls)
+
+    def figures(self, before: tuple[dict, dict], after: tuple[dict, dict]) -> dict[str, float | None]:
+        """RealtimeResult's service figures over the interval between two snapshots."""
+        (sessions_0, router_0), (sessions_1, router_1) = before, after
+
+        def delta(name: str) -> float:
+            return sessions_1.get((name, ()), 0.0) - sessions_0.get((name, ()), 0.0)
+
+        def lag(b: dict, a: dict, name: str) -> float | None:
+            p99 = histogram_quantile(b, a, name, 0.99)
+            return None if p99 is None else round(p99 * 1000, 1)
+
+        heard = delta(self.AUDIO)
+        return {"detection_cpu_ms_per_s": round(1000 * delta(self.CPU) / heard, 1) if heard else None,
+                "sessions_lag_p99_ms": lag(sessions_0, sessions_1, self.SESSIONS_LAG),
+                "router_lag_p99_ms": lag(router_0, router_1, self.ROUTER_LAG)}
+
+
 def render(results: list[RealtimeResult], leaked: dict[str, int]) -> str:
-    lines = [f"realtime sessions (turn detection silence {SILENCE_MS} ms; end of speech -> first audio includes it)",
-             f"{'path':<10}{'N':>4}{'first audio p50':>17}{'p90':>8}{'barge-in p50':>14}{'p90':>8}{'cancel p50':>12}"
-             f"{'barge-ins':>11}{'underruns':>11}{'replies':>9}"]
+    lines = [f"realtime sessions (turn detection silence {SILENCE_MS} ms; end of speech -> first audio includes it; "
+             "detection: CPU ms per s of audio; lag: event-loop lag p99, sessions service / router)",
+             f"{'path':<10}{'N':>4}{'first audio p50':>17}{'p90':>10}{'barge-in p50':>14}{'p90':>9}{'cancel p50':>12}"
+             f"{'barge-ins':>11}{'underruns':>11}{'replies':>9}{'detection':>11}{'lag':>16}"]
     for r in results:
-        lines.append(f"{r.path:<10}{r.sessions:>4}{_ms(r.first_audio_ms_p50):>17}{_ms(r.first_audio_ms_p90):>8}"
-                     f"{_ms(r.barge_in_ms_p50):>14}{_ms(r.barge_in_ms_p90):>8}{_ms(r.cancel_ms_p50):>12}"
+        lag = f"{_ms(r.sessions_lag_p99_ms)} / {_ms(r.router_lag_p99_ms)}"
+        detection = "-" if r.detection_cpu_ms_per_s is None else f"{r.detection_cpu_ms_per_s:.1f}"
+        lines.append(f"{r.path:<10}{r.sessions:>4}{_ms(r.first_audio_ms_p50):>17}{_ms(r.first_audio_ms_p90):>10}"
+                     f"{_ms(r.barge_in_ms_p50):>14}{_ms(r.barge_in_ms_p90):>9}{_ms(r.cancel_ms_p50):>12}"
                      f"{r.barge_ins:>11}{r.underruns:>11}"
-                     f"{r.replies:>9}")
+                     f"{r.replies:>9}{detection:>11}{lag:>16}")
         for error in r.errors:
             lines.append(f"  error: {error}")
     lines.append("leaked after the run: " + ", ".join(f"{k} {v}" for k, v in leaked.items()))
@@ -330,18 +368,24 @@ def leaked_slots(stack, settle_s: float = 10.0) -> dict[str, int]:
 def run_realtime(checkpoint: str, levels: tuple[int, ...], turns: int, max_tokens: int, max_frames: int,
                  barge_after_s: float, gateway: bool = True) -> tuple[list[RealtimeResult], dict[str, int]]:
     """The stack (and the gateway) on `checkpoint`; each level over gRPC, then through the gateway."""
-    from services.tools.launcher import Stack, StackOptions
+    from services.tools.launcher import Stack, StackOptions, free_port
 
+    sessions_port, router_port = free_port(), free_port()
     options = StackOptions(checkpoint=checkpoint, port=0, log_prefix=False, http_port=0 if gateway else None,
                            thinker_args=("--default-max-new-tokens", str(max_tokens)),
-                           talker_args=("--default-max-new-tokens", str(max_frames)))
+                           talker_args=("--default-max-new-tokens", str(max_frames)),
+                           router_args=("--metrics-port", str(router_port)),
+                           sessions_args=("--metrics-port", str(sessions_port)))
     results = []
     with Stack(options) as stack:
         ws_url = stack.http_url.replace("http://", "ws://") + "/v1/realtime?model=bench" if gateway else None
+        services = ServiceMetrics(options.host, sessions_port, router_port)
         for path in ("grpc", "websocket") if gateway else ("grpc",):
             for sessions in levels:
-                results.append(asyncio.run(run_sessions(path, sessions, turns, stack.sessions_target, ws_url,
-                                                        max_tokens, max_frames, barge_after_s)))
+                before = services.snapshot()
+                result = asyncio.run(run_sessions(path, sessions, turns, stack.sessions_target, ws_url,
+                                                  max_tokens, max_frames, barge_after_s))
+                results.append(replace(result, **services.figures(before, services.snapshot())))
                 print(render(results[-1:], {}).splitlines()[-2], flush=True)
         leaked = leaked_slots(stack)
     return results, leaked
@@ -353,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="omni-bench --realtime", description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", default="models/tiny-qwen3-omni")
-    parser.add_argument("--sessions", default="1,8", help="levels: sessions at once (default 1,8)")
+    parser.add_argument("--sessions", default="1,8,32", help="levels: sessions at once (default 1,8,32)")
     parser.add_argument("--turns", type=int, default=6, help="utterances each session speaks (default 6)")
     parser.add_argument("--max-tokens", type=int, default=16, help="the thinker's tokens a reply (default 16)")
     parser.add_argument("--max-frames", type=int, default=300,

@@ -32,6 +32,16 @@ def parse(text: str) -> dict[tuple[str, tuple], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+def histogram_quantile(before: dict, after: dict, name: str, q: float) -> float | None:
+    """The upper bound of the bucket that holds quantile `q` of histogram `name`'s observations
+    between two scrapes (`before` may be {}); None when it had none."""
+    buckets = sorted((float(dict(labels)["le"]), value - before.get((sample, labels), 0.0))
+                     for (sample, labels), value in after.items() if sample == f"{name}_bucket")
+    if not buckets or not buckets[-1][1]:
+        return None
+    return next(le for le, count in buckets if count >= q * buckets[-1][1])
+
+
 def _get(samples: dict, name: str, **labels) -> float:
     for (sample, sample_labels), value in samples.items():
         if sample == name and all(dict(sample_labels).get(k) == v for k, v in labels.items()):

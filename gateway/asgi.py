@@ -110,18 +110,22 @@ def authorized(header: bytes | str | None, tokens: tuple[bytes, ...]) -> bool:
 class BearerAuth:
     """Plain ASGI middleware: with tokens configured, every route but the probes (`open_paths`) needs
     `Authorization: Bearer <token>`; else 401 in OpenAI's shape, before the body is read (a
-    WebSocket's handshake is answered with the 401 instead of being upgraded)."""
+    WebSocket's handshake is answered with the 401 instead of being upgraded). `secret_ok(scope)`
+    lets a WebSocket in with a client secret instead, where it says so (gateway/client_secrets.py)."""
 
-    def __init__(self, app, tokens: tuple[bytes, ...], open_paths: tuple[str, ...], denied):
+    def __init__(self, app, tokens: tuple[bytes, ...], open_paths: tuple[str, ...], denied,
+                 secret_ok=lambda scope: False):
         self.app = app
         self.tokens = tokens
         self.open_paths = open_paths
         self.denied = denied  # () -> the 401 response
+        self.secret_ok = secret_ok
 
     async def __call__(self, scope, receive, send):
         if scope["type"] not in ("http", "websocket") or not self.tokens or scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
-        if authorized(dict(scope.get("headers", ())).get(b"authorization"), self.tokens):
+        header = dict(scope.get("headers", ())).get(b"authorization")
+        if authorized(header, self.tokens) or (scope["type"] == "websocket" and self.secret_ok(scope)):
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":
             return await WebSocket(scope, receive, send).send_denial_response(self.denied())

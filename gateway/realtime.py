@@ -18,6 +18,8 @@ import logging
 import grpc
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
+from gateway.client_secrets import ClientSecret, presented, signing_keys, verify
+from gateway.config import GatewayConfig
 from gateway.errors import APIError, from_rpc
 from gateway.process import Gateway
 from gateway.realtime_events import (
@@ -26,7 +28,9 @@ from gateway.realtime_events import (
     api_error_event,
     client_event,
     event_id,
+    openai_param,
     requested_formats,
+    session_update,
 )
 from omni.v1 import omni_pb2
 from services.base.stages import SPEECH_SAMPLE_RATE
@@ -35,13 +39,40 @@ from services.serving.streams import read
 
 log = logging.getLogger("gateway")
 routes = APIRouter()
-CLOSE_NORMAL, CLOSE_POLICY, CLOSE_ERROR = 1000, 1008, 1011
+CLOSE_NORMAL, CLOSE_GOING_AWAY, CLOSE_POLICY, CLOSE_ERROR = 1000, 1001, 1008, 1011
+# How the socket closes when the sessions service closed the session (else CLOSE_NORMAL): a slow
+# reader broke the protocol's terms; a session at its maximum length goes away, as OpenAI's does.
+CLOSE_CODES = {omni_pb2.CLOSE_REASON_SLOW_READER: CLOSE_POLICY, omni_pb2.CLOSE_REASON_MAX_DURATION: CLOSE_GOING_AWAY}
 
 
-@routes.websocket("/v1/realtime")
+PATH = "/v1/realtime"
+
+
+def secret_ok(config: GatewayConfig):
+    """BearerAuth's test of a client secret: one that is valid, on /v1/realtime alone."""
+    keys = signing_keys(config.auth_tokens)
+
+    def ok(scope) -> bool:
+        value = presented(dict(scope["headers"])) if scope["path"] == PATH else None
+        return value is not None and verify(value, keys) is not None
+
+    return ok
+
+
+@routes.websocket(PATH)
 async def realtime(ws: WebSocket) -> None:
     gateway: Gateway = ws.app.state.gateway
     auth = ws.headers.get("authorization")
+    secret = None
+    if (value := presented(dict(ws.scope["headers"]))) is not None:
+        secret = verify(value, signing_keys(gateway.config.auth_tokens))
+        if secret is None:  # expired or not ours (checked here too when the server has no tokens)
+            await ws.send_denial_response(APIError(401, "the client secret is expired or invalid", "invalid_request_error",
+                                                   None, "invalid_api_key").response())
+            return
+        # The session and the router take the server's own token (a secret is the gateway's alone).
+        tokens = gateway.config.auth_tokens
+        auth = f"Bearer {tokens[0].decode()}" if tokens else None
     picked = gateway.pick_sessions()
     if picked is None:
         gateway.metrics.requests.labels("realtime", "503").inc()
@@ -50,12 +81,13 @@ async def realtime(ws: WebSocket) -> None:
     replica, stub = picked
     replica.in_flight += 1  # counted until the session ends: the next one goes elsewhere before the next poll
     try:
-        await run_session(ws, gateway, replica, stub, auth)
+        await run_session(ws, gateway, replica, stub, auth, secret)
     finally:
         replica.in_flight -= 1
 
 
-async def run_session(ws: WebSocket, gateway: Gateway, replica: Replica, stub, auth: str | None) -> None:
+async def run_session(ws: WebSocket, gateway: Gateway, replica: Replica, stub, auth: str | None,
+                      secret: ClientSecret | None) -> None:
     config = gateway.config
     call = stub.Session(metadata=(("authorization", auth),) if auth else None)
     translator = Translator(config, config.model)
@@ -64,9 +96,14 @@ async def run_session(ws: WebSocket, gateway: Gateway, replica: Replica, stub, a
         # before anything is written: a write racing a refusal failed with grpc's own INTERNAL
         # ("Internal error from Core"), 1 time in 3 here, and the client got a 500.
         created = await read(call)
-        # The Realtime API's audio is pcm16 at 24 kHz: the session's input from the start.
-        await call.write(omni_pb2.SessionRequest(update=omni_pb2.SessionSettings(input_format=omni_pb2.AudioFormat(
-            encoding=omni_pb2.AUDIO_ENCODING_PCM16, sample_rate=SPEECH_SAMPLE_RATE))))
+        # The Realtime API's audio is pcm16 at 24 kHz: the session's input from the start; then a
+        # client secret's settings (checked when it was minted), in the same update.
+        first = omni_pb2.SessionSettings(input_format=omni_pb2.AudioFormat(
+            encoding=omni_pb2.AUDIO_ENCODING_PCM16, sample_rate=SPEECH_SAMPLE_RATE))
+        if secret is not None:
+            first.MergeFrom(session_update(secret.session, config))
+            translator.update_requested(requested_formats({"session": secret.session}))
+        await call.write(omni_pb2.SessionRequest(update=first))
         updated = await read(call) if created is not grpc.aio.EOF else created
     except grpc.RpcError as err:
         if err.code() is grpc.StatusCode.UNAVAILABLE:  # gone since the last poll: no new session until it answers
@@ -78,7 +115,14 @@ async def run_session(ws: WebSocket, gateway: Gateway, replica: Replica, stub, a
         await ws.send_denial_response(APIError(502, "the sessions service ended the session at once",
                                                "server_error").response())
         return
-    await ws.accept()
+    if updated.WhichOneof("event") == "error":  # the session refused a client secret's settings
+        call.cancel()
+        error = updated.error
+        await ws.send_denial_response(APIError(400, f"the client secret's session: {error.message}",
+                                               "invalid_request_error", openai_param(error.field)).response())
+        return
+    # A browser offers `realtime` beside its key (client_secrets.presented): the one subprotocol chosen.
+    await ws.accept(subprotocol="realtime" if "realtime" in ws.scope.get("subprotocols", ()) else None)
     gateway.metrics.requests.labels("realtime", "101").inc()
     gateway.metrics.in_flight.inc()
     send = Sender(ws, config.send_timeout_s)
@@ -146,8 +190,7 @@ async def session_to_client(call, translator: Translator, send: Sender) -> None:
             return
         await send.events(translator.server_events(event))
         if event.WhichOneof("event") == "closed":
-            await send.close(CLOSE_POLICY if event.closed.reason == omni_pb2.CLOSE_REASON_SLOW_READER else CLOSE_NORMAL,
-                             event.closed.message[:120])
+            await send.close(CLOSE_CODES.get(event.closed.reason, CLOSE_NORMAL), event.closed.message[:120])
             return
 
 

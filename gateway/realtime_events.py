@@ -321,9 +321,12 @@ def _input(audio_in: dict, settings: omni_pb2.SessionSettings) -> None:
     if kind not in ("server_vad", "semantic_vad"):
         raise ClientEventError("turn_detection.type must be server_vad or semantic_vad", f"{param}.type")
     _known(detection, SERVER_VAD_FIELDS if kind == "server_vad" else SEMANTIC_VAD_FIELDS, param)
-    if detection.get("idle_timeout_ms") is not None:
-        raise ClientEventError("idle_timeout_ms is not supported", f"{param}.idle_timeout_ms", "unsupported")
     turn = settings.turn_detection
+    if "idle_timeout_ms" in detection:  # server_vad's alone (semantic_vad has none: refused above); null = off
+        idle = detection["idle_timeout_ms"]
+        if idle is not None and (not isinstance(idle, int) or isinstance(idle, bool) or idle < 0):
+            raise ClientEventError("idle_timeout_ms must be an integer >= 0 or null", f"{param}.idle_timeout_ms")
+        turn.idle_timeout_ms = idle or 0
     turn.enabled = True
     if kind == "semantic_vad":
         _semantic_vad(detection.get("eagerness"), turn, f"{param}.eagerness")
@@ -618,7 +621,7 @@ class Translator:
         detection = None if not turn.enabled else {
             "type": "server_vad", "threshold": round(turn.threshold, 4), "prefix_padding_ms": turn.prefix_padding_ms,
             "silence_duration_ms": turn.silence_duration_ms, "create_response": turn.create_response,
-            "interrupt_response": turn.interrupt_response, "idle_timeout_ms": None}
+            "interrupt_response": turn.interrupt_response, "idle_timeout_ms": turn.idle_timeout_ms or None}
         formats = {name: {"type": kind, "rate": rate} if name == "pcm" else {"type": kind}
                    for kind, (name, rate) in FORMATS.items()}
         return {
@@ -652,6 +655,9 @@ class Translator:
             case "speech_started":
                 return [{"type": "input_audio_buffer.speech_started", "audio_start_ms": body.audio_start_ms,
                          "item_id": body.item_id}]
+            case "timeout_triggered":  # then its committed and (the session's) response, as a detected stop's
+                return [{"type": "input_audio_buffer.timeout_triggered", "audio_start_ms": body.audio_start_ms,
+                         "audio_end_ms": body.audio_end_ms, "item_id": body.item_id}]
             case "speech_stopped":
                 return [{"type": "input_audio_buffer.speech_stopped", "audio_end_ms": body.audio_end_ms,
                          "item_id": body.item_id}]
@@ -720,6 +726,8 @@ class Translator:
                 if body.field.startswith("update"):
                     self.update_answered(False)
                 return [error_event(body.message, openai_param(body.field), openai_code(body), body.event_id or None)]
+            case "closed" if body.reason == omni_pb2.CLOSE_REASON_MAX_DURATION:  # OpenAI's code for it
+                return [error_event(body.message, None, "session_expired")]
             case "closed":
                 reason = omni_pb2.CloseReason.Name(body.reason).removeprefix("CLOSE_REASON_").lower()
                 return [error_event(body.message, None, f"session_{reason}", type_="server_error")]

@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway import chat, models, realtime, speech
+from gateway import chat, client_secrets, models, realtime, speech
 from gateway.asgi import BearerAuth, CountAndLimit, IncompleteFilter, metrics_wsgi_app
 from gateway.config import GatewayConfig, config_from_args
 from gateway.errors import APIError, from_validation
@@ -53,9 +53,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
     # Outermost: a caller without a token is refused before its body is read or counted.
     app.add_middleware(BearerAuth, tokens=config.auth_tokens, open_paths=models.OPEN_PATHS, denied=lambda: APIError(
         401, "missing or invalid bearer token (Authorization: Bearer <token>)", "invalid_request_error", None,
-        "invalid_api_key", {"WWW-Authenticate": "Bearer"}).response())
+        "invalid_api_key", {"WWW-Authenticate": "Bearer"}).response(), secret_ok=realtime.secret_ok(config))
     _add_error_handlers(app)
-    for endpoints in (chat.routes, speech.routes, models.routes, realtime.routes):
+    for endpoints in (chat.routes, speech.routes, models.routes, realtime.routes, client_secrets.routes):
         app.include_router(endpoints)
     return app
 

@@ -16,6 +16,7 @@ class SessionConfig:
     """The service's bounds on each session (flags --session-*, --max-input-realtime)."""
 
     idle_timeout_s: float = 300.0  # no client message and no response this long: closed
+    max_duration_s: float = 3600.0  # a session open this long is closed (a response in progress cancelled)
     max_turns: int = 200  # responses a session may create; the next closes it
     max_input_s: float = 60.0  # audio the input buffer may hold; an append past it is refused
     max_append_bytes: int = 1 << 20  # one append's bytes; a larger one is refused

@@ -19,8 +19,10 @@ class SessionMetrics:
         ProcessCollector(registry=r)  # process_start_time_seconds: the crash-loop alert (k8s/monitoring)
         self.sessions_open = Gauge("omni_session_open", "Realtime sessions open", registry=r)
         self.sessions = Counter("omni_session_sessions", "Realtime sessions ended, by how (ended: the client closed; "
-                                "idle_timeout, turn_limit, slow_reader: the service closed it; cancelled; rejected: "
-                                "over --max-sessions at connect)", ["outcome"], registry=r)
+                                "idle_timeout, turn_limit, slow_reader, max_duration: the service closed it; cancelled; "
+                                "rejected: over --max-sessions at connect)", ["outcome"], registry=r)
+        for outcome in ("ended", "cancelled", "idle_timeout", "turn_limit", "slow_reader", "max_duration", "rejected"):
+            self.sessions.labels(outcome)  # a series from the start (the dashboard's rate by outcome)
         self.turns = Counter("omni_session_turns", "Responses of realtime sessions, by status", ["status"], registry=r)
         for status in ("completed", "cancelled", "failed"):
             self.turns.labels(status)  # a series from the start (the dashboard's rate by status)

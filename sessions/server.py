@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "comma-separated); none given = no authentication. A caller's token goes on to the router")
     parser.add_argument("--session-idle-timeout-s", type=float, default=env_default("session_idle_timeout_s", 300.0),
                         help="a session with no client message and no response this long is closed (default 300)")
+    parser.add_argument("--session-max-duration-s", type=float, default=env_default("session_max_duration_s", 3600.0),
+                        help="a session open this long is closed, its response in progress cancelled (default 3600)")
     parser.add_argument("--session-max-turns", type=int, default=env_default("session_max_turns", 200),
                         help="responses a session may create; the next closes it (default 200)")
     parser.add_argument("--session-max-input-s", type=float, default=env_default("session_max_input_s", 60.0),
@@ -130,7 +132,8 @@ def config_from_args(args: argparse.Namespace) -> SessionsConfig:
     return SessionsConfig(
         routers=parse_routers(args.router), serving=serving_config_from_args(args), max_sessions=args.max_sessions,
         auth_tokens=load_tokens(args.auth_token_file),
-        session=SessionConfig(idle_timeout_s=args.session_idle_timeout_s, max_turns=args.session_max_turns,
+        session=SessionConfig(idle_timeout_s=args.session_idle_timeout_s, max_duration_s=args.session_max_duration_s,
+                              max_turns=args.session_max_turns,
                               max_input_s=args.session_max_input_s, send_timeout_s=args.session_send_timeout_s,
                               max_input_realtime=args.max_input_realtime, input_burst_s=args.input_burst_s,
                               early_response=args.early_response,

@@ -36,6 +36,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import grpc
+import numpy as np
 
 from omni.v1 import omni_pb2
 from services.base.errors import InvalidArgument
@@ -59,6 +60,7 @@ TICK_S = 0.25  # how often the loop checks the idle and send timeouts
 INBOX = 32
 COMPLETED, CANCELLED, FAILED = (omni_pb2.RESPONSE_STATUS_COMPLETED, omni_pb2.RESPONSE_STATUS_CANCELLED,
                                 omni_pb2.RESPONSE_STATUS_FAILED)
+IDLE_INPUT_MS = 100  # the least audio a timeout turn commits (silence before the buffer's, when it holds less)
 # Events dropped unsent when their response is cancelled.
 RESPONSE_OUTPUT = ("text", "audio", "codec_frames", "function_call_delta", "function_call")
 # A response.create's metadata, as the Realtime API bounds it: pairs, and each key's and value's characters.
@@ -149,7 +151,10 @@ class RealtimeSession:
         self.outbox_ready = asyncio.Event()
         self.writing_since: float | None = None  # monotonic start of the write in progress
         self.closed: omni_pb2.SessionClosed | None = None
-        self.last_activity = time.monotonic()
+        self.opened = self.last_activity = time.monotonic()
+        # `idle_timeout_ms`'s clock: since when no speech was heard and no response ran (None: stopped
+        # until the next response ends); it starts once the last reply's audio played out too.
+        self.idle_since: float | None = self.opened
         self.turns = 0
         self.response: Response | None = None
         self.playback: Playback | None = None
@@ -180,11 +185,11 @@ class RealtimeSession:
                     # a call the client cancels reads as that same end here, and grpc does not always
                     # cancel this handler or say cancelled() (a gateway's cancel, seen 1 time in 3).
                     break
-                if message is None:
-                    self.check_timeouts()
-                else:
+                if message is not None:
                     self.last_activity = time.monotonic()
                     await self.handle(message)
+                if self.closed is None:  # after every message too: a client streaming audio never lets the wait time out
+                    self.check_timeouts()
             if self.response is not None and not self.response.ended:
                 self.cancel_response(omni_pb2.CANCEL_REASON_CLIENT, cut=False)
             if self.closed is None:
@@ -263,8 +268,36 @@ class RealtimeSession:
             self.close(omni_pb2.CLOSE_REASON_SLOW_READER,
                        f"the client took no event for {self.config.send_timeout_s:g} s")
             self.outbox.clear()  # it reads nothing: do not wait to flush
+        elif now - self.opened >= self.config.max_duration_s:
+            self.close(omni_pb2.CLOSE_REASON_MAX_DURATION, f"the session reached its maximum length of "
+                                                           f"{self.config.max_duration_s:g} s (--session-max-duration-s)")
         elif (self.response is None or self.response.ended) and now - self.last_activity > self.config.idle_timeout_s:
             self.close(omni_pb2.CLOSE_REASON_IDLE_TIMEOUT, f"no input for {self.config.idle_timeout_s:g} s")
+        else:
+            self.check_idle_turn(now)
+
+    def check_idle_turn(self, now: float) -> None:
+        """`idle_timeout_ms` (turn detection on): no speech for that long since the last reply ended and
+        its audio played out (the server's audio clock) is a turn of its own, as OpenAI's server VAD
+        does it: `timeout_triggered`, the input buffer committed (its silence: at least `IDLE_INPUT_MS`),
+        and, with `create_response`, a response. The clock then waits for that response's end."""
+        timeout_ms = self.settings.turn_detection.idle_timeout_ms
+        if not timeout_ms or self.idle_since is None or self.input.detector is None or self.input.speaking \
+                or (self.response is not None and not self.response.ended):
+            return
+        since, playback = self.idle_since, self.playback
+        if playback is not None and playback.started is not None and playback.rate:
+            since = max(since, playback.started + playback.samples / playback.rate)
+        if now - since < timeout_ms / 1000:
+            return
+        end_ms = self.input.ms(self.input.total)
+        item_id = new_id("item")
+        self.emit(omni_pb2.SessionEvent(timeout_triggered=omni_pb2.TimeoutTriggered(
+            audio_start_ms=max(0, end_ms - int((now - since) * 1000)), audio_end_ms=end_ms, item_id=item_id)))
+        self.idle_since = None
+        self.commit_input(item_id, min_samples=self.input.rate * IDLE_INPUT_MS // 1000)
+        if self.settings.turn_detection.create_response:
+            self.create_response()
 
     def written(self, event: omni_pb2.SessionEvent) -> None:
         """The server's audio clock: what of the last reply the client has, and since when; a
@@ -317,6 +350,7 @@ class RealtimeSession:
         self.settings = settings
         if changed_detection or format_changed:
             self.input.configure(settings.input_format, settings.turn_detection)
+            self.idle_since = time.monotonic()
         self.emit(omni_pb2.SessionEvent(updated=self.info()))
 
     async def on_append_audio(self, append: omni_pb2.AppendAudio) -> None:
@@ -436,6 +470,7 @@ class RealtimeSession:
     def speech_started(self, sample: int) -> None:
         self.input.keep_from(sample - self.input.padding)  # the item starts `prefix_padding_ms` before the speech
         self.speech_item = new_id("item")
+        self.idle_since = None
         self.emit(omni_pb2.SessionEvent(speech_started=omni_pb2.SpeechStarted(
             audio_start_ms=self.input.ms(sample), item_id=self.speech_item)))
         if self.settings.turn_detection.interrupt_response:
@@ -445,7 +480,7 @@ class RealtimeSession:
         item_id = self.speech_item or new_id("item")
         self.emit(omni_pb2.SessionEvent(speech_stopped=omni_pb2.SpeechStopped(
             audio_end_ms=self.input.ms(sample), item_id=item_id)))
-        self.speech_stopped_at = time.monotonic()
+        self.speech_stopped_at = self.idle_since = time.monotonic()
         if self.held is not None:
             self.release_held()
             return
@@ -458,9 +493,11 @@ class RealtimeSession:
         """Input audio as a user item: a wav at the input rate."""
         return Item(item_id, omni_pb2.ROLE_USER, [omni_pb2.Content(audio=wav_bytes(samples, self.input.rate))])
 
-    def commit_input(self, item_id: str) -> None:
-        """The input buffer becomes a user item; the buffer empties."""
+    def commit_input(self, item_id: str, min_samples: int = 0) -> None:
+        """The input buffer becomes a user item (silence before it up to `min_samples`); the buffer empties."""
         samples = self.input.take()
+        if len(samples) < min_samples:
+            samples = np.concatenate((np.zeros(min_samples - len(samples), np.int16), samples))
         item = self.user_item(item_id, samples)
         self.committed(item, self.conversation.add(item), len(samples))
 
@@ -677,6 +714,7 @@ class RealtimeSession:
             return
         response.ended, response.status = True, status
         response.first_output.set()
+        self.idle_since = time.monotonic()
         reply = response.item.reply
         if self.held is None or self.held.response is not response:  # a held answer counts once released
             self.count_turn(response)

@@ -48,6 +48,7 @@ class TurnDetectionSettings:
     silence_duration_ms: int = 500
     create_response: bool = True
     interrupt_response: bool = True
+    idle_timeout_ms: int = 0  # no speech this long after the last reply played: a timeout turn (0: off)
 
     def updated(self, proto: omni_pb2.TurnDetection, field: str) -> TurnDetectionSettings:
         """These settings with the fields `proto` sets, each checked (InvalidArgument names it)."""
@@ -65,6 +66,11 @@ class TurnDetectionSettings:
                 raise InvalidArgument(f"{field}.silence_duration_ms",
                                       f"must be in [100, 5000], got {proto.silence_duration_ms}")
             changes["silence_duration_ms"] = proto.silence_duration_ms
+        if proto.HasField("idle_timeout_ms"):
+            if proto.idle_timeout_ms and not 1000 <= proto.idle_timeout_ms <= 600_000:
+                raise InvalidArgument(f"{field}.idle_timeout_ms",
+                                      f"must be 0 (off) or in [1000, 600000], got {proto.idle_timeout_ms}")
+            changes["idle_timeout_ms"] = proto.idle_timeout_ms
         for name in ("enabled", "create_response", "interrupt_response"):
             if proto.HasField(name):
                 changes[name] = getattr(proto, name)
@@ -74,7 +80,7 @@ class TurnDetectionSettings:
         return omni_pb2.TurnDetection(
             enabled=self.enabled, threshold=self.threshold, prefix_padding_ms=self.prefix_padding_ms,
             silence_duration_ms=self.silence_duration_ms, create_response=self.create_response,
-            interrupt_response=self.interrupt_response)
+            interrupt_response=self.interrupt_response, idle_timeout_ms=self.idle_timeout_ms)
 
 
 @dataclass(frozen=True)

@@ -14,32 +14,25 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-import urllib.request
 
 import grpc
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.probes.turn_detection_cpu import RATE, recordings
+from bench.stage_metrics import histogram_quantile, scrape
 from omni.v1 import omni_pb2, omni_pb2_grpc
 from services.tools.launcher import Stack, StackOptions, free_port
 
 CHUNK = RATE * 20 // 1000 * 2  # bytes of 20 ms
 
 
-def scrape(port: int) -> dict[str, list]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out: dict[str, list] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out.setdefault(sample.name, []).append(sample)
-    return out
+def metrics(port: int) -> dict:
+    return scrape(f"http://127.0.0.1:{port}/metrics")
 
 
-def p99(samples: dict[str, list], name: str) -> tuple[float, int]:
-    buckets = sorted((float(s.labels["le"]), s.value) for s in samples[f"{name}_bucket"])
-    total = buckets[-1][1]
-    return next(le for le, count in buckets if count >= 0.99 * total), int(total)
+def p99(samples: dict, name: str) -> tuple[float, int]:
+    """The lag p99's bucket bound over the process's life, and the ticks observed."""
+    return histogram_quantile({}, samples, name, 0.99), int(samples[(f"{name}_count", ())])
 
 
 async def talk(target: str, pcm: bytes, seconds: float) -> None:
@@ -68,14 +61,14 @@ def main(sessions: int = 32, seconds: float = 20.0) -> None:
                            router_args=("--metrics-port", str(router_port)),
                            sessions_args=("--metrics-port", str(sessions_port)))
     with Stack(options) as stack:
-        before = scrape(sessions_port)
+        before = metrics(sessions_port)
         asyncio.run(run(stack.sessions_target, sessions, seconds))
-        after = scrape(sessions_port)
+        after = metrics(sessions_port)
         cpu, audio = ("omni_session_turn_detection_cpu_seconds_total", "omni_session_turn_detection_audio_seconds_total")
-        spent = after[cpu][0].value - before[cpu][0].value
-        heard = after[audio][0].value - before[audio][0].value
+        spent = after[(cpu, ())] - before[(cpu, ())]
+        heard = after[(audio, ())] - before[(audio, ())]
         lag_s, n_s = p99(after, "omni_session_loop_lag_seconds")
-        lag_r, n_r = p99(scrape(router_port), "omni_router_loop_lag_seconds")
+        lag_r, n_r = p99(metrics(router_port), "omni_router_loop_lag_seconds")
         print(f"{sessions} sessions x {seconds:g} s in real time: sessions loop lag p99 <= {lag_s * 1000:g} ms ({n_s} ticks), "
               f"router <= {lag_r * 1000:g} ms ({n_r}); turn detection {spent * 1000 / heard:.1f} ms CPU per s of audio "
               f"(detection thread), {heard:.0f} s heard")

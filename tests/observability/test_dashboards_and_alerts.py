@@ -93,7 +93,13 @@ def test_the_dashboard_has_a_panel_for_each_measure_the_issue_lists():
                    "omni_router_queue_depth", "omni_stage_batch_size_sum", "omni_stage_cache_slots_used",
                    "omni_stage_step_seconds_bucket", "omni_router_replica_state", "omni_router_migrations_total",
                    "omni_stage_migrations_total", "omni_prefix_cache_hit_tokens_total",
-                   "omni_prefix_cache_lookup_tokens_total", "omni_prefix_cache_blocks", "omni_prefix_cache_evictions_total"):
+                   "omni_prefix_cache_lookup_tokens_total", "omni_prefix_cache_blocks", "omni_prefix_cache_evictions_total",
+                   # realtime sessions (issue 56): open, ended by how (the limits), turns, barge-ins, turn
+                   # detection's CPU per second of audio, the event loops' lag
+                   "omni_session_open", "omni_session_sessions_total", "omni_session_turns_total",
+                   "omni_session_barge_ins_total", "omni_session_turn_detection_cpu_seconds_total",
+                   "omni_session_turn_detection_audio_seconds_total", "omni_session_loop_lag_seconds_bucket",
+                   "omni_router_loop_lag_seconds_bucket"):
         assert metric in text, metric
     for quantile in ("0.5", "0.9", "0.99"):
         assert f"histogram_quantile({quantile}, sum by (le) (rate(omni_router_ttfp_seconds_bucket" in text
