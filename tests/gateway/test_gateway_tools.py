@@ -164,3 +164,28 @@ def test_the_sdks_realtime_client_gets_a_function_call_and_sends_its_output(clie
     assert transcript == ANSWER == answer[-1].response.output[0].content[0].transcript
     assert any(e.type == "response.output_audio.delta" for e in answer)
     assert not any(e.type.startswith("response.function_call") for e in answer)
+
+
+def test_a_response_with_its_own_tools_and_input_calls_out_of_band_and_the_conversation_stays_as_it_was(client):
+    """The session has no tools: one out-of-band response.create brings its own (and its
+    tool_choice), its own input, and gets the call; no conversation item comes of it, and the
+    retrieve of its call fails. (tool_choice "auto": with "required" the thinker's forced call
+    opening and the scripted reply give the call as raw text, a plain Generate's too.)"""
+    with client.realtime.connect(model="tiny-qwen3-omni") as conn:
+        conn.recv()  # session.created
+        conn.session.update(session={"type": "realtime", "output_modalities": ["text"],
+                                     "audio": {"input": {"turn_detection": None}}})
+        assert conn.recv().session.tools == []
+        conn.response.create(response={
+            "conversation": "none", "tools": REALTIME_TOOLS, "tool_choice": "auto",
+            "input": [{"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": "What is the weather in Paris?"}]}]})
+        events = response_events(conn)
+        conn.conversation.item.retrieve(item_id=events[-1].response.output[0].id)
+        refused = conn.recv()
+    assert not [e for e in events if e.type.startswith("conversation.")]
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert done.name == "get_weather" and json.loads(done.arguments) == {"city": "Paris"}
+    response = events[-1].response
+    assert response.conversation_id is None and [o.type for o in response.output] == ["function_call"]
+    assert refused.type == "error" and refused.error.code == "item_retrieve_invalid_item_id"
