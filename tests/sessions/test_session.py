@@ -265,6 +265,10 @@ def test_turn_detection_reports_its_cpu_per_second_of_audio_and_the_loop_its_lag
         seen = procs.metrics(service.metrics_url)
         assert seen[("omni_session_turn_detection_audio_seconds_total", ())] == pytest.approx(len(pcm) / 2 / RATE)
         assert seen[("omni_session_turn_detection_cpu_seconds_total", ())] > 0
+        deadline = time.monotonic() + 5  # the loop's timer is due every 100 ms: the session may take less
+        while seen[("omni_session_loop_lag_seconds_count", ())] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            seen = procs.metrics(service.metrics_url)
         assert seen[("omni_session_loop_lag_seconds_count", ())] > 0
     finally:
         service.stop()
