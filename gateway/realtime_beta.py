@@ -153,7 +153,7 @@ class Beta(GA):
         detection = audio_in["turn_detection"]
         sampling = self.translator.sampling
         return {
-            "id": session["id"], "object": "realtime.session", "model": session["model"],
+            "id": session["id"], "model": session["model"],
             "modalities": ["text", "audio"] if session["output_modalities"] == ["audio"] else ["text"],
             "instructions": session["instructions"], "voice": audio_out["voice"],
             "input_audio_format": FORMAT_NAMES[audio_in["format"]["type"]],
@@ -170,12 +170,16 @@ class Beta(GA):
         }
 
     def beta_error(self, error: dict) -> dict:
+        """An error's field as the beta protocol names it (the GA checks' and the session's errors name
+        the GA field), but for a key refused as the client sent it (unknown_parameter: a GA name a
+        beta client sent is its own)."""
         param, message = error.get("param"), error.get("message") or ""
         for ga, beta in PARAMS:
-            message = message.replace(ga, beta)
+            if param == ga and error.get("code") == "unknown_parameter":
+                break
             if param and (param == ga or param.startswith((f"{ga}.", f"{ga}["))):
-                param = beta + param[len(ga):]
-        return {**error, "param": param, "message": message}
+                return {**error, "param": beta + param[len(ga):], "message": message.replace(ga, beta)}
+        return error
 
 
 def ga_session(session) -> dict:

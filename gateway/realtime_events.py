@@ -520,6 +520,7 @@ class Translator:
         self.max_output_tokens: int | str = "inf"  # the session's (from its created/updated events)
         self.responds_on_stop = True  # turn detection starts a response when speech stops (the same)
         self.tools: list[omni_pb2.Tool] = []  # the session's tools (from its created/updated events)
+        self.sampling = common_pb2.SamplingParams()  # the session's thinker sampling (the same)
         # item_id -> the item as the client was last told of it, which answers conversation.item.retrieve
         # here (the session holds the same items, so this grows no more than the session does)
         self.items: dict[str, dict] = {}
@@ -665,6 +666,7 @@ class Translator:
         self.tools = list(s.tools)
         self.max_output_tokens = s.thinker_sampling.max_new_tokens if s.thinker_sampling.HasField("max_new_tokens") \
             else "inf"
+        self.sampling.CopyFrom(s.thinker_sampling)
         self.responds_on_stop = s.turn_detection.enabled and s.turn_detection.create_response
 
     def item_events(self, item: dict, previous: str) -> list[dict]:
