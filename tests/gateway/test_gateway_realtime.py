@@ -209,8 +209,11 @@ def test_an_input_image_reaches_the_turns_generate_and_a_bad_one_is_refused_by_n
         for event in conn:
             if event.type == "response.done":
                 break
-    assert event.response.output[0].content[0].text == reply(grpc_result(omni, "What is this?", 6, speak=False,
-                                                                         image=png_bytes))
+    want = grpc_result(omni, "What is this?", 6, speak=False, image=png_bytes)
+    assert event.response.output[0].content[0].text == reply(want)
+    # the image's tokens in the prompt: a text-only prompt is far shorter
+    text_only = grpc_result(omni, "What is this?", 1, speak=False).final.usage.prompt_tokens
+    assert event.response.usage.input_tokens == want.final.usage.prompt_tokens > text_only + 4
 
 
 def test_a_beta_client_speaks_the_beta_protocol_with_its_flat_session_fields(gateway):
