@@ -403,3 +403,56 @@ def test_a_truncation_we_cannot_serve_is_refused_naming_its_field(bad, param):
     with pytest.raises(ClientEventError) as refused:
         client_event({"type": "session.update", "session": {"type": "realtime", "truncation": bad}}, CONFIG, None)
     assert refused.value.param == param
+
+
+@pytest.mark.parametrize(("fmt", "param"), [
+    ({"type": "audio/pcm", "rate": 4000}, "session.audio.input.format.rate"),
+    ({"type": "audio/pcm", "rate": 96000}, "session.audio.input.format.rate"),
+    ({"type": "audio/pcm", "rate": "16000"}, "session.audio.input.format.rate"),
+    ({"type": "audio/pcmu", "rate": 16000}, "session.audio.input.format.rate"),
+    ({"type": "audio/g729"}, "session.audio.input.format.type"),
+    ({"type": "audio/pcm", "channels": 2}, "session.audio.input.format.channels"),
+])
+def test_a_format_or_rate_we_do_not_serve_is_refused_naming_its_field(fmt, param):
+    with pytest.raises(ClientEventError) as refused:
+        client_event({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"format": fmt}}}},
+                     CONFIG, None)
+    assert refused.value.param == param and param in refused.value.message
+
+
+def test_a_declared_pcm16_rate_is_the_sessions_input_rate_and_its_items_wav_rate():
+    update = {"type": "session.update", "session": {"type": "realtime", "audio": {
+        "input": {"format": {"type": "audio/pcm", "rate": 16000}}, "output": {"format": {"type": "audio/pcm", "rate": 44100}}}}}
+    assert client_event(update, CONFIG, None).update.input_format.sample_rate == 16000
+    assert requested_formats(update) == (AudioFormat("audio/pcm", 16000), AudioFormat("audio/pcm", 44100))
+    item = client_event({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+        {"type": "input_audio", "audio": base64.b64encode(bytes(3200)).decode()}]}}, CONFIG, None,
+        input_format=AudioFormat("audio/pcm", 16000))
+    wav = item.create_item.message.content[0].audio
+    assert wav[:4] == b"RIFF" and int.from_bytes(wav[24:28], "little") == 16000  # the wav's sample rate field
+
+
+@pytest.mark.parametrize(("part", "param", "code"), [
+    ({"type": "input_image", "image_url": "data:image/png;base64,AAAA", "detail": "low"}, "item.content[0].detail",
+     "unsupported"),
+    ({"type": "input_image", "image_url": "https://example.com/a.png"}, "item.content[0].image_url", "invalid_value"),
+    ({"type": "input_image", "image_url": "data:image/gif;base64,AAAA"}, "item.content[0].image_url", "invalid_value"),
+    ({"type": "input_image"}, "item.content[0].image_url", "invalid_value"),
+    # refused by its length, before it is decoded
+    ({"type": "input_image", "image_url": "data:image/png;base64," + "A" * (12 << 20)}, "item.content[0].image_url",
+     "invalid_value"),
+])
+def test_an_input_image_we_cannot_take_is_refused_naming_its_field(part, param, code):
+    with pytest.raises(ClientEventError) as refused:
+        client_event({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [part]}},
+                     CONFIG, None)
+    assert (refused.value.param, refused.value.code) == (param, code)
+
+
+def test_an_input_image_is_the_items_image_part():
+    png = b"\x89PNG\r\n\x1a\nrest"
+    item = client_event({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+        {"type": "input_image", "image_url": "data:image/png;base64," + base64.b64encode(png).decode()},
+        {"type": "input_text", "text": "What is it?"}]}}, CONFIG, None)
+    assert [p.WhichOneof("part") for p in item.create_item.message.content] == ["image", "text"]
+    assert item.create_item.message.content[0].image == png
