@@ -6,7 +6,9 @@ The session's call opens before the WebSocket is accepted, so a refusal is an HT
 handshake (429 with Retry-After over capacity, 401, 503), not a socket that opens and drops. Then
 two tasks: the client's events to the session (each translated, or answered with an `error` event),
 and the session's events to the client. A client that takes no bytes for `--send-timeout-s` is
-cut off and its session cancelled, which frees its response in every stage.
+cut off and its session cancelled, which frees its response in every stage. A client whose handshake
+asks for the beta protocol (`OpenAI-Beta: realtime=v1`) has its events translated both ways at this
+edge (gateway/realtime_beta.py); everything between speaks the GA protocol.
 """
 
 from __future__ import annotations

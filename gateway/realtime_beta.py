@@ -51,6 +51,7 @@ EVENTS = {  # GA server event -> the beta protocol's (None: not sent)
     "conversation.item.added": "conversation.item.created", "conversation.item.done": None,
 }
 PARTS_OUT = {"output_text": "text", "output_audio": "audio"}  # GA content types -> the beta ones
+GA_ONLY = {"response.function_call_arguments.done": ("name",)}  # a GA event's keys the beta one lacks
 
 
 def asked(headers) -> bool:
@@ -119,7 +120,7 @@ class Beta(GA):
             kind = EVENTS.get(event["type"], event["type"])
             if kind is None:
                 continue
-            event = {**event, "type": kind}
+            event = {k: v for k, v in event.items() if k not in GA_ONLY.get(kind, ())} | {"type": kind}
             for key in ("item", "response", "session", "error"):
                 if key in event:
                     event[key] = getattr(self, f"beta_{key}")(event[key])
@@ -162,8 +163,7 @@ class Beta(GA):
             "input_audio_noise_reduction": audio_in["noise_reduction"],
             "turn_detection": None if detection is None else {
                 k: v for k, v in detection.items() if k != "idle_timeout_ms"},
-            "tools": session["tools"], "tool_choice": session["tool_choice"] if isinstance(session["tool_choice"], str)
-            else session["tool_choice"]["name"],
+            "tools": session["tools"], "tool_choice": session["tool_choice"],
             "temperature": round(sampling.temperature, 4) if sampling.HasField("temperature") else None,
             "max_response_output_tokens": session["max_output_tokens"], "speed": audio_out["speed"],
             "tracing": session["tracing"],

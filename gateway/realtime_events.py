@@ -5,7 +5,8 @@ the settings to show). The shapes are the pinned openai SDK's (openai/types/real
 In: `session.update`, `input_audio_buffer.append/commit/clear`, `conversation.item.create/truncate`,
 `response.create/cancel`, and `conversation.item.retrieve`, which the translator answers from the
 items it sent. Everything else, and every field we cannot honour, is answered with an `error`
-event naming it (UNSUPPORTED_EVENTS, the checks below); the session goes on.
+event naming it (UNSUPPORTED_EVENTS, the checks below); the session goes on. The audio formats
+are gateway/realtime_audio.py's; a beta client's events come here as GA ones (gateway/realtime_beta.py).
 
 Out: each response's lifecycle in the API's order (Translator). Function calling: the session's
 `tools` and `tool_choice` (gateway/tools.py), `function_call` and `function_call_output` items in;
@@ -172,7 +173,8 @@ def session_update(session: dict, config: GatewayConfig,
     for name in session:
         if name in BETA_SESSION_FIELDS:
             ga = BETA_SESSION_FIELDS[name]
-            raise ClientEventError(f"session.{name} is a field of the beta protocol, not served here: "
+            raise ClientEventError(f"session.{name} is a field of the beta protocol (served to a client whose handshake "
+                                   "sends OpenAI-Beta: realtime=v1): "
                                    + (f"the GA protocol's is {ga}" if ga else "the GA protocol has none"),
                                    f"session.{name}", "unknown_parameter")
     _known(session, SESSION_FIELDS, "session")

@@ -183,3 +183,17 @@ def test_a_beta_g711_session_reads_mu_law_appends():
     append = beta_request(dialect, translator, {"type": "input_audio_buffer.append",
                                                 "audio": base64.b64encode(b"\x80\xff").decode()})
     assert append.append_audio.data == b"\x7c\x7d\x00\x00"  # 32124, 0 as pcm16: read as mu-law
+
+
+def test_a_function_call_reply_has_the_beta_shapes():
+    from test_realtime_translator import call
+
+    translator = Translator(CONFIG, "tiny")
+    dialect = Beta(translator)
+    beta_events(dialect, translator, session(audio=False))
+    events = beta_events(dialect, translator, created(), call('{"city": "Paris"}'), done(""))
+    assert [e["type"] for e in events] == [
+        "response.created", "response.output_item.added", "conversation.item.created",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done", "response.output_item.done",
+        "response.done"]
+    assert events[-1]["response"]["output"][0]["arguments"] == '{"city": "Paris"}'
