@@ -197,3 +197,17 @@ def test_a_function_call_reply_has_the_beta_shapes():
         "response.function_call_arguments.delta", "response.function_call_arguments.done", "response.output_item.done",
         "response.done"]
     assert events[-1]["response"]["output"][0]["arguments"] == '{"city": "Paris"}'
+
+
+def test_a_beta_response_create_names_its_overrides_as_the_ga_protocol_does():
+    dialect = Beta(Translator(CONFIG, "tiny"))
+    ga = dialect.incoming({"type": "response.create", "response": {
+        "modalities": ["text"], "max_response_output_tokens": 5, "metadata": {"k": "v"}, "input": [
+            {"type": "message", "role": "assistant", "content": [{"type": "text", "text": "Earlier."}]}]}})
+    assert ga["response"] == {"output_modalities": ["text"], "max_output_tokens": 5, "metadata": {"k": "v"}, "input": [
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Earlier."}]}]}
+    # a GA refusal of an override names the beta field
+    [sent] = dialect.outgoing([api_error_event(ClientEventError("response.output_modalities is not supported",
+                                                                "response.output_modalities", "unsupported"))])
+    assert (sent["error"]["param"], sent["error"]["message"]) == ("response.modalities",
+                                                                  "response.modalities is not supported")
