@@ -343,7 +343,7 @@ def requested_formats(event: dict) -> tuple[AudioFormat | None, AudioFormat | No
 
 
 def create_item(event: dict, last_item: str | None, input_format: AudioFormat = PCM24) -> omni_pb2.CreateItem:
-    """`conversation.item.create` -> CreateItem (messages of text, and a user's input_audio)."""
+    """`conversation.item.create` -> CreateItem (messages of text, and a user's input_audio and input_image)."""
     if event.get("previous_item_id") not in (None, "root", last_item):
         raise ClientEventError("items go after the last item only", "previous_item_id", "unsupported")
     item = _object(event.get("item"), "item")
