@@ -46,6 +46,7 @@ from services.serving.streams import let_end
 from sessions.audio import decode, wav_bytes
 from sessions.config import SessionConfig
 from sessions.conversation import Conversation, Item, Reply
+from sessions.images import check_image
 from sessions.input_audio import InputAudio, InputPace
 from sessions.metrics import SessionMetrics
 from sessions.router_client import RouterClient, Turn, TurnFailed
@@ -388,9 +389,11 @@ class RealtimeSession:
                                "create_item.message.role")
         for i, part in enumerate(message.content):
             kind = part.WhichOneof("part")
-            if kind != "text" and not (kind == "audio" and message.role == omni_pb2.ROLE_USER):
+            if kind != "text" and not (kind in ("audio", "image") and message.role == omni_pb2.ROLE_USER):
                 raise MessageError("unsupported", f"a {kind or 'empty'} part (an item holds text parts, and a user "
-                                                  "item audio parts)", f"create_item.message.content[{i}]")
+                                                  "item audio and image parts)", f"create_item.message.content[{i}]")
+            if kind == "image":
+                check_image(part.image, f"create_item.message.content[{i}].image", self.config.max_image_bytes)
         if message.tool_calls and message.role != omni_pb2.ROLE_ASSISTANT:
             raise MessageError("invalid_argument", "only an assistant item makes calls", "create_item.message.tool_calls")
         for k, call in enumerate(message.tool_calls):

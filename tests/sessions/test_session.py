@@ -141,8 +141,14 @@ def test_speech_over_a_playing_reply_cancels_it_in_every_stage_and_cuts_the_hist
     (omni_pb2.SessionRequest(cancel_response=omni_pb2.CancelResponse()), "no_response", "cancel_response"),
     (omni_pb2.SessionRequest(truncate=omni_pb2.TruncateItem(item_id="nope")), "unknown_item", "truncate.item_id"),
     (omni_pb2.SessionRequest(create_item=omni_pb2.CreateItem(message=omni_pb2.Message(
-        role=omni_pb2.ROLE_USER, content=[omni_pb2.Content(image=b"png")]))), "unsupported",
+        role=omni_pb2.ROLE_SYSTEM, content=[omni_pb2.Content(image=b"png")]))), "unsupported",
      "create_item.message.content[0]"),
+    (omni_pb2.SessionRequest(create_item=omni_pb2.CreateItem(message=omni_pb2.Message(
+        role=omni_pb2.ROLE_USER, content=[omni_pb2.Content(image=b"png")]))), "invalid_argument",
+     "create_item.message.content[0].image"),  # not a png or jpeg: refused now, not at every turn after it
+    (omni_pb2.SessionRequest(create_item=omni_pb2.CreateItem(message=omni_pb2.Message(
+        role=omni_pb2.ROLE_USER, content=[omni_pb2.Content(image=bytes(9 << 20))]))), "invalid_argument",
+     "create_item.message.content[0].image"),  # over --session-max-image-mb (8)
 ])
 def test_a_bad_message_gets_an_error_event_naming_the_field_and_the_session_goes_on(session, message, code, field):
     call = session(turn_detection=MANUAL, thinker_sampling=sampling(2), output_modalities=[omni_pb2.MODALITY_TEXT])
