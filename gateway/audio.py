@@ -1,4 +1,5 @@
-"""Audio in and out of the gateway: PCM conversion, and encoding through soundfile (libsndfile).
+"""Audio in and out of the gateway: PCM conversion, encoding through soundfile (libsndfile), and
+streamed resampling through PyAV (libswresample).
 
 The pipeline's audio is float32 mono at 24 kHz. Every 16-bit output (pcm16 / pcm, wav, flac) is
 that float audio rounded once, `int16 = clip(rint(x * 32768))`, so `int16 / 32768` gives the
@@ -91,6 +92,34 @@ def encode(samples: np.ndarray, fmt: str, sample_rate: int = SPEECH_SAMPLE_RATE)
         data = np.zeros(1, dtype=data.dtype)  # some encoders refuse an empty file
     sf.write(buf, data, sample_rate, format=container, subtype=subtype)
     return buf.getvalue()
+
+
+class StreamResampler:
+    """Float mono samples at `rate` -> float32 at `target`, chunk by chunk as one stream: libswresample's
+    polyphase filter (through PyAV, pinned for video) keeps its history across chunks, so where the
+    stream is cut changes no sample, and `flush()` gives the filter's tail, so the whole stream is
+    round(n * target / rate) samples. Not thread-safe: one caller at a time."""
+
+    def __init__(self, rate: int, target: int):
+        import av  # FFmpeg's libraries load at the first resampled stream, not at the gateway's start
+
+        self.rate = rate
+        self.swr = av.AudioResampler(format="flt", layout="mono", rate=target)
+        self.frame = av.AudioFrame.from_ndarray  # [1, n] float32 -> a frame
+
+    def feed(self, samples: np.ndarray) -> np.ndarray:
+        if not samples.size:
+            return np.zeros(0, np.float32)
+        frame = self.frame(np.asarray(samples, np.float32).reshape(1, -1), format="flt", layout="mono")
+        frame.sample_rate = self.rate
+        return self._joined(self.swr.resample(frame))
+
+    def flush(self) -> np.ndarray:
+        return self._joined(self.swr.resample(None))
+
+    @staticmethod
+    def _joined(frames) -> np.ndarray:
+        return joined([frame.to_ndarray()[0] for frame in frames])
 
 
 class AudioTooLong(ValueError):

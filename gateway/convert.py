@@ -14,7 +14,7 @@ from omni.v1 import omni_pb2
 
 _ROLES = {"system": omni_pb2.ROLE_SYSTEM, "developer": omni_pb2.ROLE_SYSTEM, "user": omni_pb2.ROLE_USER,
           "assistant": omni_pb2.ROLE_ASSISTANT, "tool": omni_pb2.ROLE_TOOL}
-_DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<data>.*)$", re.DOTALL)
+DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*?);base64,(?P<data>.*)$", re.DOTALL)
 
 
 def _b64(data: str, param: str) -> bytes:
@@ -64,7 +64,7 @@ def _data_url(part, at: str, kind: str, article: str) -> bytes:
     """An image_url or video_url part's data: URL -> the file's bytes (the thinker checks the file)."""
     if getattr(part, kind) is None:
         raise bad_request(f"{at}.{kind}", f"{at}.{kind} is required for {article} {kind} part")
-    match = _DATA_URL.match(getattr(part, kind).url)
+    match = DATA_URL.match(getattr(part, kind).url)
     if not match:
         raise bad_request(f"{at}.{kind}.url", f"{at}.{kind}.url: only data: URLs (base64) are accepted; the "
                                               f"gateway fetches nothing from the network", code="unsupported_value")

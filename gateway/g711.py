@@ -1,18 +1,13 @@
 """G.711 at 8 kHz, the telephony audio of the Realtime API's `audio/pcmu` (mu-law) and `audio/pcma`
 (A-law): one byte a sample, converted here to and from the pcm16 the sessions service takes, with
 numpy. The companding is the reference algorithm (ITU-T G.711 as Sun's g711.c writes it),
-vectorized: decoding is a 256-entry table, encoding the segment search per sample.
-
-The pipeline speaks at 24 kHz: `Downsampler` takes a reply's chunks to 8 kHz as one stream (a
-low-pass filter whose history carries across chunks, then every third sample), so chunk edges
-leave no clicks.
+vectorized: decoding is a 256-entry table, encoding the segment search per sample. The reply's
+24 kHz audio reaches 8 kHz through the gateway's resampler (gateway/realtime_audio.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
-
-from services.base.stages import SPEECH_SAMPLE_RATE
 
 RATE = 8000
 LAWS = ("pcmu", "pcma")
@@ -60,28 +55,3 @@ def encode(samples: np.ndarray, law: str) -> bytes:
         shift = np.where(seg < 2, 1, np.minimum(seg, 7))
         code = np.where(seg >= 8, 0x7F, (seg << 4) | ((x >> shift) & 0x0F))
     return (code ^ mask).astype(np.uint8).tobytes()
-
-
-def _lowpass(taps: int = 63, cutoff_hz: float = 3600.0, rate: int = SPEECH_SAMPLE_RATE) -> np.ndarray:
-    """A windowed-sinc low-pass (Blackman) below 8 kHz's Nyquist, unit gain at DC."""
-    n = np.arange(taps) - (taps - 1) / 2
-    h = np.sinc(2 * cutoff_hz / rate * n) * np.blackman(taps)
-    return (h / h.sum()).astype(np.float32)
-
-
-class Downsampler:
-    """24 kHz float samples -> 8 kHz, chunk by chunk, as if the reply were one array."""
-
-    TAPS = _lowpass()
-
-    def __init__(self):
-        self.history = np.zeros(len(self.TAPS) - 1, np.float32)  # the last input samples, the filter's memory
-        self.phase = 0  # where in this chunk the next kept sample is (every third of the stream)
-
-    def __call__(self, samples: np.ndarray) -> np.ndarray:
-        stream = np.concatenate([self.history, samples.astype(np.float32)])
-        filtered = np.convolve(stream, self.TAPS, "valid")  # one per input sample of this chunk
-        self.history = stream[len(stream) - len(self.history):]
-        kept = filtered[self.phase::3]
-        self.phase = (self.phase - len(samples)) % 3
-        return kept

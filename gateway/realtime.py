@@ -6,7 +6,9 @@ The session's call opens before the WebSocket is accepted, so a refusal is an HT
 handshake (429 with Retry-After over capacity, 401, 503), not a socket that opens and drops. Then
 two tasks: the client's events to the session (each translated, or answered with an `error` event),
 and the session's events to the client. A client that takes no bytes for `--send-timeout-s` is
-cut off and its session cancelled, which frees its response in every stage.
+cut off and its session cancelled, which frees its response in every stage. A client whose handshake
+asks for the beta protocol (`OpenAI-Beta: realtime=v1`) has its events translated both ways at this
+edge (gateway/realtime_beta.py); everything between speaks the GA protocol.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from gateway.client_secrets import ClientSecret, presented, signing_keys, verify
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, from_rpc
 from gateway.process import Gateway
+from gateway.realtime_beta import GA, Beta, asked
 from gateway.realtime_events import (
     ClientEventError,
     Translator,
@@ -91,6 +94,7 @@ async def run_session(ws: WebSocket, gateway: Gateway, replica: Replica, stub, a
     config = gateway.config
     call = stub.Session(metadata=(("authorization", auth),) if auth else None)
     translator = Translator(config, config.model)
+    dialect = Beta(translator) if asked(ws.headers) else GA()  # OpenAI-Beta: realtime=v1 (gateway/realtime_beta.py)
     try:
         # The session's first event, or its refusal (over capacity: RESOURCE_EXHAUSTED, a 429), read
         # before anything is written: a write racing a refusal failed with grpc's own INTERNAL
@@ -125,9 +129,9 @@ async def run_session(ws: WebSocket, gateway: Gateway, replica: Replica, stub, a
     await ws.accept(subprotocol="realtime" if "realtime" in ws.scope.get("subprotocols", ()) else None)
     gateway.metrics.requests.labels("realtime", "101").inc()
     gateway.metrics.in_flight.inc()
-    send = Sender(ws, config.send_timeout_s)
+    send = Sender(ws, config.send_timeout_s, dialect)
     gone = asyncio.Event()  # set when the client left (its reader cancelled the call)
-    upstream = asyncio.create_task(client_to_session(ws, call, translator, send, config, gone))
+    upstream = asyncio.create_task(client_to_session(ws, call, translator, dialect, send, config, gone))
     try:
         translator.server_events(created)
         await send.events([{**translator.server_events(updated)[0], "type": "session.created"}])
@@ -155,16 +159,17 @@ class SendTimeout(Exception):
 
 
 class Sender:
-    """Events to the client, each send bounded by the send timeout (a client that stopped reading)."""
+    """Events to the client in its protocol, each send bounded by the send timeout (a client that stopped reading)."""
 
-    def __init__(self, ws: WebSocket, timeout_s: float):
+    def __init__(self, ws: WebSocket, timeout_s: float, dialect: GA):
         self.ws = ws
+        self.dialect = dialect
         self.timeout_s = timeout_s
         self.closed = False
         self.lock = asyncio.Lock()  # both directions answer the client: one frame at a time
 
     async def events(self, events: list[dict]) -> None:
-        for event in events:
+        for event in self.dialect.outgoing(events):
             event.setdefault("event_id", event_id())
             try:
                 async with self.lock:
@@ -194,7 +199,7 @@ async def session_to_client(call, translator: Translator, send: Sender) -> None:
             return
 
 
-async def client_to_session(ws: WebSocket, call, translator: Translator, send: Sender, config,
+async def client_to_session(ws: WebSocket, call, translator: Translator, dialect: GA, send: Sender, config,
                            gone: asyncio.Event) -> None:
     """The client's events, translated, to the session; refused ones answered with `error` at once."""
     try:
@@ -217,13 +222,16 @@ async def client_to_session(ws: WebSocket, call, translator: Translator, send: S
             except ClientEventError as exc:
                 await send.events([api_error_event(exc)])
                 continue
+            sent = event
             try:
+                event = dialect.incoming(sent)  # as the GA protocol's
                 if event.get("type") == "conversation.item.retrieve":  # the gateway keeps the items: no session call
                     await send.events([translator.retrieved(event)])
                     continue
                 request = client_event(event, config, translator.last_item, translator.tools, translator.sending_format)
+                dialect.amend(sent, request)
             except ClientEventError as exc:
-                exc.event_id = event.get("event_id") if isinstance(event.get("event_id"), str) else None
+                exc.event_id = sent.get("event_id") if isinstance(sent.get("event_id"), str) else None
                 await send.events([api_error_event(exc)])
                 continue
             # Before the write: the session answers it after.

@@ -8,7 +8,9 @@ turn), `input_audio_buffer.append/commit/clear`, `conversation.item.create/trunc
 sessions service checks them against the session) and `response.cancel`, and
 `conversation.item.retrieve`, which the translator answers from the items it sent. Everything
 else, and every field we cannot honour, is answered with an `error` event naming it
-(UNSUPPORTED_EVENTS, the checks below); the session goes on.
+(UNSUPPORTED_EVENTS, the checks below); the session goes on. The audio
+formats are gateway/realtime_audio.py's; a beta client's events come here as GA ones
+(gateway/realtime_beta.py).
 
 Out: each response's lifecycle in the API's order (Translator). Function calling: the session's
 `tools` and `tool_choice` (gateway/tools.py), `function_call` and `function_call_output` items in;
@@ -30,19 +32,15 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from gateway import audio as audio_codec
-from gateway import g711
+from gateway import realtime_audio
 from gateway.config import GatewayConfig
+from gateway.convert import DATA_URL
 from gateway.errors import APIError
+from gateway.realtime_audio import PCM24, AudioFormat, AudioOut, FormatError
 from gateway.tools import tool_choice_to_proto, tools_to_proto
 from omni.v1 import common_pb2, omni_pb2
-from services.base.stages import SPEECH_SAMPLE_RATE
 from services.base.wav import wav_file
 
-# The audio formats served, by the API's type: pcm16 at 24 kHz (the pipeline's rate), G.711 mu-law
-# and A-law at 8 kHz (gateway/g711.py converts them to and from pcm16). Formats are named by the type
-# without `audio/`.
-FORMATS = {"audio/pcm": ("pcm", SPEECH_SAMPLE_RATE), "audio/pcmu": ("pcmu", g711.RATE), "audio/pcma": ("pcma", g711.RATE)}
-RATES = dict(FORMATS.values())  # a format's name -> its rate
 TEXT, AUDIO = omni_pb2.MODALITY_TEXT, omni_pb2.MODALITY_AUDIO
 # Client events of the Realtime API this gateway does not serve, and why (docs/sessions.md).
 UNSUPPORTED_EVENTS = {
@@ -58,6 +56,10 @@ OPENAI_CODES = {
 }
 # An unknown item's code, by the session message that named it (a response's input reference: invalid_value).
 UNKNOWN_ITEM_CODES = {"truncate": "item_truncate_invalid_item_id", "delete_item": "item_delete_invalid_item_id"}
+# The beta protocol's content types of an item -> the GA protocol's (gateway/realtime_beta.py translates them).
+BETA_PARTS = {"text": "output_text (an assistant's) or input_text", "audio": "output_audio (an assistant's)"}
+IMAGE_TYPES = ("image/png", "image/jpeg")
+MAX_IMAGE_BYTES = 8 << 20  # an input_image part's, as the sessions service's default bound (--session-max-image-mb)
 # Session fields we refuse unless unset/null (the pipeline has no such feature).
 REFUSED_SESSION_FIELDS = ("prompt", "reasoning", "include", "parallel_tool_calls")
 # The GA protocol's fields of a session and of its parts (the SDK's RealtimeSessionCreateRequest):
@@ -165,16 +167,17 @@ def decode_base64(value, param: str) -> bytes:
         raise ClientEventError(f"{param} is not valid base64", param) from None
 
 
-def input_pcm16(data: bytes, input_format: str) -> bytes:
-    """Input audio in the session's input format (pcm, pcmu or pcma) as pcm16 at the format's rate."""
-    return g711.decode(data, input_format) if input_format in g711.LAWS else data
+def input_pcm16(data: bytes, fmt: AudioFormat, param: str) -> bytes:
+    """Input audio in the session's input format as pcm16 at the format's rate (the session reads it there)."""
+    try:
+        return fmt.pcm16(data, param)
+    except FormatError as exc:
+        raise ClientEventError(f"{param}: {exc.message}", param) from None
 
 
-def pcm16_wav(data: bytes, param: str, input_format: str = "pcm") -> bytes:
+def pcm16_wav(data: bytes, param: str, fmt: AudioFormat = PCM24) -> bytes:
     """An input_audio part's base64 audio (the input format, mono) as the wav the session takes."""
-    if input_format == "pcm" and len(data) % 2:
-        raise ClientEventError(f"{param}: {len(data)} bytes is not a whole number of pcm16 samples", param)
-    return wav_file(input_pcm16(data, input_format), RATES[input_format])
+    return wav_file(input_pcm16(data, fmt, param), fmt.rate)
 
 
 def _object(value, param: str) -> dict:
@@ -200,7 +203,8 @@ def session_update(session: dict, config: GatewayConfig,
     for name in session:
         if name in BETA_SESSION_FIELDS:
             ga = BETA_SESSION_FIELDS[name]
-            raise ClientEventError(f"session.{name} is a field of the beta protocol, not served here: "
+            raise ClientEventError(f"session.{name} is a field of the beta protocol (served to a client whose handshake "
+                                   "sends OpenAI-Beta: realtime=v1): "
                                    + (f"the GA protocol's is {ga}" if ga else "the GA protocol has none"),
                                    f"session.{name}", "unknown_parameter")
     _known(session, SESSION_FIELDS, "session")
@@ -303,7 +307,7 @@ def _input(audio_in: dict, settings: omni_pb2.SessionSettings) -> None:
     input_format = audio_format(audio_in.get("format"), "session.audio.input.format")
     if input_format is not None:  # the session reads pcm16 at the format's rate (the gateway decodes G.711)
         settings.input_format.CopyFrom(omni_pb2.AudioFormat(encoding=omni_pb2.AUDIO_ENCODING_PCM16,
-                                                            sample_rate=RATES[input_format]))
+                                                            sample_rate=input_format.rate))
     if "transcription" in audio_in:
         settings.input_transcription.CopyFrom(input_transcription(audio_in["transcription"]))
     if audio_in.get("noise_reduction") is not None:
@@ -380,30 +384,25 @@ def truncation_of(settings: omni_pb2.SessionSettings):
     return {"type": "retention_ratio", "retention_ratio": round(cut.retention_ratio, 4)}
 
 
-def audio_format(fmt, param: str) -> str | None:
-    """A format object's name (pcm, pcmu or pcma; None: unset); ClientEventError naming its field."""
+def audio_format(fmt, param: str) -> AudioFormat | None:
+    """A format object (None: unset) as the format (gateway/realtime_audio.py); ClientEventError naming its field."""
     if fmt is None:
         return None
-    fmt = _known(_object(fmt, param), FORMAT_FIELDS, param)
-    kind = fmt.get("type", "audio/pcm")
-    if kind not in FORMATS:
-        raise ClientEventError(f"{param}.type: audio/pcm (pcm16, 24 kHz), audio/pcmu or audio/pcma (G.711, 8 kHz); "
-                               f"{kind!r} is not served", f"{param}.type", "unsupported")
-    name, rate = FORMATS[kind]
-    if fmt.get("rate", rate) != rate:
-        raise ClientEventError(f"{param}.rate must be {rate} for {kind}", f"{param}.rate")
-    return name
+    try:
+        return realtime_audio.parse(_known(_object(fmt, param), FORMAT_FIELDS, param))
+    except FormatError as exc:
+        raise ClientEventError(f"{param}.{exc.param}: {exc.message}", f"{param}.{exc.param}", exc.code) from None
 
 
-def requested_formats(event: dict) -> tuple[str | None, str | None]:
+def requested_formats(event: dict) -> tuple[AudioFormat | None, AudioFormat | None]:
     """A `session.update` (checked by session_update)'s input and output formats; None: unchanged."""
     audio = _object(_object(event.get("session"), "session").get("audio"), "session.audio")
     return tuple(audio_format(_object(audio.get(side), f"session.audio.{side}").get("format"),
                               f"session.audio.{side}.format") for side in ("input", "output"))
 
 
-def create_item(event: dict, last_item: str | None, input_format: str = "pcm") -> omni_pb2.CreateItem:
-    """`conversation.item.create` -> CreateItem (messages of text, and a user's input_audio)."""
+def create_item(event: dict, last_item: str | None, input_format: AudioFormat = PCM24) -> omni_pb2.CreateItem:
+    """`conversation.item.create` -> CreateItem (messages of text, and a user's input_audio and input_image)."""
     if event.get("previous_item_id") not in (None, "root", last_item):
         raise ClientEventError("items go after the last item only", "previous_item_id", "unsupported")
     item = _object(event.get("item"), "item")
@@ -413,9 +412,9 @@ def create_item(event: dict, last_item: str | None, input_format: str = "pcm") -
     return create
 
 
-def item_message(item: dict, param: str, input_format: str = "pcm") -> omni_pb2.Message:
+def item_message(item: dict, param: str, input_format: AudioFormat = PCM24) -> omni_pb2.Message:
     """An item the client gives (`param`: where) as a Message: messages of text and a user's
-    input_audio, function_call and function_call_output items."""
+    input_audio and input_image, function_call and function_call_output items."""
     if item.get("type") in ("function_call", "function_call_output"):
         return _function_item(item, param)
     if item.get("type") != "message":
@@ -432,7 +431,10 @@ def item_message(item: dict, param: str, input_format: str = "pcm") -> omni_pb2.
         at = f"{param}.content[{i}]"
         part = _object(part, at)
         kind = part.get("type")
-        if kind in ("input_text", "text", "output_text"):
+        if kind in BETA_PARTS:
+            raise ClientEventError(f"{at}.type {kind!r} is the beta protocol's: the GA protocol's is "
+                                   f"{BETA_PARTS[kind]}", f"{at}.type", "invalid_value")
+        if kind in ("input_text", "output_text"):
             if not isinstance(part.get("text"), str):
                 raise ClientEventError(f"{at}.text must be a string", f"{at}.text")
             message.content.add(text=part["text"])
@@ -441,9 +443,27 @@ def item_message(item: dict, param: str, input_format: str = "pcm") -> omni_pb2.
         elif kind == "input_audio" and item["role"] == "user":
             pcm = decode_base64(part.get("audio"), f"{at}.audio")
             message.content.add(audio=pcm16_wav(pcm, f"{at}.audio", input_format))
+        elif kind == "input_image" and item["role"] == "user":
+            message.content.add(image=input_image(part, at))
         else:
             raise ClientEventError(f"{at}.type {kind!r} is not supported here", f"{at}.type", "unsupported")
     return message
+
+
+def input_image(part: dict, param: str) -> bytes:
+    """An `input_image` part's png or jpeg, from its base64 data URL, refused by size before it is
+    decoded (the sessions service checks the file and its pixels: sessions/images.py)."""
+    if part.get("detail") not in (None, "auto", "high"):
+        raise ClientEventError(f"{param}.detail: the model sees an image at its own resolution (auto or high)",
+                               f"{param}.detail", "unsupported")
+    url = part.get("image_url")
+    match = DATA_URL.match(url) if isinstance(url, str) else None
+    if match is None or match["mime"] not in IMAGE_TYPES:
+        raise ClientEventError(f"{param}.image_url must be a data URL of a png or jpeg (data:image/png;base64,...): the "
+                               "gateway fetches nothing", f"{param}.image_url")
+    if len(match["data"]) * 3 // 4 > MAX_IMAGE_BYTES:
+        raise ClientEventError(f"{param}.image_url: the image is over {MAX_IMAGE_BYTES >> 20} MiB", f"{param}.image_url")
+    return decode_base64(match["data"], f"{param}.image_url")
 
 
 def _function_item(item: dict, param: str) -> omni_pb2.Message:
@@ -459,7 +479,7 @@ def _function_item(item: dict, param: str) -> omni_pb2.Message:
 
 
 def response_create(event: dict, tools: list[omni_pb2.Tool] | None = None,
-                    input_format: str = "pcm") -> omni_pb2.CreateResponse:
+                    input_format: AudioFormat = PCM24) -> omni_pb2.CreateResponse:
     """`response.create` -> CreateResponse: the session's settings, and each override the
     `response` sets (the sessions service checks them against the session); `conversation: "none"`
     an out-of-band response; `input` its own prompt (items, or `item_reference`s). `tools`: the
@@ -509,10 +529,10 @@ def response_create(event: dict, tools: list[omni_pb2.Tool] | None = None,
 
 
 def client_event(event: dict, config: GatewayConfig, last_item: str | None,
-                 tools: list[omni_pb2.Tool] | None = None, input_format: str = "pcm") -> omni_pb2.SessionRequest:
+                 tools: list[omni_pb2.Tool] | None = None, input_format: AudioFormat = PCM24) -> omni_pb2.SessionRequest:
     """One client event as a SessionRequest; ClientEventError for what we refuse.
     `tools`: the session's tools as its last settings showed them; `input_format`: the client's
-    input audio's (pcm, pcmu or pcma), which the session gets as pcm16."""
+    input audio's, which the session gets as pcm16 at its rate."""
     kind = event.get("type")
     request = omni_pb2.SessionRequest()
     if isinstance(event.get("event_id"), str):
@@ -521,7 +541,7 @@ def client_event(event: dict, config: GatewayConfig, last_item: str | None,
         case "session.update":
             request.update.CopyFrom(session_update(event.get("session"), config, tools))
         case "input_audio_buffer.append":
-            request.append_audio.data = input_pcm16(decode_base64(event.get("audio"), "audio"), input_format)
+            request.append_audio.data = input_pcm16(decode_base64(event.get("audio"), "audio"), input_format, "audio")
         case "input_audio_buffer.commit":
             request.commit.SetInParent()
         case "input_audio_buffer.clear":
@@ -562,12 +582,11 @@ class Output:
     audio: bool  # audio out: the message's part is audio with a transcript, else text
     metadata: dict | None  # the client's response.create metadata, echoed in response.created and .done
     max_output_tokens: int | str
-    encoding: str = "pcm"  # the audio's format (the session's output format when the response began)
+    # The audio out in the session's output format when the response began (its bytes in whole base64 groups)
+    encoder: AudioOut = field(default_factory=AudioOut)
     index: int | None = None  # the message's output_index once its first content went out
     previous: str | None = None  # the item before the message, once it went out
     next_index: int = 0
-    held: bytes = b""  # audio bytes held back (whole samples in whole 3-byte groups go out)
-    downsampler: g711.Downsampler = field(default_factory=g711.Downsampler)  # 24 kHz -> 8 kHz, for G.711
     out_of_band: bool = False  # conversation "none": its items are not the conversation's (no conversation.item.*)
     calls: list[tuple[int, dict]] = field(default_factory=list)  # (output_index, the done function_call item)
     open_calls: dict[str, tuple[int, str | None]] = field(default_factory=dict)  # a call's item -> (output_index, item before)
@@ -589,18 +608,19 @@ class Translator:
         self.audio_out = True  # the session's output modalities hold audio (from its created/updated events)
         self.max_output_tokens: int | str = "inf"  # the session's (from its created/updated events)
         self.tools: list[omni_pb2.Tool] = []  # the session's tools (from its created/updated events)
+        self.sampling = common_pb2.SamplingParams()  # the session's thinker sampling (the same)
         # item_id -> the item as the client was last told of it, which answers conversation.item.retrieve
         # here (the session holds the same items, so this grows no more than the session does)
         self.items: dict[str, dict] = {}
-        # The client's audio formats (pcm, pcmu, pcma): the session's output format is the
+        # The client's audio formats (realtime_audio.AudioFormat): the session's output format is the
         # gateway's alone; the input's as the session reads it now (`input_format`) and as the
         # appends sent since are read (`sending_format`: the last update sent, until refused).
         # Each update sent queues its formats; the session answers each in order, updated or an
         # error about `update`.
-        self.input_format = self.output_format = self.sending_format = "pcm"
-        self.updates: deque[tuple[str | None, str | None]] = deque()
+        self.input_format = self.output_format = self.sending_format = PCM24
+        self.updates: deque[tuple[AudioFormat | None, AudioFormat | None]] = deque()
 
-    def update_requested(self, formats: tuple[str | None, str | None]) -> None:
+    def update_requested(self, formats: tuple[AudioFormat | None, AudioFormat | None]) -> None:
         """A client's session.update about to be sent: its input and output formats (None: unchanged)."""
         self.updates.append(formats)
         self.sending_format = formats[0] or self.sending_format
@@ -622,18 +642,16 @@ class Translator:
             "type": "server_vad", "threshold": round(turn.threshold, 4), "prefix_padding_ms": turn.prefix_padding_ms,
             "silence_duration_ms": turn.silence_duration_ms, "create_response": turn.create_response,
             "interrupt_response": turn.interrupt_response, "idle_timeout_ms": turn.idle_timeout_ms or None}
-        formats = {name: {"type": kind, "rate": rate} if name == "pcm" else {"type": kind}
-                   for kind, (name, rate) in FORMATS.items()}
         return {
             "type": "realtime", "object": "realtime.session", "id": info.session_id, "model": self.model,
             "instructions": s.instructions, "output_modalities": ["audio"] if AUDIO in s.output_modalities else ["text"],
             "max_output_tokens": s.thinker_sampling.max_new_tokens if s.thinker_sampling.HasField("max_new_tokens")
             else "inf",
-            "audio": {"input": {"format": formats[self.input_format], "turn_detection": detection,
+            "audio": {"input": {"format": self.input_format.shown(), "turn_detection": detection,
                                 "transcription": {"model": self.model, "language": s.input_transcription.language or None,
                                                   "prompt": s.input_transcription.prompt or None}
                                 if s.input_transcription.enabled else None, "noise_reduction": None},
-                      "output": {"format": formats[self.output_format], "voice": s.voice or self.config.default_voice,
+                      "output": {"format": self.output_format.shown(), "voice": s.voice or self.config.default_voice,
                                  "speed": 1.0}},
             "tools": [{"type": "function", "name": t.name, "description": t.description,
                        "parameters": json.loads(t.parameters) if t.parameters else {}} for t in s.tools],
@@ -739,6 +757,7 @@ class Translator:
         self.tools = list(s.tools)
         self.max_output_tokens = s.thinker_sampling.max_new_tokens if s.thinker_sampling.HasField("max_new_tokens") \
             else "inf"
+        self.sampling.CopyFrom(s.thinker_sampling)
 
     def item_events(self, item: dict, previous: str) -> list[dict]:
         self.last_item = item["id"]
@@ -794,8 +813,8 @@ class Translator:
     def response_created(self, rid: str, body: omni_pb2.ResponseCreated) -> list[dict]:
         """A response, as made: the session's settings with its response.create's overrides."""
         out = Output(body.item_id, AUDIO in body.output_modalities, dict(body.metadata) or None,
-                     body.max_output_tokens if body.HasField("max_output_tokens") else "inf", self.output_format,
-                     out_of_band=body.out_of_band)
+                     body.max_output_tokens if body.HasField("max_output_tokens") else "inf",
+                     AudioOut(self.output_format), out_of_band=body.out_of_band)
         self.responses[rid] = out
         return [{"type": "response.created", "response": self.response(rid, out, "in_progress", [])}]
 
@@ -866,15 +885,7 @@ class Translator:
         out = self.responses.get(rid)
         if out is None:
             return []
-        samples = audio_codec.float_from_bytes(chunk.pcm)
-        if out.encoding in g711.LAWS:  # a byte a sample at 8 kHz
-            data, group = out.held + g711.encode(audio_codec.to_int16(out.downsampler(samples)), out.encoding), 3
-        else:
-            data, group = out.held + audio_codec.pcm16_bytes(samples), 6
-        # NOTE: base64 of whole 3-byte groups, so clients that join the deltas' strings decode them.
-        cut = len(data) - len(data) % group
-        out.held = data[cut:]
-        return self.audio_out_delta(rid, out, data[:cut])
+        return self.audio_out_delta(rid, out, out.encoder.feed(audio_codec.float_from_bytes(chunk.pcm)))
 
     def audio_out_delta(self, rid: str, out: Output, pcm: bytes) -> list[dict]:
         if not pcm:
@@ -885,7 +896,7 @@ class Translator:
     def response_done(self, rid: str, done: omni_pb2.ResponseDone) -> list[dict]:
         out = self.responses.pop(rid, None) or Output(done.item_id, self.audio_out, None, self.max_output_tokens)
         status, details = response_status(done)
-        events = self.audio_out_delta(rid, out, out.held) if status in ("completed", "incomplete") else []
+        events = self.audio_out_delta(rid, out, out.encoder.finish()) if status in ("completed", "incomplete") else []
         if done.transcript:
             events += self.open_message(rid, out)  # a message with content is in the output, deltas or not
         output = list(out.calls)

@@ -20,6 +20,7 @@ class SessionConfig:
     max_turns: int = 200  # responses a session may create; the next closes it
     max_input_s: float = 60.0  # audio the input buffer may hold; an append past it is refused
     max_append_bytes: int = 1 << 20  # one append's bytes; a larger one is refused
+    max_image_bytes: int = 8 << 20  # one image part of a user item; a larger one is refused
     send_timeout_s: float = 10.0  # one event the client takes no bytes of this long: closed (a slow reader)
     # Input audio faster than this many times real time is refused (0 = no bound), beyond a start of
     # `input_burst_s` seconds any client may send at once (a buffered microphone, a short recording).

@@ -109,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="responses a session may create; the next closes it (default 200)")
     parser.add_argument("--session-max-input-s", type=float, default=env_default("session_max_input_s", 60.0),
                         help="seconds of audio a session's input buffer may hold; an append past it is refused (default 60)")
+    parser.add_argument("--session-max-image-mb", type=int, default=env_default("session_max_image_mb", 8),
+                        help="MiB an image part of a user item may hold; a larger one is refused (default 8)")
     parser.add_argument("--max-input-realtime", type=float, default=env_default("max_input_realtime", 2.0),
                         help="input audio faster than this many times real time is refused with an error event, "
                              "after the first --input-burst-s seconds (default 2; 0 = no bound)")
@@ -135,6 +137,7 @@ def config_from_args(args: argparse.Namespace) -> SessionsConfig:
         session=SessionConfig(idle_timeout_s=args.session_idle_timeout_s, max_duration_s=args.session_max_duration_s,
                               max_turns=args.session_max_turns,
                               max_input_s=args.session_max_input_s, send_timeout_s=args.session_send_timeout_s,
+                              max_image_bytes=args.session_max_image_mb << 20,
                               max_input_realtime=args.max_input_realtime, input_burst_s=args.input_burst_s,
                               early_response=args.early_response,
                               early_response_after_ms=args.early_response_after_ms),

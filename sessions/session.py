@@ -46,6 +46,7 @@ from services.serving.streams import let_end
 from sessions.audio import decode, wav_bytes
 from sessions.config import SessionConfig
 from sessions.conversation import END_TEXT, Conversation, Item, Reply
+from sessions.images import check_image
 from sessions.input_audio import InputAudio, InputPace
 from sessions.metrics import SessionMetrics
 from sessions.router_client import RouterClient, Turn, TurnFailed
@@ -400,7 +401,7 @@ class RealtimeSession:
 
     def on_create_item(self, create: omni_pb2.CreateItem) -> None:
         message = create.message
-        check_message(message, "create_item.message")
+        check_message(message, "create_item.message", self.config.max_image_bytes)
         item_id = create.item_id if create.HasField("item_id") and create.item_id else new_id("item")
         if self.conversation.find(item_id) is not None:
             raise MessageError("invalid_argument", f"item {item_id} exists", "create_item.item_id")
@@ -434,7 +435,7 @@ class RealtimeSession:
             return item.message()
         if part.WhichOneof("item") is None:
             raise MessageError("invalid_argument", "an input item is a message or an item_reference", where)
-        check_message(part.message, f"{where}.message")
+        check_message(part.message, f"{where}.message", self.config.max_image_bytes)
         return part.message
 
     def on_cancel_response(self, _: omni_pb2.CancelResponse) -> None:
@@ -769,15 +770,18 @@ class RealtimeSession:
             item_id=item.item_id, audio_end_ms=item.reply.audio_end_ms, text=item.reply.text)))
 
 
-def check_message(message: omni_pb2.Message, where: str) -> None:
-    """An item the client gives (a conversation item, a response's input): MessageError naming its field."""
+def check_message(message: omni_pb2.Message, where: str, max_image_bytes: int) -> None:
+    """An item the client gives (a conversation item, a response's input): MessageError (or
+    InvalidArgument, an image's) naming its field."""
     if message.role not in (omni_pb2.ROLE_SYSTEM, omni_pb2.ROLE_USER, omni_pb2.ROLE_ASSISTANT, omni_pb2.ROLE_TOOL):
         raise MessageError("invalid_argument", "role must be system, user, assistant or tool", f"{where}.role")
     for i, part in enumerate(message.content):
         kind = part.WhichOneof("part")
-        if kind != "text" and not (kind == "audio" and message.role == omni_pb2.ROLE_USER):
+        if kind != "text" and not (kind in ("audio", "image") and message.role == omni_pb2.ROLE_USER):
             raise MessageError("unsupported", f"a {kind or 'empty'} part (an item holds text parts, and a user "
-                                              "item audio parts)", f"{where}.content[{i}]")
+                                              "item audio and image parts)", f"{where}.content[{i}]")
+        if kind == "image":
+            check_image(part.image, f"{where}.content[{i}].image", max_image_bytes)
     if message.tool_calls and message.role != omni_pb2.ROLE_ASSISTANT:
         raise MessageError("invalid_argument", "only an assistant item makes calls", f"{where}.tool_calls")
     for k, call in enumerate(message.tool_calls):

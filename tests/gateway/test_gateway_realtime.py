@@ -150,6 +150,110 @@ def test_a_telephony_client_speaks_g711_mu_law_and_hears_a_law(client):
     assert len(reply) > 0 and np.sqrt(np.mean(samples ** 2)) > 0  # a byte a sample, A-law, not silence
 
 
+def spoken_reply(client, output: dict) -> tuple[list, bytes]:
+    """One spoken turn at 16 kHz (the recording's own rate, no resampling), heard by turn detection; the
+    events up to response.done and the reply's audio, in `output`'s format."""
+    with wave.open(str(SPEECH[0])) as w:
+        speech = w.readframes(w.getnframes())
+    with client.realtime.connect(model="tiny-qwen3-omni") as conn:
+        conn.recv()  # session.created
+        conn.session.update(session={**SETTINGS, "audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}},
+                                                           "output": {**SETTINGS["audio"]["output"], "format": output}}})
+        formats = conn.recv().session.audio
+        assert (formats.input.format.rate, formats.output.format.rate) == (16000, output["rate"])
+        stream = bytes(32000) + speech + bytes(64000)
+        for i in range(0, len(stream), 3200):  # 100 ms appends
+            conn.input_audio_buffer.append(audio=base64.b64encode(stream[i:i + 3200]).decode())
+        events = []
+        for event in conn:
+            events.append(event)
+            if event.type == "response.done":
+                break
+    speech_ms = len(speech) * 1000 // 32000
+    [started] = [e for e in events if e.type == "input_audio_buffer.speech_started"]
+    [stopped] = [e for e in events if e.type == "input_audio_buffer.speech_stopped"]
+    # heard where the speech is in the 16 kHz stream: read at its declared rate
+    assert 1000 <= started.audio_start_ms < stopped.audio_end_ms <= 1000 + speech_ms + 1000
+    return events, b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
+
+
+def test_pcm16_at_16_khz_in_is_read_at_its_rate_and_the_reply_comes_at_the_rate_asked(client):
+    """The same greedy turn twice, 16 kHz in both times: the reply at 48 kHz is the 24 kHz reply's
+    words and twice its samples."""
+    events24, audio24 = spoken_reply(client, {"type": "audio/pcm", "rate": 24000})
+    events48, audio48 = spoken_reply(client, {"type": "audio/pcm", "rate": 48000})
+    assert events24[-1].response.output[0].content[0].transcript == events48[-1].response.output[0].content[0].transcript
+    assert len(audio24) > 0 and abs(len(audio48) // 2 - 2 * (len(audio24) // 2)) <= 1
+
+
+def test_an_input_image_reaches_the_turns_generate_and_a_bad_one_is_refused_by_name(client, omni, png_bytes):
+    """Greedy: a user item of an image and a question answers as the router's Generate of that message."""
+    from test_gateway_chat import grpc_result, reply
+
+    image = "data:image/png;base64," + base64.b64encode(png_bytes).decode()
+    with client.realtime.connect(model="tiny-qwen3-omni") as conn:
+        conn.recv()  # session.created
+        conn.session.update(session={"type": "realtime", "output_modalities": ["text"], "max_output_tokens": 6,
+                                     "audio": {"input": {"turn_detection": None}}})
+        conn.recv()  # session.updated
+        refused = [({"type": "input_image", "image_url": image, "detail": "low"}, "item.content[0].detail"),
+                   ({"type": "input_image", "image_url": "https://example.com/a.png"}, "item.content[0].image_url"),
+                   ({"type": "input_image", "image_url": "data:image/png;base64," + base64.b64encode(b"hello").decode()},
+                    "item.content[0].image")]  # the sessions service's: not a png
+        for part, _ in refused:
+            conn.conversation.item.create(item={"type": "message", "role": "user", "content": [part]})
+        assert [conn.recv().error.param for _ in refused] == [param for _, param in refused]
+        conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+            {"type": "input_image", "image_url": image}, {"type": "input_text", "text": "What is this?"}]})
+        conn.response.create()
+        for event in conn:
+            if event.type == "response.done":
+                break
+    want = grpc_result(omni, "What is this?", 6, speak=False, image=png_bytes)
+    assert event.response.output[0].content[0].text == reply(want)
+    # the image's tokens in the prompt: a text-only prompt is far shorter
+    text_only = grpc_result(omni, "What is this?", 1, speak=False).final.usage.prompt_tokens
+    assert event.response.usage.input_tokens == want.final.usage.prompt_tokens > text_only + 4
+
+
+def test_a_beta_client_speaks_the_beta_protocol_with_its_flat_session_fields(gateway):
+    """The SDK's beta realtime client (it sends OpenAI-Beta: realtime=v1), unchanged: turn_detection null
+    turns detection off, and the reply comes with the beta event names."""
+    import openai
+
+    # The beta client takes wss:// of the base URL unless told its WebSocket URL (the GA one derives ws://).
+    client = openai.OpenAI(base_url=gateway.base_url, websocket_base_url=gateway.base_url.replace("http", "ws", 1),
+                           api_key="unused", max_retries=0, timeout=120)
+    with client, client.beta.realtime.connect(model="tiny-qwen3-omni") as conn:
+        created = conn.recv()
+        assert created.type == "session.created" and created.session.input_audio_format == "pcm16"
+        assert conn.recv().type == "conversation.created"
+        conn.session.update(session={"modalities": ["text", "audio"], "instructions": "Answer briefly.", "voice": "alloy",
+                                     "turn_detection": None, "max_response_output_tokens": 6})
+        updated = conn.recv()
+        assert updated.type == "session.updated" and updated.session.turn_detection is None
+        assert updated.session.max_response_output_tokens == 6
+        conn.session.update(session={"turn_detection": {"type": "server_vad", "threshold": -1}})
+        assert conn.recv().error.param == "session.turn_detection.threshold"
+        conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+            {"type": "input_audio", "audio": base64.b64encode(speech_24k(1)).decode()}]})
+        conn.response.create()
+        events = []
+        for event in conn:
+            events.append(event)
+            if event.type == "response.done":
+                break
+    seen = {e.type for e in events}
+    assert {"conversation.item.created", "response.audio.delta", "response.audio.done",
+            "response.audio_transcript.done", "response.content_part.done", "response.output_item.done"} <= seen
+    assert not {t for t in seen if t.startswith(("response.output_audio", "conversation.item.added",
+                                                  "conversation.item.done"))}
+    done = events[-1].response
+    [transcript] = [e.transcript for e in events if e.type == "response.audio_transcript.done"]
+    deltas = "".join(e.delta for e in events if e.type == "response.audio_transcript.delta")
+    assert transcript == deltas == done.output[0].content[0].transcript and done.modalities == ["text", "audio"]
+
+
 def test_the_sdks_async_client_cancels_a_response_with_response_cancel(async_client):
     async def run():
         async with async_client().realtime.connect(model="tiny-qwen3-omni") as conn:

@@ -16,6 +16,7 @@ from pydantic import TypeAdapter
 
 from gateway import g711
 from gateway.config import GatewayConfig
+from gateway.realtime_audio import PCM24, AudioFormat, AudioOut
 from gateway.realtime_events import ClientEventError, Translator, client_event, requested_formats
 from omni.v1 import common_pb2, omni_pb2
 
@@ -297,8 +298,10 @@ def test_response_create_carries_every_override_to_the_session():
     ({"max_output_tokens": 0}, "response.max_output_tokens"),
     ({"tool_choice": "required"}, "response.tool_choice"),  # the session has no tools
     ({"input": [{"type": "item_reference"}]}, "response.input[0].id"),
-    ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_image"}]}]},
+    ({"input": [{"type": "message", "role": "system", "content": [{"type": "input_audio"}]}]},
      "response.input[0].content[0].type"),
+    ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_image"}]}]},
+     "response.input[0].content[0].image_url"),
 ])
 def test_response_create_refuses_a_wrong_override_by_name(response, param):
     with pytest.raises(ClientEventError) as refused:
@@ -399,7 +402,7 @@ def test_retrieve_answers_with_each_item_as_last_sent_and_names_an_unknown_one()
         assert (refused.value.param, refused.value.code) == ("item_id", code)
 
 
-def test_g711_is_the_reference_companding_and_the_8_khz_stream_does_not_depend_on_chunk_edges():
+def test_g711_is_the_reference_companding():
     codes = bytes(range(256))
     ulaw, alaw = (np.frombuffer(g711.decode(codes, law), "<i2") for law in g711.LAWS)
     assert (ulaw[0xFF], ulaw[0x80], ulaw[0x00], alaw[0xD5], alaw[0x55], alaw[0xAA]) == (0, 32124, -32124, 8, -8, 32256)
@@ -410,11 +413,25 @@ def test_g711_is_the_reference_companding_and_the_8_khz_stream_does_not_depend_o
     assert g711.encode(every, "pcmu") == audioop.lin2ulaw(every.tobytes(), 2)
     assert g711.encode(every, "pcma") == audioop.lin2alaw(every.tobytes(), 2)
     assert g711.decode(codes, "pcmu") == audioop.ulaw2lin(codes, 2) and g711.decode(codes, "pcma") == audioop.alaw2lin(codes, 2)
-    tone = np.sin(2 * np.pi * 440 * np.arange(24000) / 24000).astype(np.float32)
-    whole = g711.Downsampler()(tone)
-    chunked = g711.Downsampler()
-    assert np.array_equal(np.concatenate([chunked(tone[i:i + 1234]) for i in range(0, 24000, 1234)]), whole)
-    assert len(whole) == 8000 and 0.99 < np.abs(whole[100:]).max() < 1.01
+
+
+@pytest.mark.parametrize("fmt", [AudioFormat("audio/pcm", rate) for rate in (8000, 16000, 22050, 24000, 44100, 48000)]
+                         + [AudioFormat("audio/pcmu", 8000), AudioFormat("audio/pcma", 8000)])
+def test_a_replys_audio_out_at_any_rate_is_one_stream_whatever_its_chunks_every_sample_in_whole_base64_groups(fmt):
+    """One second of a 440 Hz tone at 24 kHz, whole and in 1234-sample chunks: the same bytes, a second
+    of them at the asked rate (the resampler's tail flushed at the end), the tone's level kept."""
+    tone = 0.5 * np.sin(2 * np.pi * 440 * np.arange(24000) / 24000).astype(np.float32)
+    whole_out = AudioOut(fmt)
+    whole = whole_out.feed(tone) + whole_out.finish()
+    chunked_out = AudioOut(fmt)
+    pieces = [chunked_out.feed(tone[i:i + 1234]) for i in range(0, 24000, 1234)]
+    assert all(len(p) % (3 * fmt.sample_bytes) == 0 for p in pieces)  # whole base64 groups (and samples) until the end
+    assert b"".join(pieces) + chunked_out.finish() == whole
+    assert len(whole) == fmt.rate * fmt.sample_bytes
+    samples = np.frombuffer(g711.decode(whole, fmt.law) if fmt.law else whole, "<i2")[fmt.rate // 10:] / 32768
+    assert 0.48 < np.abs(samples).max() < 0.52
+    spectrum = np.abs(np.fft.rfft(samples))
+    assert abs(np.argmax(spectrum) * fmt.rate / len(samples) - 440) < 2  # the same tone, at the new rate
 
 
 def test_g711_output_is_8_khz_bytes_once_the_session_took_the_update_and_input_reads_as_the_last_update_sent():
@@ -425,7 +442,7 @@ def test_g711_output_is_8_khz_bytes_once_the_session_took_the_update_and_input_r
     request = client_event(update, CONFIG, None)
     assert request.update.input_format == omni_pb2.AudioFormat(encoding=omni_pb2.AUDIO_ENCODING_PCM16, sample_rate=8000)
     translator.update_requested(requested_formats(update))
-    assert translator.sending_format == "pcmu"  # appends from now on are read as mu-law
+    assert translator.sending_format == AudioFormat("audio/pcmu", 8000)  # appends from now on are read as mu-law
     append = client_event({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\x80\xff").decode()},
                           CONFIG, None, input_format=translator.sending_format)
     assert np.frombuffer(append.append_audio.data, "<i2").tolist() == [32124, 0]
@@ -434,14 +451,14 @@ def test_g711_output_is_8_khz_bytes_once_the_session_took_the_update_and_input_r
     assert updated["session"]["audio"]["output"]["format"] == {"type": "audio/pcma"}
     events = translate(translator, created(), audio(2400), audio(1201), done("x"))
     deltas = [base64.b64decode(e["delta"]) for e in events if e["type"] == "response.output_audio.delta"]
-    assert sum(map(len, deltas)) == 800 + 401  # a byte per 8 kHz sample (every third of 2400, then of 1201), all out
+    assert sum(map(len, deltas)) == round((2400 + 1201) / 3)  # a byte per 8 kHz sample of the 24 kHz stream, all out
     assert all(len(d) % 3 == 0 for d in deltas[:-1])  # whole base64 groups until the last
     # refused (the buffer holds audio): the input stays mu-law, as the session reads it
-    translator.update_requested(("pcm", None))
-    assert translator.sending_format == "pcm"
+    translator.update_requested((PCM24, None))
+    assert translator.sending_format == PCM24
     translate(translator, omni_pb2.SessionEvent(error=omni_pb2.SessionError(
         code="invalid_argument", message="the input buffer holds audio", field="update.input_format")))
-    assert (translator.sending_format, translator.input_format) == ("pcmu", "pcmu")
+    assert translator.sending_format == translator.input_format == AudioFormat("audio/pcmu", 8000)
 
 
 def test_an_item_deleted_is_said_and_the_next_item_goes_after_the_one_before_it():
@@ -487,3 +504,56 @@ def test_a_truncation_we_cannot_serve_is_refused_naming_its_field(bad, param):
     with pytest.raises(ClientEventError) as refused:
         client_event({"type": "session.update", "session": {"type": "realtime", "truncation": bad}}, CONFIG, None)
     assert refused.value.param == param
+
+
+@pytest.mark.parametrize(("fmt", "param"), [
+    ({"type": "audio/pcm", "rate": 4000}, "session.audio.input.format.rate"),
+    ({"type": "audio/pcm", "rate": 96000}, "session.audio.input.format.rate"),
+    ({"type": "audio/pcm", "rate": "16000"}, "session.audio.input.format.rate"),
+    ({"type": "audio/pcmu", "rate": 16000}, "session.audio.input.format.rate"),
+    ({"type": "audio/g729"}, "session.audio.input.format.type"),
+    ({"type": "audio/pcm", "channels": 2}, "session.audio.input.format.channels"),
+])
+def test_a_format_or_rate_we_do_not_serve_is_refused_naming_its_field(fmt, param):
+    with pytest.raises(ClientEventError) as refused:
+        client_event({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"format": fmt}}}},
+                     CONFIG, None)
+    assert refused.value.param == param and param in refused.value.message
+
+
+def test_a_declared_pcm16_rate_is_the_sessions_input_rate_and_its_items_wav_rate():
+    update = {"type": "session.update", "session": {"type": "realtime", "audio": {
+        "input": {"format": {"type": "audio/pcm", "rate": 16000}}, "output": {"format": {"type": "audio/pcm", "rate": 44100}}}}}
+    assert client_event(update, CONFIG, None).update.input_format.sample_rate == 16000
+    assert requested_formats(update) == (AudioFormat("audio/pcm", 16000), AudioFormat("audio/pcm", 44100))
+    item = client_event({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+        {"type": "input_audio", "audio": base64.b64encode(bytes(3200)).decode()}]}}, CONFIG, None,
+        input_format=AudioFormat("audio/pcm", 16000))
+    wav = item.create_item.message.content[0].audio
+    assert wav[:4] == b"RIFF" and int.from_bytes(wav[24:28], "little") == 16000  # the wav's sample rate field
+
+
+@pytest.mark.parametrize(("part", "param", "code"), [
+    ({"type": "input_image", "image_url": "data:image/png;base64,AAAA", "detail": "low"}, "item.content[0].detail",
+     "unsupported"),
+    ({"type": "input_image", "image_url": "https://example.com/a.png"}, "item.content[0].image_url", "invalid_value"),
+    ({"type": "input_image", "image_url": "data:image/gif;base64,AAAA"}, "item.content[0].image_url", "invalid_value"),
+    ({"type": "input_image"}, "item.content[0].image_url", "invalid_value"),
+    # refused by its length, before it is decoded
+    ({"type": "input_image", "image_url": "data:image/png;base64," + "A" * (12 << 20)}, "item.content[0].image_url",
+     "invalid_value"),
+])
+def test_an_input_image_we_cannot_take_is_refused_naming_its_field(part, param, code):
+    with pytest.raises(ClientEventError) as refused:
+        client_event({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [part]}},
+                     CONFIG, None)
+    assert (refused.value.param, refused.value.code) == (param, code)
+
+
+def test_an_input_image_is_the_items_image_part():
+    png = b"\x89PNG\r\n\x1a\nrest"
+    item = client_event({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+        {"type": "input_image", "image_url": "data:image/png;base64," + base64.b64encode(png).decode()},
+        {"type": "input_text", "text": "What is it?"}]}}, CONFIG, None)
+    assert [p.WhichOneof("part") for p in item.create_item.message.content] == ["image", "text"]
+    assert item.create_item.message.content[0].image == png

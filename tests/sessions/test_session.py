@@ -141,8 +141,14 @@ def test_speech_over_a_playing_reply_cancels_it_in_every_stage_and_cuts_the_hist
     (omni_pb2.SessionRequest(cancel_response=omni_pb2.CancelResponse()), "no_response", "cancel_response"),
     (omni_pb2.SessionRequest(truncate=omni_pb2.TruncateItem(item_id="nope")), "unknown_item", "truncate.item_id"),
     (omni_pb2.SessionRequest(create_item=omni_pb2.CreateItem(message=omni_pb2.Message(
-        role=omni_pb2.ROLE_USER, content=[omni_pb2.Content(image=b"png")]))), "unsupported",
+        role=omni_pb2.ROLE_SYSTEM, content=[omni_pb2.Content(image=b"png")]))), "unsupported",
      "create_item.message.content[0]"),
+    (omni_pb2.SessionRequest(create_item=omni_pb2.CreateItem(message=omni_pb2.Message(
+        role=omni_pb2.ROLE_USER, content=[omni_pb2.Content(image=b"png")]))), "invalid_argument",
+     "create_item.message.content[0].image"),  # not a png or jpeg: refused now, not at every turn after it
+    (omni_pb2.SessionRequest(create_item=omni_pb2.CreateItem(message=omni_pb2.Message(
+        role=omni_pb2.ROLE_USER, content=[omni_pb2.Content(image=bytes(9 << 20))]))), "invalid_argument",
+     "create_item.message.content[0].image"),  # over --session-max-image-mb (8)
     # a response's overrides, each checked against the session before any work
     (omni_pb2.SessionRequest(create_response=omni_pb2.CreateResponse(output_modalities=[omni_pb2.MODALITY_AUDIO])),
      "invalid_argument", "create_response.output_modalities"),
@@ -153,8 +159,11 @@ def test_speech_over_a_playing_reply_cancels_it_in_every_stage_and_cuts_the_hist
     (omni_pb2.SessionRequest(create_response=omni_pb2.CreateResponse(input_set=True, input=[
         omni_pb2.ResponseInput(item_reference="nope")])), "unknown_item", "create_response.input[0].item_reference"),
     (omni_pb2.SessionRequest(create_response=omni_pb2.CreateResponse(input_set=True, input=[omni_pb2.ResponseInput(
-        message=omni_pb2.Message(role=omni_pb2.ROLE_USER, content=[omni_pb2.Content(image=b"png")]))])),
+        message=omni_pb2.Message(role=omni_pb2.ROLE_SYSTEM, content=[omni_pb2.Content(image=b"png")]))])),
      "unsupported", "create_response.input[0].message.content[0]"),
+    (omni_pb2.SessionRequest(create_response=omni_pb2.CreateResponse(input_set=True, input=[omni_pb2.ResponseInput(
+        message=omni_pb2.Message(role=omni_pb2.ROLE_USER, content=[omni_pb2.Content(image=b"png")]))])),
+     "invalid_argument", "create_response.input[0].message.content[0].image"),
     (omni_pb2.SessionRequest(update=omni_pb2.SessionSettings(input_transcription=omni_pb2.InputTranscription(
         enabled=True, language="English!"))), "invalid_argument", "update.input_transcription.language"),
 ])
@@ -281,6 +290,10 @@ def test_turn_detection_reports_its_cpu_per_second_of_audio_the_loop_its_lag_and
         seen = procs.metrics(service.metrics_url)
         assert seen[("omni_session_turn_detection_audio_seconds_total", ())] == pytest.approx(len(pcm) / 2 / RATE)
         assert seen[("omni_session_turn_detection_cpu_seconds_total", ())] > 0
+        deadline = time.monotonic() + 5  # the loop's timer is due every 100 ms: the session may take less
+        while seen[("omni_session_loop_lag_seconds_count", ())] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            seen = procs.metrics(service.metrics_url)
         assert seen[("omni_session_loop_lag_seconds_count", ())] > 0
         assert seen[("omni_session_transcriptions_total", (("status", "completed"),))] == 1
         assert seen[("omni_session_transcriptions_total", (("status", "failed"),))] == 0
