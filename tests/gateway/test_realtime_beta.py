@@ -125,7 +125,7 @@ def test_a_text_reply_has_the_beta_text_events():
     translator = Translator(CONFIG, "tiny")
     dialect = Beta(translator)
     beta_events(dialect, translator, session(audio=False))
-    events = beta_events(dialect, translator, created(), text("Hi"), done("Hi"))
+    events = beta_events(dialect, translator, created(audio=False), text("Hi"), done("Hi"))
     assert [e["type"] for e in events if e["type"].startswith("response.text")] == ["response.text.delta",
                                                                                     "response.text.done"]
     assert events[-1]["response"]["output"][0]["content"] == [{"type": "text", "text": "Hi"}]
