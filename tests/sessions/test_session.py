@@ -431,3 +431,37 @@ def test_speech_that_resumes_drops_the_held_answer_in_every_stage_and_the_turn_i
         assert wait_idle(stack) == {"thinker": 0, "talker": 0, "code2wav": 0}
     finally:
         service.stop()
+
+
+def test_a_client_that_sends_faster_than_its_session_handles_is_held_back_by_flow_control(stack):
+    """Appends of speech (the detector runs on each: about 0.1 s of work) sent as fast as gRPC takes
+    them, each followed by a clear whose `cleared` says both were handled: the client gets ahead of
+    the session by at most the inbox (32 messages) and what gRPC's flow-control windows hold (a few
+    MiB, measured 9 here), never by the whole stream (an unbounded inbox takes every message at once)."""
+    from sessions.session import INBOX
+
+    unpaced = procs.sessions(stack.target, "--max-input-realtime", "0")
+    clip = (speech(0) * 20)[:1 << 20]  # the largest append: 32 s of speech at 16 kHz
+    pairs, sent = 60, [0]
+
+    def requests():
+        for _ in range(pairs):
+            sent[0] += 1
+            yield omni_pb2.SessionRequest(append_audio=omni_pb2.AppendAudio(data=clip))
+            sent[0] += 1
+            yield omni_pb2.SessionRequest(clear=omni_pb2.ClearInput())
+
+    ahead, handled = [], 0
+    try:
+        with grpc.insecure_channel(unpaced.target) as channel:
+            for event in omni_pb2_grpc.SessionsStub(channel).Session(requests(), timeout=120):
+                if event.WhichOneof("event") == "cleared":
+                    handled += 2
+                    ahead.append(sent[0] - handled)
+                    if handled == 2 * pairs:
+                        break
+        assert handled == 2 * pairs
+        windows = 2 * (16 << 20) // len(clip)  # 16 MiB of appends (and their clears) in flight
+        assert max(ahead) <= INBOX + windows < 2 * pairs, (max(ahead), ahead)
+    finally:
+        unpaced.stop()
