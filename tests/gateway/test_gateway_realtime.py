@@ -36,6 +36,16 @@ def appends(pcm: bytes, chunk_ms: int = 100) -> list[str]:
     return [base64.b64encode(pcm[i:i + step]).decode() for i in range(0, len(pcm), step)]
 
 
+def until_done(conn) -> list:
+    """The connection's events up to and including the next response.done."""
+    events = []
+    for event in conn:
+        events.append(event)
+        if event.type == "response.done":
+            return events
+    raise AssertionError(f"the connection closed before response.done: {[e.type for e in events]}")
+
+
 SETTINGS = {"type": "realtime", "instructions": "Answer briefly.", "max_output_tokens": 6,
             "audio": {"output": {"voice": "alloy"}}}
 
@@ -48,11 +58,7 @@ def test_the_sdks_sync_client_speaks_a_turn_and_hears_a_reply_with_its_whole_lif
         assert conn.recv().type == "session.updated"
         for chunk in appends(bytes(24000) + speech_24k(0) + bytes(2 * 24000)):
             conn.input_audio_buffer.append(audio=chunk)
-        events = []
-        for event in conn:
-            events.append(event)
-            if event.type == "response.done":
-                break
+        events = until_done(conn)
     seen = [e.type for e in events]
     order = [seen.index(t) for t in (
         "input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped", "input_audio_buffer.committed",
@@ -108,11 +114,7 @@ def test_unsupported_and_malformed_events_get_error_events_naming_them_and_the_s
         conn.send({"type": "conversation.item.create", "item": {
             "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello"}]}})
         conn.send({"type": "response.create", "response": {"metadata": {"turn": "hello"}}})
-        events = []
-        for event in conn:
-            events.append(event)
-            if event.type == "response.done":
-                break
+        events = until_done(conn)
         assert [e.type for e in events[:3]] == ["conversation.item.added", "conversation.item.done", "response.created"]
         assert events[2].response.metadata == events[-1].response.metadata == {"turn": "hello"}
         assert events[-1].response.status in ("completed", "incomplete")
@@ -135,11 +137,7 @@ def test_a_telephony_client_speaks_g711_mu_law_and_hears_a_law(client):
         stream = silence + speech + 2 * silence
         for i in range(0, len(stream), 800):  # 100 ms appends
             conn.input_audio_buffer.append(audio=base64.b64encode(stream[i:i + 800]).decode())
-        events = []
-        for event in conn:
-            events.append(event)
-            if event.type == "response.done":
-                break
+        events = until_done(conn)
     speech_ms = len(speech) * 1000 // g711.RATE
     [started] = [e for e in events if e.type == "input_audio_buffer.speech_started"]
     [stopped] = [e for e in events if e.type == "input_audio_buffer.speech_stopped"]
@@ -164,11 +162,7 @@ def spoken_reply(client, output: dict) -> tuple[list, bytes]:
         stream = bytes(32000) + speech + bytes(64000)
         for i in range(0, len(stream), 3200):  # 100 ms appends
             conn.input_audio_buffer.append(audio=base64.b64encode(stream[i:i + 3200]).decode())
-        events = []
-        for event in conn:
-            events.append(event)
-            if event.type == "response.done":
-                break
+        events = until_done(conn)
     speech_ms = len(speech) * 1000 // 32000
     [started] = [e for e in events if e.type == "input_audio_buffer.speech_started"]
     [stopped] = [e for e in events if e.type == "input_audio_buffer.speech_stopped"]
@@ -206,9 +200,7 @@ def test_an_input_image_reaches_the_turns_generate_and_a_bad_one_is_refused_by_n
         conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
             {"type": "input_image", "image_url": image}, {"type": "input_text", "text": "What is this?"}]})
         conn.response.create()
-        for event in conn:
-            if event.type == "response.done":
-                break
+        event = until_done(conn)[-1]
     want = grpc_result(omni, "What is this?", 6, speak=False, image=png_bytes)
     assert event.response.output[0].content[0].text == reply(want)
     # the image's tokens in the prompt: a text-only prompt is far shorter
@@ -238,11 +230,7 @@ def test_a_beta_client_speaks_the_beta_protocol_with_its_flat_session_fields(gat
         conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
             {"type": "input_audio", "audio": base64.b64encode(speech_24k(1)).decode()}]})
         conn.response.create()
-        events = []
-        for event in conn:
-            events.append(event)
-            if event.type == "response.done":
-                break
+        events = until_done(conn)
     seen = {e.type for e in events}
     assert {"conversation.item.created", "response.audio.delta", "response.audio.done",
             "response.audio_transcript.done", "response.content_part.done", "response.output_item.done"} <= seen
