@@ -37,7 +37,7 @@ from sessions.config import DEFAULT_PORT, SessionConfig, SessionsConfig, parse_r
 from sessions.metrics import SessionMetrics
 from sessions.router_client import RouterClient
 from sessions.session import RealtimeSession
-from sessions.turn_detection import silero
+from sessions.turn_detection import onnx_model, silero
 
 log = logging.getLogger("sessions")
 SERVICE = omni_pb2.DESCRIPTOR.services_by_name["Sessions"].full_name
@@ -76,6 +76,9 @@ class SessionsServicer(omni_pb2_grpc.SessionsServicer):
 
 
 async def create_server(config: SessionsConfig) -> tuple[ServerHandle, SessionsServicer]:
+    # Turn detection's model loads before the service is ready (onnxruntime's import and the
+    # session: 2 s of wall time here), not in the first session's start on the event loop.
+    onnx_model()
     metrics = SessionMetrics()
     serving = config.serving
     router = RouterClient(config.routers, serving.tls, channel_options(serving.max_message_bytes), metrics)
