@@ -371,7 +371,7 @@ def spoken_item(pcm: bytes, started: omni_pb2.SpeechStarted, committed: omni_pb2
     return pcm[begin:begin + committed.audio_ms * RATE // 1000 * 2]
 
 
-@pytest.mark.parametrize("after_ms", [32, 160])
+@pytest.mark.parametrize("after_ms", [32, pytest.param(160, marks=pytest.mark.slow)])
 def test_a_detected_turn_is_answered_from_its_first_silent_window_and_equals_the_one_shot_request(
         session, stack, omni, after_ms):
     """The answer starts once the speech went quiet (by default its first silent window) and is held
@@ -433,6 +433,7 @@ def test_speech_that_resumes_drops_the_held_answer_in_every_stage_and_the_turn_i
         service.stop()
 
 
+@pytest.mark.slow
 def test_a_client_that_sends_faster_than_its_session_handles_is_held_back_by_flow_control(stack):
     """Appends of speech (the detector runs on each: about 0.1 s of work) sent as fast as gRPC takes
     them, each followed by a clear whose `cleared` says both were handled: the client gets ahead of
