@@ -157,6 +157,10 @@ class StageMetrics:
         """The thinker's prefix cache (services/runtime/lm/prefix/), read at each scrape."""
         self.registry.register(_PrefixCacheCollector(self.stage, cache))
 
+    def encoder_cache(self, cache) -> None:
+        """The thinker's media encoder cache (services/thinker/encoder_cache.py), read at each scrape."""
+        self.registry.register(_EncoderCacheCollector(self.stage, cache))
+
     def serve(self, port: int, host: str = "0.0.0.0") -> int | None:
         if not port:
             return None
@@ -186,4 +190,31 @@ class _PrefixCacheCollector(Collector):
                                        ("capacity_blocks", "Blocks the pool has room for", self.cache.capacity)):
             family = GaugeMetricFamily(f"omni_prefix_cache_{name}", help_text, labels=["stage"])
             family.add_metric(labels, value)
+            yield family
+
+
+class _EncoderCacheCollector(Collector):
+    """omni_encoder_cache_*: media items found and encoded per modality, evictions, bytes held."""
+
+    def __init__(self, stage: str, cache):
+        self.stage, self.cache = stage, cache
+
+    def collect(self):
+        stats = self.cache.stats
+        for name, help_text, counts in (
+                ("hits", "Media items whose encoder output was found (not encoded again)", stats.hits),
+                ("misses", "Media items encoded (not found)", stats.misses)):
+            family = CounterMetricFamily(f"omni_encoder_cache_{name}", help_text, labels=["stage", "modality"])
+            for modality, value in counts.items():
+                family.add_metric([self.stage, modality], value)
+            yield family
+        family = CounterMetricFamily("omni_encoder_cache_evictions", "Entries evicted to make room (least recently "
+                                     "used)", labels=["stage"])
+        family.add_metric([self.stage], stats.evictions)
+        yield family
+        for name, help_text, value in (("bytes", "Bytes of encoder outputs held", self.cache.bytes),
+                                       ("capacity_bytes", "Bytes the cache may hold (--encoder-cache-mb)",
+                                        self.cache.capacity_bytes)):
+            family = GaugeMetricFamily(f"omni_encoder_cache_{name}", help_text, labels=["stage"])
+            family.add_metric([self.stage], value)
             yield family

@@ -22,6 +22,7 @@ has nothing else to do. Holding changes when tokens come, never which.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -45,6 +46,7 @@ from services.runtime.lm.prefix.pool import PrefixPool
 from services.runtime.lm.prefix.prefill import Forward, Partial, Prior, PromptForward, forward_pre_hook, prefill
 from services.runtime.lm.sampling import SamplingConfig, nonfinite_row, select_token
 from services.runtime.model.device import to_device
+from services.thinker.encoder_cache import MEDIA_INPUTS, EncoderCache, PerItemEncoders
 from services.thinker.graphs import thinker_step
 
 
@@ -111,8 +113,15 @@ class _Request(RequestState):
     inputs: tuple[dict, torch.Tensor] | None = None  # a chunked prompt's model inputs and positions, from its first chunk
 
 
+@dataclass(frozen=True)
 class ThinkerEngineConfig(LMEngineConfig):
     """The thinker engine's settings."""
+
+    encoder_cache_mb: int = 0  # the media encoders' outputs kept by content (encoder_cache.py); 0: none kept
+
+    @classmethod
+    def from_args(cls, args, model) -> ThinkerEngineConfig:
+        return dataclasses.replace(super().from_args(args, model), encoder_cache_mb=args.encoder_cache_mb)
 
 
 class ThinkerEngine(SlotScheduledEngine):
@@ -138,6 +147,10 @@ class ThinkerEngine(SlotScheduledEngine):
         model, engine_config = self.model, self.engine_config
         self.embed = model.get_input_embeddings()
         dtype = next(model.parameters()).dtype
+        identity = f"{getattr(model.config, '_name_or_path', '')} {dtype} {self.device} gemm={engine_config.exact_gemm}"
+        self.encoder_cache = EncoderCache(engine_config.encoder_cache_mb << 20, identity) \
+            if engine_config.encoder_cache_mb > 0 else None
+        self.encoders = PerItemEncoders(model, self.encoder_cache) if self.encoder_cache is not None else None
         self.set_up(Stage.THINKER, model.config.text_config, model.model, engine_config, self.device, dtype,
                     int(model.lm_head.weight.shape[0]), step=lambda cache: thinker_step(model, cache),
                     step_input=torch.zeros((1, 1), dtype=torch.long), extra_layers=len(self.prefix_layers))
@@ -319,10 +332,13 @@ class ThinkerEngine(SlotScheduledEngine):
         """The prompt's forward through the module's own path into the cache `prefill` gives it, the LM
         head over every row (`_lm_head_rows`), timed by `timer`; its hidden states completed with the
         prior rows' `prefix_layers` (a hit's, from `pool`, or earlier chunks'), and [extra, P, hidden]
-        of those layers kept with `want_hidden`."""
+        of those layers kept with `want_hidden`; media through `self.encoders` where the encoder cache is on
+        (a text prompt, such as the prefix check's on its own thread, leaves the model's methods alone)."""
+        encoders = self.encoders if self.encoders and MEDIA_INPUTS.intersection(kwargs) else contextlib.nullcontext()
+
         def forward(cache, prior: Prior) -> PromptForward:
             finals: list[torch.Tensor] = []
-            with timer, self._lm_head_rows(pool, prior, finals):
+            with timer, self._lm_head_rows(pool, prior, finals), encoders:
                 out = self.model(**kwargs, position_ids=position_ids, past_key_values=cache, use_cache=True,
                                  output_hidden_states=want_hidden)
             final = finals[0] if finals else None

@@ -56,6 +56,9 @@ SERVICE = stages_pb2.DESCRIPTOR.services_by_name["Thinker"].full_name
 # arrives with at most LIGHT_LOAD_STREAMS streams open here (itself included). Under more load
 # the stages are busy anyway and holds only move text work around (measured at 16: TTFP p50 +10 %).
 AUDIO_FIRST_MARGIN = 4
+# Off: an item encoded alone differs from generate's one call over a prompt's items in the last bits
+# (services/thinker/encoder_cache.py). 256 MiB holds about 80 minutes of Qwen3-Omni audio.
+DEFAULT_ENCODER_CACHE_MB = 0
 AUDIO_FIRST_HOLD_S = 1.0
 
 
@@ -132,6 +135,8 @@ async def create_server(config: ThinkerConfig) -> tuple[ServerHandle, EngineLoop
     servicer = ThinkerServicer(loop, engine, prompts, config, handle, adapter, build_prompt)
     if servicer.prefix_pool is not None and loop.metrics is not None:
         loop.metrics.prefix_cache(servicer.prefix_pool)
+    if getattr(engine, "encoder_cache", None) is not None and loop.metrics is not None:  # on, transformers
+        loop.metrics.encoder_cache(engine.encoder_cache)
     stages_pb2_grpc.add_ThinkerServicer_to_server(servicer, handle.server)
     return handle, loop
 
@@ -154,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="vLLM backend: fraction of GPU memory vLLM may take (default 0.9)")
     add_prefix_cache_flag(parser, "the thinker keeps prompt KV blocks across requests, so a conversation's turn "
                                   "prefills only its new part; the vLLM backend uses vLLM's own")
+    parser.add_argument("--encoder-cache-mb", type=int, default=env_default("encoder_cache_mb", DEFAULT_ENCODER_CACHE_MB),
+                        help="the audio, image and video encoders' outputs kept by content hash, so a turn that "
+                             "re-sends earlier media encodes only its new items; each item is then encoded alone, "
+                             "which differs from generate's one call over several items in the last bits "
+                             "(default 0 = off; 256 holds about 80 minutes of audio; the transformers backend)")
     parser.add_argument("--audio-first", choices=["auto", "on", "off"], default=env_default("audio_first", "auto"),
                         help="hold a spoken request's text at the talker's first chunk + 4 tokens until the talker "
                              "answers, so text nobody hears yet does not slow the first audio where the stages "
