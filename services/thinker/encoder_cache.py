@@ -23,7 +23,10 @@ media matter more than that (voice sessions: docs/operations.md, "The encoder ca
 The key: a hash of the item's encoder input as the tower gets it (mel features or pixel patches,
 after preprocessing, in the model's dtype, with their shape; for vision its grid), the modality,
 and the encoder's identity (checkpoint, dtype, device, exact mode), so no setting that changes the
-output can share an entry. Bounded in bytes, least recently used evicted; it lives on the engine
+output can share an entry. Qwen3-Omni's feature extractor pads a prompt's clips to its longest before
+the STFT, so the last mel frames of the longest clip differ from the same clip's beside a longer one:
+that clip misses once more when a longer one joins the history (its features, hence its output,
+really differ), and hits from then on. Bounded in bytes, least recently used evicted; it lives on the engine
 thread (the only caller); the lock guards the counters the metrics scrape reads.
 """
 
