@@ -51,6 +51,7 @@ class BenchConfig:
     turns: int = 8
     routing_conversations: int = 16
     realtime: tuple[int, ...] = ()  # --realtime: realtime sessions (bench/realtime.py) at these levels instead
+    session_minutes: float = 0.0  # with --realtime: one session this long instead (bench/long_session.py)
 
     @property
     def gateway(self) -> bool:
@@ -152,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="realtime mode (bench/realtime.py) instead of the systems above: voice sessions at once "
                         "speaking real speech, over gRPC and through the gateway's WebSocket (--turns utterances "
                         "each), at these levels (1,8,32), or at 1 and then N for a single N")
+    p.add_argument("--session-minutes", type=float, default=0.0,
+                   help="with --realtime: one session of this many minutes instead, a turn of speech every 15 s, "
+                        "the thinker's encoder cache on then off (bench/long_session.py)")
     return p
 
 
@@ -224,4 +228,5 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         conversations=getattr(args, "conversations", 0), turns=getattr(args, "turns", 8),
         routing_conversations=getattr(args, "routing_conversations", 16),
         realtime=realtime_levels(str(getattr(args, "realtime", "") or "")),
+        session_minutes=getattr(args, "session_minutes", 0.0),
     )

@@ -18,7 +18,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import realtime
+from bench import long_session, realtime
 from bench.config import BenchConfig, build_parser, config_from_args
 from bench.conversations import render, run_conversations, write
 from bench.floor import FloorMeter, FloorSample, summarize_floor
@@ -303,6 +303,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def go() -> None:
         config = config_from_args(args)
+        if config.realtime and config.session_minutes:
+            path = Path(config.out) / "long_session.json"
+            print(long_session.run_and_report(config.checkpoint, config.session_minutes, (256, 0), str(path)))
+            print(f"wrote {path}")
+            return
         if config.realtime:
             results, leaked = realtime.run_realtime(config.checkpoint, config.realtime, config.turns, max_tokens=16,
                                                     max_frames=300, barge_after_s=0.3)
