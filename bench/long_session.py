@@ -43,6 +43,7 @@ class TurnSpeaker(Speaker):
 
         for turn in range(self.turns):
             answered = len(self.figures.first_audio_s)
+            self.speech_ended = None  # a late first audio of an earlier turn is not this one's
             await audio(self.utterances[turn % len(self.utterances)])
             self.speech_ended = time.perf_counter()
             while sent < (turn + 1) * PERIOD_S:  # silence to the next turn's start

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from omni.v1 import omni_pb2
-from services.thinker.encoder_cache import EncoderCache, Encoded
+from services.base.families import family_of
+from services.thinker.encoder_cache import Encoded, EncoderCache
 from services.thinker.engine import ThinkerEngineConfig
 from services.thinker.server import ADAPTERS
-from services.base.families import family_of
 from tests.thinker.conftest import Family_
 from tests.thinker.test_prefix_conversation import assert_same_bits, job, run
 from tests.threads import torch_threads
