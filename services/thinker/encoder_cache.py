@@ -1,33 +1,33 @@
 """The thinker's media encoders, one media item a call, their outputs kept by content hash.
 
 A voice session re-sends its whole audio history every turn, and a chat conversation re-sends its
-images: without this, each turn runs the audio / vision tower over every item again. `PerItemEncoders`
-replaces the model's `get_audio_features`, `get_image_features` and `get_video_features` for the
-prompt forward (on the instance: the model's own forward calls them, so prefill, chunking and the
-prefix cache are unchanged) with versions that encode each item alone, through the model's own method, and keep
-what it gave in an `EncoderCache`: a later prompt with the same item takes the kept tensors.
+images: without this, each turn runs the audio / vision tower over every item again.
+`PerItemEncoders` replaces the model's `get_audio_features`, `get_image_features` and
+`get_video_features` for the prompt's forward (on the instance: the model's own forward calls them,
+so prefill, chunking and the prefix cache are unchanged) with versions that encode each item alone,
+through the model's own method, and keep what it gave in an `EncoderCache`: a later prompt with the
+same item takes the kept tensors.
 
 NOTE: one item a call. Transformers encodes a prompt's items of one modality in one call, and an
 item's bits then depend on its neighbours: the audio towers run their convolutions over all the
-call's mel chunks at once (padded to the call's longest), and oneDNN blocks a convolution by its
-batch, so on the tiny checkpoints a 0.8 s clip encoded alone and beside three others differed in
-the last bits (Qwen3-Omni at the first encoder layer's input, after the convolutions; Qwen2.5-Omni
-by 1.7e-6), even with the chunks padded to the call's width. An item encoded alone is a function of
-itself, so its kept output is the bits encoding it again gives, and turn N's audio is turn N-1's
-bits (a prefix-cache hit over earlier audio then holds the bits this turn's prefill would give).
-The price: a prompt with several items of one modality no longer has the bits of `generate`'s one
-call (the last bits of the encoder outputs; one item per modality, it does). So the cache is off
-by default (`--encoder-cache-mb 0`: the model's own call, generate's bits) and on where repeated
-media matter more than that (voice sessions: docs/operations.md, "The encoder cache").
+call's mel chunks at once, and oneDNN blocks a convolution by its batch. On the tiny checkpoints a
+0.8 s clip encoded alone and beside three others differed in the last bits (Qwen3-Omni already at
+the first encoder layer's input, even with each clip's chunks padded to the call's width;
+Qwen2.5-Omni by up to 1.7e-6). An item encoded alone is a function of itself, so its kept output is
+the bits encoding it again gives, whatever else the prompt holds. The price: a prompt with several
+items of one modality no longer has the bits of `generate`'s one call (the last bits of the
+encoder outputs; with one item per modality it does). So the cache is off by default
+(`--encoder-cache-mb 0`: the model's own call, generate's bits) and on where repeated media matter
+more than that (voice sessions: docs/operations.md, "The encoder cache").
 
 The key: a hash of the item's encoder input as the tower gets it (mel features or pixel patches,
 after preprocessing, in the model's dtype, with their shape; for vision its grid), the modality,
-and the encoder's identity (checkpoint, dtype, device, exact mode), so no setting that changes the
-output can share an entry. Qwen3-Omni's feature extractor pads a prompt's clips to its longest before
-the STFT, so the last mel frames of the longest clip differ from the same clip's beside a longer one:
-that clip misses once more when a longer one joins the history (its features, hence its output,
-really differ), and hits from then on. Bounded in bytes, least recently used evicted; it lives on the engine
-thread (the only caller); the lock guards the counters the metrics scrape reads.
+and the encoder's identity (checkpoint, dtype, device, gemm mode), so no setting that changes the
+output can share an entry. Qwen3-Omni's feature extractor pads a prompt's clips to the longest
+before the STFT, so the longest clip's last mel frames differ from the same clip's beside a longer
+one: that clip misses once more when a longer one joins the history (its features, hence its
+output, really differ), and hits from then on. Bounded in bytes, least recently used evicted. The
+engine thread is the only caller; the lock guards the counters the metrics scrape reads.
 """
 
 from __future__ import annotations
