@@ -87,6 +87,8 @@ def test_a_later_turn_encodes_only_its_new_media_and_gives_the_bits_of_encoding_
         cached = run(on, {"r": job(family, request)})["r"]
         cold = run(again, {"r": job(family, request)})["r"]
         assert_same_bits(cached, cold, f"turn {turn}")
+        if turn == 1:  # one clip: alone is the model's own call (the cache off, generate's bits)
+            assert_same_bits(cached, run(engine_of(family, cache_mb=0), {"r": job(family, request)})["r"], "off")
         items = turn + (turn >= 2)  # its clips, and the image from turn 2 on
         new = 1 + (turn == 2)  # this turn's clip (and the image, in turn 2)
         hits, misses = counts(on.encoder_cache)
