@@ -62,12 +62,19 @@ class LongSessionResult:
     turn2_ms: float | None
     last_ms: float | None
     last_over_turn2: float | None
+    early_p50_ms: float | None  # turns 2-11's median: one turn's figure is noisy on shared cores
+    late_p50_ms: float | None  # the last ten turns' median
     per_turn_ms: list[float | None]
     errors: list[str]
 
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(1000 * seconds, 1)
+
+
+def _median(values: list[float | None]) -> float | None:
+    answered = sorted(v for v in values if v is not None)
+    return answered[len(answered) // 2] if answered else None
 
 
 def run_long_session(checkpoint: str, minutes: float, encoder_cache_mb: int, max_tokens: int = 16,
@@ -88,18 +95,21 @@ def run_long_session(checkpoint: str, minutes: float, encoder_cache_mb: int, max
     return LongSessionResult(
         encoder_cache_mb=encoder_cache_mb, minutes=minutes, turns=turns,
         answered=sum(v is not None for v in per_turn), first_ms=per_turn[0], turn2_ms=turn2, last_ms=last,
-        last_over_turn2=round(last / turn2, 2) if last and turn2 else None, per_turn_ms=per_turn,
+        last_over_turn2=round(last / turn2, 2) if last and turn2 else None, early_p50_ms=_median(per_turn[1:11]),
+        late_p50_ms=_median(per_turn[-10:]), per_turn_ms=per_turn,
         errors=sorted(set(speaker.figures.errors)))
 
 
 def render(results: list[LongSessionResult]) -> str:
     lines = [f"long session: a turn every {PERIOD_S:.0f} s (turn detection silence {SILENCE_MS} ms; end of speech "
              "-> first audio includes it)",
-             f"{'encoder cache':<15}{'minutes':>8}{'answered':>12}{'first':>9}{'turn 2':>9}{'last':>9}{'last/turn 2':>13}"]
+             f"{'encoder cache':<15}{'minutes':>8}{'answered':>12}{'first':>9}{'turn 2':>9}{'last':>9}{'last/turn 2':>13}"
+             f"{'turns 2-11 p50':>16}{'last 10 p50':>13}"]
     for r in results:
         lines.append(f"{str(r.encoder_cache_mb) + ' MiB':<15}{r.minutes:>8g}{f'{r.answered}/{r.turns}':>12}"
                      f"{_fmt(r.first_ms):>9}{_fmt(r.turn2_ms):>9}{_fmt(r.last_ms):>9}"
-                     f"{'-' if r.last_over_turn2 is None else f'{r.last_over_turn2:.2f}x':>13}")
+                     f"{'-' if r.last_over_turn2 is None else f'{r.last_over_turn2:.2f}x':>13}"
+                     f"{_fmt(r.early_p50_ms):>16}{_fmt(r.late_p50_ms):>13}")
         for error in r.errors:
             lines.append(f"  error: {error}")
     return "\n".join(lines)
