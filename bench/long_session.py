@@ -29,6 +29,7 @@ class TurnSpeaker(Speaker):
     def __init__(self, utterances: list[bytes], turns: int):
         super().__init__(utterances, RATE, turns, barge_after_s=0.0)
         self.turn_first_audio: list[float | None] = []
+        self.turn_errors: list[str] = []  # every error event, with the turn it came in
 
     async def speak(self, send) -> None:
         chunk = RATE * CHUNK_MS // 1000 * 2
@@ -50,6 +51,7 @@ class TurnSpeaker(Speaker):
                 await audio(bytes(chunk))
             got = self.figures.first_audio_s[answered:]
             self.turn_first_audio.append(got[0] if got else None)
+            self.turn_errors.extend(f"turn {turn + 1}: {e}" for e in self.figures.errors[len(self.turn_errors):])
 
 
 @dataclass
@@ -97,7 +99,7 @@ def run_long_session(checkpoint: str, minutes: float, encoder_cache_mb: int, max
         answered=sum(v is not None for v in per_turn), first_ms=per_turn[0], turn2_ms=turn2, last_ms=last,
         last_over_turn2=round(last / turn2, 2) if last and turn2 else None, early_p50_ms=_median(per_turn[1:11]),
         late_p50_ms=_median(per_turn[-10:]), per_turn_ms=per_turn,
-        errors=sorted(set(speaker.figures.errors)))
+        errors=speaker.turn_errors)
 
 
 def render(results: list[LongSessionResult]) -> str:
@@ -110,8 +112,10 @@ def render(results: list[LongSessionResult]) -> str:
                      f"{_fmt(r.first_ms):>9}{_fmt(r.turn2_ms):>9}{_fmt(r.last_ms):>9}"
                      f"{'-' if r.last_over_turn2 is None else f'{r.last_over_turn2:.2f}x':>13}"
                      f"{_fmt(r.early_p50_ms):>16}{_fmt(r.late_p50_ms):>13}")
-        for error in r.errors:
+        for error in r.errors[:5]:
             lines.append(f"  error: {error}")
+        if len(r.errors) > 5:
+            lines.append(f"  ... {len(r.errors) - 5} more errors (the JSON has them all)")
     return "\n".join(lines)
 
 
@@ -124,10 +128,10 @@ def run_and_report(checkpoint: str, minutes: float, cache_sizes: tuple[int, ...]
     results = []
     for size in cache_sizes:
         results.append(run_long_session(checkpoint, minutes, size))
-        print(render(results[-1:]).splitlines()[-1], flush=True)
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps([asdict(r) for r in results], indent=2))
+        print(render(results[-1:]).splitlines()[2], flush=True)
+        if out:  # after each run: a long run's figures are kept whatever comes after
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text(json.dumps([asdict(r) for r in results], indent=2))
     return render(results)
 
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from services.base.errors import InvalidArgument
+from services.base.errors import ContextFull, InvalidArgument
 from services.base.families import DEFAULT_VOICES, Family
 from services.base.resample import resample
 from services.runtime.inputs.limits import (
@@ -267,8 +267,8 @@ class PromptBuilder:
             raise InvalidArgument(field_prefix, f"prompt text is {text_bytes} bytes, more than the {self.max_text_bytes} "
                                                 f"that {self.max_prompt_tokens} tokens can hold (the limit)")
         at_least += -(-text_bytes // self.max_token_bytes)
-        if at_least > self.max_prompt_tokens:
-            raise InvalidArgument(field_prefix, f"prompt is at least {at_least} tokens, longer than the limit of "
+        if at_least > self.max_prompt_tokens:  # a shorter history would fit: ContextFull (a session truncates)
+            raise ContextFull(field_prefix, f"prompt is at least {at_least} tokens, longer than the limit of "
                                                 f"{self.max_prompt_tokens}")
         return headers
 
@@ -319,7 +319,7 @@ class PromptBuilder:
         with self._encode_lock:
             ids = self.tokenizer(text, return_tensors="pt")["input_ids"].to(torch.long)
         if ids.shape[1] > self.max_prompt_tokens:
-            raise InvalidArgument(
+            raise ContextFull(
                 field_prefix, f"prompt is {ids.shape[1]} tokens, longer than the limit of {self.max_prompt_tokens}"
             )
         return PromptInputs(input_ids=ids, attention_mask=torch.ones_like(ids), **inputs)
