@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoConfig
 
 import services.runtime.inputs.prompt as prompt_module
-from services.base.errors import InvalidArgument
+from services.base.errors import ContextFull, InvalidArgument
 from services.runtime.inputs.prompt import ChatMessage, Part, PromptBuilder, PromptLimits, Role
 from services.runtime.inputs.video import VideoLimits, bytes_per_token, video_grid, video_tokens
 from services.tools.synthetic_video import video
@@ -115,7 +115,7 @@ def test_the_prompt_limit_counts_video_tokens_from_the_header_so_memory_is_bound
     monkeypatch.setattr(prompt_module, "decode_video", lambda *a, **k: pytest.fail("decoded"))
     with pytest.raises(InvalidArgument) as info:
         build(builder, clip, PromptLimits(max_prompt_tokens=tokens - 1))
-    assert info.value.field == "messages"
+    assert info.value.field == "messages" and isinstance(info.value, ContextFull)  # a session truncates on it
     # The float32 patches a video token holds (tiny checkpoint: 16-pixel patches, 2 frames, 2x2 merge).
     assert bytes_per_token(builder.video_rules) == 4 * 4 * 3 * 2 * 16 * 16
 
