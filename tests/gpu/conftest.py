@@ -3,16 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
-
-from tests.threads import torch_threads
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread (OMNI_TEST_THREADS' count when set): tiny ops on the shared 2-core box are
-    much faster so (tests/talker)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(torch_threads(1))
-    yield
-    torch.set_num_threads(previous)
+def one_thread(one_torch_thread):
+    """One torch thread for every GPU test module (tests/conftest.py's one_torch_thread)."""

@@ -37,10 +37,10 @@ from services.thinker.engine import (
 from services.tools.inprocess import Handoff
 from services.tools.reference import ReferenceRunner, messages_from_args
 from tests.talker.pipeline import TwoStagePipeline, assert_clean
-from tests.threads import torch_threads
 
 # transformers warns on every talker generate that the penalty skips the prompt; expected here.
-pytestmark = pytest.mark.filterwarnings("ignore:Passing `repetition_penalty`:UserWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore:Passing `repetition_penalty`:UserWarning"),
+              pytest.mark.usefixtures("one_torch_thread")]
 
 SLOTS = 8
 MAX_MODEL_LEN = 128  # prompts here are < 60 tokens; + 16 text tokens or 9 + 16 talker tokens
@@ -81,21 +81,6 @@ BY_ID = {c.request_id: c for c in CASES}
 class Expected:
     token_ids: list[int]
     frames: list[list[int]]  # [frames][num_code_groups]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Run this module's models on one torch thread (OMNI_TEST_THREADS' count when set), restored
-    afterwards.
-
-    The engine and the reference share the process, so exactness is unaffected; speed is: on the
-    shared 2-core box, two OpenMP threads made every tiny op cost milliseconds (a 2-request
-    pipeline: 18 s on 2 threads, 0.6 s on 1). The module passes on 2 threads too, in minutes.
-    """
-    previous = torch.get_num_threads()
-    torch.set_num_threads(torch_threads(1))
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

@@ -20,22 +20,13 @@ from services.thinker.engine import ThinkerEngineConfig
 from services.thinker.server import ADAPTERS
 from tests.thinker.conftest import Family_
 from tests.thinker.test_prefix_conversation import assert_same_bits, job, run
-from tests.threads import torch_threads
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.usefixtures("one_torch_thread")]
 
 TURNS = 4
 # Each turn's clip, off any chunk grid; the first the longest: Qwen3-Omni's extractor pads a prompt's
 # clips to its longest, so a clip's last mel frames (and its key) change while it is the longest.
 SECONDS = (3.1, 1.3, 2.6, 0.8)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(torch_threads(1))
-    yield
-    torch.set_num_threads(previous)
 
 
 def clip(seconds: float, hz: float) -> bytes:

@@ -27,7 +27,8 @@ from services.thinker.engine import (
     Token,
 )
 from services.tools.reference import messages_from_args
-from tests.threads import torch_threads
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 SLOTS = 4
 MAX_MODEL_LEN = 128  # the longest prompt here is ~35 tokens
@@ -57,21 +58,6 @@ class Run:
     logits: dict  # request_id -> [vocab] logits of every generated token, in order
     events: dict  # request_id -> every event, in order
     steps: int
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Run this module's models on one torch thread (OMNI_TEST_THREADS' count when set), restored
-    afterwards.
-
-    The engine and the reference share the process, so exactness is unaffected; speed is: on the
-    shared 2-core box, two OpenMP threads made every tiny op cost milliseconds (a 2-request
-    pipeline: 18 s on 2 threads, 0.6 s on 1).
-    """
-    previous = torch.get_num_threads()
-    torch.set_num_threads(torch_threads(1))
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

@@ -28,9 +28,8 @@ from services.thinker.engine import ThinkerEngine, ThinkerEngineConfig, Token
 from services.thinker.server import ADAPTERS
 from services.tools.reference import ReferenceRunner
 from tests.thinker.conftest import Family_
-from tests.threads import torch_threads
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.usefixtures("one_torch_thread")]
 
 TURNS = 8
 MAX_NEW_TOKENS = 5
@@ -41,14 +40,6 @@ REPLIES = ("Sure, here is what I heard in the clip.", "That picture shows a patt
 USER_TEXTS = ("What do you hear?", "And what is in this picture?", "Are you sure?",
               "Which of the two would you pick, and why?", "What about the weather?",
               "Count the fruit in my basket.", "Thanks, that is all.", "One last thing: say hello.")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(torch_threads(1))
-    yield
-    torch.set_num_threads(previous)
 
 
 def conversation(turn: int, wav: bytes, png: bytes, salt: str = "") -> omni_pb2.GenerateRequest:

@@ -16,7 +16,6 @@ must equal the cold prefill's (or the first send's) bit for bit.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from omni.v1 import omni_pb2
 from services.base.families import family_of
@@ -27,17 +26,8 @@ from services.thinker.admission import messages_from_proto
 from services.thinker.server import ADAPTERS
 from tests.thinker.conftest import Family_
 from tests.thinker.test_prefix_conversation import assert_hits_used, assert_same_bits, job, make_engine, run
-from tests.threads import torch_threads
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(torch_threads(1))
-    yield
-    torch.set_num_threads(previous)
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.usefixtures("one_torch_thread")]
 
 
 def load_family(checkpoint) -> Family_:
