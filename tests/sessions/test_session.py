@@ -63,6 +63,7 @@ def test_spoken_turn_is_detected_committed_and_answered_with_text_and_audio(sess
     assert any(e.WhichOneof("event") == "audio" and e.response_id == created.response_id for e in call.events)
 
 
+@pytest.mark.exactness
 def test_a_turn_equals_the_one_shot_request_of_its_history_and_a_cancelled_turn_leaves_only_the_played_part(
         session, omni):
     """Greedy: turn 2 and turn 3 of a session give the ids and codec frames of one Generate each whose
@@ -371,6 +372,7 @@ def spoken_item(pcm: bytes, started: omni_pb2.SpeechStarted, committed: omni_pb2
     return pcm[begin:begin + committed.audio_ms * RATE // 1000 * 2]
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("after_ms", [32, pytest.param(160, marks=pytest.mark.slow)])
 def test_a_detected_turn_is_answered_from_its_first_silent_window_and_equals_the_one_shot_request(
         session, stack, omni, after_ms):
@@ -405,6 +407,7 @@ def committed_event(call: SessionCall) -> omni_pb2.SessionEvent:
     return next(e for e in call.events if e.WhichOneof("event") == "committed")
 
 
+@pytest.mark.exactness
 def test_speech_that_resumes_drops_the_held_answer_in_every_stage_and_the_turn_is_the_whole_utterance(
         session, stack, omni):
     """A pause shorter than the silence setting starts an answer that is then dropped (its call

@@ -23,11 +23,10 @@ from tests.thinker.test_prefix_conversation import (  # noqa: F401 - fixtures
     assert_same_bits,
     conversation,
     job,
-    one_thread,
     run,
 )
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.usefixtures("one_torch_thread")]
 
 TEXTS = ("Hello!", "Tell me a story about a robot who learns to paint, in three sentences please.",
          "What is two plus two?", "Name a colour.", "Describe the sea at night, the moon above it and the boats.",

@@ -23,11 +23,10 @@ from tests.thinker.test_prefix_conversation import (  # noqa: F401 - fixtures
     conversation,
     job,
     make_engine,
-    one_thread,
     run,
 )
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.usefixtures("one_torch_thread")]
 
 
 def gate(monkeypatch) -> threading.Event:
