@@ -40,6 +40,10 @@ def talker_job_from_proto(start: stages_pb2.TalkerStart, model_config, config: T
     if (mm_hidden.shape != (len(positions), hidden) or not mm_hidden.is_floating_point()
             or any(not 0 <= p < embeds.shape[0] for p in positions)):
         raise InvalidArgument("start.multimodal_hidden", "must have one row per multimodal position inside the prompt")
+    if any(b <= a for a, b in zip(positions, positions[1:])):
+        # The rows go to the positions in prompt order (a mask, as generate places them).
+        raise InvalidArgument("start.multimodal_positions", "must be strictly increasing (one row per position, "
+                                                            "in prompt order)")
     tts = tensor_from_proto(start.tts_embeds)
     if tts.shape != (3, hidden) or not tts.is_floating_point():
         raise InvalidArgument("start.tts_embeds", f"must be [3, {hidden}] floats, got {list(tts.shape)} {tts.dtype}")

@@ -297,7 +297,8 @@ def talker_streams(draw, stages: Stages) -> tuple[list[stages_pb2.TalkerInput], 
     if mutation == "no finished":  # enough frames asked that the talker must wait for the text's end
         start.sampling.max_new_tokens = len(tokens) + 8
     inside = len(start.multimodal_hidden.shape) == 2 and start.multimodal_hidden.shape[0] == len(
-        start.multimodal_positions) and all(0 <= p < prompt for p in start.multimodal_positions)
+        start.multimodal_positions) and all(0 <= p < prompt for p in start.multimodal_positions) and all(
+        a < b for a, b in zip(start.multimodal_positions, start.multimodal_positions[1:]))
     valid = (mutation == "none" or (mutation == "token width" and not tokens) or (mutation == "multimodal" and inside))
     return messages, valid, mutation
 
@@ -345,6 +346,24 @@ def fuzz_talker(stages: Stages, examples: int) -> dict[str, int]:
     one()
     print(f"talker streams: {codes}")
     return codes
+
+
+@pytest.mark.parametrize("positions", [[2, 2, 2], [3, 1]])
+def test_multimodal_positions_out_of_prompt_order_are_refused_naming_the_field(stages, positions):
+    """The talker places the multimodal rows at their positions in prompt order (a mask, as generate
+    does): a repeated or unordered position is refused, not a failed step (the fuzzer found
+    [0, 0, 0] passing the check and failing the prefill with INTERNAL)."""
+    rng = np.random.default_rng(0)
+    ids = [stages.im_start, stages.user, 5, 6, 7, stages.im_start, stages.assistant, 8]
+    start = stages_pb2.TalkerStart(
+        request_id="order", route=stages_pb2.Route(code2wav=stages.code2wav),
+        sampling=common_pb2.SamplingParams(max_new_tokens=1), prompt_token_ids=ids,
+        prompt_embeds=floats((len(ids), stages.hidden), rng), tts_embeds=floats((3, stages.hidden), rng),
+        multimodal_positions=positions, multimodal_hidden=floats((len(positions), stages.hidden), rng))
+    code, _, err = run_stream(stages.talker, "/omni.v1.Talker/Speak", stages_pb2.TalkerInput, [
+        stages_pb2.TalkerInput(start=start), stages_pb2.TalkerInput(finished=stages_pb2.TextFinished())])
+    assert code is grpc.StatusCode.INVALID_ARGUMENT, (code, err and err.details())
+    assert_names(err, "start.multimodal_positions")
 
 
 def test_fuzzed_talker_streams_end_ok_or_invalid_argument_naming_a_field(stages):
