@@ -63,9 +63,20 @@ class Gateway:
         # name it was found by (dns:///omni-sessions-headless:50052 -> omni-sessions-headless).
         self.sessions = ReplicaSet(SESSIONS, ReplicaSource.parse(self.config.sessions, "--sessions"),
                                    channel_options(self.config.max_message_bytes),
-                                   tls=replace(self.config.tls, server_name=None), stub=omni_pb2_grpc.SessionsStub)
+                                   tls=replace(self.config.tls, server_name=None), stub=omni_pb2_grpc.SessionsStub,
+                                   metadata=self.session_metadata())
         await self.sessions.refresh()
         self.sessions.start()
+
+    def own_auth(self) -> str | None:
+        """The gateway's own bearer token (the first of its tokens): what it presents to the sessions
+        service (its load polls, and a session opened with a client secret), None without tokens."""
+        tokens = self.config.auth_tokens
+        return f"Bearer {tokens[0].decode()}" if tokens else None
+
+    def session_metadata(self) -> tuple[tuple[str, str], ...]:
+        auth = self.own_auth()
+        return (("authorization", auth),) if auth else ()
 
     async def close(self) -> None:
         if self.sessions is not None:

@@ -74,8 +74,7 @@ async def realtime(ws: WebSocket) -> None:
                                                    None, "invalid_api_key").response())
             return
         # The session and the router take the server's own token (a secret is the gateway's alone).
-        tokens = gateway.config.auth_tokens
-        auth = f"Bearer {tokens[0].decode()}" if tokens else None
+        auth = gateway.own_auth()
     picked = gateway.pick_sessions()
     if picked is None:
         gateway.metrics.requests.labels("realtime", "503").inc()

@@ -139,6 +139,7 @@ class ReplicaSet:
     routing: Routing = Routing.LEAST_LOADED  # prefix: the thinkers' (services/serving/prefix_routing.py)
     prefix_weight: float = DEFAULT_PREFIX_WEIGHT
     stub: Callable | None = None  # channel -> the stub whose GetLoad is polled; None: the stage's (stage_stub)
+    metadata: tuple[tuple[str, str], ...] = ()  # sent with each GetLoad (a bearer token where the replicas ask one)
     replicas: dict[str, Replica] = field(default_factory=dict)  # address -> replica
     _channels: RotatingChannels | None = None  # address -> channel, new ones after a TLS rotation
     _task: asyncio.Task | None = None
@@ -218,7 +219,8 @@ class ReplicaSet:
             health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
             serving = health.status == health_pb2.HealthCheckResponse.SERVING
             stub = self.stub(channel) if self.stub is not None else stage_stub(self.stage, channel)
-            load = await stub.GetLoad(replica.prefix.request(), timeout=1.0) if serving else None
+            load = (await stub.GetLoad(replica.prefix.request(), timeout=1.0, metadata=self.metadata or None)
+                    if serving else None)
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
         verdict = poll_verdict(code, serving)

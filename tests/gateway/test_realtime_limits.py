@@ -40,13 +40,14 @@ def wait_for_sessions(gateway, headers: dict | None = None) -> None:
 
 @pytest.fixture(scope="module")
 def replicas(gw_stack, tmp_path_factory):
-    """Two gateway replicas with the same token, their sessions' turns going to a router that takes that
-    token alone (so a turn runs only if the gateway passed its own token on, never the client's secret)."""
+    """Two gateway replicas with the same token, over a sessions service and a router that take that token
+    alone (so a turn runs only if the gateway passed its own token on, never the client's secret)."""
     folder = tmp_path_factory.mktemp("secrets")
     tokens = folder / "tokens"
     tokens.write_text(TOKEN + "\n")
     router = start_router(gw_stack, "--auth-token-file", str(tokens))
-    sessions = start_sessions(router.target)
+    # The sessions service asks the token too: the gateways' load polls and sessions present theirs.
+    sessions = start_sessions(router.target, "--auth-token-file", str(tokens))
     gateways = [start_gateway(gw_stack.target, folder, "--sessions", sessions.target, "--auth-token-file", str(tokens),
                               "--model-name", "tiny-qwen3-omni") for _ in range(2)]
     for gateway in gateways:
