@@ -191,7 +191,7 @@ class RealtimeSession:
                     await self.handle(message)
                 if self.closed is None:  # after every message too: a client streaming audio never lets the wait time out
                     self.check_timeouts()
-            if self.response is not None and not self.response.ended:
+            if self.responding is not None:
                 self.cancel_response(omni_pb2.CANCEL_REASON_CLIENT, cut=False)
             if self.closed is None:
                 outcome = "ended"
@@ -200,7 +200,7 @@ class RealtimeSession:
                 await self.flush()  # the closing event, for at most the send timeout
         finally:
             self.drop_held()
-            if self.response is not None and not self.response.ended:
+            if self.responding is not None:
                 self.cancel_response(omni_pb2.CANCEL_REASON_CLIENT, cut=False)
             self.closed = self.closed or omni_pb2.SessionClosed()
             self.outbox_ready.set()
@@ -258,7 +258,7 @@ class RealtimeSession:
     def close(self, reason: int, message: str) -> None:
         log.info("session %s closed: %s", self.session_id, message)
         self.drop_held()
-        if self.response is not None and not self.response.ended:
+        if self.responding is not None:
             self.cancel_response(omni_pb2.CANCEL_REASON_CLIENT, cut=False)
         self.closed = omni_pb2.SessionClosed(reason=reason, message=message)
         self.emit(omni_pb2.SessionEvent(closed=self.closed))
@@ -272,7 +272,7 @@ class RealtimeSession:
         elif now - self.opened >= self.config.max_duration_s:
             self.close(omni_pb2.CLOSE_REASON_MAX_DURATION, f"the session reached its maximum length of "
                                                            f"{self.config.max_duration_s:g} s (--session-max-duration-s)")
-        elif (self.response is None or self.response.ended) and now - self.last_activity > self.config.idle_timeout_s:
+        elif self.responding is None and now - self.last_activity > self.config.idle_timeout_s:
             self.close(omni_pb2.CLOSE_REASON_IDLE_TIMEOUT, f"no input for {self.config.idle_timeout_s:g} s")
         else:
             self.check_idle_turn(now)
@@ -284,7 +284,7 @@ class RealtimeSession:
         and, with `create_response`, a response. The clock then waits for that response's end."""
         timeout_ms = self.settings.turn_detection.idle_timeout_ms
         if not timeout_ms or self.idle_since is None or self.input.detector is None or self.input.speaking \
-                or (self.response is not None and not self.response.ended):
+                or self.responding is not None:
             return
         since, playback = self.idle_since, self.playback
         if playback is not None and playback.started is not None and playback.rate:
@@ -317,6 +317,12 @@ class RealtimeSession:
                 self.speech_stopped_at = None
         playback.samples += event.audio.num_samples
         playback.rate = event.audio.sample_rate or playback.rate
+
+    @property
+    def responding(self) -> Response | None:
+        """The response in progress (None: none is)."""
+        response = self.response
+        return response if response is not None and not response.ended else None
 
     def info(self) -> omni_pb2.SessionInfo:
         return omni_pb2.SessionInfo(session_id=self.session_id, settings=self.settings.to_proto())
@@ -413,7 +419,7 @@ class RealtimeSession:
             tool_calls=message.tool_calls, tool_call_id=message.tool_call_id)))
 
     async def on_create_response(self, create: omni_pb2.CreateResponse) -> None:
-        if self.response is not None and not self.response.ended:
+        if self.responding is not None:
             raise MessageError("response_in_progress", "a response is in progress: cancel it first", "create_response")
         settings = self.settings.for_response(create)
         if create.tools and await self.router.takes_tools(self.turn()) is False:  # as on_update's
@@ -439,7 +445,7 @@ class RealtimeSession:
         return part.message
 
     def on_cancel_response(self, _: omni_pb2.CancelResponse) -> None:
-        if self.response is None or self.response.ended:
+        if self.responding is None:
             raise MessageError("no_response", "no response is in progress", "cancel_response")
         self.cancel_response(omni_pb2.CANCEL_REASON_CLIENT)
 
@@ -447,7 +453,7 @@ class RealtimeSession:
         item = self.conversation.find(truncate.item_id)
         if item is None or item.reply is None:
             raise MessageError("unknown_item", f"no assistant reply {truncate.item_id!r}", "truncate.item_id")
-        if self.response is not None and not self.response.ended and self.response.item is item:
+        if self.responding is not None and self.response.item is item:
             self.cancel_response(omni_pb2.CANCEL_REASON_CLIENT, cut=False)
         if truncate.audio_end_ms > item.reply.audio_ms:
             raise MessageError("invalid_argument", f"audio_end_ms {truncate.audio_end_ms} is past the reply's "
@@ -458,7 +464,7 @@ class RealtimeSession:
         item = self.conversation.find(delete.item_id)
         if item is None:
             raise MessageError("unknown_item", f"no item {delete.item_id!r}", "delete_item.item_id")
-        if self.response is not None and not self.response.ended and self.response.item is item:
+        if self.responding is not None and self.response.item is item:
             raise MessageError("invalid_argument", "the response in progress writes this item: cancel it first",
                                "delete_item.item_id")
         if self.playback is not None and self.playback.item is item:
@@ -487,7 +493,7 @@ class RealtimeSession:
             return
         self.commit_input(item_id)
         # With barge-in off, speech during a response adds its item; the next response hears it.
-        if self.settings.turn_detection.create_response and (self.response is None or self.response.ended):
+        if self.settings.turn_detection.create_response and self.responding is None:
             self.create_response()
 
     def user_item(self, item_id: str, samples) -> Item:
@@ -553,7 +559,7 @@ class RealtimeSession:
         answer now, on the audio up to there, its events held back (`Held`)."""
         if not (self.config.early_response and self.settings.turn_detection.create_response) \
                 or self.closed is not None or self.turns >= self.config.max_turns \
-                or self.response is not None and not self.response.ended:
+                or self.responding is not None:
             return
         samples = self.input.upto(end)
         user = self.user_item(self.speech_item or new_id("item"), samples)
@@ -747,7 +753,7 @@ class RealtimeSession:
     def barge_in(self) -> None:
         """Speech started: cancel the response in progress and cut the reply still playing."""
         now = time.monotonic()
-        if self.response is not None and not self.response.ended:
+        if self.responding is not None:
             self.metrics.barge_ins.inc()
             self.cancel_response(omni_pb2.CANCEL_REASON_TURN_DETECTED)
         elif self.playback is not None and self.playback.playing(now):
