@@ -77,14 +77,14 @@ class ServerHandle:
 
 def build_server(host: str, port: int, service_names: tuple[str, ...],
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls: TLSConfig = TLSConfig(),
-                 interceptors: tuple = (), health_port: int = 0) -> ServerHandle:
+                 interceptors: tuple = (), health_port: int = 0, options: tuple = ()) -> ServerHandle:
     """A grpc.aio server with health (NOT_SERVING until the model is loaded) and reflection;
     TLS (mutual with a CA) when `tls` has a certificate. `health_port` adds a second, plaintext
     server with only grpc.health.v1 (the same statuses): Kubernetes' native gRPC probes cannot
     speak TLS."""
     # DecodeGuard first: a body that is not the method's message ends INVALID_ARGUMENT, not UNKNOWN.
     streams = OpenStreams(service_names)
-    server = grpc.aio.server(options=server_options(max_message_bytes),
+    server = grpc.aio.server(options=server_options(max_message_bytes) + list(options),
                              interceptors=(DecodeGuard(), streams) + server_interceptors() + tuple(interceptors))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -440,8 +440,10 @@ def test_speech_that_resumes_drops_the_held_answer_in_every_stage_and_the_turn_i
 def test_a_client_that_sends_faster_than_its_session_handles_is_held_back_by_flow_control(stack):
     """Appends of speech (the detector runs on each: about 0.1 s of work) sent as fast as gRPC takes
     them, each followed by a clear whose `cleared` says both were handled: the client gets ahead of
-    the session by at most the inbox (32 messages) and what gRPC's flow-control windows hold (a few
-    MiB, measured 9 here), never by the whole stream (an unbounded inbox takes every message at once)."""
+    the session by at most the inbox (32 messages) and the few in hand (the one being handled, the
+    one waiting for the inbox, the one in the transport: the sessions server probes no bandwidth, so
+    its HTTP/2 window stays at 64 KiB, less than one append), never by the whole stream (an
+    unbounded inbox takes every message at once; with BDP probing the windows held 9 to 17 MiB)."""
     from sessions.session import INBOX
 
     unpaced = procs.sessions(stack.target, "--max-input-realtime", "0")
@@ -465,7 +467,6 @@ def test_a_client_that_sends_faster_than_its_session_handles_is_held_back_by_flo
                     if handled == 2 * pairs:
                         break
         assert handled == 2 * pairs
-        windows = 2 * (16 << 20) // len(clip)  # 16 MiB of appends (and their clears) in flight
-        assert max(ahead) <= INBOX + windows < 2 * pairs, (max(ahead), ahead)
+        assert max(ahead) <= INBOX + 8, (max(ahead), ahead)
     finally:
         unpaced.stop()
