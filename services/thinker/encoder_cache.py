@@ -26,8 +26,13 @@ and the encoder's identity (checkpoint, dtype, device, gemm mode), so no setting
 output can share an entry. Qwen3-Omni's feature extractor pads a prompt's clips to the longest
 before the STFT, so the longest clip's last mel frames differ from the same clip's beside a longer
 one: that clip misses once more when a longer one joins the history (its features, hence its
-output, really differ), and hits from then on. Bounded in bytes, least recently used evicted. The
-engine thread is the only caller; the lock guards the counters the metrics scrape reads.
+output, really differ), and hits from then on. Bounded in bytes, least recently used evicted.
+
+The same cache keeps each audio part's mel features for the prompt builder (`PromptBuilder.
+feature_cache`, key "audio_features": the part's samples and the length it is padded to), so a
+turn computes the features of its new clip only (services/runtime/inputs/prompt.py,
+`_audio_features`). The engine thread and the admission workers call it; the lock guards the
+entries and the counters the metrics scrape reads.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
+
+from services.runtime.inputs.prompt import FEATURES, ClipFeatures
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,7 @@ class EncoderStats:
 
 
 MODALITIES = ("audio", "image", "video")
+COUNTED = MODALITIES + (FEATURES,)  # and the prompt builder's audio features, kept here too
 MEDIA_INPUTS = frozenset({"input_features", "pixel_values", "pixel_values_videos"})  # the forward's media kwargs
 
 
@@ -71,9 +79,9 @@ class EncoderCache:
     def __init__(self, capacity_bytes: int, identity: str):
         self.capacity_bytes = capacity_bytes
         self.identity = identity.encode()  # what else decides the output: checkpoint, dtype, device, exact mode
-        self._entries: OrderedDict[bytes, Encoded] = OrderedDict()  # key -> output, least recently used first
+        self._entries: OrderedDict[bytes, Encoded | ClipFeatures] = OrderedDict()  # key -> output, least recently used first
         self.bytes = 0
-        self.stats = EncoderStats({m: 0 for m in MODALITIES}, {m: 0 for m in MODALITIES})
+        self.stats = EncoderStats({m: 0 for m in COUNTED}, {m: 0 for m in COUNTED})
         self._lock = threading.Lock()
 
     def key(self, modality: str, tensor: torch.Tensor, *extra: torch.Tensor) -> bytes:
@@ -85,7 +93,7 @@ class EncoderCache:
             digest.update(t.view(torch.uint8).numpy() if t.numel() else b"")
         return digest.digest()
 
-    def get(self, modality: str, key: bytes) -> Encoded | None:
+    def get(self, modality: str, key: bytes) -> Encoded | ClipFeatures | None:
         with self._lock:
             found = self._entries.get(key)
             if found is None:
@@ -95,7 +103,7 @@ class EncoderCache:
             self.stats.hits[modality] += 1
             return found
 
-    def put(self, key: bytes, encoded: Encoded) -> None:
+    def put(self, key: bytes, encoded: Encoded | ClipFeatures) -> None:
         """Keep `encoded`, evicting the least recently used entries to fit; one larger than the whole
         cache is not kept."""
         size = encoded.nbytes

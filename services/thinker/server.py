@@ -130,6 +130,7 @@ async def create_server(config: ThinkerConfig) -> tuple[ServerHandle, EngineLoop
         engine = engine_cls(loaded.model, loaded.config, device=config.model.device, engine_config=engine_config)
         model_config = loaded.config
     prompts = PromptBuilder(config.model.checkpoint, model_config, config.limits)
+    prompts.feature_cache = getattr(engine, "encoder_cache", None)  # on: each clip's features kept too
     adapter = ADAPTERS[Family(model_config.model_type)](config.model.checkpoint, model_config, prompts)
     handle, loop = start_stage(Stage.THINKER, engine, config.serving, SERVICE, cache_slots=config.engine.num_slots)
     servicer = ThinkerServicer(loop, engine, prompts, config, handle, adapter, build_prompt)

@@ -1,7 +1,8 @@
 """The thinker's media encoder cache (services/thinker/encoder_cache.py), both families: a voice
 conversation that re-sends its audio history every turn (and an image from turn 2) gives the same
 bits from the cache as from encoding every item again, turn by turn, and its later turns encode
-only their new media; the bound evicts the least recently used entry; 0 leaves the model's own call.
+only their new media and compute only their new clip's features; the bound evicts the least
+recently used entry; 0 leaves the model's own call.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 
 from omni.v1 import omni_pb2
 from services.base.families import family_of
-from services.thinker.encoder_cache import Encoded, EncoderCache
+from services.runtime.inputs.prompt import FEATURES
+from services.thinker.encoder_cache import MODALITIES, Encoded, EncoderCache
 from services.thinker.engine import ThinkerEngineConfig
 from services.thinker.server import ADAPTERS
 from tests.thinker.conftest import Family_
@@ -62,9 +64,9 @@ def engine_of(family: Family_, cache_mb: int, exact_gemm: bool = False):
                                                          engine_config=config)
 
 
-def counts(cache: EncoderCache) -> tuple[int, int]:
-    """(items found, items encoded), all modalities."""
-    return sum(cache.stats.hits.values()), sum(cache.stats.misses.values())
+def counts(cache: EncoderCache, kinds=MODALITIES) -> tuple[int, int]:
+    """(items found, items encoded), over the media encoders (or `kinds`)."""
+    return sum(cache.stats.hits[k] for k in kinds), sum(cache.stats.misses[k] for k in kinds)
 
 
 @pytest.mark.slow
@@ -74,9 +76,9 @@ def test_a_later_turn_encodes_only_its_new_media_and_gives_the_bits_of_encoding_
     again.encoder_cache.capacity_bytes = 0  # encodes every item again, each alone, keeps nothing
     for turn in range(1, TURNS + 1):
         request = voice_turn(turn, png_bytes)
-        before = counts(on.encoder_cache)
-        cached = run(on, {"r": job(family, request)})["r"]
-        cold = run(again, {"r": job(family, request)})["r"]
+        before, features_before = counts(on.encoder_cache), counts(on.encoder_cache, (FEATURES,))
+        cached = run(on, {"r": job(family, request, on.encoder_cache)})["r"]
+        cold = run(again, {"r": job(family, request, again.encoder_cache)})["r"]
         assert_same_bits(cached, cold, f"turn {turn}")
         if turn == 1:  # one clip: alone is the model's own call (the cache off, generate's bits)
             assert_same_bits(cached, run(engine_of(family, cache_mb=0), {"r": job(family, request)})["r"], "off")
@@ -84,9 +86,14 @@ def test_a_later_turn_encodes_only_its_new_media_and_gives_the_bits_of_encoding_
         new = 1 + (turn == 2)  # this turn's clip (and the image, in turn 2)
         hits, misses = counts(on.encoder_cache)
         assert (hits - before[0], misses - before[1]) == (items - new, new), f"turn {turn}"
+        # The features of the turn's new clip alone (the first clip is the longest: every clip is
+        # padded to it from turn 1 on).
+        hits, misses = counts(on.encoder_cache, (FEATURES,))
+        assert (hits - features_before[0], misses - features_before[1]) == (turn - 1, 1), f"turn {turn}"
     assert on.encoder_cache.stats.hits["image"] == TURNS - 2 and on.encoder_cache.stats.evictions == 0
     assert again.encoder_cache.entries == 0 and counts(again.encoder_cache) == (0, sum(n + (n >= 2) for n in
                                                                                       range(1, TURNS + 1)))
+    assert counts(again.encoder_cache, (FEATURES,)) == (0, sum(range(1, TURNS + 1)))
 
 
 def test_off_leaves_the_models_own_encoder_call(family):

@@ -14,6 +14,7 @@ together, against each turn alone.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import io
 
@@ -66,8 +67,14 @@ def make_engine(family: Family_, mode: str, cache_mb: int) -> ThinkerEngine:
     return engine_cls(family.thinker.model, family.thinker.config, engine_config=config)
 
 
-def job(family: Family_, request: omni_pb2.GenerateRequest):
-    prompt = family.builder.build(messages_from_proto(request))
+def job(family: Family_, request: omni_pb2.GenerateRequest, feature_cache=None):
+    """`feature_cache`: the prompt's audio features each computed alone and kept there (the thinker
+    with its encoder cache on: PromptBuilder.feature_cache)."""
+    builder = family.builder
+    if feature_cache is not None:
+        builder = copy.copy(builder)
+        builder.feature_cache = feature_cache
+    prompt = builder.build(messages_from_proto(request))
     voice = family.adapter.resolve_voice(None)
     made = family.adapter.job(prompt, SamplingConfig(max_new_tokens=MAX_NEW_TOKENS), True, (), voice)
     return dataclasses.replace(made, prefix=prompt_prefix(request, prompt.input_ids[0], family.im_start))

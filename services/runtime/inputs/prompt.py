@@ -131,6 +131,21 @@ class PromptInputs:
 
 
 @dataclass(frozen=True)
+class ClipFeatures:
+    """One audio part's log-mel features [mel, frames] and frame mask [frames], computed alone
+    (PromptBuilder.feature_cache's entries)."""
+    values: torch.Tensor
+    mask: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.values, self.mask))
+
+
+FEATURES = "audio_features"  # the feature cache's entries: their key's and their counters' name
+
+
+@dataclass(frozen=True)
 class PromptLimits:
     """What one request may carry; beyond them INVALID_ARGUMENT naming the field."""
 
@@ -193,6 +208,9 @@ class PromptBuilder:
         self._video_defaults = processor_cls.valid_processor_kwargs._defaults["videos_kwargs"]
         self.audio_rules = audio_rules(self.family, config, self.feature_extractor)
         self.max_token_bytes = max_token_bytes(self.tokenizer)
+        # The thinker's encoder cache when it is on (services/thinker/encoder_cache.py): each audio
+        # part's features are then computed alone and kept by content (`_audio_features`).
+        self.feature_cache = None
         self._set_limits(limits)
 
     def _set_limits(self, limits: PromptLimits) -> None:
@@ -391,10 +409,7 @@ class PromptBuilder:
                 raise InvalidArgument(media.audio_fields[0], f"audio is {len(media.audios[0])} samples at "
                                       f"{AUDIO_SAMPLE_RATE} Hz; the longest audio of a prompt needs at least {least} "
                                       f"({1000 * least / AUDIO_SAMPLE_RATE:.1f} ms)")
-            feats = self.feature_extractor(
-                media.audios, sampling_rate=AUDIO_SAMPLE_RATE, return_attention_mask=True, return_tensors="pt",
-                **self.audio_rules.feature_kwargs,
-            )
+            feats = self._audio_features(media.audios, longest)
             inputs["input_features"] = feats["input_features"]
             inputs["feature_attention_mask"] = feats["attention_mask"]
             audio_counts = [int(n) for n in self.audio_rules.tokens(feats["attention_mask"].sum(-1).numpy())]
@@ -414,6 +429,36 @@ class PromptBuilder:
             inputs["video_second_per_grid"] = torch.tensor([self.video_rules.second_per_grid] * len(videos))
             inputs["use_audio_in_video"] = use_audio_in_video
         return inputs, audio_counts, image_counts
+
+    def _audio_features(self, audios: list[np.ndarray], longest: int) -> dict:
+        """The extractor's features and masks of a prompt's audio parts: its one call over them all
+        (the processor's, generate's bits), or, with `feature_cache`, each part alone, padded as that
+        call pads it (to the prompt's longest, or the family's window) and kept by its samples and
+        that length. A part's features are then a function of the two alone, so a kept entry is the
+        bits computing it again gives; the call over all parts measured the same bits, but its STFT
+        and mel product run batched (as with the encoders, services/thinker/encoder_cache.py's NOTE,
+        nothing promises a row's bits beside others). A voice session re-sends every clip of its
+        history each turn: 79 ms of features at 38 clips, 2 ms for the new one alone."""
+        import torch
+
+        kwargs = {"sampling_rate": AUDIO_SAMPLE_RATE, "return_attention_mask": True, "return_tensors": "pt",
+                  **self.audio_rules.feature_kwargs}
+        cache = self.feature_cache
+        if cache is None:
+            return self.feature_extractor(audios, **kwargs)
+        if kwargs.get("padding") is True:  # to the longest part: the same padding, asked for each part
+            kwargs |= {"padding": "max_length", "max_length": longest}
+        rows = []
+        for samples in audios:
+            key = cache.key(FEATURES, torch.from_numpy(np.ascontiguousarray(samples)), torch.tensor([longest]))
+            found = cache.get(FEATURES, key)
+            if found is None:
+                one = self.feature_extractor([samples], **kwargs)
+                found = ClipFeatures(one["input_features"][0], one["attention_mask"][0])
+                cache.put(key, found)
+            rows.append(found)
+        return {"input_features": torch.stack([r.values for r in rows]),
+                "attention_mask": torch.stack([r.mask for r in rows])}
 
     def _expand_media(self, text: str, audio_counts: list[int], image_counts: list[int],
                       video_grids: list[tuple[int, int, int]], use_audio_in_video: bool) -> str:
