@@ -56,9 +56,10 @@ def test_each_spoken_turn_encodes_only_its_new_clip_and_equals_the_one_shot_requ
         ids, frames, done = call.response(created.response_id)
         assert done.status == omni_pb2.RESPONSE_STATUS_COMPLETED, f"turn {turn}: {done.error}"
         after = encoder_counters(stack)
-        hits = after["omni_encoder_cache_hits_totalaudio"] - before.get("omni_encoder_cache_hits_totalaudio", 0)
-        misses = after["omni_encoder_cache_misses_totalaudio"] - before.get("omni_encoder_cache_misses_totalaudio", 0)
-        assert (hits, misses) == (turn - 1, 1), f"turn {turn}"
+        for kind in ("audio", "audio_features"):  # the encoder's outputs, the clips' mel features
+            hits = after[f"omni_encoder_cache_hits_total{kind}"] - before.get(f"omni_encoder_cache_hits_total{kind}", 0)
+            misses = after[f"omni_encoder_cache_misses_total{kind}"] - before.get(f"omni_encoder_cache_misses_total{kind}", 0)
+            assert (hits, misses) == (turn - 1, 1), f"turn {turn}, {kind}"
         history.append(omni_pb2.Message(role=omni_pb2.ROLE_USER, content=[
             omni_pb2.Content(audio=wav_bytes(np.frombuffer(speech(clip), "<i2"), RATE))]))
         assert (ids, frames) == one_shot(omni, history, TOKENS, FRAMES), f"turn {turn}"
