@@ -4,8 +4,8 @@ streamed resampling through PyAV (libswresample).
 The pipeline's audio is float32 mono at 24 kHz. Every 16-bit output (pcm16 / pcm, wav, flac) is
 that float audio rounded once, `int16 = clip(rint(x * 32768))`, so `int16 / 32768` gives the
 gRPC path's samples back within one LSB (half an LSB unless clipped). mp3 and opus are lossy;
-libsndfile encodes them. aac is refused: libsndfile has no AAC encoder and PyAV is not installed.
-No codec is written here.
+libsndfile encodes them. aac is refused: libsndfile has no AAC encoder (PyAV's FFmpeg has one,
+not wired here). No codec is written here.
 """
 
 from __future__ import annotations

@@ -573,6 +573,17 @@ def client_event(event: dict, config: GatewayConfig, last_item: str | None,
 
 
 @dataclass
+class OpenCall:
+    """A call the reply is making: its output_index, the item before it, its item as added and its
+    arguments so far (what a response that ends before the call's done shows, incomplete)."""
+
+    index: int
+    previous: str | None
+    item: dict
+    arguments: str = ""
+
+
+@dataclass
 class Output:
     """A response as the client has been told of it: its assistant message (opened at its first
     content, so a reply that is only a call has no message) and its calls, each at the output
@@ -589,7 +600,7 @@ class Output:
     next_index: int = 0
     out_of_band: bool = False  # conversation "none": its items are not the conversation's (no conversation.item.*)
     calls: list[tuple[int, dict]] = field(default_factory=list)  # (output_index, the done function_call item)
-    open_calls: dict[str, tuple[int, str | None]] = field(default_factory=dict)  # a call's item -> (output_index, item before)
+    open_calls: dict[str, OpenCall] = field(default_factory=dict)  # a call's item -> its state, until its done
 
 
 class Translator:
@@ -865,21 +876,36 @@ class Translator:
         opened = call.item_id not in out.open_calls
         if opened:
             index, out.next_index = out.next_index, out.next_index + 1
-            out.open_calls[call.item_id] = (index, self.last_item)
+            out.open_calls[call.item_id] = OpenCall(index, self.last_item, item)
             events += [{"type": "response.output_item.added", "response_id": rid, "output_index": index, "item": item},
-                       *self.conversation_item(out, "added", item, out.open_calls[call.item_id][1])]
-        index, previous = out.open_calls[call.item_id]
+                       *self.conversation_item(out, "added", item, self.last_item)]
+        state = out.open_calls[call.item_id]
+        index = state.index
         ids = {"response_id": rid, "item_id": call.item_id, "output_index": index, "call_id": call.call_id}
         if call.arguments and (not done or opened):
             events.append({"type": "response.function_call_arguments.delta", **ids, "delta": call.arguments})
+            state.arguments += call.arguments
         if not done:
             return events
+        del out.open_calls[call.item_id]
         item = {**item, "status": "completed", "arguments": call.arguments}
         out.calls.append((index, item))
         return [*events, {"type": "response.function_call_arguments.done", **ids, "name": call.name,
                           "arguments": call.arguments},
                 {"type": "response.output_item.done", "response_id": rid, "output_index": index, "item": item},
-                *self.conversation_item(out, "done", item, previous)]
+                *self.conversation_item(out, "done", item, state.previous)]
+
+    def unfinished_calls(self, rid: str, out: Output) -> list[dict]:
+        """Each call still being made when its response ended (a barge-in, a cancel, a failure): its
+        item done as `incomplete`, with the arguments streamed so far, and in the response's output."""
+        events = []
+        for state in out.open_calls.values():
+            item = {**state.item, "status": "incomplete", "arguments": state.arguments}
+            out.calls.append((state.index, item))
+            events += [{"type": "response.output_item.done", "response_id": rid, "output_index": state.index,
+                        "item": item}, *self.conversation_item(out, "done", item, state.previous)]
+        out.open_calls.clear()
+        return events
 
     def audio_delta(self, rid: str, chunk) -> list[dict]:
         out = self.responses.get(rid)
@@ -899,6 +925,7 @@ class Translator:
         events = self.audio_out_delta(rid, out, out.encoder.finish()) if status in ("completed", "incomplete") else []
         if done.transcript:
             events += self.open_message(rid, out)  # a message with content is in the output, deltas or not
+        events += self.unfinished_calls(rid, out)
         output = list(out.calls)
         if out.index is not None:
             message = self.message(out, "completed" if status == "completed" else "incomplete", done.transcript)

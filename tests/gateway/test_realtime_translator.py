@@ -557,3 +557,17 @@ def test_an_input_image_is_the_items_image_part():
         {"type": "input_text", "text": "What is it?"}]}}, CONFIG, None)
     assert [p.WhichOneof("part") for p in item.create_item.message.content] == ["image", "text"]
     assert item.create_item.message.content[0].image == png
+
+
+def test_a_call_cut_by_a_barge_in_is_done_incomplete_with_the_arguments_streamed_so_far():
+    translator = Translator(CONFIG, "tiny")
+    translate(translator, session(vad=True))
+    events = translate(translator, created(), call('{"city"', delta=True),
+                       done("", status=omni_pb2.RESPONSE_STATUS_CANCELLED, cancel_reason=omni_pb2.CANCEL_REASON_TURN_DETECTED))
+    assert types(events) == ["response.created", "response.output_item.added", "conversation.item.added",
+                             "response.function_call_arguments.delta", "response.output_item.done",
+                             "conversation.item.done", "response.done"]
+    cut = {**events[1]["item"], "status": "incomplete", "arguments": '{"city"'}
+    assert events[4]["item"] == events[5]["item"] == cut and events[4]["output_index"] == 0
+    assert events[-1]["response"]["output"] == [cut]
+    assert translator.items[CALL]["status"] == "incomplete"
