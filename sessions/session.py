@@ -20,7 +20,8 @@ the session's own loop (`run`), which handles each message and owns every state 
 response's task relays its request's stream into the outbox. Turn detection runs on the
 replica's detection thread (`detection`), never on the event loop: the loop awaits each append's
 detection before the next message, so the input's state still changes in one place. Errors about
-one message are `error` events and the session goes on.
+one message are `error` events and the session goes on. The client closing its side ends the
+session once every message before it is handled and what they produced is sent.
 """
 
 from __future__ import annotations
@@ -195,9 +196,11 @@ class RealtimeSession:
                 self.cancel_response(omni_pb2.CANCEL_REASON_CLIENT, cut=False)
             if self.closed is None:
                 outcome = "ended"
+                if not self.context.cancelled():
+                    await self.flush(writer)  # what the messages before the client's end produced
             else:
                 outcome = omni_pb2.CloseReason.Name(self.closed.reason).removeprefix("CLOSE_REASON_").lower()
-                await self.flush()  # the closing event, for at most the send timeout
+                await self.flush(writer)  # the closing event
         finally:
             self.drop_held()
             if self.responding is not None:
@@ -238,10 +241,11 @@ class RealtimeSession:
             self.writing_since = None
             self.written(event)
 
-    async def flush(self) -> None:
-        """Let the writer send what is queued (the closing event included), for at most the send timeout."""
+    async def flush(self, writer: asyncio.Task) -> None:
+        """Let the writer send what is queued, for at most the send timeout (it ends at once where the
+        call did: a failed write ends it)."""
         deadline = time.monotonic() + self.config.send_timeout_s
-        while self.outbox and time.monotonic() < deadline:
+        while self.outbox and not writer.done() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 
     def emit(self, event: omni_pb2.SessionEvent) -> None:

@@ -3,8 +3,10 @@
 A stack of its own (fresh counters), every process serving /metrics. The workload runs one request
 at a time, so every engine step has a batch of one and the step counts follow from the lengths:
 the thinker makes one token per step (prefill included), the talker one code per step (its last
-code gets no frame), code2wav one step per block of its grid (4, then 8: 9 frames = 4 + 5, the
-second block open, decoded once the end came) and one for the end of the stream.
+code gets no frame), code2wav one step per decode, each sending one audio chunk (a block of its
+grid: 4, then 8, 9 frames = 4 + 5; the open second block is decoded once the end came or, where the
+start-up check lets open blocks be decoded, when its listener needs it, so a slow talker can cut it
+in more decodes), and one for the end of the stream.
 """
 
 from __future__ import annotations
@@ -48,11 +50,14 @@ def measured(tiny_checkpoint):
     with stack_of(tiny_checkpoint, thinker_args=flag("thinker"), talker_args=flag("talker"),
                   code2wav_args=flag("code2wav"), router_args=flag("router")) as stack:
         channel, omni = connect(stack.target)
+        chunks = 0  # audio chunks, one per code2wav decode
         with channel:
             for i in range(AUDIO_REQUESTS):
                 got = collect(omni, build_request(f"audio {i}", max_new_tokens=TEXT_TOKENS,
                                                   talker_max_new_tokens=TALKER_TOKENS), timeout=120)
                 assert len(got.thinker_token_ids) == TEXT_TOKENS and got.final.usage.codec_frames == TALKER_TOKENS - 1
+                assert len(got.audio_chunks) >= 2  # the block of 4 and the rest
+                chunks += len(got.audio_chunks)
             for i in range(TEXT_REQUESTS):
                 got = collect(omni, build_request(f"text {i}", text_only=True, max_new_tokens=TEXT_ONLY_TOKENS),
                               timeout=120)
@@ -85,7 +90,7 @@ def measured(tiny_checkpoint):
                 assert time.monotonic() < deadline, (router.outcomes, router.in_flight, router.reported)
                 time.sleep(0.05)
             final = {name: scrape(port) for name, port in ports.items()}
-            yield after_ok, final
+            yield after_ok, final, chunks
 
 
 def test_router_outcomes_and_latency_histograms_count_the_workload(measured):
@@ -103,11 +108,11 @@ def test_router_outcomes_and_latency_histograms_count_the_workload(measured):
 
 
 def test_stage_batch_slot_and_queue_figures_follow_from_the_lengths(measured):
-    after_ok, final = measured
+    after_ok, final, chunks = measured
     thinker, talker, code2wav = after_ok["thinker"], after_ok["talker"], after_ok["code2wav"]
     thinker_steps = AUDIO_REQUESTS * TEXT_TOKENS + TEXT_REQUESTS * TEXT_ONLY_TOKENS
     talker_steps = AUDIO_REQUESTS * TALKER_TOKENS
-    code2wav_steps = AUDIO_REQUESTS * 3  # blocks of 4 and 8 (5 frames of it), then the end
+    code2wav_steps = chunks + AUDIO_REQUESTS  # a decode per chunk, then the end
     for samples, stage, steps in ((thinker, "thinker", thinker_steps), (talker, "talker", talker_steps),
                                   (code2wav, "code2wav", code2wav_steps)):
         count = value(samples, "omni_stage_batch_size_count", stage=stage)
