@@ -74,6 +74,16 @@ class Resampler:
         self.base = 0  # the input index of `held[0]`
         self.held = np.zeros(0, np.int16)  # the last input sample (the one before the next chunk)
 
+    def available(self, n: int) -> int:
+        """How many samples `feed` gives for `n` more input samples (the same arithmetic, nothing fed)."""
+        if self.identity:
+            return n
+        size = self.held.size + n
+        if not size:
+            return 0
+        end = ((self.base + size - 1) * self.target + self.rate - 1) // self.rate
+        return max(end - self.next, 0)
+
     def feed(self, samples: np.ndarray) -> np.ndarray:
         """int16 [n] at `rate` -> int16 [m] at `target` (each output sample whose two neighbours have come)."""
         if self.identity:

@@ -3,8 +3,12 @@ detector over it, and the bound on how fast a client may send it. Positions are 
 samples since the session's start; what to do with a speech start or stop is the session's
 (sessions/session.py).
 
-`InputAudio.append` is the one call that runs the detector (about 1 ms of CPU per 32 ms window):
-the session calls it on its replica's detection thread, never on the event loop."""
+`InputAudio.detect` is the one call that runs the detector (about 0.13 ms of CPU per 32 ms window):
+the session calls it on its replica's detection thread, never on the event loop, and only for an
+append that completes a window (`buffer` says which). Samples that complete none wait for the next
+that does: the detector changes state only at a whole window (a clear or commit in between resets
+its speech, not its samples short of a window), so feeding them later gives the same events at the
+same positions, and a session of 20 ms appends hands over 31 appends a second, not 50."""
 
 from __future__ import annotations
 
@@ -30,6 +34,8 @@ class InputAudio:
         self.resampler: Resampler | None = None
         self.detector: TurnDetector | None = None  # None: turn detection off
         self.origin = 0  # absolute sample the detector's clock starts at
+        self.unheard: list[np.ndarray] = []  # appended, not yet fed to the detector (short of a window)
+        self.unheard_count = 0
 
     def configure(self, fmt: InputFormat, detection: TurnDetectionSettings) -> None:
         """A new format or turn detection: a fresh detector, its clock from the next sample on."""
@@ -38,6 +44,7 @@ class InputAudio:
         self.resampler = Resampler(self.rate)
         self.detector = TurnDetector(detection, self.vad_factory(), self.hold_windows) if detection.enabled else None
         self.origin = self.total
+        self.unheard, self.unheard_count = [], 0
 
     @property
     def samples(self) -> np.ndarray:
@@ -56,12 +63,27 @@ class InputAudio:
 
     def append(self, samples: np.ndarray) -> list[tuple[Event, int]]:
         """Buffer int16 `samples`; the detector's events in them, each with its absolute sample."""
+        return self.detect() if self.buffer(samples) else []
+
+    def buffer(self, samples: np.ndarray) -> bool:
+        """Buffer int16 `samples` (cheap: no copy); whether they complete a window of the detector,
+        so that `detect` has work."""
         self.chunks.append(samples)
         self.held += len(samples)
         self.total += len(samples)
         if self.detector is None:
+            return False
+        self.unheard.append(samples)
+        self.unheard_count += len(samples)
+        return self.detector.due(self.resampler.available(self.unheard_count))
+
+    def detect(self) -> list[tuple[Event, int]]:
+        """Feed the detector what it has not heard; its events, each with its absolute sample."""
+        if self.detector is None or not self.unheard:
             return []
-        events = self.detector.feed(self.resampler.feed(samples))
+        unheard = self.unheard[0] if len(self.unheard) == 1 else np.concatenate(self.unheard)
+        self.unheard, self.unheard_count = [], 0
+        events = self.detector.feed(self.resampler.feed(unheard))
         return [(event, self.sample(event.at_ms)) for event in events]
 
     @property

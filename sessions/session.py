@@ -179,7 +179,8 @@ class RealtimeSession:
             self.emit(omni_pb2.SessionEvent(created=self.info()))
             while self.closed is None:
                 try:
-                    message = await asyncio.wait_for(self.inbox.get(), TICK_S)
+                    async with asyncio.timeout(TICK_S):  # a timer, not a task a message as wait_for made
+                        message = await self.inbox.get()
                 except TimeoutError:
                     message = None
                 if isinstance(message, _End) or self.context.cancelled():
@@ -378,8 +379,10 @@ class RealtimeSession:
             raise MessageError("input_too_fast", f"audio arrives faster than {self.config.max_input_realtime:g}x real "
                                                  f"time (after the first {self.config.input_burst_s:g} s): send it as it "
                                                  "is spoken", "append_audio.data")
-        events, cpu_s = await asyncio.get_running_loop().run_in_executor(self.detection, self.detect, samples)
-        self.metrics.detection_cpu.inc(cpu_s)
+        events = []
+        if self.input.buffer(samples):  # a window of the detector is complete: hand it over
+            events, cpu_s = await asyncio.get_running_loop().run_in_executor(self.detection, self.detect)
+            self.metrics.detection_cpu.inc(cpu_s)
         if self.input.detector is not None:
             self.metrics.detected_audio.inc(seconds)
         for event, sample in events:
@@ -393,10 +396,11 @@ class RealtimeSession:
                 self.speech_stopped(sample)
         self.input.trim()
 
-    def detect(self, samples):
-        """On the detection thread: the append's turn detection, and the CPU time it took that thread."""
+    def detect(self):
+        """On the detection thread: turn detection over what the detector has not heard, and the CPU
+        time it took that thread."""
         start = time.thread_time()
-        events = self.input.append(samples)
+        events = self.input.detect()
         return events, time.thread_time() - start
 
     def on_commit(self, _: omni_pb2.CommitInput) -> None:

@@ -131,6 +131,10 @@ class TurnDetector:
         self.speaking = False
         self.silence_from = None
 
+    def due(self, more: int) -> bool:
+        """Whether `more` samples complete a window (else `feed` would only keep them)."""
+        return len(self.pending) + more >= WINDOW
+
     def feed(self, samples: np.ndarray) -> list[Event]:
         self.pending = np.concatenate((self.pending, samples))
         events: list[Event] = []

@@ -41,7 +41,10 @@ def test_the_resampler_gives_the_same_samples_however_the_stream_is_cut(rate):
     resampler, cut = Resampler(rate), []
     i = 0
     for size in [1, 479, 3, 480, 7000, 0] * 10:
-        cut.append(resampler.feed(samples[i:i + size]))
+        chunk = samples[i:i + size]
+        told = resampler.available(len(chunk))  # what the session asks before handing an append over
+        cut.append(resampler.feed(chunk))
+        assert len(cut[-1]) == told
         i += size
     cut.append(resampler.feed(samples[i:]))
     assert whole.dtype == np.int16 and np.array_equal(whole, np.concatenate(cut))
