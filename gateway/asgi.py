@@ -63,7 +63,8 @@ class CallStream(StreamingResponse):
             if gone.is_set():
                 raise _ClientGone
             try:
-                await asyncio.wait_for(send(message), self.send_timeout_s)
+                async with asyncio.timeout(self.send_timeout_s):  # a timer (wait_for made a task a chunk)
+                    await send(message)
             except TimeoutError:
                 log.warning("client stopped reading for %.0f s: ending its stream", self.send_timeout_s)
                 raise _ClientGone from None

@@ -172,7 +172,8 @@ class Sender:
             event.setdefault("event_id", event_id())
             try:
                 async with self.lock:
-                    await asyncio.wait_for(self.ws.send_text(json.dumps(event, separators=(",", ":"))), self.timeout_s)
+                    async with asyncio.timeout(self.timeout_s):  # a timer (wait_for made a task an event)
+                        await self.ws.send_text(json.dumps(event, separators=(",", ":")))
             except TimeoutError:
                 log.warning("realtime client took no event for %.0f s: cutting it off", self.timeout_s)
                 raise SendTimeout from None
