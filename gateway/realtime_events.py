@@ -713,9 +713,8 @@ class Translator:
                 return self.function_call(rid, body, done=kind == "function_call")
             case "item_added":
                 role = omni_pb2.Role.Name(body.role).removeprefix("ROLE_").lower()
-                part = "output_text" if role == "assistant" else "input_text"
                 item = {"id": body.item_id, "object": "realtime.item", "type": "message", "role": role,
-                        "status": "completed", "content": [{"type": part, "text": body.text}]}
+                        "status": "completed", "content": item_content(role, body)}
                 return self.item_events(item, body.previous_item_id)
             case "response_created":
                 return self.response_created(rid, body)
@@ -952,6 +951,25 @@ class Translator:
         return [*events, {"type": "response.content_part.done", **ids, "part": self.part(out, text)},
                 {"type": "response.output_item.done", "response_id": rid, "output_index": out.index, "item": message},
                 *self.conversation_item(out, "done", message, out.previous)]
+
+
+def item_content(role: str, added: omni_pb2.ItemAdded) -> list[dict]:
+    """A message item's content as the client created it: its text parts, a user's `input_audio`
+    (the audio is not echoed; its transcript, when one is made, comes in the transcription events)
+    and `input_image` parts, in order."""
+    text = "output_text" if role == "assistant" else "input_text"
+    if not added.content:  # a session that does not say its parts
+        return [{"type": text, "text": added.text}]
+    content = []
+    for part in added.content:
+        kind = part.WhichOneof("part")
+        if kind == "text":
+            content.append({"type": text, "text": part.text})
+        elif kind == "audio":
+            content.append({"type": "input_audio", "transcript": None})
+        elif kind == "image":
+            content.append({"type": "input_image"})
+    return content
 
 
 def response_status(done: omni_pb2.ResponseDone) -> tuple[str, dict]:

@@ -69,6 +69,17 @@ RESPONSE_OUTPUT = ("text", "audio", "codec_frames", "function_call_delta", "func
 MAX_METADATA, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 
+def without_bytes(part: omni_pb2.Content) -> omni_pb2.Content:
+    """A media part as its kind alone: the item's echo sends no audio or image back."""
+    kind = part.WhichOneof("part")
+    echo = omni_pb2.Content()
+    if kind == "video_frames":
+        echo.video_frames.SetInParent()
+    else:
+        setattr(echo, kind, b"")
+    return echo
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:20]}"
 
@@ -424,7 +435,8 @@ class RealtimeSession:
         previous = self.conversation.add(item)
         self.emit(omni_pb2.SessionEvent(item_added=omni_pb2.ItemAdded(
             item_id=item_id, previous_item_id=previous, role=message.role, text=item.text,
-            tool_calls=message.tool_calls, tool_call_id=message.tool_call_id)))
+            tool_calls=message.tool_calls, tool_call_id=message.tool_call_id,
+            content=[part if part.HasField("text") else without_bytes(part) for part in message.content])))
 
     async def on_create_response(self, create: omni_pb2.CreateResponse) -> None:
         if self.responding is not None:

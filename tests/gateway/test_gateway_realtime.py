@@ -200,7 +200,11 @@ def test_an_input_image_reaches_the_turns_generate_and_a_bad_one_is_refused_by_n
         conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
             {"type": "input_image", "image_url": image}, {"type": "input_text", "text": "What is this?"}]})
         conn.response.create()
-        event = until_done(conn)[-1]
+        events = until_done(conn)
+        event = events[-1]
+    added = next(e for e in events if e.type == "conversation.item.added")  # the item as created, its image not echoed
+    assert [(p.type, p.text, p.image_url) for p in added.item.content] == [
+        ("input_image", None, None), ("input_text", "What is this?", None)]
     want = grpc_result(omni, "What is this?", 6, speak=False, image=png_bytes)
     assert event.response.output[0].content[0].text == reply(want)
     # the image's tokens in the prompt: a text-only prompt is far shorter

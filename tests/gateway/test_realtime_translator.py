@@ -381,6 +381,23 @@ def test_session_update_takes_every_ga_field_it_serves():
     assert (update.turn_detection.silence_duration_ms, update.turn_detection.interrupt_response) == (700, False)
 
 
+def test_a_created_item_is_echoed_with_its_parts_in_order_and_no_media_bytes():
+    translator = Translator(CONFIG, "tiny")
+    translate(translator, session())
+    parts = [omni_pb2.Content(text="Listen:"), omni_pb2.Content(audio=b""), omni_pb2.Content(image=b""),
+             omni_pb2.Content(text="and look.")]
+    added, done_ = translate(translator, omni_pb2.SessionEvent(item_added=omni_pb2.ItemAdded(
+        item_id=USER, role=omni_pb2.ROLE_USER, text="Listen:and look.", content=parts)))
+    assert types([added, done_]) == ["conversation.item.added", "conversation.item.done"]
+    assert added["item"]["content"] == [{"type": "input_text", "text": "Listen:"},
+                                        {"type": "input_audio", "transcript": None}, {"type": "input_image"},
+                                        {"type": "input_text", "text": "and look."}]
+    assert translator.retrieved({"item_id": USER})["item"]["content"] == added["item"]["content"]
+    (assistant, _) = translate(translator, omni_pb2.SessionEvent(item_added=omni_pb2.ItemAdded(
+        item_id=MSG, role=omni_pb2.ROLE_ASSISTANT, text="Hi", content=[omni_pb2.Content(text="Hi")])))
+    assert assistant["item"]["content"] == [{"type": "output_text", "text": "Hi"}]
+
+
 def test_retrieve_answers_with_each_item_as_last_sent_and_names_an_unknown_one():
     translator = Translator(CONFIG, "tiny")
     translate(translator, session())

@@ -85,7 +85,7 @@ def test_a_turn_equals_the_one_shot_request_of_its_history_and_a_cancelled_turn_
     # Turn 2: a text item, a reply cut at 200 ms (three frames of 80 ms began playing: three tokens).
     call.send(create_item=omni_pb2.CreateItem(message=omni_pb2.Message(
         role=omni_pb2.ROLE_USER, content=[omni_pb2.Content(text="And tomorrow?")])))
-    call.next_event("item_added")
+    assert list(call.next_event("item_added").item_added.content) == [omni_pb2.Content(text="And tomorrow?")]
     call.send(create_response=omni_pb2.CreateResponse())
     second = call.next_event("response_created")
     ids2, _, done2 = call.response(second.response_id)
