@@ -63,7 +63,7 @@ class CallStream(StreamingResponse):
             if gone.is_set():
                 raise _ClientGone
             try:
-                async with asyncio.timeout(self.send_timeout_s):  # a timer (wait_for made a task a chunk)
+                async with asyncio.timeout(self.send_timeout_s):  # a timer: wait_for made a task for every chunk
                     await send(message)
             except TimeoutError:
                 log.warning("client stopped reading for %.0f s: ending its stream", self.send_timeout_s)

@@ -172,7 +172,7 @@ class Sender:
             event.setdefault("event_id", event_id())
             try:
                 async with self.lock:
-                    async with asyncio.timeout(self.timeout_s):  # a timer (wait_for made a task an event)
+                    async with asyncio.timeout(self.timeout_s):  # a timer: wait_for made a task for every event
                         await self.ws.send_text(json.dumps(event, separators=(",", ":")))
             except TimeoutError:
                 log.warning("realtime client took no event for %.0f s: cutting it off", self.timeout_s)

@@ -958,7 +958,7 @@ def item_content(role: str, added: omni_pb2.ItemAdded) -> list[dict]:
     (the audio is not echoed; its transcript, when one is made, comes in the transcription events)
     and `input_image` parts, in order."""
     text = "output_text" if role == "assistant" else "input_text"
-    if not added.content:  # a session that does not say its parts
+    if not added.content:  # from a sessions service before ItemAdded.content (a rolling upgrade)
         return [{"type": text, "text": added.text}]
     content = []
     for part in added.content:

@@ -190,7 +190,7 @@ class RealtimeSession:
             self.emit(omni_pb2.SessionEvent(created=self.info()))
             while self.closed is None:
                 try:
-                    async with asyncio.timeout(TICK_S):  # a timer, not a task a message as wait_for made
+                    async with asyncio.timeout(TICK_S):  # a timer: wait_for made a task for every message
                         message = await self.inbox.get()
                 except TimeoutError:
                     message = None

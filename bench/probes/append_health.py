@@ -48,8 +48,8 @@ def poll_http(url: str, took: list[float], stop: threading.Event) -> None:
 def checked_while(land, checks: dict) -> str:
     """`land()` (returns once the append was handled) while every check polls; what each saw."""
     took, stop = {name: [] for name in checks}, threading.Event()
-    pollers = [threading.Thread(target=poll, args=(target, took[name], stop)) if not target.startswith("http")
-               else threading.Thread(target=poll_http, args=(target, took[name], stop)) for name, target in checks.items()]
+    pollers = [threading.Thread(target=poll_http if target.startswith("http") else poll, args=(target, took[name], stop))
+               for name, target in checks.items()]
     for thread in pollers:
         thread.start()
     time.sleep(0.3)
