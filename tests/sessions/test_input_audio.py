@@ -73,7 +73,8 @@ def test_appends_handed_to_the_detector_only_when_they_complete_a_window_give_ev
         events += len(at_once)
         if i % 97 == 0:  # a commit: the buffer taken, the speech forgotten
             assert np.array_equal(every.take(), deferred.take())
-        every.trim(), deferred.trim()
+        every.trim()
+        deferred.trim()
         assert (every.held, every.total, every.speaking) == (deferred.held, deferred.total, deferred.speaking)
     assert events > 50
     assert handed < 1500 * 0.8  # appends of 0-32 ms: many complete no 32 ms window
