@@ -37,8 +37,11 @@ def test_freezing_moves_the_live_heap_out_of_collections():
     registry.register(GCCollector())
     try:
         frozen = freeze_startup_heap()
-        assert frozen == gc.get_freeze_count() > 10_000  # pytest, torch and this suite's modules
-        assert registry.get_sample_value("omni_gc_frozen_objects") == frozen
+        assert frozen > 10_000  # pytest, torch and this suite's modules
+        # Only falls after the freeze: a frozen object that another thread frees (threads of
+        # earlier tests still run) leaves the permanent generation; CI once saw 2 go between reads.
+        assert frozen - 1_000 < gc.get_freeze_count() <= frozen
+        assert frozen - 1_000 < registry.get_sample_value("omni_gc_frozen_objects") <= frozen
         assert len(gc.get_objects()) < frozen  # what collections still traverse
     finally:
         gc.unfreeze()
