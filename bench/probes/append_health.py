@@ -12,6 +12,7 @@ as the Realtime API's base64 event, 1.4 MB of JSON).
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import queue
 import sys
@@ -28,27 +29,28 @@ from services.tools.launcher import Stack, StackOptions
 
 
 def poll(target: str, took: list[float], stop: threading.Event) -> None:
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
+    """Check `target` every 10 ms until `stop` (grpc.health.v1 at an address, or GET of an http URL);
+    each check's time into `took`."""
+    with contextlib.ExitStack() as resources:
+        if target.startswith("http"):
+            def check():
+                urllib.request.urlopen(target, timeout=10).read()
+        else:
+            stub = health_pb2_grpc.HealthStub(resources.enter_context(grpc.insecure_channel(target)))
+
+            def check():
+                stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
         while not stop.is_set():
             start = time.perf_counter()
-            stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
+            check()
             took.append(time.perf_counter() - start)
             time.sleep(0.01)
-
-
-def poll_http(url: str, took: list[float], stop: threading.Event) -> None:
-    while not stop.is_set():
-        start = time.perf_counter()
-        urllib.request.urlopen(url, timeout=10).read()
-        took.append(time.perf_counter() - start)
-        time.sleep(0.01)
 
 
 def checked_while(land, checks: dict) -> str:
     """`land()` (returns once the append was handled) while every check polls; what each saw."""
     took, stop = {name: [] for name in checks}, threading.Event()
-    pollers = [threading.Thread(target=poll_http if target.startswith("http") else poll, args=(target, took[name], stop))
+    pollers = [threading.Thread(target=poll, args=(target, took[name], stop))
                for name, target in checks.items()]
     for thread in pollers:
         thread.start()
